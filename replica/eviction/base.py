@@ -1,0 +1,75 @@
+"""The eviction policy plug-in interface.
+
+The KV store owns blocks; a policy only orders the *evictable* ones (cached, ref_cnt 0)
+and answers ``pop_victim``. The store calls, in order of a block's life:
+
+    on_cached(id, hash, parent_id, now)  -- the block's hash entered the cache (ref_cnt > 0)
+    on_release(id, info)                 -- ref_cnt dropped to 0: now a victim candidate
+    on_access(id, cls, now)              -- a new request hit the cached block (ref_cnt
+                                            goes up); if it was a candidate it stops being one
+    pop_victim() -> id                   -- remove and return the best candidate
+    on_removed(id)                       -- the block left the cache by any route other
+                                            than pop_victim (e.g. reset)
+
+Every operation must be O(1) or O(log n) in the number of cached blocks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from unicache.block_hash import BlockHash
+from unicache.request_class import RequestClass
+
+
+@dataclass(slots=True)
+class ReleaseInfo:
+    """What the store knows about a block when its last reference goes.
+
+    Attributes:
+        cls: class of the request that released it.
+        position: index of the block in that request's block table (0 = first block).
+        num_blocks: length of that request's block table.
+        is_decode: the block was filled during decode (not part of the prompt).
+        now: release time in seconds (wall clock or simulated).
+    """
+
+    cls: RequestClass
+    position: int
+    num_blocks: int
+    is_decode: bool
+    now: float
+
+
+class EvictionPolicy(ABC):
+    """Orders evictable blocks. Subclasses register themselves in ``replica.eviction.registry``."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def on_cached(self, block_id: int, block_hash: BlockHash, parent_id: int, now: float) -> None: ...
+
+    @abstractmethod
+    def on_release(self, block_id: int, info: ReleaseInfo) -> None: ...
+
+    @abstractmethod
+    def on_access(self, block_id: int, cls: RequestClass, now: float) -> None: ...
+
+    @abstractmethod
+    def pop_victim(self) -> int | None:
+        """Remove and return the id of the block to evict, or None if none is evictable."""
+
+    @abstractmethod
+    def on_removed(self, block_id: int) -> None: ...
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of evictable candidates."""
+
+    def queue_sizes(self) -> dict[str, int]:
+        """Candidates per internal queue (shown in cache-state APIs)."""
+        return {self.name: len(self)}
+
+    def on_request(self, cls: RequestClass, now: float) -> None:
+        """Hook called once per admitted request (policies that adapt use it)."""

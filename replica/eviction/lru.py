@@ -1,0 +1,46 @@
+"""vLLM's eviction order: least recently released first; within one request, tail first.
+
+The store releases a request's blocks tail first, so appending in release order puts a
+request's tail ahead of its head, as vLLM's free-block queue does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from unicache.block_hash import BlockHash
+from unicache.request_class import RequestClass
+from replica.eviction.base import EvictionPolicy, ReleaseInfo
+from replica.eviction.registry import register_policy
+
+
+@register_policy("lru")
+class LRUPolicy(EvictionPolicy):
+    """OrderedDict (a C linked hash map) as the O(1) LRU queue of candidates, oldest first."""
+
+    def __init__(self) -> None:
+        self._queue: OrderedDict[int, None] = OrderedDict()
+
+    def on_cached(self, block_id: int, block_hash: BlockHash, parent_id: int, now: float) -> None:
+        pass
+
+    def on_release(self, block_id: int, info: ReleaseInfo) -> None:
+        self._queue[block_id] = None
+
+    def on_access(self, block_id: int, cls: RequestClass, now: float) -> None:
+        self._queue.pop(block_id, None)
+
+    def pop_victim(self) -> int | None:
+        if not self._queue:
+            return None
+        return self._queue.popitem(last=False)[0]
+
+    def on_removed(self, block_id: int) -> None:
+        self._queue.pop(block_id, None)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def order(self) -> list[int]:
+        """Candidates in eviction order (tests)."""
+        return list(self._queue)

@@ -1,0 +1,356 @@
+"""The paged KV store: block tables, reference counts, prefix cache, copy-on-write.
+
+One code path for the engine (with ``TorchKVStorage``) and the simulator (metadata only).
+The store never does I/O: cache events queue up until ``take_events``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from unicache.block_hash import BlockHash
+from unicache.request_class import RequestClass
+from replica.eviction.base import EvictionPolicy, ReleaseInfo
+from replica.kv.block import FreeBlockQueue, KVBlock
+from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from replica.kv.storage import KVStorage, MetadataOnlyStorage
+
+
+class OutOfBlocks(RuntimeError):
+    """Not enough free blocks; the store is unchanged."""
+
+
+@dataclass(slots=True)
+class RequestBlocks:
+    """A request's block table and what is known about it.
+
+    ``hashes[i]`` is the hash of block i when the block is full and its content known;
+    ``num_cached`` leading blocks have been offered to the prefix cache.
+    """
+
+    request_id: str
+    cls: RequestClass
+    blocks: list[KVBlock]
+    num_tokens: int
+    num_prompt_blocks: int
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_cached: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Allocation:
+    """What ``allocate`` hands back: the block table and how much of the prompt hit."""
+
+    block_ids: tuple[int, ...]
+    num_hit_blocks: int
+    num_hit_tokens: int
+
+
+@dataclass(slots=True)
+class CacheStats:
+    query_blocks: int = 0
+    hit_blocks: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
+
+
+class KVStore:
+    """Fixed-size paged KV blocks with a prefix cache evicted by a plug-in policy.
+
+    Invariants (``check_invariants`` asserts them; the property tests drive it):
+        * every block is in exactly one of: a request's table (ref_cnt > 0), the uncached
+          free queue (ref_cnt 0, no hash), the policy's candidates (ref_cnt 0, hash);
+        * ``_cached[h].block_hash == h`` and every hashed block is in ``_cached``;
+        * ref_cnt equals the number of request tables holding the block.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        policy: EvictionPolicy,
+        storage: KVStorage | None = None,
+        enable_prefix_caching: bool = True,
+    ):
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.policy = policy
+        self.storage = storage if storage is not None else MetadataOnlyStorage(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free = FreeBlockQueue(self.blocks)
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self._requests: dict[str, RequestBlocks] = {}
+        self._events: list[KVEvent] = []
+        self.stats = CacheStats()
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: uncached free plus evictable cached."""
+        return self._free.size + len(self.policy)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, block_hashes: list[BlockHash]) -> int:
+        """Number of leading hashes present in the prefix cache. No side effects."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        cached = self._cached
+        for h in block_hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache (for full summaries)."""
+        return list(self._cached)
+
+    def request(self, request_id: str) -> RequestBlocks:
+        return self._requests[request_id]
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._requests[request_id].blocks]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # ------------------------------------------------------------- allocation
+    def can_allocate(self, block_hashes: list[BlockHash], num_tokens: int) -> bool:
+        hits = self.match_prefix(block_hashes)
+        return self._new_blocks_available(block_hashes[:hits], self.blocks_for_tokens(num_tokens) - hits)
+
+    def _new_blocks_available(self, hit_hashes: list[BlockHash], needed: int) -> bool:
+        # Hit blocks that are eviction candidates stop being free once acquired.
+        evictable_hits = sum(1 for h in hit_hashes if self._cached[h].ref_cnt == 0)
+        return needed <= self.num_free_blocks - evictable_hits
+
+    def allocate(
+        self,
+        request_id: str,
+        block_hashes: list[BlockHash],
+        num_tokens: int,
+        cls: RequestClass,
+        now: float,
+        num_prompt_tokens: int | None = None,
+    ) -> Allocation:
+        """Give ``request_id`` a block table covering ``num_tokens`` tokens.
+
+        The longest cached prefix of ``block_hashes`` is shared (a hit); the rest are new
+        blocks. Raises ``OutOfBlocks`` without changing anything when space is short.
+
+        Args:
+            block_hashes: hashes of the prompt's full blocks, in order.
+            num_tokens: tokens to hold now (prompt length, or prompt + output for a
+                simulator that reserves the whole request).
+            num_prompt_tokens: prompt length, to tell prefill blocks from decode blocks
+                (defaults to ``num_tokens``).
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already has blocks")
+        if num_tokens <= 0:
+            raise ValueError("num_tokens must be positive")
+        total = self.blocks_for_tokens(num_tokens)
+        hits = min(self.match_prefix(block_hashes), total)
+        hit_hashes = block_hashes[:hits]
+        if not self._new_blocks_available(hit_hashes, total - hits):
+            raise OutOfBlocks(f"need {total - hits} new blocks, {self.num_free_blocks} free")
+        self.stats.query_blocks += len(block_hashes)
+        self.stats.hit_blocks += hits
+        self.policy.on_request(cls, now)
+        table: list[KVBlock] = []
+        for h in hit_hashes:
+            block = self._cached[h]
+            self.policy.on_access(block.block_id, cls, now)
+            block.ref_cnt += 1
+            table.append(block)
+        for _ in range(total - hits):
+            table.append(self._take_free_block(now))
+        prompt_tokens = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+        self._requests[request_id] = RequestBlocks(
+            request_id=request_id,
+            cls=cls,
+            blocks=table,
+            num_tokens=num_tokens,
+            num_prompt_blocks=self.blocks_for_tokens(prompt_tokens),
+            hashes=list(block_hashes),
+            num_cached=hits,
+        )
+        return Allocation(tuple(b.block_id for b in table), hits, hits * self.block_size)
+
+    def _take_free_block(self, now: float) -> KVBlock:
+        if self._free.size:
+            block = self._free.popleft()
+        else:
+            victim = self.policy.pop_victim()
+            if victim is None:
+                raise OutOfBlocks("no evictable block")
+            block = self.blocks[victim]
+            assert block.ref_cnt == 0 and block.block_hash is not None, f"policy returned busy block {victim}"
+            self._uncache(block, now)
+            self.stats.evictions += 1
+        block.ref_cnt = 1
+        return block
+
+    def _uncache(self, block: KVBlock, now: float) -> None:
+        h = block.block_hash
+        assert h is not None
+        del self._cached[h]
+        block.block_hash = None
+        block.parent_id = -1
+        self._events.append(BlockRemoved(h, now))
+
+    def append_tokens(self, request_id: str, num_new_tokens: int, now: float) -> list[int]:
+        """Grow a request by ``num_new_tokens`` slots (decode). Returns new block ids.
+
+        Copy-on-write: if the partially filled last block is shared (a fork), the request
+        gets a private copy first. Raises ``OutOfBlocks`` with nothing changed.
+        """
+        req = self._requests[request_id]
+        old_tokens = req.num_tokens
+        new_total = old_tokens + num_new_tokens
+        needed = self.blocks_for_tokens(new_total) - len(req.blocks)
+        last = req.blocks[-1] if req.blocks else None
+        cow = last is not None and old_tokens % self.block_size != 0 and last.ref_cnt > 1 and num_new_tokens > 0
+        if needed + int(cow) > self.num_free_blocks:
+            raise OutOfBlocks(f"need {needed + int(cow)} blocks, {self.num_free_blocks} free")
+        if cow:
+            assert last is not None
+            private = self._take_free_block(now)
+            self.storage.copy_block(last.block_id, private.block_id)
+            last.ref_cnt -= 1
+            req.blocks[-1] = private
+        new_ids = []
+        for _ in range(needed):
+            block = self._take_free_block(now)
+            req.blocks.append(block)
+            new_ids.append(block.block_id)
+        req.num_tokens = new_total
+        return new_ids
+
+    def add_block_hashes(self, request_id: str, hashes: list[BlockHash]) -> None:
+        """Record hashes of blocks filled during decode (they follow the prompt's)."""
+        self._requests[request_id].hashes.extend(hashes)
+
+    def cache_blocks(self, request_id: str, now: float, upto: int | None = None) -> int:
+        """Offer the request's full, hashed blocks to the prefix cache. Returns how many joined.
+
+        Blocks join in order, so a cached block's parent is always cached. A hash another
+        block already holds (two requests computed the same prefix) stays private.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        req = self._requests[request_id]
+        limit = min(len(req.hashes), len(req.blocks), req.num_tokens // self.block_size)
+        if upto is not None:
+            limit = min(limit, upto)
+        joined = 0
+        for i in range(req.num_cached, limit):
+            block = req.blocks[i]
+            h = req.hashes[i]
+            if block.block_hash is None and h not in self._cached:
+                parent = self._cached.get(req.hashes[i - 1]) if i else None
+                block.block_hash = h
+                block.parent_id = parent.block_id if parent is not None else -1
+                self._cached[h] = block
+                self.policy.on_cached(block.block_id, h, block.parent_id, now)
+                self._events.append(BlockStored(h, req.hashes[i - 1] if i else None, now))
+                joined += 1
+        req.num_cached = max(req.num_cached, limit)
+        return joined
+
+    def fork(self, parent_request_id: str, child_request_id: str, cls: RequestClass | None = None) -> None:
+        """Share the parent's whole block table with a new request (n > 1 sampling)."""
+        if child_request_id in self._requests:
+            raise ValueError(f"request {child_request_id!r} already has blocks")
+        parent = self._requests[parent_request_id]
+        for b in parent.blocks:
+            b.ref_cnt += 1
+        self._requests[child_request_id] = RequestBlocks(
+            request_id=child_request_id,
+            cls=cls or parent.cls,
+            blocks=list(parent.blocks),
+            num_tokens=parent.num_tokens,
+            num_prompt_blocks=parent.num_prompt_blocks,
+            hashes=list(parent.hashes),
+            num_cached=parent.num_cached,
+        )
+
+    def free(self, request_id: str, now: float) -> None:
+        """Drop a request's references, tail block first (vLLM's order for LRU)."""
+        req = self._requests.pop(request_id)
+        n = len(req.blocks)
+        for pos in range(n - 1, -1, -1):
+            block = req.blocks[pos]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} ref_cnt < 0"
+            if block.ref_cnt:
+                continue
+            if block.block_hash is None:
+                self._free.append(block)
+            else:
+                self.policy.on_release(
+                    block.block_id, ReleaseInfo(req.cls, pos, n, pos >= req.num_prompt_blocks, now)
+                )
+
+    def reset_cache(self, now: float) -> int:
+        """Evict every evictable cached block. Returns how many were dropped."""
+        dropped = 0
+        for block in list(self._cached.values()):
+            if block.ref_cnt == 0:
+                self.policy.on_removed(block.block_id)
+                self._uncache(block, now)
+                self._free.append(block)
+                dropped += 1
+        if not self._cached:
+            self._events.append(AllBlocksCleared(now))
+        return dropped
+
+    # ----------------------------------------------------------------- events
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        """Assert the class invariants (tests; O(num_blocks))."""
+        refs = [0] * self.num_blocks
+        for req in self._requests.values():
+            for b in req.blocks:
+                refs[b.block_id] += 1
+        free_ids = set(self._free.ids())
+        assert len(free_ids) == self._free.size
+        n_candidates = 0
+        for b in self.blocks:
+            assert b.ref_cnt == refs[b.block_id], f"block {b.block_id}: ref_cnt {b.ref_cnt} != {refs[b.block_id]}"
+            assert b.ref_cnt >= 0
+            if b.block_hash is not None:
+                assert self._cached.get(b.block_hash) is b, f"block {b.block_id} hash not mapped"
+                assert b.block_id not in free_ids
+                if b.ref_cnt == 0:
+                    n_candidates += 1
+            elif b.ref_cnt == 0:
+                assert b.block_id in free_ids, f"block {b.block_id} lost: unreferenced, uncached, not free"
+            if b.ref_cnt > 0:
+                assert b.block_id not in free_ids
+        assert len(self._cached) == sum(1 for b in self.blocks if b.block_hash is not None)
+        assert n_candidates == len(self.policy), f"policy holds {len(self.policy)} candidates, store {n_candidates}"
+        assert self.num_free_blocks + sum(1 for r in refs if r) == self.num_blocks
