@@ -1,0 +1,1 @@
+"""UniCache Serving: shared definitions (block hash, request class, trace reader, classifier)."""

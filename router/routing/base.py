@@ -1,0 +1,100 @@
+"""The routing policy plug-in interface, shared by the live router and the simulator.
+
+A policy sees the request (its class and chained block hashes), a snapshot of every
+live replica's load, and the locality index (which prefix blocks each replica is
+believed to hold). It returns one decision. The live router and ``unicache sim
+--replicas N --router NAME`` run the very same policy objects.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from unicache.block_hash import BlockHash
+from unicache.request_class import RequestClass
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """A replica's load as the router sees it (heartbeat plus the router's own in-flight count).
+
+    Attributes:
+        replica_id: stable id of the replica.
+        running: requests decoding or prefilling now.
+        waiting: requests queued at the replica.
+        queued_prefill_tokens: uncached prompt tokens not yet computed.
+        free_blocks: blocks that can be allocated now (uncached free + evictable).
+        capacity_blocks: total KV blocks.
+        in_flight: requests this router sent that have not finished.
+    """
+
+    replica_id: str
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    free_blocks: int = 0
+    capacity_blocks: int = 0
+    in_flight: int = 0
+
+    @property
+    def outstanding(self) -> int:
+        """The load measure most policies compare: max of router and replica views."""
+        return max(self.in_flight, self.running + self.waiting)
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """What a policy knows about one request."""
+
+    request_id: str
+    cls: RequestClass
+    block_hashes: list[BlockHash]
+    num_prompt_tokens: int
+    block_size: int
+
+
+@dataclass(slots=True, frozen=True)
+class RouteDecision:
+    """The chosen replica and why (``reason`` is a short label used in metrics)."""
+
+    replica_id: str
+    reason: str
+    matched_blocks: int = 0
+    score: float = 0.0
+
+
+class LocalityView(ABC):
+    """Read-only view of which prefix blocks each replica holds (``router.index``)."""
+
+    @abstractmethod
+    def match(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> int:
+        """Number of leading ``block_hashes`` the replica holds."""
+
+    def match_all(self, replica_ids: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        return {r: self.match(r, block_hashes) for r in replica_ids}
+
+
+class RoutingPolicy(ABC):
+    """Chooses a replica per request. Lifecycle hooks keep policy-private state current.
+
+    ``choose`` is only called with a non-empty ``replicas`` list.
+    """
+
+    name: str = "base"
+
+    @abstractmethod
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision: ...
+
+    def update_replicas(self, replica_ids: Sequence[str]) -> None:
+        """The set of live replicas changed."""
+
+    def on_request_routed(self, request: RoutingRequest, decision: RouteDecision) -> None:
+        """Called after ``choose`` once the request was sent."""
+
+    def on_request_finished(self, request: RoutingRequest, replica_id: str) -> None:
+        """The request completed (or failed) on ``replica_id``."""
+
+    def on_replica_died(self, replica_id: str) -> None:
+        """The replica's heartbeat expired or its stream failed."""
