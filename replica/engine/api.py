@@ -1,0 +1,86 @@
+"""The engine's public surface: what the gRPC servicer (and tests) may use.
+
+The servicer talks only to these types and to ``AsyncEngine`` (replica/engine/async_engine.py);
+it never reaches into the scheduler, the model or the KV store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from unicache.request_class import RequestClass, SINGLE_TURN
+
+
+class EngineInputError(ValueError):
+    """The request cannot be served as given.
+
+    ``kind`` is ``"invalid"`` (maps to INVALID_ARGUMENT / HTTP 400) or ``"exhausted"``
+    (RESOURCE_EXHAUSTED / HTTP 429 or 413: e.g. prompt larger than the whole cache).
+    """
+
+    def __init__(self, kind: str, message: str):
+        assert kind in ("invalid", "exhausted")
+        self.kind = kind
+        super().__init__(message)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cls: RequestClass = SINGLE_TURN
+    cache_salt: bytes | None = None
+    adapter_id: str | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queue_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """One streamed step of one sample. ``finish_reason`` in {"length", "stop", "abort"}."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+
+
+@dataclass(slots=True)
+class CacheStateInfo:
+    block_size: int
+    capacity_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    hit_ratio: float
+    queue_sizes: dict[str, int]
+    eviction_policy: str
+    evictions: int

@@ -1,0 +1,49 @@
+"""The Redis key schema, in one place. Every key starts with a configurable prefix so one
+Redis can serve several clusters.
+
+Keys (``P`` is the prefix, default ``unicache``):
+    P:hb:<replica_id>       string, a ``Heartbeat`` protobuf; TTL ``HEARTBEAT_TTL_S``,
+                            refreshed every ``HEARTBEAT_INTERVAL_S`` (expires when the
+                            replica dies).
+    P:events:<replica_id>   stream; each entry has field ``b`` = a ``KVEventBatch``
+                            protobuf; trimmed to about ``EVENT_STREAM_MAXLEN`` entries.
+    P:summary:<replica_id>  string, a ``CacheSummary`` protobuf (all cached hashes as of
+                            (epoch, seq)); rewritten periodically and on request.
+    P:resync                pub/sub channel; a router publishes a replica id to ask that
+                            replica for a fresh summary now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "unicache"
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 3.0
+EVENT_FLUSH_INTERVAL_S = 0.05
+SUMMARY_INTERVAL_S = 10.0
+EVENT_STREAM_MAXLEN = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    prefix: str = DEFAULT_PREFIX
+
+    def heartbeat(self, replica_id: str) -> str:
+        return f"{self.prefix}:hb:{replica_id}"
+
+    def heartbeat_pattern(self) -> str:
+        return f"{self.prefix}:hb:*"
+
+    def replica_from_heartbeat_key(self, key: str | bytes) -> str:
+        k = key.decode() if isinstance(key, bytes) else key
+        return k[len(self.prefix) + 4 :]
+
+    def events(self, replica_id: str) -> str:
+        return f"{self.prefix}:events:{replica_id}"
+
+    def summary(self, replica_id: str) -> str:
+        return f"{self.prefix}:summary:{replica_id}"
+
+    def resync_channel(self) -> str:
+        return f"{self.prefix}:resync"
