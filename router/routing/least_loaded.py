@@ -1,0 +1,37 @@
+"""Least loaded: send each request to the replica with the fewest outstanding requests.
+
+Ignores locality entirely; it is the load-only baseline and the fallback that other
+policies (``session_affinity`` without a session) reuse through ``pick_least_loaded``.
+
+Order of comparison (first difference wins), so the choice is deterministic:
+    1. ``ReplicaLoad.outstanding`` (max of the router's in-flight count and the
+       replica's running + waiting),
+    2. ``queued_prefill_tokens`` (uncached prompt work already queued),
+    3. ``replica_id`` (lexicographic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from router.routing.registry import register_routing_policy
+
+
+def load_key(load: ReplicaLoad) -> tuple[int, int, str]:
+    """Sort key of a replica by load; smaller is less loaded."""
+    return (load.outstanding, load.queued_prefill_tokens, load.replica_id)
+
+
+def pick_least_loaded(replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
+    """The least loaded replica of a non-empty sequence (ties broken by ``load_key``)."""
+    return min(replicas, key=load_key)
+
+
+@register_routing_policy("least_loaded")
+class LeastLoadedPolicy(RoutingPolicy):
+    """Stateless: the decision depends only on the loads passed to ``choose``."""
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision:
+        chosen = pick_least_loaded(replicas)
+        return RouteDecision(chosen.replica_id, "least_loaded", score=float(chosen.outstanding))

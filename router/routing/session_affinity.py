@@ -1,0 +1,121 @@
+"""Session affinity: consistent hashing of (tenant, session id) onto a ring of replicas.
+
+Every replica owns ``virtual_nodes`` points on a 64-bit ring (xxh64 of
+``"<replica_id>#<i>"``); a session goes to the owner of the first point clockwise of the
+session key's hash. Requests without a session go to the least loaded replica.
+
+Invariants:
+    * Deterministic across processes (xxh64 with seed 0, never ``hash()``), so two
+      routers with the same replica set route a session to the same replica.
+    * Stable under membership change: when a replica joins, only sessions whose key
+      falls on its new points move (about 1/N of them); when a replica leaves or is
+      not in the ``replicas`` passed to ``choose``, only its own sessions move, to the
+      next live owner clockwise.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+
+import xxhash
+
+from router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from router.routing.least_loaded import pick_least_loaded
+from router.routing.registry import register_routing_policy
+
+
+def ring_hash(key: str) -> int:
+    """Position of ``key`` on the 64-bit ring."""
+    return xxhash.xxh64_intdigest(key.encode("utf-8"))
+
+
+def session_key(tenant: str, session_id: str) -> str:
+    """Sessions are per tenant: equal session ids of two tenants are different sessions."""
+    return f"{tenant}\x1f{session_id}"
+
+
+class HashRing:
+    """A consistent-hash ring with virtual nodes.
+
+    Args:
+        virtual_nodes: points per replica (default 160; more points, smoother shares).
+    """
+
+    def __init__(self, virtual_nodes: int = 160):
+        if virtual_nodes <= 0:
+            raise ValueError("virtual_nodes must be positive")
+        self.virtual_nodes = virtual_nodes
+        self._members: set[str] = set()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    @property
+    def members(self) -> frozenset[str]:
+        return frozenset(self._members)
+
+    def set_members(self, replica_ids: Iterable[str]) -> None:
+        members = set(replica_ids)
+        if members != self._members:
+            self._members = members
+            self._rebuild()
+
+    def add(self, replica_id: str) -> None:
+        if replica_id not in self._members:
+            self._members.add(replica_id)
+            self._rebuild()
+
+    def remove(self, replica_id: str) -> None:
+        if replica_id in self._members:
+            self._members.discard(replica_id)
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        # NOTE: ties between equal points (astronomically rare) break by replica id, so
+        # the ring is a pure function of the member set.
+        pts = sorted((ring_hash(f"{r}#{i}"), r) for r in self._members for i in range(self.virtual_nodes))
+        self._points = [p for p, _ in pts]
+        self._owners = [r for _, r in pts]
+
+    def owner(self, key: str, live: set[str] | frozenset[str] | None = None) -> str | None:
+        """First owner clockwise of ``key`` that is in ``live`` (any member when None)."""
+        n = len(self._points)
+        if n == 0:
+            return None
+        start = bisect.bisect_left(self._points, ring_hash(key))
+        for step in range(n):
+            r = self._owners[(start + step) % n]
+            if live is None or r in live:
+                return r
+        return None
+
+
+@register_routing_policy("session_affinity")
+class SessionAffinityPolicy(RoutingPolicy):
+    """Consistent hashing on the session; least loaded without one.
+
+    Args:
+        virtual_nodes: ring points per replica (default 160).
+    """
+
+    def __init__(self, virtual_nodes: int = 160):
+        self.ring = HashRing(virtual_nodes)
+
+    def update_replicas(self, replica_ids: Sequence[str]) -> None:
+        self.ring.set_members(replica_ids)
+
+    def on_replica_died(self, replica_id: str) -> None:
+        self.ring.remove(replica_id)
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision:
+        sid = request.cls.session_id
+        if sid is None:
+            chosen = pick_least_loaded(replicas)
+            return RouteDecision(chosen.replica_id, "no_session_least_loaded")
+        live = {r.replica_id for r in replicas}
+        for r in live - self.ring.members:
+            # A replica the router has not announced yet: join it now (stable for others).
+            self.ring.add(r)
+        owner = self.ring.owner(session_key(request.cls.tenant, sid), live)
+        assert owner is not None  # live is non-empty and every live replica is a member
+        return RouteDecision(owner, "session_hash")
