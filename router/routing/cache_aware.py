@@ -1,0 +1,233 @@
+"""``cache_aware`` (ours): minimise an estimate of each replica's time to first token.
+
+For a request of N prompt tokens and chained block hashes h[0..L), block size B, and
+every live replica r:
+
+    m_r       = blocks of h the replica holds or will hold, in order of trust:
+                  index   = LocalityView.match(r, h)            (published holdings)
+                  pending = index extended by h[i] in flight to r (routed, unfinished:
+                            their blocks are being computed and will be cached)
+                  sticky  = sticky_trust * k on the session's last replica, where k is
+                            the common prefix with the session's previous turn
+                  home    = template_trust * template_blocks on the template's home
+                            replica (where that template was last routed)
+                m_r = max(pending, sticky, home)            (the last two only as floors)
+    p_r       = min(1, (queued_prefill_tokens_r / B) / max(1, free_blocks_r))
+                (eviction pressure: the share of r's evictable blocks that the work
+                already queued there will claim before this request runs)
+    hit_r     = B * m_r * (1 - evict_weight * p_r)     (a matched block likely to be
+                evicted before use counts less)
+    load_r    = queued_prefill_tokens_r + request_cost_tokens * outstanding_r
+    cost_r    = (N - hit_r) + load_weight * load_r      (tokens to compute + work ahead)
+
+The request goes to argmin cost_r over the *admissible* replicas, those with
+``outstanding_r <= max(min_outstanding + balance_slack, balance_ratio * mean_outstanding)``
+(a hard guard so locality never piles work on one replica); ties go to the less loaded
+replica (``load_key``). Defaults: load_weight 1.0, request_cost_tokens 64,
+evict_weight 0.5, sticky_trust 0.5, template_trust 0.5, balance_ratio 1.25,
+balance_slack 4.
+
+Task and template locality come mostly for free: hashes are chained, so requests of one
+template share leading hashes and ``m_r`` already steers them to where those blocks
+live; the ``pending`` and ``home`` terms cover the moments the index cannot (a burst of
+a new template before its blocks are published, Redis down). Session stickiness works
+the same way: the session's previous turn is in the index (or pending), and the sticky
+floor keeps a session in place when the index is empty or stale.
+
+Invariants:
+    * Router-side state is bounded: at most ``max_sessions`` sessions, ``max_templates``
+      templates and ``max_inflight`` tracked requests (oldest dropped first).
+    * A replica that died or left holds no pending blocks, sessions or template homes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from unicache.block_hash import BlockHash
+from router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from router.routing.least_loaded import load_key
+from router.routing.registry import register_routing_policy
+from router.routing.session_affinity import session_key
+
+
+def common_prefix_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+    """Length of the common prefix of two chained hash lists, by binary search.
+
+    Chained hashes name whole prefixes, so ``a[i] == b[i]`` implies equality before i.
+    """
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(slots=True)
+class _InFlight:
+    replica_id: str
+    hashes: list[BlockHash]
+
+
+@register_routing_policy("cache_aware")
+class CacheAwarePolicy(RoutingPolicy):
+    """Prefix locality against load, with stickiness, template homes and eviction risk.
+
+    Args:
+        load_weight: tokens of cost per token of work queued ahead (default 1.0).
+        request_cost_tokens: work, in prompt tokens, one outstanding request stands for
+            (default 64).
+        evict_weight: how much full eviction pressure discounts a matched block (0.5).
+        sticky_trust: share of the previous turn's prefix credited to the session's
+            last replica when the index shows less (default 0.5).
+        template_trust: share of a template's blocks credited to its home (default 0.5).
+        balance_ratio: admissible if outstanding <= balance_ratio * mean (default 1.25)
+        balance_slack: ... or <= min outstanding + balance_slack (default 4).
+        max_sessions / max_templates / max_inflight: bounds on router-side state.
+    """
+
+    def __init__(
+        self,
+        load_weight: float = 1.0,
+        request_cost_tokens: float = 64.0,
+        evict_weight: float = 0.5,
+        sticky_trust: float = 0.5,
+        template_trust: float = 0.5,
+        balance_ratio: float = 1.25,
+        balance_slack: int = 4,
+        max_sessions: int = 100_000,
+        max_templates: int = 10_000,
+        max_inflight: int = 100_000,
+    ):
+        self.load_weight = load_weight
+        self.request_cost_tokens = request_cost_tokens
+        self.evict_weight = evict_weight
+        self.sticky_trust = sticky_trust
+        self.template_trust = template_trust
+        self.balance_ratio = balance_ratio
+        self.balance_slack = balance_slack
+        self.max_sessions = max_sessions
+        self.max_templates = max_templates
+        self.max_inflight = max_inflight
+        self._sessions: OrderedDict[str, tuple[str, list[BlockHash]]] = OrderedDict()
+        self._templates: OrderedDict[BlockHash, str] = OrderedDict()
+        self._inflight: OrderedDict[str, _InFlight] = OrderedDict()
+        self._pending: dict[str, dict[BlockHash, int]] = {}
+
+    # -- decision -------------------------------------------------------------------
+
+    def _admissible(self, replicas: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
+        loads = [r.outstanding for r in replicas]
+        cap = max(min(loads) + self.balance_slack, self.balance_ratio * sum(loads) / len(loads))
+        return [r for r in replicas if r.outstanding <= cap]
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision:
+        hashes = request.block_hashes
+        bs = request.block_size
+        n_tokens = request.num_prompt_tokens
+        cls = request.cls
+
+        sticky_id, sticky_blocks = None, 0.0
+        if cls.session_id is not None:
+            prev = self._sessions.get(session_key(cls.tenant, cls.session_id))
+            if prev is not None:
+                sticky_id = prev[0]
+                sticky_blocks = self.sticky_trust * common_prefix_blocks(hashes, prev[1])
+        home_id, home_blocks = None, 0.0
+        tb = cls.template_blocks
+        if cls.template and 0 < tb <= len(hashes):
+            home_id = self._templates.get(hashes[tb - 1])
+            home_blocks = self.template_trust * tb
+
+        best: tuple[float, tuple[int, int, str]] | None = None
+        best_r, best_m, best_reason = replicas[0], 0.0, ""
+        n_hashes = len(hashes)
+        for r in self._admissible(replicas):
+            rid = r.replica_id
+            m_index = index.match(rid, hashes)
+            m, reason = float(m_index), ("index_prefix" if m_index else "load")
+            pend = self._pending.get(rid)
+            if pend:
+                k = m_index
+                while k < n_hashes and hashes[k] in pend:
+                    k += 1
+                if k > m:
+                    m, reason = float(k), "inflight_prefix"
+            if rid == sticky_id and sticky_blocks > m:
+                m, reason = sticky_blocks, "session_sticky"
+            if rid == home_id and home_blocks > m:
+                m, reason = home_blocks, "template_home"
+            pressure = 0.0
+            if r.queued_prefill_tokens and r.capacity_blocks:
+                pressure = min(1.0, (r.queued_prefill_tokens / bs) / max(1, r.free_blocks))
+            hit = bs * m * (1.0 - self.evict_weight * pressure)
+            load = r.queued_prefill_tokens + self.request_cost_tokens * r.outstanding
+            cost = (n_tokens - hit) + self.load_weight * load
+            key = (cost, load_key(r))
+            if best is None or key < best:
+                best, best_r, best_m, best_reason = key, r, m, reason
+        assert best is not None  # the least loaded replica is always admissible
+        return RouteDecision(best_r.replica_id, best_reason, matched_blocks=int(best_m), score=best[0])
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def on_request_routed(self, request: RoutingRequest, decision: RouteDecision) -> None:
+        rid = decision.replica_id
+        cls = request.cls
+        if cls.session_id is not None:
+            key = session_key(cls.tenant, cls.session_id)
+            self._sessions[key] = (rid, request.block_hashes)
+            self._sessions.move_to_end(key)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        tb = cls.template_blocks
+        if cls.template and 0 < tb <= len(request.block_hashes):
+            tkey = request.block_hashes[tb - 1]
+            self._templates[tkey] = rid
+            self._templates.move_to_end(tkey)
+            while len(self._templates) > self.max_templates:
+                self._templates.popitem(last=False)
+        self._release(request.request_id)
+        self._inflight[request.request_id] = _InFlight(rid, request.block_hashes)
+        pend = self._pending.setdefault(rid, {})
+        for bh in request.block_hashes:
+            pend[bh] = pend.get(bh, 0) + 1
+        while len(self._inflight) > self.max_inflight:
+            self._release(next(iter(self._inflight)))
+
+    def on_request_finished(self, request: RoutingRequest, replica_id: str) -> None:
+        self._release(request.request_id)
+
+    def _release(self, request_id: str) -> None:
+        fl = self._inflight.pop(request_id, None)
+        if fl is None:
+            return
+        pend = self._pending.get(fl.replica_id)
+        if pend is None:
+            return
+        for bh in fl.hashes:
+            c = pend.get(bh, 0) - 1
+            if c > 0:
+                pend[bh] = c
+            else:
+                pend.pop(bh, None)
+
+    def update_replicas(self, replica_ids: Sequence[str]) -> None:
+        live = set(replica_ids)
+        for rid in {f.replica_id for f in self._inflight.values()} | set(self._pending):
+            if rid not in live:
+                self.on_replica_died(rid)
+
+    def on_replica_died(self, replica_id: str) -> None:
+        self._pending.pop(replica_id, None)
+        for rid in [k for k, f in self._inflight.items() if f.replica_id == replica_id]:
+            del self._inflight[rid]
+        for key in [k for k, (r, _) in self._sessions.items() if r == replica_id]:
+            del self._sessions[key]
+        for key in [k for k, r in self._templates.items() if r == replica_id]:
+            del self._templates[key]

@@ -1,0 +1,358 @@
+"""Routing policies on hand-built states: exact choices, ties, imbalance, stickiness, death."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.index import LocalityIndex
+from router.routing.base import ReplicaLoad, RoutingRequest
+from router.routing.cache_aware import CacheAwarePolicy, common_prefix_blocks
+from router.routing.registry import make_routing_policy, routing_policy_names
+from router.routing.session_affinity import HashRing, SessionAffinityPolicy, ring_hash, session_key
+from router.routing.sglang import SGLangPolicy
+from unicache.block_hash import hash_id_blocks
+from unicache.request_class import RequestClass, Task
+
+BS = 16
+
+
+def hashes(*ids: int):
+    return hash_id_blocks(list(ids))
+
+
+def make_request(rid: str, block_ids, *, session=None, tenant="default", template_blocks=0, extra_tokens=0):
+    hs = hashes(*block_ids)
+    cls = RequestClass(tenant=tenant, session_id=session, task=Task.CHAT if session else Task.OTHER,
+                       template=template_blocks > 0, template_blocks=template_blocks)
+    return RoutingRequest(rid, cls, hs, len(hs) * BS + extra_tokens, BS)
+
+
+def load(rid, out=0, queued=0, free=1000, cap=1000, running=None):
+    return ReplicaLoad(rid, running=out if running is None else running, queued_prefill_tokens=queued,
+                       free_blocks=free, capacity_blocks=cap, in_flight=out)
+
+
+def make_index(holdings: dict[str, list[int]]) -> LocalityIndex:
+    """``holdings[r]`` lists the block ids of one chain r holds (a prefix of that chain)."""
+    idx = LocalityIndex()
+    for rid, ids in holdings.items():
+        idx.apply_events_unchecked(rid, hashes(*ids), [])
+    return idx
+
+
+EMPTY = LocalityIndex()
+THREE = [load("r0"), load("r1"), load("r2")]
+
+
+def test_registry_builds_every_policy():
+    assert routing_policy_names() == ["cache_aware", "least_loaded", "round_robin", "session_affinity", "sglang"]
+    for name in routing_policy_names():
+        assert make_routing_policy(name).name == name
+
+
+# -- round robin / least loaded ---------------------------------------------------------
+
+
+def test_round_robin_cycles_in_id_order():
+    p = make_routing_policy("round_robin")
+    got = [p.choose(make_request(f"q{i}", [1]), [load("r2"), load("r0"), load("r1")], EMPTY).replica_id for i in range(4)]
+    assert got == ["r0", "r1", "r2", "r0"]
+
+
+def test_least_loaded_order_and_ties():
+    p = make_routing_policy("least_loaded")
+    req = make_request("q", [1, 2])
+    assert p.choose(req, [load("r0", out=3), load("r1", out=1), load("r2", out=2)], EMPTY).replica_id == "r1"
+    # Equal outstanding: fewer queued prefill tokens wins; then the replica id.
+    assert p.choose(req, [load("r0", out=1, queued=50), load("r1", out=1, queued=10)], EMPTY).replica_id == "r1"
+    assert p.choose(req, [load("r1", out=1), load("r0", out=1)], EMPTY).replica_id == "r0"
+    # outstanding is max(router in-flight, replica running + waiting).
+    busy = ReplicaLoad("r0", running=5, waiting=2, in_flight=1)
+    assert p.choose(req, [busy, load("r1", out=6)], EMPTY).replica_id == "r1"
+
+
+# -- session affinity -------------------------------------------------------------------
+
+
+def reference_owner(members, key, vnodes):
+    """Independent brute force: the member owning the smallest point >= hash (wrapping)."""
+    h = ring_hash(key)
+    points = [(ring_hash(f"{r}#{i}"), r) for r in members for i in range(vnodes)]
+    after = [p for p in points if p[0] >= h]
+    return min(after)[1] if after else min(points)[1]
+
+
+def test_session_affinity_matches_reference_ring():
+    p = SessionAffinityPolicy(virtual_nodes=20)
+    reps = [load("r0"), load("r1"), load("r2"), load("r3")]
+    p.update_replicas([r.replica_id for r in reps])
+    for i in range(200):
+        req = make_request(f"q{i}", [i], session=f"s{i}")
+        expect = reference_owner(["r0", "r1", "r2", "r3"], session_key("default", f"s{i}"), 20)
+        assert p.choose(req, reps, EMPTY).replica_id == expect
+
+
+def test_session_affinity_sticky_and_tenant_scoped():
+    p = SessionAffinityPolicy()
+    reps = [load("r0"), load("r1"), load("r2"), load("r3")]
+    first = p.choose(make_request("a", [1], session="s"), reps, EMPTY).replica_id
+    # Load does not move a session.
+    busy = [load(r.replica_id, out=50 if r.replica_id == first else 0) for r in reps]
+    d = p.choose(make_request("b", [1, 2], session="s"), busy, EMPTY)
+    assert (d.replica_id, d.reason) == (first, "session_hash")
+    # The same session id of other tenants spreads over the ring (not all on one replica).
+    owners = {p.choose(make_request("c", [1], session="s", tenant=f"t{i}"), reps, EMPTY).replica_id for i in range(40)}
+    assert len(owners) > 1
+
+
+def test_session_affinity_without_session_is_least_loaded():
+    p = SessionAffinityPolicy()
+    d = p.choose(make_request("a", [1]), [load("r0", out=2), load("r1", out=1)], EMPTY)
+    assert (d.replica_id, d.reason) == ("r1", "no_session_least_loaded")
+
+
+def test_session_affinity_stable_when_replicas_leave_and_join():
+    p = SessionAffinityPolicy()
+    four = [load(f"r{i}") for i in range(4)]
+    p.update_replicas([r.replica_id for r in four])
+    before = {i: p.choose(make_request("q", [1], session=f"s{i}"), four, EMPTY).replica_id for i in range(400)}
+    assert set(before.values()) == {"r0", "r1", "r2", "r3"}
+    # r2 dies: only r2's sessions move; each goes to the next live owner on the ring.
+    p.on_replica_died("r2")
+    three = [r for r in four if r.replica_id != "r2"]
+    after = {i: p.choose(make_request("q", [1], session=f"s{i}"), three, EMPTY).replica_id for i in range(400)}
+    for i in range(400):
+        if before[i] != "r2":
+            assert after[i] == before[i]
+        else:
+            assert after[i] == reference_owner(["r0", "r1", "r3"], session_key("default", f"s{i}"), 160)
+    # r4 joins (announced only through choose): sessions move only onto r4.
+    five = three + [load("r4")]
+    joined = {i: p.choose(make_request("q", [1], session=f"s{i}"), five, EMPTY).replica_id for i in range(400)}
+    moved = [i for i in range(400) if joined[i] != after[i]]
+    assert moved and all(joined[i] == "r4" for i in moved)
+    # A replica missing from the live list (not yet declared dead) is skipped too.
+    ring = HashRing(160)
+    ring.set_members(["r0", "r1"])
+    assert ring.owner("k", {"r1"}) == "r1"
+
+
+# -- sglang -----------------------------------------------------------------------------
+
+
+def test_sglang_smallest_tree_then_cache_match():
+    p = SGLangPolicy()
+    two = [load("r0"), load("r1")]
+    d = p.choose(make_request("a", range(10)), two, EMPTY)
+    assert (d.replica_id, d.reason) == ("r0", "smallest_tree")  # both empty: tie by id
+    d = p.choose(make_request("b", range(100, 110)), two, EMPTY)
+    assert (d.replica_id, d.reason) == ("r1", "smallest_tree")  # r0's tree now has 10
+    # 4 of 10 blocks match on r0: rate 0.4 > 0.3.
+    d = p.choose(make_request("c", [0, 1, 2, 3, 50, 51, 52, 53, 54, 55]), two, EMPTY)
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r0", "cache_match", 4)
+    assert d.score == pytest.approx(0.4)
+
+
+def test_sglang_threshold_is_strict():
+    p = SGLangPolicy()
+    two = [load("r0"), load("r1")]
+    p.choose(make_request("a", range(10)), two, EMPTY)  # -> r0 (10 blocks)
+    p.choose(make_request("b", range(100, 120)), two, EMPTY)  # -> r1 (20 blocks)
+    # 3 of 10 blocks = 0.3, not > 0.3: smallest tree (r0, 10 blocks < 20) -- by size, not match.
+    d = p.choose(make_request("c", [100, 101, 102, 7, 8, 9, 10, 11, 12, 13]), two, EMPTY)
+    assert (d.replica_id, d.reason) == ("r0", "smallest_tree")
+
+
+def test_sglang_imbalance_uses_shortest_queue_and_still_inserts():
+    p = SGLangPolicy()
+    p.choose(make_request("a", range(10)), [load("r0"), load("r1")], EMPTY)  # r0 holds 0..9
+    req = make_request("b", range(10))
+    # diff 70 > 64 and 100 > 1.5 * 30: imbalanced -> shortest queue r1.
+    d = p.choose(req, [load("r0", out=100), load("r1", out=30)], EMPTY)
+    assert (d.replica_id, d.reason) == ("r1", "imbalanced_shortest_queue")
+    assert p.tree("r1").match(req.block_hashes) == 10
+    # diff 60 <= 64: balanced. diff 66 but 200 <= 1.5 * 134: balanced. Both -> longest match,
+    # and r1 touched the matched block last, so the tie between r0 and r1 goes to r1.
+    assert p.choose(req, [load("r0", out=100), load("r1", out=40)], EMPTY).reason == "cache_match"
+    d = p.choose(req, [load("r0", out=134), load("r1", out=200)], EMPTY)
+    assert (d.replica_id, d.reason) == ("r1", "cache_match")
+
+
+def test_sglang_match_tie_goes_to_most_recent_holder():
+    p = SGLangPolicy()
+    p.tree("r0").insert(hashes(1, 2, 3), tick=5)
+    p.tree("r1").insert(hashes(1, 2, 3, 4), tick=3)
+    p.tree("r2").insert(hashes(1, 2), tick=9)
+    d = p.choose(make_request("q", [1, 2, 3, 9]), THREE, EMPTY)
+    assert (d.replica_id, d.matched_blocks) == ("r0", 3)  # r0 and r1 match 3; r0 touched at 5 > 3
+
+
+def test_sglang_ignores_the_real_index_and_trees_forget_dead_replicas():
+    p = SGLangPolicy()
+    idx = make_index({"r1": list(range(10))})
+    d = p.choose(make_request("a", range(10)), [load("r0"), load("r1")], idx)
+    assert d.replica_id == "r0"  # approximate trees are empty; the index is not consulted
+    p.on_replica_died("r0")
+    d = p.choose(make_request("b", range(10)), [load("r1"), load("r2")], idx)
+    assert (d.replica_id, d.reason) == ("r1", "smallest_tree")
+    p.update_replicas(["r2"])
+    assert set(p.trees) == {"r2"}
+
+
+def test_sglang_tree_evicts_lru_leaves_first():
+    p = SGLangPolicy(max_tree_tokens=5 * BS)
+    one = [load("r0")]
+    p.choose(make_request("a", [1, 2, 3]), one, EMPTY)
+    p.choose(make_request("b", [1, 2, 7]), one, EMPTY)  # tree {1,2,3,7}
+    p.choose(make_request("c", [8, 9]), one, EMPTY)  # 6 > 5: evict the LRU leaf, 3
+    t = p.tree("r0")
+    assert t.match(hashes(1, 2, 3)) == 2
+    assert t.match(hashes(1, 2, 7)) == 3
+    assert t.match(hashes(8, 9)) == 2
+    assert len(t) == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=30), st.integers(1, 12))
+def test_sglang_tree_stays_prefix_closed(paths, bound):
+    """Leaf-first eviction: a tree never holds a block without all of its ancestors."""
+    p = SGLangPolicy(max_tree_tokens=bound * BS)
+    for i, ids in enumerate(paths):
+        p.choose(make_request(f"q{i}", ids), [load("r0")], EMPTY)
+        t = p.tree("r0")
+        assert len(t) <= bound
+        for seen in paths[: i + 1]:
+            held = [h in t.nodes for h in hashes(*seen)]
+            assert held == sorted(held, reverse=True)
+
+
+# -- cache_aware ------------------------------------------------------------------------
+
+
+def test_cache_aware_longest_prefix_wins_at_equal_load():
+    p = CacheAwarePolicy()
+    idx = make_index({"r0": [1, 2], "r1": list(range(1, 9)), "r2": [1, 2, 3]})
+    d = p.choose(make_request("q", range(1, 11)), THREE, idx)
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r1", "index_prefix", 8)
+    assert d.score == pytest.approx(160 - 128)
+
+
+def test_cache_aware_no_match_ties_to_least_loaded_then_id():
+    p = CacheAwarePolicy()
+    d = p.choose(make_request("q", range(10)), [load("r2"), load("r1"), load("r0")], EMPTY)
+    assert (d.replica_id, d.reason) == ("r0", "load")
+    d = p.choose(make_request("q", range(10)), [load("r0", out=1), load("r1"), load("r2", out=1)], EMPTY)
+    assert d.replica_id == "r1"
+
+
+def test_cache_aware_load_outweighs_a_short_match():
+    p = CacheAwarePolicy()
+    idx = make_index({"r1": [0, 1]})
+    reps = [load("r0"), load("r1", queued=100)]
+    # r0: 160 - 0 + 0 = 160; r1: 160 - 32 + 100 = 228 (pressure 6.25/1000 blocks -> hit 31.9).
+    assert p.choose(make_request("q", range(10)), reps, idx).replica_id == "r0"
+    idx = make_index({"r1": list(range(8))})
+    # r1: 160 - 128*(1 - 0.5*0.00625) + 100 = 132.4 < 160.
+    assert p.choose(make_request("q", range(10)), reps, idx).replica_id == "r1"
+
+
+def test_cache_aware_balance_guard_excludes_overloaded_replica():
+    p = CacheAwarePolicy()
+    idx = make_index({"r1": list(range(10))})
+    # Mean outstanding 10/3; cap = max(0 + 4, 1.25 * 3.33) = 4.17 -> r1 (10) is not admissible.
+    reps = [load("r0"), load("r1", out=10), load("r2")]
+    d = p.choose(make_request("q", range(10)), reps, idx)
+    assert (d.replica_id, d.reason) == ("r0", "load")
+    # Guard loosened and a cheap per-request load: r1 costs 160 - 160 + 10 = 10 < r0's 160.
+    p2 = CacheAwarePolicy(balance_ratio=10.0, request_cost_tokens=1.0)
+    assert p2.choose(make_request("q", range(10)), reps, idx).replica_id == "r1"
+
+
+def test_cache_aware_discounts_blocks_under_eviction_pressure():
+    idx = make_index({"r0": list(range(6)), "r1": list(range(5))})
+    # Same queued work (10 blocks); r0 has only 10 evictable blocks left (pressure 1).
+    reps = [load("r0", queued=160, free=10), load("r1", queued=160, free=1000)]
+    req = make_request("q", range(10))
+    d = CacheAwarePolicy().choose(req, reps, idx)
+    assert (d.replica_id, d.matched_blocks) == ("r1", 5)  # 96*0.5=48 < 80*(1-0.005)=79.6
+    d = CacheAwarePolicy(evict_weight=0.0).choose(req, reps, idx)
+    assert (d.replica_id, d.matched_blocks) == ("r0", 6)
+
+
+def test_cache_aware_follows_in_flight_prefix_until_finished():
+    p = CacheAwarePolicy()
+    a = make_request("a", range(10))
+    reps = [load("r0", out=1), load("r1", out=1), load("r2")]
+    da = p.choose(a, reps, EMPTY)
+    assert da.replica_id == "r2"
+    p.on_request_routed(a, da)
+    # Before a's blocks are published, b (same 8-block prefix) follows a to r2.
+    reps = [load("r0"), load("r1"), load("r2", out=1)]
+    b = make_request("b", list(range(8)) + [77, 78])
+    db = p.choose(b, reps, EMPTY)
+    assert (db.replica_id, db.reason, db.matched_blocks) == ("r2", "inflight_prefix", 8)
+    p.on_request_finished(a, "r2")
+    assert p.choose(b, reps, EMPTY).replica_id == "r0"
+
+
+def test_cache_aware_session_sticks_when_the_index_is_empty():
+    p = CacheAwarePolicy()
+    t0 = make_request("t0", range(10), session="s")
+    d0 = p.choose(t0, [load("r0", out=1), load("r1"), load("r2", out=1)], EMPTY)
+    assert d0.replica_id == "r1"
+    p.on_request_routed(t0, d0)
+    p.on_request_finished(t0, "r1")
+    # Redis is down (empty index): the next turn extends the prefix and stays on r1
+    # although r0 is now as idle; 0.5 * 10 blocks credited.
+    t1 = make_request("t1", range(14), session="s")
+    d1 = p.choose(t1, [load("r0"), load("r1"), load("r2")], EMPTY)
+    assert (d1.replica_id, d1.reason, d1.matched_blocks) == ("r1", "session_sticky", 5)
+    # Another tenant's session "s" is a different session.
+    other = make_request("o", range(14), session="s", tenant="t2")
+    assert p.choose(other, [load("r0"), load("r1"), load("r2")], EMPTY).replica_id == "r0"
+    # The replica dies: the session is forgotten.
+    p.on_replica_died("r1")
+    d2 = p.choose(t1, [load("r0"), load("r2")], EMPTY)
+    assert (d2.replica_id, d2.reason) == ("r0", "load")
+
+
+def test_cache_aware_index_beats_stale_sticky_credit():
+    p = CacheAwarePolicy()
+    t0 = make_request("t0", range(10), session="s")
+    p.on_request_routed(t0, p.choose(t0, [load("r0"), load("r1", out=1)], EMPTY))  # -> r0
+    p.on_request_finished(t0, "r0")
+    # r0 evicted the session's blocks; r1 holds 9 of them (say, via a shared prefix).
+    idx = make_index({"r1": list(range(9))})
+    d = p.choose(make_request("t1", range(12), session="s"), [load("r0"), load("r1")], idx)
+    assert (d.replica_id, d.matched_blocks) == ("r1", 9)
+
+
+def test_cache_aware_template_home():
+    p = CacheAwarePolicy()
+    a = make_request("a", [500, 501, 502, 503, 1, 2], template_blocks=4)
+    da = p.choose(a, [load("r0", out=2), load("r1", out=2), load("r2")], EMPTY)
+    assert da.replica_id == "r2"
+    p.on_request_routed(a, da)
+    p.on_request_finished(a, "r2")
+    b = make_request("b", [500, 501, 502, 503, 9, 9], template_blocks=4)
+    d = p.choose(b, [load("r0"), load("r1"), load("r2")], EMPTY)
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r2", "template_home", 2)
+
+
+def test_cache_aware_update_replicas_drops_state_of_departed():
+    p = CacheAwarePolicy()
+    a = make_request("a", range(4), session="s", template_blocks=2)
+    p.on_request_routed(a, p.choose(a, [load("r0")], EMPTY))
+    p.update_replicas(["r1"])
+    d = p.choose(make_request("b", range(4), session="s", template_blocks=2), [load("r0", out=1), load("r1")], EMPTY)
+    assert (d.replica_id, d.reason) == ("r1", "load")
+    assert p._pending == {} and p._sessions == {} and p._templates == {}
+
+
+def test_common_prefix_blocks():
+    assert common_prefix_blocks(hashes(1, 2, 3, 4), hashes(1, 2, 9)) == 2
+    assert common_prefix_blocks(hashes(1, 2), hashes(1, 2, 3)) == 2
+    assert common_prefix_blocks(hashes(5), hashes(1)) == 0
+    assert common_prefix_blocks([], hashes(1)) == 0
