@@ -9,8 +9,18 @@ Keys (``P`` is the prefix, default ``unicache``):
                             protobuf; trimmed to about ``EVENT_STREAM_MAXLEN`` entries.
     P:summary:<replica_id>  string, a ``CacheSummary`` protobuf (all cached hashes as of
                             (epoch, seq)); rewritten periodically and on request.
-    P:resync                pub/sub channel; a router publishes a replica id to ask that
-                            replica for a fresh summary now.
+    P:resync                pub/sub channel; a router publishes a replica id (or ``*``
+                            for all) to ask that replica for a fresh summary now.
+
+Epoch/seq (written by replica/publisher.py, read by router/index.py):
+    * Within one epoch the stream's batches have seq 1, 2, 3, ... with no gap.
+    * A summary at (epoch, seq) reflects every batch <= seq; a reader applies it, then
+      the stream's batches of the same epoch with a larger seq.
+    * Batches keep each hash's net effect (a reader applies cleared, removed, stored),
+      so replaying a batch whose events a summary already reflects is harmless.
+    * A new epoch (replica start/restart, or Redis came back after an error) atomically
+      deletes the events stream and writes a summary at (new epoch, 0): the stream only
+      ever holds batches of the summary's epoch. Epochs are wall-clock milliseconds.
 """
 
 from __future__ import annotations

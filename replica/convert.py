@@ -1,0 +1,102 @@
+"""Protobuf <-> engine-type conversions for the replica service (pure functions, no I/O).
+
+The servicer uses only these and ``replica/engine/api.py`` types, so the wire format and
+the engine can change independently.
+"""
+
+from __future__ import annotations
+
+from unicache.request_class import RequestClass, Task
+from unicache.v1 import common_pb2, replica_pb2
+from replica.engine.api import CacheStateInfo, EngineInputError, EngineOutput, SamplingParams, Usage
+
+FINISH_REASONS: dict[str | None, int] = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+FINISH_REASON_NAMES: dict[int, str | None] = {v: k for k, v in FINISH_REASONS.items()}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    """Proto defaults (0) mean "server default": max_tokens -> ``default_max_tokens``,
+    top_p 0 -> 1.0, n 0 -> 1. Range checks (too many tokens, bad temperature) are the
+    engine's: it raises ``EngineInputError`` with the limit in the message."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens or default_max_tokens,
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+        stop=list(msg.stop),
+        n=msg.n or 1,
+    )
+
+
+def request_class_from_proto(msg: common_pb2.RequestClass) -> RequestClass:
+    """An unset message gives the default single-turn class. Unknown task -> EngineInputError."""
+    try:
+        task = Task.parse(msg.task or None)
+    except ValueError as exc:
+        raise EngineInputError("invalid", str(exc)) from None
+    kwargs = {}
+    if msg.tenant:
+        kwargs["tenant"] = msg.tenant
+    return RequestClass(
+        session_id=msg.session_id or None,
+        turn=msg.turn,
+        task=task,
+        template=msg.template,
+        template_blocks=msg.template_blocks,
+        inferred=msg.inferred,
+        **kwargs,
+    )
+
+
+def request_class_to_proto(cls: RequestClass) -> common_pb2.RequestClass:
+    return common_pb2.RequestClass(
+        tenant=cls.tenant,
+        session_id=cls.session_id or "",
+        turn=cls.turn,
+        task=cls.task.value,
+        template=cls.template,
+        template_blocks=cls.template_blocks,
+        inferred=cls.inferred,
+    )
+
+
+def usage_to_proto(u: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=u.prompt_tokens,
+        cached_tokens=u.cached_tokens,
+        completion_tokens=u.completion_tokens,
+        queue_time_s=u.queue_time_s,
+        prefill_time_s=u.prefill_time_s,
+    )
+
+
+def output_to_proto(out: EngineOutput) -> replica_pb2.GenerateResponse:
+    msg = replica_pb2.GenerateResponse(
+        index=out.index,
+        token_ids=out.new_token_ids,
+        text=out.text_delta,
+        finish_reason=FINISH_REASONS[out.finish_reason] if out.finished else common_pb2.FINISH_REASON_UNSPECIFIED,
+    )
+    if out.usage is not None:
+        msg.usage.CopyFrom(usage_to_proto(out.usage))
+    return msg
+
+
+def cache_state_to_proto(info: CacheStateInfo, replica_id: str) -> common_pb2.CacheState:
+    return common_pb2.CacheState(
+        replica_id=replica_id,
+        block_size=info.block_size,
+        capacity_blocks=info.capacity_blocks,
+        used_blocks=info.used_blocks,
+        free_blocks=info.free_blocks,
+        cached_blocks=info.cached_blocks,
+        hit_ratio=info.hit_ratio,
+        queue_sizes=dict(info.queue_sizes),
+        eviction_policy=info.eviction_policy,
+        evictions=info.evictions,
+    )

@@ -1,0 +1,62 @@
+"""Folding cache events into one ``KVEventBatch`` (pure; the publisher does the I/O).
+
+A batch carries sets, not an ordered log: a reader applies ``cleared`` first, then
+``removed``, then ``stored`` (router/index.py ``apply_events``). So the batch keeps each
+hash's *net* effect: a hash stored then removed inside one batch appears only in
+``removed``; removed then stored, only in ``stored``. With that rule, applying a batch on
+top of any state that already reflects a prefix of its events gives the same result as
+applying the events one by one -- which is what lets a summary snapshot be taken while
+the engine keeps storing blocks (events after the snapshot are replayed harmlessly).
+
+Invariant: a hash is never in both ``stored`` and ``removed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from unicache.block_hash import BlockHash
+from unicache.v1 import cache_pb2
+from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+@dataclass(slots=True)
+class PendingBatch:
+    """Events taken from the engine and not yet published."""
+
+    stored: dict[BlockHash, None] = field(default_factory=dict)
+    removed: dict[BlockHash, None] = field(default_factory=dict)
+    cleared: bool = False
+    num_events: int = 0
+
+    def add(self, events: Iterable[KVEvent]) -> None:
+        for ev in events:
+            self.num_events += 1
+            if isinstance(ev, BlockStored):
+                self.removed.pop(ev.block_hash, None)
+                self.stored[ev.block_hash] = None
+            elif isinstance(ev, BlockRemoved):
+                self.stored.pop(ev.block_hash, None)
+                self.removed[ev.block_hash] = None
+            elif isinstance(ev, AllBlocksCleared):
+                # Everything before the clear is superseded by it.
+                self.stored.clear()
+                self.removed.clear()
+                self.cleared = True
+            else:
+                raise TypeError(f"unknown cache event {type(ev).__name__}")
+
+    def empty(self) -> bool:
+        return not (self.stored or self.removed or self.cleared)
+
+    def to_proto(self, replica_id: str, epoch: int, seq: int, timestamp: float) -> cache_pb2.KVEventBatch:
+        return cache_pb2.KVEventBatch(
+            replica_id=replica_id,
+            epoch=epoch,
+            seq=seq,
+            stored=list(self.stored),
+            removed=list(self.removed),
+            cleared=self.cleared,
+            timestamp=timestamp,
+        )

@@ -1,0 +1,348 @@
+"""Publishes a replica's cache holdings and load to Redis (key schema: unicache/redis_keys.py).
+
+Three duties, each on its own asyncio task, none on the serving path:
+    * events: every ``flush_interval_s`` take the engine's cache events, fold them into one
+      ``KVEventBatch`` (replica/event_batch.py) and XADD it with the next seq;
+    * summaries: a ``CacheSummary`` of every cached hash at start, every
+      ``summary_interval_s``, when a router asks on the resync channel, and after Redis
+      comes back;
+    * heartbeat: a ``Heartbeat`` with a TTL, refreshed every ``heartbeat_interval_s``.
+
+Epoch/seq contract (router/index.py): within one epoch, batch seqs are 1, 2, 3, ... with
+no gap; a summary at (epoch, seq) reflects every batch <= seq (and possibly some later
+events, which the net-effect batches replay harmlessly). When a batch may have been lost
+(any Redis error), the publisher is *resync-needed*: it drops events it holds, and when
+Redis answers again it starts a new epoch: deletes the stream, writes a summary at
+(new epoch, 0), then continues with seq 1. A restarted replica starts a new epoch too
+(epochs are wall-clock milliseconds, strictly increasing within a process).
+
+Invariants:
+    * Serving never waits on Redis: the engine's ``take_events`` / ``cached_hashes`` are
+      the only calls into the engine, and every Redis call has a deadline (``op_timeout_s``).
+    * ``seq`` increases by exactly one per published batch within an epoch; a batch is
+      published only when every earlier batch of its epoch was acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from unicache.block_hash import BlockHash
+from unicache.redis_keys import (
+    EVENT_FLUSH_INTERVAL_S,
+    EVENT_STREAM_MAXLEN,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TTL_S,
+    SUMMARY_INTERVAL_S,
+    RedisKeys,
+)
+from unicache.v1 import cache_pb2
+from replica.convert import cache_state_to_proto
+from replica.engine.api import CacheStateInfo, EngineLoad
+from replica.event_batch import PendingBatch
+from replica.kv.events import KVEvent
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CacheSource(Protocol):
+    """What the publisher reads from an engine (``AsyncEngine`` satisfies it)."""
+
+    device: Any
+    block_size: int
+
+    def take_events(self) -> list[KVEvent]: ...
+    def cached_hashes(self) -> list[BlockHash]: ...
+    def load(self) -> EngineLoad: ...
+    def cache_state(self) -> CacheStateInfo: ...
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    batches: int = 0
+    summaries: int = 0
+    heartbeats: int = 0
+    resyncs: int = 0
+    redis_errors: int = 0
+    dropped_events: int = 0
+
+
+class CachePublisher:
+    """Publishes one replica's events, summaries and heartbeat.
+
+    Args:
+        source: the engine (see ``CacheSource``).
+        replica_id: stable id (survives actor restarts).
+        redis_url: e.g. ``redis://127.0.0.1:6379/0``.
+        address: ``host:port`` routers use to reach the replica's gRPC server.
+        keys: key schema (prefix).
+        flush_interval_s: event batching period (default 0.05 s).
+        heartbeat_interval_s / heartbeat_ttl_s: heartbeat period and expiry (1 s / 3 s).
+        summary_interval_s: periodic full summary (default 10 s).
+        stream_maxlen: approximate cap on the event stream (default 10,000 batches).
+        op_timeout_s: deadline of every Redis call (default 0.5 s).
+        retry_interval_s: how often to retry Redis while resync-needed (default 0.25 s).
+        clock: wall clock for timestamps and epochs (default ``time.time``).
+    """
+
+    def __init__(
+        self,
+        source: CacheSource,
+        replica_id: str,
+        redis_url: str,
+        address: str,
+        keys: RedisKeys | None = None,
+        flush_interval_s: float = EVENT_FLUSH_INTERVAL_S,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
+        summary_interval_s: float = SUMMARY_INTERVAL_S,
+        stream_maxlen: int = EVENT_STREAM_MAXLEN,
+        op_timeout_s: float = 0.5,
+        retry_interval_s: float = 0.25,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.source = source
+        self.replica_id = replica_id
+        self.redis_url = redis_url
+        self.address = address
+        self.keys = keys or RedisKeys()
+        self.flush_interval_s = flush_interval_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
+        self.summary_interval_s = summary_interval_s
+        self.stream_maxlen = stream_maxlen
+        self.op_timeout_s = op_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.clock = clock
+        self.epoch = 0
+        self.seq = 0
+        self.resync_needed = True  # nothing published yet: the first success is a resync
+        self.stats = PublisherStats()
+        self._pending = PendingBatch()
+        self._lock = asyncio.Lock()
+        self._summary_wanted = asyncio.Event()
+        self._redis: aioredis.Redis | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Connect and start the loops; tries one resync now but never fails on Redis."""
+        self._redis = self._client()
+        await self.try_resync()
+        self._tasks = [
+            asyncio.create_task(self._event_loop(), name=f"publisher-events-{self.replica_id}"),
+            asyncio.create_task(self._heartbeat_loop(), name=f"publisher-heartbeat-{self.replica_id}"),
+            asyncio.create_task(self._summary_loop(), name=f"publisher-summary-{self.replica_id}"),
+            asyncio.create_task(self._resync_listener(), name=f"publisher-resync-{self.replica_id}"),
+        ]
+
+    async def stop(self, remove_heartbeat: bool = True) -> None:
+        """Flush what is pending, stop the loops, and (by default) delete the heartbeat so
+        routers drop this replica at once instead of waiting for the TTL."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        if self._redis is None:
+            return
+        await self.flush()
+        if remove_heartbeat:
+            await self._call(self._redis.delete(self.keys.heartbeat(self.replica_id)))
+        with contextlib.suppress(Exception):
+            await self._redis.aclose()
+        self._redis = None
+
+    def request_summary(self) -> None:
+        """Ask for a fresh summary soon (what a message on the resync channel does)."""
+        self._summary_wanted.set()
+
+    # ------------------------------------------------------------------ one-shot operations
+    async def flush(self) -> bool:
+        """Take the engine's events and publish them as one batch. Returns False on error."""
+        async with self._lock:
+            return await self._flush_locked()
+
+    async def publish_summary(self) -> bool:
+        """Flush, then write a summary at (epoch, seq). Resyncs instead when needed."""
+        if self.resync_needed:
+            return await self.try_resync()
+        async with self._lock:
+            if not await self._flush_locked():
+                return False
+            return await self._write_summary(delete_stream=False)
+
+    async def try_resync(self) -> bool:
+        """Start a new epoch: drop held events, delete the stream, write a summary at seq 0."""
+        async with self._lock:
+            dropped = len(self.source.take_events()) + self._pending.num_events
+            self.stats.dropped_events += dropped
+            self._pending = PendingBatch()
+            previous = (self.epoch, self.seq)
+            self.epoch = max(self.epoch + 1, int(self.clock() * 1000))
+            self.seq = 0
+            if await self._write_summary(delete_stream=True):
+                self.resync_needed = False
+                self.stats.resyncs += 1
+                log.info("replica %s published summary, epoch %d (was %s)", self.replica_id, self.epoch, previous)
+                return True
+            return False
+
+    async def publish_heartbeat(self) -> bool:
+        """SET the heartbeat with its TTL; also checks the summary key still exists (a
+        Redis that restarted empty without us seeing an error) and resyncs if not."""
+        hb = self.heartbeat()
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self.keys.heartbeat(self.replica_id), hb.SerializeToString(), px=self.heartbeat_ttl_ms)
+        pipe.exists(self.keys.summary(self.replica_id))
+        result = await self._call(pipe.execute())
+        if result is None:
+            return False
+        self.stats.heartbeats += 1
+        if not result[1] and not self.resync_needed:
+            log.warning("replica %s: summary key vanished (Redis restarted?); resyncing", self.replica_id)
+            self.resync_needed = True
+        return True
+
+    def heartbeat(self) -> cache_pb2.Heartbeat:
+        load = self.source.load()
+        return cache_pb2.Heartbeat(
+            replica_id=self.replica_id,
+            address=self.address,
+            device=str(self.source.device),
+            running=load.running,
+            waiting=load.waiting,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            cache=cache_state_to_proto(self.source.cache_state(), self.replica_id),
+            epoch=self.epoch,
+            timestamp=self.clock(),
+        )
+
+    # ------------------------------------------------------------------ internals
+    async def _flush_locked(self) -> bool:
+        self._pending.add(self.source.take_events())
+        if self.resync_needed:
+            self.stats.dropped_events += self._pending.num_events
+            self._pending = PendingBatch()
+            return False
+        if self._pending.empty():
+            return True
+        batch = self._pending.to_proto(self.replica_id, self.epoch, self.seq + 1, self.clock())
+        ok = await self._call(
+            self._redis.xadd(
+                self.keys.events(self.replica_id),
+                {"b": batch.SerializeToString()},
+                maxlen=self.stream_maxlen,
+                approximate=True,
+            )
+        )
+        if ok is None:
+            # The batch may or may not have landed; either way seq continuity is unknown.
+            self.stats.dropped_events += self._pending.num_events
+            self._pending = PendingBatch()
+            return False
+        self.seq += 1
+        self.stats.batches += 1
+        self._pending = PendingBatch()
+        return True
+
+    async def _write_summary(self, delete_stream: bool) -> bool:
+        hashes = self.source.cached_hashes()
+        summary = cache_pb2.CacheSummary(
+            replica_id=self.replica_id,
+            epoch=self.epoch,
+            seq=self.seq,
+            block_hashes=hashes,
+            block_size=self.source.block_size,
+            timestamp=self.clock(),
+        )
+        pipe = self._redis.pipeline(transaction=True)
+        if delete_stream:
+            pipe.delete(self.keys.events(self.replica_id))
+        pipe.set(self.keys.summary(self.replica_id), summary.SerializeToString())
+        if await self._call(pipe.execute()) is None:
+            return False
+        self.stats.summaries += 1
+        return True
+
+    async def _call(self, aw: Awaitable[T]) -> T | None:
+        """Await one Redis call under the deadline; on any failure mark resync-needed."""
+        try:
+            return await asyncio.wait_for(aw, self.op_timeout_s)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self.stats.redis_errors += 1
+            if not self.resync_needed:
+                log.warning("replica %s: Redis unavailable (%s); will resync", self.replica_id, exc)
+            self.resync_needed = True
+            return None
+
+    def _client(self) -> aioredis.Redis:
+        return aioredis.Redis.from_url(
+            self.redis_url,
+            socket_timeout=self.op_timeout_s,
+            socket_connect_timeout=self.op_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+
+    async def _event_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval_s)
+            if self.resync_needed:
+                await self._resync_after_outage()
+            else:
+                await self.flush()
+
+    async def _resync_after_outage(self) -> None:
+        # NOTE: drain the engine's queue even while Redis is down, so it cannot grow.
+        async with self._lock:
+            self.stats.dropped_events += len(self.source.take_events())
+        if not await self.try_resync():
+            await asyncio.sleep(self.retry_interval_s)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self.publish_heartbeat()
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _summary_loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._summary_wanted.wait(), self.summary_interval_s)
+            self._summary_wanted.clear()
+            await self.publish_summary()
+
+    async def _resync_listener(self) -> None:
+        """Subscribe to the resync channel; a message naming this replica (or ``*``) asks
+        for a summary. Reconnects after errors, at most once per ``retry_interval_s``."""
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await asyncio.wait_for(pubsub.subscribe(self.keys.resync_channel()), self.op_timeout_s)
+                while True:
+                    msg = await asyncio.wait_for(
+                        pubsub.get_message(ignore_subscribe_messages=True, timeout=self.op_timeout_s),
+                        2 * self.op_timeout_s,
+                    )
+                    if msg and msg.get("type") == "message":
+                        target = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+                        if target in (self.replica_id, "*", ""):
+                            self.request_summary()
+            except (RedisError, OSError, asyncio.TimeoutError):
+                await asyncio.sleep(self.retry_interval_s)
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(pubsub.aclose(), self.op_timeout_s)

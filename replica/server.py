@@ -1,0 +1,158 @@
+"""The replica's gRPC server: ``unicache.v1.Replica`` plus the standard health service.
+
+``ReplicaServicer`` maps protobuf requests to ``EngineRequest`` and engine outputs back to
+protobuf; it only uses the engine's public surface (replica/engine/api.py and
+``AsyncEngine``). ``ReplicaServer`` serves it with ``grpc.aio`` on one host/port.
+
+Invariants:
+    * Every ``Generate`` call closes its engine stream before returning, whether it ends
+      normally, with an error, or because the client cancelled; closing the stream is
+      what aborts the request and frees its blocks in the engine.
+    * ``EngineInputError("invalid")`` -> INVALID_ARGUMENT, ``("exhausted")`` ->
+      RESOURCE_EXHAUSTED; both before any message is streamed.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from replica.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
+from replica.engine.api import EngineInputError, EngineRequest
+
+if TYPE_CHECKING:
+    from replica.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "unicache.v1.Replica"
+STATUS_CODES: dict[str, grpc.StatusCode] = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
+    """Serves one engine.
+
+    Args:
+        engine: a started ``AsyncEngine``.
+        replica_id: reported in ``GetCacheState``.
+        default_max_tokens: used when a request leaves ``max_tokens`` at 0 (default 16).
+    """
+
+    def __init__(self, engine: "AsyncEngine", replica_id: str, default_max_tokens: int = 16):
+        self.engine = engine
+        self.replica_id = replica_id
+        self.default_max_tokens = default_max_tokens
+
+    def to_engine_request(self, request: replica_pb2.GenerateRequest) -> EngineRequest:
+        """Build the engine request; raises ``EngineInputError`` for a missing/empty prompt."""
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise EngineInputError("invalid", "missing prompt: set either text or token_ids")
+        if which == "text":
+            token_ids = list(self.engine.encode(request.text))
+        else:
+            token_ids = list(request.token_ids.ids)
+        if not token_ids:
+            raise EngineInputError("invalid", "empty prompt: the prompt must contain at least one token")
+        return EngineRequest(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_token_ids=token_ids,
+            sampling=sampling_from_proto(request.sampling, self.default_max_tokens),
+            cls=request_class_from_proto(request.request_class),
+            cache_salt=request.cache_salt or None,
+            adapter_id=request.adapter_id or None,
+        )
+
+    async def Generate(
+        self, request: replica_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[replica_pb2.GenerateResponse]:
+        try:
+            engine_request = self.to_engine_request(request)
+        except EngineInputError as exc:
+            await context.abort(STATUS_CODES[exc.kind], str(exc))
+            return
+        stream = self.engine.generate(engine_request)
+        try:
+            try:
+                async for out in stream:
+                    yield output_to_proto(out)
+            except EngineInputError as exc:
+                await context.abort(STATUS_CODES[exc.kind], str(exc))
+        finally:
+            # NOTE: on client cancellation grpc.aio cancels this task; the engine's
+            # generator sees CancelledError/GeneratorExit and frees the request's blocks.
+            await stream.aclose()
+
+    async def GetCacheState(
+        self, request: replica_pb2.GetCacheStateRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.CacheState:
+        return cache_state_to_proto(self.engine.cache_state(), self.replica_id)
+
+
+class ReplicaServer:
+    """A ``grpc.aio`` server for one replica on ``host:port`` (port 0 picks a free port).
+
+    Args:
+        engine: a started ``AsyncEngine``.
+        replica_id: this replica's stable id.
+        host: interface to bind (127.0.0.1 locally, 0.0.0.0 in a pod).
+        port: port to bind; 0 lets the OS choose and ``port`` reads it back after start.
+        default_max_tokens: see ``ReplicaServicer``.
+        grace_s: how long ``stop`` lets in-flight calls finish (default 2 s).
+        max_message_bytes: gRPC send/receive limit (default 64 MiB: long token-id prompts).
+    """
+
+    def __init__(
+        self,
+        engine: "AsyncEngine",
+        replica_id: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        default_max_tokens: int = 16,
+        grace_s: float = 2.0,
+        max_message_bytes: int = 64 * 1024 * 1024,
+    ):
+        self.host = host
+        self.requested_port = port
+        self.port = 0
+        self.grace_s = grace_s
+        self.servicer = ReplicaServicer(engine, replica_id, default_max_tokens)
+        self.health = health_aio.HealthServicer()
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> int:
+        """Bind, start serving, mark the service SERVING; returns the bound port."""
+        server = grpc.aio.server(options=self._options)
+        replica_pb2_grpc.add_ReplicaServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if port == 0:
+            raise OSError(f"cannot bind gRPC server to {self.host}:{self.requested_port}")
+        await server.start()
+        self._server, self.port = server, port
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("replica %s serving gRPC on %s:%d", self.servicer.replica_id, self.host, port)
+        return port
+
+    async def stop(self) -> None:
+        """Report NOT_SERVING, then stop accepting calls and wait ``grace_s`` for running ones."""
+        if self._server is None:
+            return
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(self.grace_s)
+        self._server = None
