@@ -1,0 +1,64 @@
+"""What one replay measured, and the result record written to the JSON report."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ReplayCounters:
+    """Counters a replay fills in; ``result`` turns them into the report record."""
+
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    input_tokens: int = 0
+    rejected: int = 0
+    task_hits: dict[str, int] = field(default_factory=dict)
+    task_accesses: dict[str, int] = field(default_factory=dict)
+    ttfts: list[float] = field(default_factory=list)
+
+    def count_task(self, task: str, hits: int, accesses: int) -> None:
+        self.task_hits[task] = self.task_hits.get(task, 0) + hits
+        self.task_accesses[task] = self.task_accesses.get(task, 0) + accesses
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]) of ``values``; NaN if empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def result_record(
+    counters: ReplayCounters,
+    *,
+    policy: str,
+    capacity_blocks: int,
+    block_accesses: int,
+    evictions: int,
+    elapsed_s: float,
+) -> dict:
+    """The per-(policy, capacity) entry of the ``results`` list (see the CLI contract)."""
+    ttfts = counters.ttfts
+    return {
+        "policy": policy,
+        "capacity_blocks": capacity_blocks,
+        "block_hit_ratio": counters.hit_blocks / block_accesses if block_accesses else 0.0,
+        "token_hit_ratio": counters.hit_tokens / counters.input_tokens if counters.input_tokens else 0.0,
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        "ttft_p99_s": percentile(ttfts, 99.0),
+        "per_task": {
+            task: counters.task_hits.get(task, 0) / n
+            for task, n in sorted(counters.task_accesses.items())
+            if n
+        },
+        "hit_blocks": counters.hit_blocks,
+        "evictions": evictions,
+        "rejected": counters.rejected,
+        "elapsed_s": elapsed_s,
+        "accesses_per_s": block_accesses / elapsed_s if elapsed_s > 0 else math.inf,
+    }

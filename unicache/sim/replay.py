@@ -1,0 +1,328 @@
+"""Event-driven replay of a prepared trace through simulated replicas.
+
+Requests arrive by timestamp and overlap in time. Each replica admits requests FIFO
+(``unicache.sim.replica``), prefills them in batches on ``lanes`` workers for the time
+the ``TimingModel`` gives, then decodes for ``output_length`` tokens. Prompt blocks join
+the prefix cache when prefill ends, decode blocks when the request finishes; then the
+request's blocks are released to the eviction policy with its class.
+
+With several replicas a routing policy (``router.routing``) picks one per request from
+load snapshots and a ``LocalityIndex`` fed by the replicas' own store events: the same
+policy objects the live router runs.
+
+Invariants:
+    * Events at the same time run in the order pushed; events due no later than the next
+      arrival run before it (a finish frees blocks before a new request is admitted).
+    * Every request is admitted exactly once or rejected (it needs more blocks than the
+      replica has), and every admitted request finishes.
+    * The opt oracle's clock is the index of the request being admitted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from replica.eviction.opt import FutureAccesses
+from replica.eviction.registry import make_policy
+from replica.kv.events import BlockRemoved, BlockStored
+from replica.kv.store import KVStore, OutOfBlocks
+from router.index import LocalityIndex
+from router.routing.base import ReplicaLoad, RoutingRequest
+from router.routing.registry import make_routing_policy
+from unicache.sim.metrics import ReplayCounters, result_record
+from unicache.sim.prepare import PreparedTrace, SimRequest
+from unicache.sim.replica import SimReplica
+from unicache.sim.timing import TimingModel
+
+_PREFILL_DONE = 0
+_FINISH = 1
+_PROGRESS_STEP = 256
+
+
+@dataclass(slots=True)
+class ReplayConfig:
+    """One replay run.
+
+    Attributes:
+        policy: eviction policy name (``replica.eviction.registry``).
+        capacity_blocks: KV blocks per replica.
+        replicas: number of replicas (1: no router).
+        router: routing policy name, required when ``replicas > 1`` and not pooled.
+        pooled: one replica holding ``replicas * capacity_blocks`` blocks and
+            ``replicas * lanes`` prefill workers (the shared-cache upper bound).
+        lanes: concurrent prefill batches per replica (default 4; with the default
+            timing one lane cannot keep up with the Mooncake trace's arrival rate).
+        max_batch_requests: requests per prefill batch (default 8).
+        max_batch_tokens: a batch stops growing once its uncached tokens reach this
+            (default 16384; the first request always fits).
+        timing: the prefill/decode time model.
+        policy_kwargs: extra constructor arguments of the eviction policy.
+    """
+
+    policy: str
+    capacity_blocks: int
+    replicas: int = 1
+    router: str | None = None
+    pooled: bool = False
+    lanes: int = 4
+    max_batch_requests: int = 8
+    max_batch_tokens: int = 16384
+    timing: TimingModel = field(default_factory=TimingModel)
+    policy_kwargs: dict = field(default_factory=dict)
+
+
+class Replay:
+    """Runs one ``ReplayConfig`` over a ``PreparedTrace``; ``run()`` returns the result record.
+
+    Args:
+        trace: hashed, classified requests.
+        config: what to run.
+        future: the opt oracle (required for ``opt``; shared across runs, its clock is
+            reset here).
+        progress: draw a tqdm bar on stderr.
+    """
+
+    def __init__(
+        self,
+        trace: PreparedTrace,
+        config: ReplayConfig,
+        future: FutureAccesses | None = None,
+        progress: bool = False,
+    ):
+        if config.capacity_blocks <= 0:
+            raise ValueError("capacity must be at least one block")
+        if config.replicas <= 0:
+            raise ValueError("replicas must be positive")
+        if config.lanes <= 0 or config.max_batch_requests <= 0:
+            raise ValueError("lanes and max_batch_requests must be positive")
+        self.trace = trace
+        self.config = config
+        self.progress = progress
+        self.block_size = trace.block_size
+        self.timing = config.timing
+        self.future = future if config.policy == "opt" else None
+        if config.policy == "opt" and future is None:
+            raise ValueError("the opt policy needs a FutureAccesses oracle")
+        if self.future is not None:
+            self.future.clock = -1
+        n_stores = 1 if (config.pooled or config.replicas == 1) else config.replicas
+        scale = config.replicas if config.pooled else 1
+        self.replicas = [
+            SimReplica(
+                replica_id=f"r{i}",
+                store=KVStore(config.capacity_blocks * scale, self.block_size, self._make_policy()),
+                lanes=config.lanes * scale,
+            )
+            for i in range(n_stores)
+        ]
+        self._by_id = {r.replica_id: r for r in self.replicas}
+        self.router = None
+        self.index: LocalityIndex | None = None
+        self._routed: dict[str, RoutingRequest] = {}
+        if n_stores > 1:
+            if not config.router:
+                raise ValueError("several replicas need a router")
+            self.router = make_routing_policy(config.router)
+            self.router.update_replicas([r.replica_id for r in self.replicas])
+            self.index = LocalityIndex()
+        self.counters = ReplayCounters()
+        self._heap: list = []
+        self._seq = itertools.count()
+
+    def _make_policy(self):
+        kwargs = dict(self.config.policy_kwargs)
+        if self.config.policy == "opt":
+            kwargs["future"] = self.future
+        return make_policy(self.config.policy, **kwargs)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> dict:
+        reqs = self.trace.requests
+        n = len(reqs)
+        heap = self._heap
+        heappop = heapq.heappop
+        bar = tqdm(total=n, disable=not self.progress, file=sys.stderr, unit="req", mininterval=0.5,
+                   desc=f"{self.config.policy}@{self.config.capacity_blocks}", leave=False)
+        start = time.perf_counter()
+        i = 0
+        inf = float("inf")
+        while True:
+            t_arrival = reqs[i].arrival_s if i < n else inf
+            if heap and heap[0][0] <= t_arrival:
+                t, _, kind, rep, payload = heappop(heap)
+                if kind == _FINISH:
+                    self._finish(rep, payload, t)
+                else:
+                    self._prefill_done(rep, payload, t)
+            elif i < n:
+                self._arrive(reqs[i], t_arrival)
+                i += 1
+                if i % _PROGRESS_STEP == 0:
+                    bar.update(_PROGRESS_STEP)
+            else:
+                break
+        elapsed = time.perf_counter() - start
+        bar.update(n - bar.n)
+        bar.close()
+        return self._result(elapsed)
+
+    def _result(self, elapsed: float) -> dict:
+        cfg = self.config
+        rec = result_record(
+            self.counters,
+            policy=cfg.policy,
+            capacity_blocks=cfg.capacity_blocks,
+            block_accesses=self.trace.block_accesses,
+            evictions=sum(r.store.stats.evictions for r in self.replicas),
+            elapsed_s=elapsed,
+        )
+        if cfg.replicas > 1:
+            computed = [r.computed_prefill_tokens for r in self.replicas]
+            mean = sum(computed) / len(computed)
+            rec.update(
+                router=cfg.router if not cfg.pooled else "pooled",
+                replicas=cfg.replicas,
+                pooled=cfg.pooled,
+                load_imbalance=max(computed) / mean if mean else 1.0,
+            )
+        return rec
+
+    # --------------------------------------------------------------- events
+    def _arrive(self, req: SimRequest, t: float) -> None:
+        rep = self.replicas[0] if self.router is None else self._route(req)
+        rep.waiting.append(req)
+        rep.queued_prefill_tokens += req.prompt_tokens
+        rep.in_flight += 1
+        if rep.busy_lanes < rep.lanes:
+            self._schedule(rep, t)
+
+    def _schedule(self, rep: SimReplica, t: float) -> None:
+        """Start prefill batches on idle lanes while the head of the queue fits."""
+        store = rep.store
+        waiting = rep.waiting
+        future = self.future
+        counters = self.counters
+        bs = self.block_size
+        max_reqs, max_tokens = self.config.max_batch_requests, self.config.max_batch_tokens
+        while rep.busy_lanes < rep.lanes and waiting:
+            batch: list[SimRequest] = []
+            uncached = 0
+            while waiting and len(batch) < max_reqs and uncached < max_tokens:
+                req = waiting[0]
+                if future is not None:
+                    future.clock = req.index
+                try:
+                    alloc = store.allocate(req.rid, req.prompt_hashes, req.num_tokens, req.cls, t, req.prompt_tokens)
+                except OutOfBlocks:
+                    if rep.running:
+                        break
+                    waiting.popleft()
+                    rep.queued_prefill_tokens -= req.prompt_tokens
+                    self._reject(rep, req)
+                    continue
+                waiting.popleft()
+                rep.queued_prefill_tokens -= req.prompt_tokens
+                rep.running += 1
+                hits = alloc.num_hit_blocks
+                hit_tokens = min(hits * bs, req.input_length)
+                counters.hit_blocks += hits
+                counters.hit_tokens += hit_tokens
+                counters.input_tokens += req.input_length
+                counters.count_task(req.task_key, hits, len(req.prompt_hashes))
+                uncached += req.input_length - hit_tokens
+                batch.append(req)
+            if not batch:
+                break
+            rep.busy_lanes += 1
+            rep.computed_prefill_tokens += uncached
+            done = t + self.timing.prefill_s(len(batch), uncached)
+            heapq.heappush(self._heap, (done, next(self._seq), _PREFILL_DONE, rep, batch))
+
+    def _prefill_done(self, rep: SimReplica, batch: list[SimRequest], t: float) -> None:
+        rep.busy_lanes -= 1
+        store = rep.store
+        ttfts = self.counters.ttfts
+        decode_s = self.timing.decode_s
+        for req in batch:
+            ttfts.append(t - req.arrival_s)
+            store.cache_blocks(req.rid, t, len(req.prompt_hashes))
+            heapq.heappush(self._heap, (t + decode_s(req.output_length), next(self._seq), _FINISH, rep, req))
+        self._schedule(rep, t)
+
+    def _finish(self, rep: SimReplica, req: SimRequest, t: float) -> None:
+        store = rep.store
+        if req.output_hashes:
+            store.add_block_hashes(req.rid, req.output_hashes)
+            store.cache_blocks(req.rid, t)
+        store.free(req.rid, t)
+        rep.running -= 1
+        self._done(rep, req)
+        if self.router is None:
+            store.take_events()  # nobody subscribes: drop them
+        self._schedule(rep, t)
+
+    def _reject(self, rep: SimReplica, req: SimRequest) -> None:
+        c = self.counters
+        c.rejected += 1
+        c.input_tokens += req.input_length
+        c.count_task(req.task_key, 0, len(req.prompt_hashes))
+        self._done(rep, req)
+
+    def _done(self, rep: SimReplica, req: SimRequest) -> None:
+        rep.in_flight -= 1
+        if self.router is not None:
+            self.router.on_request_finished(self._routed.pop(req.rid), rep.replica_id)
+
+    # -------------------------------------------------------------- routing
+    def _route(self, req: SimRequest) -> SimReplica:
+        index = self.index
+        assert index is not None and self.router is not None
+        loads = []
+        for rep in self.replicas:
+            _pump(index, rep.replica_id, rep.store.take_events())
+            loads.append(
+                ReplicaLoad(
+                    replica_id=rep.replica_id,
+                    running=rep.running,
+                    waiting=len(rep.waiting),
+                    queued_prefill_tokens=rep.queued_prefill_tokens,
+                    free_blocks=rep.store.num_free_blocks,
+                    capacity_blocks=rep.store.num_blocks,
+                    in_flight=rep.in_flight,
+                )
+            )
+        rr = RoutingRequest(req.rid, req.cls, req.prompt_hashes, req.input_length, self.block_size)
+        decision = self.router.choose(rr, loads, index)
+        self.router.on_request_routed(rr, decision)
+        self._routed[req.rid] = rr
+        return self._by_id[decision.replica_id]
+
+
+def _pump(index: LocalityIndex, replica_id: str, events: list) -> None:
+    """Apply store events to the index in order (a batch applies removes before stores,
+    so a remove that follows a store starts a new batch)."""
+    stored: list = []
+    removed: list = []
+    for ev in events:
+        kind = type(ev)
+        if kind is BlockStored:
+            stored.append(ev.block_hash)
+        elif kind is BlockRemoved:
+            if stored:
+                index.apply_events_unchecked(replica_id, stored, removed)
+                stored, removed = [], []
+            removed.append(ev.block_hash)
+        else:  # AllBlocksCleared
+            index.apply_events_unchecked(replica_id, stored, removed)
+            stored, removed = [], []
+            index.apply_summary(replica_id, 0, 0, ())
+    if stored or removed:
+        index.apply_events_unchecked(replica_id, stored, removed)
+    elif replica_id not in index.replicas():
+        index.apply_events_unchecked(replica_id, (), ())
