@@ -1,0 +1,181 @@
+"""``RouterApp``: composes config, auth, tokenizer, classifier, policy, index, Redis
+subscriber, replica clients and both front doors, and runs them on one asyncio loop.
+
+Ports given as 0 are chosen by the OS and read back (``grpc_port``, ``http_port``) after
+``start()``. ``stop()`` undoes everything ``start()`` did, in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from replica.engine.tokenizer import load_tokenizer
+from router.auth import Authenticator, load_api_keys_file, parse_api_keys
+from router.cluster import ClusterView
+from router.config import RouterConfig
+from router.core import RouterCore
+from router.http_api import HttpFrontDoor
+from router.index import LocalityIndex
+from router.metrics import RouterMetrics
+from router.replica_client import ReplicaClients
+from router.routing.base import RoutingPolicy
+from router.routing.registry import make_routing_policy
+from router.service import RouterServicer
+from router.subscriber import RedisSubscriber
+from unicache.classifier import RequestClassifier
+from unicache.errors import UsageError
+from unicache.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "unicache.v1.Router"
+FALLBACK_POLICY = "round_robin"
+
+
+def build_policy(name: str) -> RoutingPolicy:
+    """``make_routing_policy(name)``; the default ``cache_aware`` falls back to round robin
+    while it is not registered. Unknown names are a UsageError."""
+    try:
+        return make_routing_policy(name)
+    except ValueError as exc:
+        if name == "cache_aware":
+            log.warning("routing policy cache_aware not available; using %s", FALLBACK_POLICY)
+            return make_routing_policy(FALLBACK_POLICY)
+        raise UsageError(str(exc)) from None
+
+
+def build_authenticator(cfg: RouterConfig) -> Authenticator:
+    keys: dict[str, str] = {}
+    if cfg.api_keys_file:
+        keys.update(load_api_keys_file(cfg.api_keys_file))
+    if cfg.api_keys:
+        keys.update(parse_api_keys(cfg.api_keys))
+    return Authenticator(keys, cfg.salt_secret, enabled=cfg.auth_enabled)
+
+
+class RouterApp:
+    """The router process.
+
+    Args:
+        config: settings (``router.config``).
+        policy: a routing policy object (default: built from ``config.routing_policy``).
+        subscriber_kwargs: extra ``RedisSubscriber`` tunables (tests shorten intervals).
+    """
+
+    def __init__(self, config: RouterConfig, policy: RoutingPolicy | None = None, subscriber_kwargs: dict | None = None):
+        self.config = config
+        self.policy = policy or build_policy(config.routing_policy)
+        self.index = LocalityIndex(config.max_index_blocks)
+        self.cluster = ClusterView(self.policy, self.index)
+        self.auth = build_authenticator(config)
+        spec = config.tokenizer
+        try:
+            tokenizer = load_tokenizer(None if spec in ("", "byte") else spec)
+        except (FileNotFoundError, OSError, ValueError) as exc:
+            raise UsageError(f"tokenizer {spec!r}: {exc}") from None
+        self.metrics = RouterMetrics()
+        self.clients = ReplicaClients(config.forward_deadline_s, config.connect_timeout_s)
+        self.core = RouterCore(
+            self.cluster,
+            self.auth,
+            tokenizer,
+            RequestClassifier(),
+            self.clients,
+            self.metrics,
+            block_size=config.block_size,
+            max_in_flight=config.max_in_flight,
+        )
+        for rid, addr in config.static_replicas().items():
+            self.cluster.upsert(rid, addr, static=True)
+        self.subscriber: RedisSubscriber | None = None
+        if config.use_redis:
+            self.subscriber = RedisSubscriber(
+                self.cluster,
+                config.redis_url,
+                config.redis_prefix,
+                password=config.redis_password or None,
+                tls_ca=config.redis_tls_ca or None,
+                timeout_s=config.redis_timeout_s,
+                **(subscriber_kwargs or {}),
+            )
+        self.http = HttpFrontDoor(self.core, config.model_name, self.policy.name)
+        self.grpc_port = 0
+        self.http_port = 0
+        self._grpc_server: grpc.aio.Server | None = None
+        self._uvicorn: uvicorn.Server | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        cfg = self.config
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        )
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.core, self.policy.name), server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        port = server.add_insecure_port(f"{cfg.grpc_host}:{cfg.grpc_port}")
+        if port == 0:
+            raise UsageError(f"cannot bind gRPC to {cfg.grpc_host}:{cfg.grpc_port}")
+        await server.start()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._grpc_server, self.grpc_port = server, port
+
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.http_host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.http_host, cfg.http_port))
+        except OSError as exc:
+            sock.close()
+            await self.stop()
+            raise UsageError(f"cannot bind HTTP to {cfg.http_host}:{cfg.http_port}: {exc.strerror}") from None
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.http_port = sock.getsockname()[1]
+        self._uvicorn = uvicorn.Server(uvicorn.Config(self.http.app, log_level="warning", lifespan="off", access_log=False))
+        self._uvicorn.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._tasks.append(asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="router-http"))
+        while not self._uvicorn.started:
+            if self._tasks[-1].done():
+                self._tasks[-1].result()
+            await asyncio.sleep(0.01)
+        if self.subscriber is not None:
+            self._tasks.append(asyncio.create_task(self.subscriber.run(), name="router-redis"))
+        log.info("router serving gRPC on %s:%d and HTTP on %s:%d", cfg.grpc_host, self.grpc_port, cfg.http_host, self.http_port)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        for task in reversed(self._tasks):
+            if task.get_name() == "router-redis":
+                task.cancel()
+        for task in self._tasks:
+            try:
+                await asyncio.wait_for(task, grace_s + 5)
+            except (asyncio.CancelledError, asyncio.TimeoutError):
+                pass
+        self._tasks.clear()
+        if self._grpc_server is not None:
+            await self._grpc_server.stop(grace_s)
+            self._grpc_server = None
+        await self.clients.close()
+        if self.subscriber is not None:
+            await self.subscriber.close()
+
+    async def serve_forever(self) -> None:
+        """Start, run until cancelled (SIGINT/SIGTERM in the CLI), then stop."""
+        await self.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.stop()

@@ -1,0 +1,171 @@
+"""Router configuration: one dataclass, three sources.
+
+Every field of ``RouterConfig`` can be set (lowest to highest precedence) by its default,
+a key of the optional YAML/JSON config file (``--config`` or ``UNICACHE_CONFIG``), the
+environment variable ``UNICACHE_<FIELD NAME IN CAPITALS>``, and the command-line flag
+``--<field-name-with-dashes>``. The flags are generated from the fields, so a new setting
+needs exactly one line here.
+
+Secrets (``salt_secret``, ``redis_password``, ``api_keys``) are never included in
+``describe()`` output, logs or error messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from unicache.errors import UsageError
+from unicache.redis_keys import DEFAULT_PREFIX
+
+ENV_PREFIX = "UNICACHE_"
+CONFIG_ENV = "UNICACHE_CONFIG"
+SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys"})
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """All router settings (see the module docstring for how each is set)."""
+
+    grpc_host: str = field(default="127.0.0.1", metadata={"help": "gRPC bind address"})
+    grpc_port: int = field(default=50051, metadata={"help": "gRPC port (0 picks a free one)"})
+    http_host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
+    http_port: int = field(default=8000, metadata={"help": "HTTP port (0 picks a free one)"})
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL (rediss:// for TLS)"})
+    redis_prefix: str = field(default=DEFAULT_PREFIX, metadata={"help": "Redis key prefix"})
+    redis_password: str = field(default="", metadata={"help": "Redis password (secret)"})
+    redis_tls_ca: str = field(default="", metadata={"help": "CA bundle for rediss:// URLs"})
+    redis_timeout_s: float = field(default=1.0, metadata={"help": "deadline of each Redis call"})
+    use_redis: bool = field(default=True, metadata={"help": "follow replicas through Redis"})
+    replicas: str = field(default="", metadata={"help": "static replicas 'id=host:port,...' (no Redis needed)"})
+    routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
+    auth_enabled: bool = field(default=True, metadata={"help": "require API keys (off: every request is tenant 'default')"})
+    api_keys: str = field(default="", metadata={"help": "API keys 'key1:tenantA,key2:tenantB' (secret)"})
+    api_keys_file: str = field(default="", metadata={"help": "file of 'key:tenant' lines or a JSON object"})
+    salt_secret: str = field(default="", metadata={"help": "server secret the tenant cache salts derive from"})
+    forward_deadline_s: float = field(default=300.0, metadata={"help": "deadline of one forwarded Generate"})
+    connect_timeout_s: float = field(default=5.0, metadata={"help": "wait for a replica channel to be ready"})
+    model_name: str = field(default="unicache-default", metadata={"help": "model name served under /v1/models"})
+    block_size: int = field(default=16, metadata={"help": "KV block size in tokens (must match the replicas)"})
+    tokenizer: str = field(default="byte", metadata={"help": "tokenizer spec, same as the replicas' ('byte' or a tokenizer.json path)"})
+    max_index_blocks: int = field(default=2_000_000, metadata={"help": "locality index bound per replica"})
+    max_in_flight: int = field(default=4096, metadata={"help": "requests in flight before answering 429"})
+
+    def describe(self) -> dict[str, Any]:
+        """Settings with secrets masked, safe to log."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = ("***" if value else "") if f.name in SECRET_FIELDS else value
+        return out
+
+    def static_replicas(self) -> dict[str, str]:
+        """Parse ``replicas`` into {replica_id: address}."""
+        out: dict[str, str] = {}
+        for item in filter(None, (p.strip() for p in self.replicas.split(","))):
+            rid, sep, addr = item.partition("=")
+            if not sep or not rid or not addr:
+                raise UsageError(f"bad --replicas entry {item!r}: expected id=host:port")
+            out[rid] = addr
+        return out
+
+
+def _convert(name: str, kind: type, value: Any, source: str) -> Any:
+    try:
+        if kind is bool:
+            return _bool(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        shown = "***" if name in SECRET_FIELDS else repr(value)
+        raise UsageError(f"{source}: {name} must be {kind.__name__}, got {shown}") from None
+
+
+def _field_types() -> dict[str, type]:
+    types = {"str": str, "int": int, "float": float, "bool": bool}
+    return {f.name: types[f.type] if isinstance(f.type, str) else f.type for f in fields(RouterConfig)}
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML or JSON mapping of field names (dashes or underscores) to values."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # noqa: BLE001 - any parse error is a user error
+        raise UsageError(f"config file {path}: cannot parse: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path}: expected a mapping at the top level")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per field; unset flags stay ``None``."""
+    parser.add_argument("--config", default=None, help=f"YAML/JSON config file (env {CONFIG_ENV})")
+    for f in fields(RouterConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_types()[f.name]
+        default = f.default if f.default is not MISSING else None
+        helptext = f"{f.metadata.get('help', '')} (env {ENV_PREFIX}{f.name.upper()}, default {default!r})"
+        if f.name in SECRET_FIELDS:
+            helptext = f"{f.metadata.get('help', '')} (env {ENV_PREFIX}{f.name.upper()})"
+        parser.add_argument(flag, dest=f"cfg_{f.name}", default=None, type=str if kind is bool else kind, help=helptext)
+
+
+def build_config(
+    args: argparse.Namespace | None = None,
+    env: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> RouterConfig:
+    """Merge defaults < config file < environment < flags < ``overrides``."""
+    env = dict(os.environ) if env is None else env
+    types = _field_types()
+    values: dict[str, Any] = {}
+    path = getattr(args, "config", None) if args is not None else None
+    path = path or env.get(CONFIG_ENV)
+    if path:
+        for key, value in load_config_file(path).items():
+            if key not in types:
+                raise UsageError(f"config file {path}: unknown setting {key!r}")
+            values[key] = _convert(key, types[key], value, f"config file {path}")
+    for name, kind in types.items():
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in env:
+            values[name] = _convert(name, kind, env[env_name], env_name)
+    if args is not None:
+        for name, kind in types.items():
+            value = getattr(args, f"cfg_{name}", None)
+            if value is not None:
+                values[name] = _convert(name, kind, value, "--" + name.replace("_", "-"))
+    for name, value in (overrides or {}).items():
+        if name not in types:
+            raise UsageError(f"unknown setting {name!r}")
+        values[name] = value
+    cfg = RouterConfig(**values)
+    if cfg.block_size <= 0:
+        raise UsageError("block_size must be positive")
+    return cfg

@@ -1,0 +1,248 @@
+"""What one request goes through in the router, shared by the gRPC and HTTP front doors:
+authenticate -> tokenize -> classify -> hash (salted by tenant) -> choose -> forward.
+
+Invariants:
+    * Block hashes are computed only with ``unicache.block_hash.hash_token_blocks`` and
+      the tenant's salt, exactly as the replica computes them from the forwarded token
+      ids and ``cache_salt``; so the index's matches are the replica's cache hits.
+    * A request that fails before its first streamed message with a retryable status is
+      retried once on the policy's choice among the *other* replicas; after the first
+      message nothing is retried (tokens were already sent to the client).
+    * Every routed request is matched by exactly one ``cluster.finished`` and one
+      ``policy.on_request_finished`` (in a finally), including cancellation.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from router.auth import Authenticator
+from router.cluster import ClusterView
+from router.metrics import RouterMetrics
+from router.replica_client import RETRYABLE, ReplicaClients
+from router.routing.base import RouteDecision, RoutingRequest
+from unicache.block_hash import hash_token_blocks
+from unicache.classifier import Labels, RequestClassifier
+from unicache.request_class import RequestClass, Task
+from unicache.v1 import common_pb2, replica_pb2, router_pb2
+
+
+class RouterError(Exception):
+    """A request-level failure with the status both front doors map it to.
+
+    ``kind``: invalid (400 / INVALID_ARGUMENT), unauthenticated (401), overloaded
+    (429 / RESOURCE_EXHAUSTED), unavailable (503 / UNAVAILABLE), upstream (502 / the
+    replica's status).
+    """
+
+    GRPC = {
+        "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+        "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+        "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "unavailable": grpc.StatusCode.UNAVAILABLE,
+        "upstream": grpc.StatusCode.INTERNAL,
+        "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+    HTTP = {"invalid": 400, "unauthenticated": 401, "overloaded": 429, "unavailable": 503, "upstream": 502, "deadline": 504}
+
+    def __init__(self, kind: str, message: str):
+        assert kind in self.GRPC, kind
+        self.kind = kind
+        super().__init__(message)
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return self.GRPC[self.kind]
+
+    @property
+    def http_status(self) -> int:
+        return self.HTTP[self.kind]
+
+
+_FROM_REPLICA = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+}
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request after classification and hashing, before it is sent."""
+
+    request_id: str
+    tenant: str
+    token_ids: list[int]
+    salt: bytes
+    cls: RequestClass
+    routing: RoutingRequest
+
+
+@dataclass(slots=True)
+class Labelled:
+    """Explicit labels from the request (fields or headers); None = infer."""
+
+    session_id: str | None = None
+    task: str | None = None
+    template: bool | None = None
+
+
+def class_to_proto(cls: RequestClass) -> common_pb2.RequestClass:
+    return common_pb2.RequestClass(
+        tenant=cls.tenant,
+        session_id=cls.session_id or "",
+        turn=cls.turn,
+        task=cls.task.value,
+        template=cls.template,
+        template_blocks=cls.template_blocks,
+        inferred=cls.inferred,
+    )
+
+
+class RouterCore:
+    """The request path. Front doors call ``prepare`` then iterate ``forward``.
+
+    Args:
+        cluster: replicas, loads and the locality index (with the routing policy).
+        auth: API keys and tenant salts.
+        tokenizer: same tokenizer as the replicas (``replica.engine.tokenizer``).
+        classifier: ``unicache.classifier.RequestClassifier``.
+        clients: replica gRPC channels.
+        metrics: Prometheus metrics.
+        block_size: KV block size (must equal the replicas').
+        max_in_flight: requests in flight beyond which new ones get "overloaded".
+        clock: seconds for the classifier's inter-turn gaps (default ``time.monotonic``).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterView,
+        auth: Authenticator,
+        tokenizer,
+        classifier: RequestClassifier,
+        clients: ReplicaClients,
+        metrics: RouterMetrics,
+        block_size: int = 16,
+        max_in_flight: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cluster = cluster
+        self.auth = auth
+        self.tokenizer = tokenizer
+        self.classifier = classifier
+        self.clients = clients
+        self.metrics = metrics
+        self.block_size = block_size
+        self.max_in_flight = max_in_flight
+        self.clock = clock
+
+    @property
+    def policy(self):
+        return self.cluster.policy
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def prepare(self, tenant: str, token_ids: list[int], labels: Labelled) -> Prepared:
+        """Classify and hash; raises RouterError("invalid") for empty prompts or bad labels."""
+        if not token_ids:
+            raise RouterError("invalid", "empty prompt: the prompt must contain at least one token")
+        try:
+            task = Task.parse(labels.task) if labels.task else None
+        except ValueError as exc:
+            raise RouterError("invalid", str(exc)) from None
+        salt = self.auth.cache_salt(tenant)
+        hashes = hash_token_blocks(token_ids, self.block_size, cache_salt=salt)
+        cls = self.classifier.classify(
+            hashes,
+            Labels(tenant=tenant, session_id=labels.session_id or None, task=task, template=labels.template),
+            self.clock(),
+        )
+        request_id = uuid.uuid4().hex
+        routing = RoutingRequest(request_id, cls, hashes, len(token_ids), self.block_size)
+        return Prepared(request_id, tenant, token_ids, salt, cls, routing)
+
+    def choose(self, routing: RoutingRequest, exclude: set[str]) -> RouteDecision:
+        loads = self.cluster.loads(exclude)
+        if not loads:
+            raise RouterError("unavailable", "no replicas available")
+        t0 = time.perf_counter()
+        decision = self.policy.choose(routing, loads, self.cluster.locality())
+        self.metrics.routing_latency.observe(time.perf_counter() - t0)
+        return decision
+
+    def route_info(self, prep: Prepared, decision: RouteDecision) -> router_pb2.RouteInfo:
+        return router_pb2.RouteInfo(
+            replica_id=decision.replica_id,
+            reason=decision.reason,
+            matched_tokens=decision.matched_blocks * self.block_size,
+            score=decision.score,
+            request_class=class_to_proto(prep.cls),
+        )
+
+    async def forward(
+        self, prep: Prepared, sampling: common_pb2.SamplingParams
+    ) -> AsyncIterator[tuple[router_pb2.RouteInfo | None, replica_pb2.GenerateResponse]]:
+        """Route and stream the replica's messages; the first pair carries the RouteInfo.
+
+        Raises RouterError before the first message (no replica, all failed, bad input)
+        or later ("upstream") when the replica stream breaks mid-way.
+        """
+        if self.cluster.total_in_flight() >= self.max_in_flight:
+            raise RouterError("overloaded", f"router has {self.max_in_flight} requests in flight; retry later")
+        request = replica_pb2.GenerateRequest(
+            request_id=prep.request_id,
+            token_ids=replica_pb2.TokenIds(ids=prep.token_ids),
+            sampling=sampling,
+            request_class=class_to_proto(prep.cls),
+            cache_salt=prep.salt,
+        )
+        tried: set[str] = set()
+        while True:
+            decision = self.choose(prep.routing, tried)
+            rid = decision.replica_id
+            rec = self.cluster.replicas[rid]
+            self.cluster.started(rid)
+            self.policy.on_request_routed(prep.routing, decision)
+            self.metrics.decisions.labels(decision.reason, rid).inc()
+            stream = self.clients.generate(rec.address, request)
+            try:
+                try:
+                    first = await stream.first()
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if code == grpc.StatusCode.UNAVAILABLE and not rec.static:
+                        rec.healthy = False  # until its next heartbeat
+                    if code in RETRYABLE and not tried:
+                        tried.add(rid)
+                        self.metrics.retries.inc()
+                        continue
+                    raise RouterError(_FROM_REPLICA.get(code, "upstream"), f"replica {rid}: {exc.details() or code.name}") from None
+                self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
+                if first is None:
+                    return
+                yield self.route_info(prep, decision), first
+                self._count_usage(rid, first)
+                try:
+                    async for msg in stream.rest():
+                        self._count_usage(rid, msg)
+                        yield None, msg
+                except grpc.aio.AioRpcError as exc:
+                    raise RouterError("upstream", f"replica {rid} failed mid-stream: {exc.details() or exc.code().name}") from None
+                return
+            finally:
+                stream.close()
+                self.cluster.finished(rid)
+                self.policy.on_request_finished(prep.routing, rid)
+
+    def _count_usage(self, rid: str, msg: replica_pb2.GenerateResponse) -> None:
+        if msg.HasField("usage") and msg.index == 0:
+            u = msg.usage
+            self.metrics.cached_tokens.labels(rid).inc(u.cached_tokens)
+            self.metrics.computed_tokens.labels(rid).inc(max(0, u.prompt_tokens - u.cached_tokens))

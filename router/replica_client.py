@@ -1,0 +1,103 @@
+"""gRPC clients for the replicas: one ``grpc.aio`` channel per address, reused.
+
+Invariants:
+    * Every forwarded ``Generate`` carries a deadline (``forward_deadline_s``).
+    * ``ReplicaStream`` cancels the replica call when it is closed before the replica
+      finished (client went away, router shutting down), so the replica frees the
+      request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from unicache.v1 import replica_pb2, replica_pb2_grpc
+
+# Status codes that mean "this replica could not serve it", worth one retry elsewhere
+# when nothing was streamed yet. INVALID_ARGUMENT and RESOURCE_EXHAUSTED are the
+# request's fault and would fail anywhere.
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+class ReplicaStream:
+    """One forwarded Generate call: ``first()``, then ``rest()``; ``close()`` it in a finally."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall):
+        self._call = call
+        self._done = False
+
+    async def first(self) -> replica_pb2.GenerateResponse | None:
+        """The first message (None if the stream ended empty); raises grpc.aio.AioRpcError."""
+        msg = await self._call.read()
+        if msg is grpc.aio.EOF:
+            self._done = True
+            return None
+        return msg
+
+    async def rest(self) -> AsyncIterator[replica_pb2.GenerateResponse]:
+        while True:
+            msg = await self._call.read()
+            if msg is grpc.aio.EOF:
+                self._done = True
+                return
+            yield msg
+
+    def close(self) -> None:
+        if not self._done:
+            self._call.cancel()
+            self._done = True
+
+
+class ReplicaClients:
+    """Channels to replicas keyed by address.
+
+    Args:
+        forward_deadline_s: deadline of each forwarded Generate (default 300 s).
+        connect_timeout_s: deadline of small unary calls (GetCacheState).
+        max_message_bytes: send/receive limit (64 MiB, like the replica server).
+    """
+
+    def __init__(self, forward_deadline_s: float = 300.0, connect_timeout_s: float = 5.0, max_message_bytes: int = 64 * 1024 * 1024):
+        self.forward_deadline_s = forward_deadline_s
+        self.connect_timeout_s = connect_timeout_s
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._channels: dict[str, tuple[grpc.aio.Channel, replica_pb2_grpc.ReplicaStub]] = {}
+
+    def stub(self, address: str) -> replica_pb2_grpc.ReplicaStub:
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            entry = self._channels[address] = (channel, replica_pb2_grpc.ReplicaStub(channel))
+        return entry[1]
+
+    def generate(self, address: str, request: replica_pb2.GenerateRequest) -> ReplicaStream:
+        call = self.stub(address).Generate(request, timeout=self.forward_deadline_s)
+        return ReplicaStream(call)
+
+    async def cache_state(self, address: str):
+        return await self.stub(address).GetCacheState(replica_pb2.GetCacheStateRequest(), timeout=self.connect_timeout_s)
+
+    async def forget(self, address: str) -> None:
+        entry = self._channels.pop(address, None)
+        if entry is not None:
+            await entry[0].close()
+
+    async def close(self) -> None:
+        channels = [c for c, _ in self._channels.values()]
+        self._channels.clear()
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

@@ -1,0 +1,107 @@
+"""The router's gRPC servicer (``unicache.v1.Router``).
+
+``Generate`` authenticates from metadata (``authorization: Bearer KEY`` or
+``x-api-key``), renders chat JSON if given, and streams ``RouterCore.forward``; the first
+response carries ``RouteInfo``. ``ListReplicas`` and ``GetClusterState`` expose no tenant
+data and need no key (like ``/metrics``).
+
+Invariants:
+    * Errors surface as gRPC status codes from ``RouterError`` (never a traceback), and
+      their messages never contain keys or salts.
+    * When the client cancels, grpc.aio cancels this handler; the ``forward`` generator's
+      finally cancels the replica call.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from router.auth import AuthError, api_key_from_headers
+from router.chat_template import ChatFormatError, render_chat_json
+from router.core import Labelled, RouterCore, RouterError
+from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+def _metadata_getter(context: grpc.aio.ServicerContext):
+    md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+    return lambda name: md.get(name)
+
+
+def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.ClusterState:
+    """The cluster as the router sees it (shared by gRPC, HTTP JSON and the dashboard)."""
+    cluster = core.cluster
+    out = router_pb2.ClusterState(redis_connected=cluster.redis_connected, routing_policy=policy_name)
+    for rid in sorted(cluster.replicas):
+        rec = cluster.replicas[rid]
+        hb = rec.heartbeat
+        state = router_pb2.ReplicaState(
+            info=router_pb2.ReplicaInfo(replica_id=rid, address=rec.address, healthy=rec.healthy, device=hb.device if hb else ""),
+            running=hb.running if hb else 0,
+            waiting=hb.waiting if hb else 0,
+            indexed_blocks=cluster.index.num_blocks(rid),
+        )
+        if hb is not None:
+            state.cache.CopyFrom(hb.cache)
+        else:
+            state.cache.CopyFrom(common_pb2.CacheState(replica_id=rid))
+        out.replicas.append(state)
+    return out
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, core: RouterCore, policy_name: str):
+        self.core = core
+        self.policy_name = policy_name
+
+    async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext):
+        core = self.core
+        outcome = "error"
+        try:
+            try:
+                tenant = core.auth.authenticate(api_key_from_headers(_metadata_getter(context)))
+                which = request.WhichOneof("prompt")
+                if which is None:
+                    raise RouterError("invalid", "missing prompt: set text or chat_json")
+                text = request.text if which == "text" else render_chat_json(request.chat_json)
+                labels = Labelled(
+                    session_id=request.session_id or None,
+                    task=request.task or None,
+                    template=request.template if request.HasField("template") else None,
+                )
+                prep = core.prepare(tenant, core.encode(text), labels)
+                async for route, msg in core.forward(prep, request.sampling):
+                    out = router_pb2.RouterGenerateResponse(
+                        index=msg.index, token_ids=msg.token_ids, text=msg.text, finish_reason=msg.finish_reason
+                    )
+                    if msg.HasField("usage"):
+                        out.usage.CopyFrom(msg.usage)
+                    if route is not None:
+                        out.route.CopyFrom(route)
+                    yield out
+                outcome = "ok"
+            except AuthError as exc:
+                outcome = "unauthenticated"
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            except ChatFormatError as exc:
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except RouterError as exc:
+                outcome = exc.kind
+                await context.abort(exc.grpc_code, str(exc))
+        finally:
+            core.metrics.requests.labels("grpc", outcome).inc()
+
+    async def ListReplicas(self, request, context):
+        cluster = self.core.cluster
+        out = router_pb2.ListReplicasResponse()
+        for rid in sorted(cluster.replicas):
+            rec = cluster.replicas[rid]
+            out.replicas.append(
+                router_pb2.ReplicaInfo(
+                    replica_id=rid, address=rec.address, healthy=rec.healthy, device=rec.heartbeat.device if rec.heartbeat else ""
+                )
+            )
+        return out
+
+    async def GetClusterState(self, request, context):
+        return cluster_state(self.core, self.policy_name)

@@ -1,0 +1,289 @@
+"""Follow the replicas through Redis: heartbeats -> membership, events/summaries -> index.
+
+One asyncio task runs ``run()``, which repeats ``step()``:
+    1. (every ``heartbeat_interval_s``) SCAN the heartbeat keys: a new key adds a replica
+       without restart; a key that expired drops the replica (policy.on_replica_died and
+       index.drop_replica via ``ClusterView.remove``).
+    2. Resync every replica the index marks stale (new, gap, epoch change): GET its
+       ``CacheSummary``, ``apply_summary``, then replay the event stream past the
+       summary's seq. A missing or stale summary is requested on the resync channel and
+       retried after ``resync_retry_s``.
+    3. XREAD the event streams from each replica's cursor into ``apply_events``; a batch
+       that does not follow (gap or new epoch) schedules a resync.
+
+Redis outages: any Redis error marks ``cluster.redis_connected = False`` (the service
+then hands policies an empty index: session + load routing), keeps the last known
+replicas, and retries with exponential backoff bounded by ``backoff_max_s``. When Redis
+answers again every replica is marked for resync (the index is rebuilt from summaries)
+and, for ``reconnect_grace_s``, replicas whose heartbeat is missing are not dropped
+(a restarted Redis holds no heartbeats until the replicas' next beat).
+
+Every Redis call has a deadline (``timeout_s``; XREAD adds its block time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.cluster import ClusterView
+from unicache.block_hash import BlockHash
+from unicache.redis_keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, RedisKeys
+from unicache.v1 import cache_pb2
+
+log = logging.getLogger(__name__)
+
+REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class RedisSubscriber:
+    """Feeds a ``ClusterView`` from Redis.
+
+    Args:
+        cluster: membership + locality index to update.
+        url: Redis URL (``rediss://`` for TLS).
+        prefix: key prefix (``unicache.redis_keys``).
+        password: Redis password, if not in the URL.
+        tls_ca: CA bundle path for TLS.
+        timeout_s: deadline of each Redis call (default 1 s).
+        block_ms: XREAD block time per step (default 200 ms).
+        heartbeat_interval_s: how often heartbeats are scanned (default: the replicas'
+            heartbeat interval, 1 s).
+        reconnect_grace_s: after Redis returns, replicas without heartbeat are kept this
+            long (default: the heartbeat TTL, 3 s).
+        resync_retry_s: wait before retrying a resync that found no usable summary.
+        backoff_initial_s / backoff_max_s: reconnect backoff bounds (0.1 s .. 5 s).
+        clock: monotonic clock (tests may pass a fake one).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterView,
+        url: str,
+        prefix: str,
+        password: str | None = None,
+        tls_ca: str | None = None,
+        timeout_s: float = 1.0,
+        block_ms: int = 200,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        reconnect_grace_s: float = HEARTBEAT_TTL_S,
+        resync_retry_s: float = 0.5,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cluster = cluster
+        self.keys = RedisKeys(prefix)
+        self.timeout_s = timeout_s
+        self.block_ms = block_ms
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.reconnect_grace_s = reconnect_grace_s
+        self.resync_retry_s = resync_retry_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.clock = clock
+        kwargs = {"socket_timeout": timeout_s + block_ms / 1000.0, "socket_connect_timeout": timeout_s}
+        if password:
+            kwargs["password"] = password
+        if tls_ca:
+            kwargs["ssl_ca_certs"] = tls_ca
+        self.redis = aioredis.from_url(url, **kwargs)
+        self._cursors: dict[str, bytes | str] = {}
+        self._retry_at: dict[str, float] = {}
+        self._next_scan = 0.0
+        self._grace_until = 0.0
+        self._ever_connected = False
+        self.resyncs = 0
+        self.resync_requests = 0
+        self.reconnects = 0
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def _call(self, coro, extra_s: float = 0.0):
+        return await asyncio.wait_for(coro, self.timeout_s + extra_s)
+
+    # --- the loop ---------------------------------------------------------------------
+    async def run(self) -> None:
+        """Step forever; on Redis errors mark disconnected and back off (bounded)."""
+        backoff = self.backoff_initial_s
+        while True:
+            try:
+                waited = await self.step()
+                backoff = self.backoff_initial_s
+                if not waited:
+                    await asyncio.sleep(self.block_ms / 1000.0)
+            except REDIS_ERRORS as exc:
+                if self.cluster.redis_connected:
+                    log.warning("redis unreachable (%s); routing on session and load until it returns", type(exc).__name__)
+                self.cluster.redis_connected = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+
+    async def step(self, block_ms: int | None = None) -> bool:
+        """One round: reconnect check, heartbeats (when due), resyncs, one XREAD.
+
+        Returns True when the XREAD blocked (so the caller need not sleep). Raises on Redis
+        errors after marking the cluster disconnected.
+        """
+        try:
+            if not self.cluster.redis_connected:
+                await self._call(self.redis.ping())
+                self._on_connected()
+            now = self.clock()
+            if now >= self._next_scan:
+                await self.scan_heartbeats()
+                self._next_scan = now + self.heartbeat_interval_s
+            await self.resync_stale()
+            return await self.poll_events(self.block_ms if block_ms is None else block_ms)
+        except REDIS_ERRORS:
+            self.cluster.redis_connected = False
+            raise
+
+    def _on_connected(self) -> None:
+        self.cluster.redis_connected = True
+        if self._ever_connected:
+            self.reconnects += 1
+            self._grace_until = self.clock() + self.reconnect_grace_s
+            log.info("redis is back; rebuilding the locality index")
+        self._ever_connected = True
+        self._cursors.clear()
+        self._retry_at.clear()
+        self._next_scan = 0.0
+        for rid in self.cluster.index.replicas():
+            self.cluster.index.mark_resync(rid)
+
+    # --- heartbeats -------------------------------------------------------------------
+    async def scan_heartbeats(self) -> None:
+        keys: list[bytes] = []
+        cursor = 0
+        while True:
+            cursor, batch = await self._call(self.redis.scan(cursor, match=self.keys.heartbeat_pattern(), count=1000))
+            keys.extend(batch)
+            if cursor == 0:
+                break
+        values = await self._call(self.redis.mget(keys)) if keys else []
+        seen: set[str] = set()
+        for key, raw in zip(keys, values):
+            if raw is None:
+                continue
+            hb = cache_pb2.Heartbeat()
+            try:
+                hb.ParseFromString(raw)
+            except Exception:  # noqa: BLE001 - a corrupt record must not stop the router
+                log.warning("ignoring unparsable heartbeat at %r", key)
+                continue
+            rid = hb.replica_id or self.keys.replica_from_heartbeat_key(key)
+            seen.add(rid)
+            self.cluster.upsert(rid, hb.address, hb)
+            holdings = self.cluster.index.holdings(rid)
+            if holdings.epoch >= 0 and hb.epoch and hb.epoch != holdings.epoch:
+                self.cluster.index.mark_resync(rid)
+        if self.clock() < self._grace_until:
+            return
+        for rid, rec in list(self.cluster.replicas.items()):
+            if not rec.static and rid not in seen:
+                log.info("replica %s heartbeat expired; dropping it", rid)
+                self.cluster.remove(rid)
+                self._cursors.pop(rid, None)
+                self._retry_at.pop(rid, None)
+
+    # --- resync -----------------------------------------------------------------------
+    async def resync_stale(self) -> None:
+        now = self.clock()
+        for rid in sorted(self.cluster.replicas):
+            if self.cluster.replicas[rid].static:
+                continue
+            if self.cluster.index.needs_resync(rid) and now >= self._retry_at.get(rid, 0.0):
+                await self.resync(rid)
+
+    async def resync(self, replica_id: str) -> bool:
+        """Load the summary and replay the stream after it. Returns True when in sync."""
+        self.resyncs += 1
+        index = self.cluster.index
+        raw = await self._call(self.redis.get(self.keys.summary(replica_id)))
+        entries = await self._call(self.redis.xrange(self.keys.events(replica_id)), extra_s=self.timeout_s)
+        self._cursors[replica_id] = entries[-1][0] if entries else b"0-0"
+        if raw is None:
+            index.mark_resync(replica_id)
+            await self._request_summary(replica_id)
+            return False
+        summary = cache_pb2.CacheSummary()
+        summary.ParseFromString(raw)
+        index.apply_summary(replica_id, summary.epoch, summary.seq, [BlockHash(h) for h in summary.block_hashes])
+        last_epoch = summary.epoch
+        for _entry_id, fields in entries:
+            batch = _parse_batch(fields)
+            if batch is None:
+                continue
+            last_epoch = batch.epoch
+            if batch.epoch != summary.epoch:
+                continue  # older epoch (before the summary) or newer (checked below)
+            if not self._apply(replica_id, batch):
+                break
+        if last_epoch != summary.epoch or index.needs_resync(replica_id):
+            index.mark_resync(replica_id)
+            await self._request_summary(replica_id)
+            return False
+        self._retry_at.pop(replica_id, None)
+        return True
+
+    async def _request_summary(self, replica_id: str) -> None:
+        self.resync_requests += 1
+        self._retry_at[replica_id] = self.clock() + self.resync_retry_s
+        await self._call(self.redis.publish(self.keys.resync_channel(), replica_id))
+
+    # --- events -----------------------------------------------------------------------
+    async def poll_events(self, block_ms: int) -> bool:
+        """XREAD every in-sync replica's stream once. Returns True when it blocked."""
+        streams = {
+            self.keys.events(rid): cursor
+            for rid, cursor in sorted(self._cursors.items())
+            if rid in self.cluster.replicas and not self.cluster.index.needs_resync(rid)
+        }
+        if not streams:
+            return False
+        kwargs = {"count": 1000}
+        if block_ms > 0:
+            kwargs["block"] = block_ms
+        reply = await self._call(self.redis.xread(streams, **kwargs), extra_s=block_ms / 1000.0)
+        prefix_len = len(self.keys.events(""))
+        for stream_key, entries in reply or []:
+            key = stream_key.decode() if isinstance(stream_key, bytes) else stream_key
+            rid = key[prefix_len:]
+            for entry_id, fields in entries:
+                self._cursors[rid] = entry_id
+                if self.cluster.index.needs_resync(rid):
+                    continue
+                batch = _parse_batch(fields)
+                if batch is not None and not self._apply(rid, batch):
+                    log.info("replica %s: event gap or new epoch at seq %d; resyncing", rid, batch.seq)
+        return block_ms > 0
+
+    def _apply(self, replica_id: str, batch: cache_pb2.KVEventBatch) -> bool:
+        return self.cluster.index.apply_events(
+            replica_id,
+            batch.epoch,
+            batch.seq,
+            [BlockHash(h) for h in batch.stored],
+            [BlockHash(h) for h in batch.removed],
+            batch.cleared,
+        )
+
+
+def _parse_batch(fields: dict) -> cache_pb2.KVEventBatch | None:
+    raw = fields.get(b"b", fields.get("b"))
+    if raw is None:
+        return None
+    batch = cache_pb2.KVEventBatch()
+    try:
+        batch.ParseFromString(raw)
+    except Exception:  # noqa: BLE001
+        log.warning("ignoring unparsable event batch")
+        return None
+    return batch

@@ -1,0 +1,78 @@
+"""A small in-process ``unicache.v1.Replica`` servicer for router tests.
+
+Deterministic: it echoes the prompt's token ids back (one token per message, ``max_tokens``
+of them, default 4) and keeps a real prefix cache of chained block hashes (the shared
+``hash_token_blocks`` with the forwarded ``cache_salt``), so ``usage.cached_tokens`` is what
+a real replica would report. It records every request, can fail the next calls with a
+status before the first token, and can hold a stream open to test cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from unicache.block_hash import hash_token_blocks
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+
+
+class FakeReplica(replica_pb2_grpc.ReplicaServicer):
+    def __init__(self, replica_id: str, block_size: int = 16):
+        self.replica_id = replica_id
+        self.block_size = block_size
+        self.requests: list[replica_pb2.GenerateRequest] = []
+        self.cached: set[bytes] = set()
+        self.fail_next = 0
+        self.fail_code = grpc.StatusCode.UNAVAILABLE
+        self.hold: asyncio.Event | None = None
+        self.cancelled = asyncio.Event()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        replica_pb2_grpc.add_ReplicaServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            await context.abort(self.fail_code, "injected failure")
+        ids = list(request.token_ids.ids)
+        hashes = hash_token_blocks(ids, self.block_size, cache_salt=request.cache_salt or None)
+        hit = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            hit += 1
+        self.cached.update(hashes)
+        n = request.sampling.max_tokens or 4
+        try:
+            for i in range(n):
+                tok = ids[i % len(ids)]
+                msg = replica_pb2.GenerateResponse(index=0, token_ids=[tok], text=chr(tok))
+                if i == n - 1:
+                    msg.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                    msg.usage.CopyFrom(
+                        common_pb2.Usage(prompt_tokens=len(ids), cached_tokens=hit * self.block_size, completion_tokens=n)
+                    )
+                yield msg
+                if self.hold is not None:
+                    await self.hold.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def GetCacheState(self, request, context):
+        return common_pb2.CacheState(replica_id=self.replica_id, block_size=self.block_size, cached_blocks=len(self.cached))

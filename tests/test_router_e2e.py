@@ -1,0 +1,301 @@
+"""The router end to end over gRPC and HTTP against in-process replicas (tests/support/fake_replica.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import pytest
+
+from router.app import RouterApp
+from router.config import build_config
+from router.routing.registry import make_routing_policy
+from tests.support.fake_replica import FakeReplica
+from unicache.block_hash import hash_token_blocks
+from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+KEYS = "key-a:tenantA,key-b:tenantB"
+PROMPT = "The quick brown fox jumps over the lazy dog, twice."  # 51 bytes = 3 full blocks
+
+
+def config(replicas: list[FakeReplica], **overrides):
+    spec = ",".join(f"{r.replica_id}={r.address}" for r in replicas)
+    env = {"UNICACHE_API_KEYS": KEYS, "UNICACHE_SALT_SECRET": "s3cret", "UNICACHE_USE_REDIS": "false"}
+    base = {"grpc_port": 0, "http_port": 0, "replicas": spec, "routing_policy": "round_robin"}
+    base.update(overrides)
+    return build_config(env=env, overrides=base)
+
+
+@pytest.fixture
+async def cluster2():
+    reps = [FakeReplica("r0"), FakeReplica("r1")]
+    for r in reps:
+        await r.start()
+    app = RouterApp(config(reps))
+    await app.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
+    try:
+        yield app, reps, router_pb2_grpc.RouterStub(channel)
+    finally:
+        await channel.close()
+        await app.stop()
+        for r in reps:
+            await r.stop()
+
+
+async def collect(call):
+    return [m async for m in call]
+
+
+async def test_grpc_generate_routes_authenticates_and_salts(cluster2):
+    app, (r0, r1), stub = cluster2
+    call = stub.Generate(
+        router_pb2.RouterGenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=3), session_id="s1", task="chat"),
+        metadata=[("authorization", "Bearer key-a")],
+        timeout=10,
+    )
+    msgs = await collect(call)
+    assert [list(m.token_ids) for m in msgs] == [[ord("T")], [ord("h")], [ord("e")]]
+    route = msgs[0].route
+    assert (route.replica_id, route.reason) == ("r0", "round_robin")
+    assert route.request_class.tenant == "tenantA"
+    assert route.request_class.session_id == "s1"
+    assert route.request_class.task == "chat"
+    assert not msgs[1].HasField("route")
+    assert msgs[-1].usage.prompt_tokens == len(PROMPT)
+    # The replica got token ids, the tenant's salt and the class.
+    (req,) = r0.requests
+    assert list(req.token_ids.ids) == list(PROMPT.encode())
+    assert req.cache_salt == app.auth.cache_salt("tenantA")
+    assert req.request_class.tenant == "tenantA" and req.request_class.session_id == "s1"
+    assert r1.requests == []
+    # x-api-key works too, and round robin moves on to r1.
+    msgs = await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-b")], timeout=10))
+    assert msgs[0].route.replica_id == "r1"
+    assert r1.requests[0].cache_salt == app.auth.cache_salt("tenantB") != app.auth.cache_salt("tenantA")
+
+
+@pytest.mark.parametrize("metadata", [[], [("authorization", "Bearer wrong")], [("x-api-key", "key-a-")]])
+async def test_grpc_rejects_missing_or_wrong_key(cluster2, metadata):
+    _, (r0, r1), stub = cluster2
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=metadata, timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "key-a" not in (err.value.details() or "")
+    assert r0.requests == [] and r1.requests == []
+
+
+async def test_grpc_retry_once_on_next_replica_before_first_token(cluster2):
+    app, (r0, r1), stub = cluster2
+    r0.fail_next = 1
+    msgs = await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
+    assert msgs[0].route.replica_id == "r1"
+    assert (len(r0.requests), len(r1.requests)) == (1, 1)
+    assert app.metrics.retries._value.get() == 1
+    assert {r: rec.in_flight for r, rec in app.cluster.replicas.items()} == {"r0": 0, "r1": 0}
+    # Both fail: the client sees the replica's status, no third attempt.
+    r0.fail_next = r1.fail_next = 1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert (len(r0.requests), len(r1.requests)) == (2, 2)
+
+
+async def test_grpc_invalid_argument_is_not_retried(cluster2):
+    _, (r0, r1), stub = cluster2
+    r0.fail_next, r0.fail_code = 1, grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (len(r0.requests), len(r1.requests)) == (1, 0)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(router_pb2.RouterGenerateRequest(), metadata=[("x-api-key", "key-a")], timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_client_cancel_propagates_to_replica(cluster2):
+    app, (r0, _), stub = cluster2
+    r0.hold = asyncio.Event()
+    call = stub.Generate(
+        router_pb2.RouterGenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=5)),
+        metadata=[("x-api-key", "key-a")],
+        timeout=10,
+    )
+    first = await call.read()
+    assert first.route.replica_id == "r0"
+    call.cancel()
+    await asyncio.wait_for(r0.cancelled.wait(), 10)
+    for _ in range(200):  # the router's handler unwinds asynchronously
+        if app.cluster.replicas["r0"].in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert app.cluster.replicas["r0"].in_flight == 0
+
+
+async def test_grpc_cluster_state_and_list_replicas(cluster2):
+    _, _, stub = cluster2
+    lst = await stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5)
+    assert [(r.replica_id, r.healthy) for r in lst.replicas] == [("r0", True), ("r1", True)]
+    state = await stub.GetClusterState(router_pb2.GetClusterStateRequest(), timeout=5)
+    assert [s.info.replica_id for s in state.replicas] == ["r0", "r1"]
+    assert state.routing_policy == "round_robin" and state.redis_connected is False
+
+
+@pytest.fixture
+async def single():
+    rep = FakeReplica("solo")
+    await rep.start()
+    app = RouterApp(config([rep], routing_policy="cache_aware"))
+    await app.start()
+    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10)
+    try:
+        yield app, rep, client
+    finally:
+        await client.aclose()
+        await app.stop()
+        await rep.stop()
+
+
+async def test_http_completion_reports_cached_tokens_and_route_headers(single):
+    app, rep, client = single
+    body = {"model": "unicache-default", "prompt": PROMPT, "max_tokens": 2}
+    r = await client.post("/v1/completions", json=body, headers={"authorization": "Bearer key-a"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-unicache-replica"] == "solo"
+    assert r.headers["x-unicache-route-reason"]
+    out = r.json()
+    assert out["object"] == "text_completion"
+    assert out["choices"] == [{"index": 0, "text": "Th", "finish_reason": "length", "logprobs": None}]
+    assert out["usage"] == {"prompt_tokens": 51, "completion_tokens": 2, "total_tokens": 53, "prompt_tokens_details": {"cached_tokens": 0}}
+    r = await client.post("/v1/completions", json=body, headers={"authorization": "Bearer key-a"})
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    # Another tenant, same prompt: different salt, nothing shared.
+    r = await client.post("/v1/completions", json=body, headers={"x-api-key": "key-b"})
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    salts = [req.cache_salt for req in rep.requests]
+    assert salts[0] == salts[1] != salts[2]
+
+
+async def test_http_streaming_completion_and_chat(single):
+    app, rep, client = single
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body, headers={"x-api-key": "key-a"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-unicache-replica"] == "solo"
+        lines = [line async for line in r.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert [e["choices"][0]["text"] for e in events[:3]] == ["T", "h", "e"]
+    assert [e["choices"][0]["finish_reason"] for e in events[:3]] == [None, None, "length"]
+    assert events[3]["choices"] == [] and events[3]["usage"]["prompt_tokens"] == 51
+
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    async with client.stream("POST", "/v1/chat/completions", json=chat, headers={"x-api-key": "key-a", "x-session-id": "conv-7"}) as r:
+        lines = [line async for line in r.aiter_lines() if line]
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]"
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"] == {"content": "<", "role": "assistant"}
+    assert events[1]["choices"][0]["delta"] == {"content": "|"}
+    assert bytes(rep.requests[-1].token_ids.ids).decode() == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    assert rep.requests[-1].request_class.session_id == "conv-7"
+
+
+async def test_http_chat_non_streaming(single):
+    _, _, client = single
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "yo"}]}], "max_tokens": 2}
+    r = await client.post("/v1/chat/completions", json=chat, headers={"x-api-key": "key-a"})
+    out = r.json()
+    assert out["object"] == "chat.completion"
+    assert out["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "<|"}, "finish_reason": "length"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status"),
+    [
+        ("/v1/completions", {"prompt": "x"}, {}, 401),
+        ("/v1/completions", {"prompt": "x"}, {"authorization": "Bearer nope"}, 401),
+        ("/v1/completions", {"prompt": 5}, {"x-api-key": "key-a"}, 400),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}, {"x-api-key": "key-a"}, 400),
+        ("/v1/completions", {"prompt": "x", "task": "poetry"}, {"x-api-key": "key-a"}, 400),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, {"x-api-key": "key-a"}, 400),
+        ("/v1/chat/completions", {"messages": []}, {"x-api-key": "key-a"}, 400),
+    ],
+)
+async def test_http_errors_are_openai_json(single, path, body, headers, status):
+    _, rep, client = single
+    r = await client.post(path, json=body, headers=headers)
+    assert r.status_code == status
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert "key-a" not in r.text
+    assert rep.requests == []
+
+
+async def test_http_bad_json_overload_and_no_replicas():
+    rep = FakeReplica("solo")
+    await rep.start()
+    app = RouterApp(config([rep], max_in_flight=0))
+    await app.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10) as c:
+            r = await c.post("/v1/completions", content=b"{nope", headers={"x-api-key": "key-a"})
+            assert r.status_code == 400
+            r = await c.post("/v1/completions", json={"prompt": "x"}, headers={"x-api-key": "key-a"})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+            app.core.max_in_flight = 10
+            app.cluster.remove("solo")
+            r = await c.post("/v1/completions", json={"prompt": "x"}, headers={"x-api-key": "key-a"})
+            assert r.status_code == 503
+            assert (await c.get("/readyz")).status_code == 503
+    finally:
+        await app.stop()
+        await rep.stop()
+
+
+async def test_http_models_health_metrics_state_dashboard(single):
+    app, _, client = single
+    assert (await client.get("/v1/models")).status_code == 401
+    r = await client.get("/v1/models", headers={"x-api-key": "key-a"})
+    assert r.json()["data"][0]["id"] == "unicache-default"
+    assert (await client.get("/healthz")).json() == {"status": "ok", "replicas": 1, "redis_connected": False}
+    await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers={"x-api-key": "key-a"})
+    text = (await client.get("/metrics")).text
+    assert 'unicache_router_requests_total{api="completions",outcome="ok"} 1.0' in text
+    assert 'unicache_router_computed_tokens_total{replica="solo"} 51.0' in text
+    assert "unicache_router_routing_latency_seconds_count 1.0" in text
+    assert 'unicache_router_replica_load{replica="solo"} 0.0' in text
+    assert "s3cret" not in text and "key-a" not in text
+    state = (await client.get("/v1/cluster/state")).json()
+    assert [r["info"]["replica_id"] for r in state["replicas"]] == ["solo"]
+    assert state["routing_policy"] == "cache_aware"
+    html = (await client.get("/dashboard")).text
+    assert "/v1/cluster/state" in html and "setInterval" in html
+
+
+async def test_auth_disabled_local_mode_uses_default_tenant():
+    rep = FakeReplica("solo")
+    await rep.start()
+    app = RouterApp(config([rep], auth_enabled=False))
+    await app.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10) as c:
+            r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+            assert r.status_code == 200
+        assert rep.requests[0].request_class.tenant == "default"
+        assert rep.requests[0].cache_salt == app.auth.cache_salt("default")
+    finally:
+        await app.stop()
+        await rep.stop()
+
+
+def test_tenants_never_share_block_hashes():
+    app = RouterApp(config([], routing_policy="round_robin"))
+    ids = list(PROMPT.encode())
+    a = hash_token_blocks(ids, 16, cache_salt=app.auth.cache_salt("tenantA"))
+    b = hash_token_blocks(ids, 16, cache_salt=app.auth.cache_salt("tenantB"))
+    assert len(a) == len(b) == 3
+    assert set(a).isdisjoint(b)
+    assert make_routing_policy("round_robin").name == "round_robin"
