@@ -1,0 +1,196 @@
+"""``unicache sim`` (replay a trace, compare eviction policies) and ``unicache gen-workload``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, fields
+
+from replica.eviction.registry import policy_names
+from router.routing.registry import routing_policy_names
+from unicache.errors import UsageError
+from unicache.sim.prepare import prepare
+from unicache.sim.replay import ReplayConfig
+from unicache.sim.runner import capacities_from_fracs, run_grid
+from unicache.sim.timing import TimingModel
+from unicache.sim.workload import WorkloadConfig, generate
+from unicache.trace import TraceError, read_trace, write_trace
+
+DEFAULT_POLICIES = "lru,radix-lru,unicache,opt"
+DEFAULT_FRACS = "0.02,0.05,0.1,0.25"
+
+
+def register(subparsers) -> None:
+    sim = subparsers.add_parser("sim", help="replay a trace through simulated replicas and compare eviction policies")
+    sim.add_argument("--trace", required=True, help="JSON Lines trace (DESIGN.md format)")
+    sim.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16; Mooncake: 512)")
+    cap = sim.add_mutually_exclusive_group()
+    cap.add_argument("--capacity-frac", help=f"comma list of capacities as fractions of unique blocks (default {DEFAULT_FRACS})")
+    cap.add_argument("--capacity-blocks", help="comma list of capacities in blocks (per replica)")
+    sim.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma list of eviction policies (default {DEFAULT_POLICIES})")
+    sim.add_argument("--json", dest="json_out", help="write the results here")
+    sim.add_argument("--plot", help="draw hit ratio against capacity into this PNG")
+    sim.add_argument("--ignore-labels", action="store_true", help="infer classes even where the trace has labels, and score the inference")
+    sim.add_argument("--replicas", type=int, default=1, help="simulated replicas (default 1)")
+    sim.add_argument("--router", default="round_robin", help="comma list of routing policies used with --replicas > 1")
+    sim.add_argument("--pooled", action="store_true", help="also run one replica holding replicas x capacity")
+    sim.add_argument("--lanes", type=int, default=4, help="concurrent prefill batches per replica (default 4)")
+    sim.add_argument("--max-batch-requests", type=int, default=8, help="requests per prefill batch (default 8)")
+    sim.add_argument("--max-batch-tokens", type=int, default=16384, help="uncached tokens that close a prefill batch (default 16384)")
+    t = TimingModel()
+    sim.add_argument("--prefill-coef", type=float, default=t.prefill_coef, help=f"prefill model coefficient (default {t.prefill_coef})")
+    sim.add_argument("--batch-exp", type=float, default=t.batch_exp, help=f"prefill model batch exponent (default {t.batch_exp})")
+    sim.add_argument("--token-exp", type=float, default=t.token_exp, help=f"prefill model token exponent (default {t.token_exp})")
+    sim.add_argument("--decode-s-per-token", type=float, default=t.decode_s_per_token, help=f"seconds per output token (default {t.decode_s_per_token})")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim.set_defaults(func=run_sim)
+
+    gen = subparsers.add_parser("gen-workload", help="write a seeded, labelled heterogeneous trace")
+    gen.add_argument("--out", required=True, help="output JSON Lines path")
+    for f in fields(WorkloadConfig):
+        gen.add_argument(
+            f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+            help=f"{f.metadata['help']} (default {f.default})",
+        )
+    gen.set_defaults(func=run_gen)
+
+
+def _split(text: str, what: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise UsageError(f"{what}: empty list")
+    return items
+
+
+def _numbers(text: str, what: str, kind: type) -> list:
+    out = []
+    for item in _split(text, what):
+        try:
+            value = kind(item)
+        except ValueError:
+            raise UsageError(f"{what}: {item!r} is not a number") from None
+        if not value > 0 or (kind is float and not math.isfinite(value)):
+            raise UsageError(f"{what}: capacity must be positive, got {item}")
+        out.append(value)
+    return out
+
+
+def _check_names(names: list[str], known: list[str], what: str) -> None:
+    for name in names:
+        if name not in known:
+            raise UsageError(f"{what}: unknown {what.lstrip('-')} {name!r} (choose from {', '.join(known)})")
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    policies = _split(args.policies, "--policies")
+    _check_names(policies, policy_names(), "--policies")
+    if args.block_size <= 0:
+        raise UsageError(f"--block-size must be positive, got {args.block_size}")
+    if args.replicas <= 0:
+        raise UsageError(f"--replicas must be positive, got {args.replicas}")
+    if args.lanes <= 0 or args.max_batch_requests <= 0:
+        raise UsageError("--lanes and --max-batch-requests must be positive")
+    routers: list[str | None] = [None]
+    if args.replicas > 1:
+        routers = list(_split(args.router, "--router"))
+        _check_names(routers, routing_policy_names(), "--router")
+    fracs = blocks = None
+    if args.capacity_blocks is not None:
+        blocks = _numbers(args.capacity_blocks, "--capacity-blocks", int)
+    else:
+        fracs = _numbers(args.capacity_frac or DEFAULT_FRACS, "--capacity-frac", float)
+    try:
+        timing = TimingModel(args.prefill_coef, args.batch_exp, args.token_exp, args.decode_s_per_token)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        trace = prepare(read_trace(args.trace), args.block_size, ignore_labels=args.ignore_labels)
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        capacities = blocks if blocks is not None else capacities_from_fracs(fracs, trace.unique_blocks)
+    except ValueError as exc:
+        raise UsageError(f"--capacity-frac: {exc}") from None
+    base = ReplayConfig(
+        policy=policies[0], capacity_blocks=capacities[0], replicas=args.replicas, lanes=args.lanes,
+        max_batch_requests=args.max_batch_requests, max_batch_tokens=args.max_batch_tokens, timing=timing,
+    )
+    print(
+        f"trace {args.trace}: {len(trace.requests)} requests, {trace.unique_blocks} unique blocks, "
+        f"{trace.block_accesses} block accesses, block size {args.block_size}"
+        + (" (labels ignored)" if args.ignore_labels else "")
+    )
+    multi = args.replicas > 1
+    print(_header(multi))
+    results = run_grid(
+        trace, policies, capacities, base, routers=routers, pooled=args.pooled and multi,
+        progress=not args.no_progress, on_result=lambda r: print(_row(r, trace.unique_blocks, multi), flush=True),
+    )
+    if trace.classifier_accuracy:
+        acc = trace.classifier_accuracy
+        print("classifier accuracy vs labels: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items() if k != "labelled_requests"))
+    report = {
+        "trace": str(args.trace),
+        "block_size": args.block_size,
+        "requests": len(trace.requests),
+        "unique_blocks": trace.unique_blocks,
+        "block_accesses": trace.block_accesses,
+        "labelled": trace.labelled,
+        "ignore_labels": args.ignore_labels,
+        "timing": asdict(timing),
+        "lanes": args.lanes,
+        "results": results,
+    }
+    if trace.classifier_accuracy is not None:
+        report["classifier_accuracy"] = trace.classifier_accuracy
+    if args.json_out:
+        _write(args.json_out, lambda fh: json.dump(report, fh, indent=2))
+    if args.plot:
+        from unicache.sim.plot import plot_hit_ratio
+
+        try:
+            plot_hit_ratio(results, trace.unique_blocks, args.plot, title=str(args.trace))
+        except OSError as exc:
+            raise UsageError(f"--plot: cannot write {args.plot} ({exc.strerror})") from None
+    return 0
+
+
+def _write(path: str, dump) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            dump(fh)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path} ({exc.strerror})") from None
+
+
+def _header(multi: bool) -> str:
+    cols = f"{'policy':<10} {'capacity':>9} {'cap%':>6}"
+    if multi:
+        cols += f" {'router':<16} {'imbal':>6}"
+    return cols + f" {'hit%':>6} {'tok%':>6} {'ttft_mean':>9} {'ttft_p99':>9} {'evictions':>9} {'acc/s':>9}"
+
+
+def _row(r: dict, unique_blocks: int, multi: bool) -> str:
+    row = f"{r['policy']:<10} {r['capacity_blocks']:>9} {100.0 * r['capacity_blocks'] / unique_blocks:>6.2f}"
+    if multi:
+        row += f" {r.get('router', '-'):<16} {r.get('load_imbalance', 1.0):>6.2f}"
+    return row + (
+        f" {100 * r['block_hit_ratio']:>6.2f} {100 * r['token_hit_ratio']:>6.2f} {r['ttft_mean_s']:>9.3f}"
+        f" {r['ttft_p99_s']:>9.3f} {r['evictions']:>9} {r['accesses_per_s']:>9.0f}"
+    )
+
+
+def run_gen(args: argparse.Namespace) -> int:
+    values = {f.name: getattr(args, f.name) for f in fields(WorkloadConfig)}
+    try:
+        cfg = WorkloadConfig(**values)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    records = generate(cfg)
+    _write(args.out, lambda fh: None)  # fail early and cleanly on an unwritable path
+    write_trace(args.out, records)
+    accesses = sum(len(r["hash_ids"]) for r in records)
+    print(f"wrote {len(records)} requests ({accesses} block accesses, block size {cfg.block_size}) to {args.out}")
+    return 0

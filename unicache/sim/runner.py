@@ -1,0 +1,55 @@
+"""Run a grid of replays (policies x capacities x routers) over one prepared trace.
+
+Shared by ``unicache sim`` and ``bench/eviction_report.py`` so both measure the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from replica.eviction.opt import FutureAccesses
+from unicache.sim.prepare import PreparedTrace
+from unicache.sim.replay import Replay, ReplayConfig
+
+
+def capacities_from_fracs(fracs: Sequence[float], unique_blocks: int) -> list[int]:
+    """Blocks per capacity fraction of the trace's unique blocks (ValueError if one is 0)."""
+    caps = []
+    for f in fracs:
+        blocks = int(f * unique_blocks)
+        if blocks <= 0:
+            raise ValueError(f"capacity {f:g} of {unique_blocks} unique blocks is 0 blocks")
+        caps.append(blocks)
+    return caps
+
+
+def run_grid(
+    trace: PreparedTrace,
+    policies: Sequence[str],
+    capacities: Sequence[int],
+    base: ReplayConfig,
+    routers: Sequence[str | None] = (None,),
+    pooled: bool = False,
+    progress: bool = False,
+    on_result: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """One result record per (policy, capacity[, router]); ``pooled`` adds a pooled run.
+
+    The opt oracle is built once here (outside the per-policy loop).
+    """
+    future = FutureAccesses.from_prompts(r.prompt_hashes for r in trace.requests) if "opt" in policies else None
+    results = []
+    variants: list[ReplayConfig] = []
+    for policy in policies:
+        for cap in capacities:
+            for router in routers:
+                variants.append(replace(base, policy=policy, capacity_blocks=cap, router=router, pooled=False))
+            if pooled and base.replicas > 1:
+                variants.append(replace(base, policy=policy, capacity_blocks=cap, router=None, pooled=True))
+    for cfg in variants:
+        rec = Replay(trace, cfg, future=future, progress=progress).run()
+        results.append(rec)
+        if on_result is not None:
+            on_result(rec)
+    return results
