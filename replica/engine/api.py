@@ -32,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     n: int = 1
+    ignore_eos: bool = False  # keep generating past the EOS token (benchmarks)
 
 
 @dataclass(slots=True)

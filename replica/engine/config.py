@@ -1,0 +1,53 @@
+"""Engine configuration: one dataclass of documented tunables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replica.engine.model import ModelConfig
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Tunables of one replica engine.
+
+    Attributes:
+        model: architecture of the seeded random model (ignored when ``checkpoint`` is set).
+        checkpoint: local directory with a Llama-format ``config.json`` + ``*.safetensors``.
+        tokenizer: path to a Hugging Face ``tokenizer.json`` (or a directory holding one);
+            None selects the byte-level tokenizer. With a checkpoint directory that holds a
+            tokenizer.json and no explicit path, that file is used.
+        num_blocks: KV blocks in the cache (``num_gpu_blocks`` is an alias that wins when set).
+        block_size: tokens per KV block.
+        eviction_policy: registered eviction policy name; "unicache" falls back to "lru"
+            while no "unicache" policy is registered.
+        enable_prefix_caching: False gives a cold cache on every request (for comparisons).
+        device: "auto" (CUDA if available, else CPU), "cpu", "cuda" or "cuda:N".
+        dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float64",
+            "bfloat16" or "float16".
+        max_num_seqs: most sequences (samples) running at once.
+        max_num_batched_tokens: most tokens computed in one step (prefills are chunked).
+        max_model_len: longest prompt + output (None: the model's max_position).
+        max_n: largest ``n`` accepted per request (also capped by ``max_num_seqs``).
+        seed: seeds the random weights and the sampler of requests without a seed.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    checkpoint: str | None = None
+    tokenizer: str | None = None
+    num_blocks: int = 1024
+    num_gpu_blocks: int | None = None
+    block_size: int = 16
+    eviction_policy: str = "unicache"
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_n: int = 16
+    seed: int = 0
+
+    @property
+    def total_blocks(self) -> int:
+        return self.num_gpu_blocks if self.num_gpu_blocks is not None else self.num_blocks

@@ -1,0 +1,324 @@
+"""The synchronous engine: one ``step()`` schedules, runs the model once, samples.
+
+``LLMEngine`` is driven by a single thread (``AsyncEngine``'s step loop, or a test).
+Other threads may only call the snapshot methods (``take_events``, ``cached_hashes``,
+``cache_state``, ``load``, ``num_referenced_blocks``), which take ``lock``; ``step`` holds
+the lock while it touches the store and releases it for the forward pass.
+
+Invariant: when no request is in flight, no block is referenced (``num_referenced_blocks()
+== 0``); finished, aborted and failed requests always free their blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from replica.engine.api import (
+    CacheStateInfo,
+    EngineInputError,
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+)
+from replica.engine.attention import build_metadata
+from replica.engine.config import EngineConfig
+from replica.engine.model import LlamaForCausalLM, ModelConfig
+from replica.engine.sampling import make_generator, sample
+from replica.engine.scheduler import ScheduledChunk, Scheduler
+from replica.engine.sequence import RequestGroup, Sequence
+from replica.engine.tokenizer import load_tokenizer
+from replica.eviction.registry import make_policy, policy_names
+from replica.kv.events import KVEvent
+from replica.kv.store import KVStore
+from replica.kv.torch_storage import TorchKVStorage
+from unicache.block_hash import BlockHash
+
+MAX_SALT_BYTES = 64
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r} (choose from auto, {', '.join(_DTYPES)})") from None
+
+
+def resolve_policy(name: str) -> str:
+    """The configured eviction policy, or "lru" while "unicache" is not registered yet."""
+    if name == "unicache" and "unicache" not in policy_names():
+        return "lru"
+    return name
+
+
+class LLMEngine:
+    """Model + paged KV store + scheduler. See the module docstring for threading rules."""
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.device = resolve_device(config.device)
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        if config.checkpoint is not None:
+            from replica.engine.checkpoint import load_checkpoint
+
+            self.model = load_checkpoint(config.checkpoint)
+        else:
+            self.model = LlamaForCausalLM.random(config.model, config.seed)
+        mcfg: ModelConfig = self.model.config
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rotary.to(self.device)  # NOTE: keep cos/sin in float64 for exact positions
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
+        self.vocab_size = mcfg.vocab_size
+        self.policy_name = resolve_policy(config.eviction_policy)
+        self.storage = TorchKVStorage(
+            mcfg.num_layers,
+            config.total_blocks,
+            config.block_size,
+            mcfg.num_kv_heads,
+            mcfg.dim_per_head,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.store = KVStore(
+            config.total_blocks,
+            config.block_size,
+            make_policy(self.policy_name),
+            storage=self.storage,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(self.store, config.max_num_seqs, config.max_num_batched_tokens, clock)
+        self.lock = threading.Lock()
+        self._groups: dict[str, RequestGroup] = {}
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+
+    # ------------------------------------------------------------ validation
+    def validate(self, req: EngineRequest) -> None:
+        """Raise ``EngineInputError`` if ``req`` can never be served as given."""
+        p = req.sampling
+        n_prompt = len(req.prompt_token_ids)
+        if n_prompt == 0:
+            raise EngineInputError("invalid", "prompt is empty")
+        if p.max_tokens < 1 or p.max_tokens > self.max_model_len:
+            raise EngineInputError("invalid", f"max_tokens must be in [1, {self.max_model_len}], got {p.max_tokens}")
+        if not p.temperature >= 0.0:
+            raise EngineInputError("invalid", f"temperature must be >= 0, got {p.temperature}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise EngineInputError("invalid", f"top_p must be in (0, 1], got {p.top_p}")
+        max_n = min(self.config.max_n, self.config.max_num_seqs)
+        if p.n < 1 or p.n > max_n:
+            raise EngineInputError("invalid", f"n must be in [1, {max_n}], got {p.n}")
+        if any(not s for s in p.stop):
+            raise EngineInputError("invalid", "stop strings must be non-empty")
+        if req.cache_salt is not None and len(req.cache_salt) > MAX_SALT_BYTES:
+            raise EngineInputError("invalid", f"cache_salt is {len(req.cache_salt)} bytes (at most {MAX_SALT_BYTES})")
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise EngineInputError("invalid", f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        total = n_prompt + p.max_tokens
+        if total > self.max_model_len:
+            raise EngineInputError(
+                "exhausted",
+                f"prompt ({n_prompt} tokens) + max_tokens ({p.max_tokens}) exceeds the context of {self.max_model_len}",
+            )
+        if self.store.blocks_for_tokens(total) > self.store.num_blocks:
+            raise EngineInputError(
+                "exhausted",
+                f"request needs {self.store.blocks_for_tokens(total)} KV blocks, the cache has {self.store.num_blocks}",
+            )
+        if req.request_id in self._groups:
+            raise EngineInputError("invalid", f"request id {req.request_id!r} is already in flight")
+
+    # -------------------------------------------------------------- requests
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a validated request (call from the step thread)."""
+        self.validate(req)
+        group = RequestGroup(req, self.clock())
+        fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng).item())
+        group.fallback_seed = fallback
+        max_stop = max((len(s) for s in req.sampling.stop), default=0)
+        seq = Sequence(
+            group=group,
+            index=0,
+            token_ids=list(req.prompt_token_ids),
+            num_prompt=len(req.prompt_token_ids),
+            detok=self.tokenizer.detokenizer(),
+            generator=make_generator(req.sampling, 0, fallback, self.device),
+            max_stop_len=max_stop,
+        )
+        group.seqs.append(seq)
+        with self.lock:
+            self._groups[req.request_id] = group
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> list[EngineOutput]:
+        """Drop a request and free its blocks. Returns "abort" outputs for its unfinished samples."""
+        with self.lock:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                return []
+            dropped = self.scheduler.remove_group(group)
+        outs = [s.abort_output() for s in dropped]
+        present = {s.index for s in group.seqs}
+        for idx in range(group.request.sampling.n):
+            if idx not in present:
+                outs.append(EngineOutput(request_id, idx, [], "", True, "abort", group.seqs[0].usage()))
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def request_ids(self) -> list[str]:
+        return list(self._groups)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[EngineOutput]:
+        """Run one iteration: schedule, forward, sample. Returns this step's outputs."""
+        with self.lock:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                return []
+            tables = [self.store.block_table(c.seq.seq_id) for c in chunks]
+        logits = self._forward(chunks, tables)
+        with self.lock:
+            return self._postprocess(chunks, logits)
+
+    def _forward(self, chunks: list[ScheduledChunk], tables: list[list[int]]) -> torch.Tensor | None:
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start : c.end])
+            positions.extend(range(c.start, c.end))
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
+        dev = self.device
+        meta = build_metadata([(t, c.start, c.end) for t, c in zip(tables, chunks)], self.block_size, dev)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        hidden = self.model(input_ids, pos, self.storage, meta)
+        if not sample_rows:
+            return None
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return self.model.logits(hidden.index_select(0, rows)).cpu()
+
+    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> list[EngineOutput]:
+        now = self.clock()
+        outputs: list[EngineOutput] = []
+        row = 0
+        for c in chunks:
+            seq = c.seq
+            row_logits = None
+            if c.samples:
+                assert logits is not None
+                row_logits = logits[row]
+                row += 1
+            if not seq.allocated:
+                continue  # aborted while the forward ran
+            seq.num_computed = c.end
+            self._publish_blocks(seq, now)
+            if row_logits is None:
+                continue
+            group = seq.group
+            if group.first_token is None:
+                group.first_token = now
+            samples = [seq]
+            if not group.forked:
+                group.forked = True
+                samples.extend(self._fork_children(seq))
+            for s in samples:
+                tok = sample(row_logits, group.request.sampling, s.generator)
+                out = s.append_token(tok, self.tokenizer.eos_token_id, group.request.sampling.ignore_eos, self.max_model_len)
+                outputs.append(out)
+                if out.finished:
+                    self.scheduler.finish(s)
+            if group.finished:
+                self._groups.pop(group.request_id, None)
+        return outputs
+
+    def _publish_blocks(self, seq: Sequence, now: float) -> None:
+        """Hand hashes of newly computed full blocks to the store and offer them to the cache."""
+        hashes = seq.full_block_hashes(seq.num_computed, self.block_size)
+        if len(hashes) > seq.num_store_hashes:
+            self.store.add_block_hashes(seq.seq_id, hashes[seq.num_store_hashes :])
+            seq.num_store_hashes = len(hashes)
+        self.store.cache_blocks(seq.seq_id, now, upto=len(hashes))
+
+    def _fork_children(self, parent: Sequence) -> list[Sequence]:
+        group = parent.group
+        children = []
+        for idx in range(1, group.request.sampling.n):
+            gen = make_generator(group.request.sampling, idx, group.fallback_seed, self.device)
+            child = parent.fork(idx, gen, self.tokenizer.detokenizer())
+            self.store.fork(parent.seq_id, child.seq_id)
+            group.seqs.append(child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def fail_all(self, exc: BaseException) -> list[str]:
+        """After a failed step: drop every request (blocks freed). Returns their ids."""
+        ids = self.request_ids()
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    # ------------------------------------------------------------- snapshots
+    def take_events(self) -> list[KVEvent]:
+        with self.lock:
+            return self.store.take_events()
+
+    def cached_hashes(self) -> list[BlockHash]:
+        with self.lock:
+            return self.store.cached_hashes()
+
+    def num_referenced_blocks(self) -> int:
+        with self.lock:
+            return sum(1 for b in self.store.blocks if b.ref_cnt > 0)
+
+    def load(self) -> EngineLoad:
+        with self.lock:
+            return EngineLoad(
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            )
+
+    def cache_state(self) -> CacheStateInfo:
+        with self.lock:
+            s = self.store
+            return CacheStateInfo(
+                block_size=s.block_size,
+                capacity_blocks=s.num_blocks,
+                used_blocks=s.num_used_blocks,
+                free_blocks=s.num_free_blocks,
+                cached_blocks=s.num_cached_blocks,
+                hit_ratio=s.stats.hit_ratio,
+                queue_sizes=s.policy.queue_sizes(),
+                eviction_policy=self.policy_name,
+                evictions=s.stats.evictions,
+            )
+
+    def check_invariants(self) -> None:
+        with self.lock:
+            self.store.check_invariants()

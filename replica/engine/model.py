@@ -1,0 +1,188 @@
+"""A Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+
+Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` so a Llama-format
+safetensors checkpoint loads with ``load_state_dict`` (see checkpoint.py).
+
+Two forward paths share the weights:
+    * ``forward(ids, positions, kv, meta)``: the serving path, K/V paged in ``TorchKVStorage``;
+    * ``forward_dense(ids)``: a plain causal forward with no cache (the reference the tests
+      compare the paged path against).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replica.engine.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Architecture. The defaults are a small model that prefills 2,000 tokens quickly on CPU."""
+
+    vocab_size: int = 259
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    intermediate_size: int = 688
+    max_position: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
+    init_std: float = 0.1  # large enough that greedy decoding of random weights does not collapse
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.dim_per_head % 2:
+            raise ValueError("head_dim must be even (rotary embedding)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary embedding with HF's rotate-half layout; cos/sin precomputed for max_position."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: ``[T, heads, head_dim]``; positions: ``[T]``."""
+        cos = self.cos[positions].to(x.dtype)[:, None, :]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.dim_per_head
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
+        t = x.shape[0]
+        q = rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
+        k = rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata):
+        q, k, v = self._qkv(x, positions, rotary)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.num_heads // self.num_kv_heads)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def forward_dense(self, x, positions, rotary):
+        q, k, v = self._qkv(x, positions, rotary)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        gqa = self.num_heads != self.num_kv_heads
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head. ``forward`` returns final hidden states; ``logits`` projects rows."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.dim_per_head, cfg.max_position, cfg.rope_theta)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int) -> "LlamaForCausalLM":
+        """A model with seeded random weights (same seed, same weights, on any machine)."""
+        model = cls(cfg)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * cfg.init_std)
+        return model
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            k_cache, v_cache = kv.layer_views(i)
+            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rotary, k_cache, v_cache, meta)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[T, vocab]`` of a plain causal forward over ``input_ids`` (no KV cache)."""
+        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), positions, self.rotary)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.logits(self.model.norm(h))

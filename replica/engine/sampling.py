@@ -1,0 +1,38 @@
+"""Next-token choice: greedy, temperature, top-p, per-sample seeded generators.
+
+Each sample owns its ``torch.Generator`` (seeded from the request's seed and the sample
+index), so a seeded request draws the same tokens whatever else shares its batch and
+whether or not its prefix came from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replica.engine.api import SamplingParams
+
+
+def make_generator(params: SamplingParams, index: int, fallback_seed: int, device: torch.device) -> torch.Generator | None:
+    """A generator for sample ``index`` (None for greedy, which draws nothing)."""
+    if params.temperature == 0.0:
+        return None
+    seed = params.seed if params.seed is not None else fallback_seed
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + index) % (2**63))
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick a token from one row of float logits ``[vocab]``."""
+    if params.temperature == 0.0 or generator is None:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (cum - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice].item())
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,159 @@
+"""Tokenizers shared by replicas and the router. MUST NOT import torch (the router has none).
+
+``ByteTokenizer`` (default, no files): ids 0..255 are bytes, then ``<bos>``, ``<eos>``,
+``<pad>``. ``HFTokenizer`` wraps a Hugging Face ``tokenizer.json`` via ``tokenizers``.
+Both offer ``encode``, ``decode``, ``vocab_size``, ``eos_token_id``, ``bos_token_id`` and
+``detokenizer()``: an incremental decoder for streaming whose deltas never split a
+UTF-8 character (concatenated deltas equal ``decode`` of all ids).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+from typing import Protocol
+
+
+class IncrementalDetokenizer(Protocol):
+    def step(self, token_id: int) -> str:
+        """Add one token; return the newly completed text (maybe empty)."""
+
+    def flush(self) -> str:
+        """End of stream: return any held-back text."""
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_id: int | None
+    bos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def detokenizer(self) -> IncrementalDetokenizer: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens; special ids decode to nothing."""
+
+    NUM_BYTES = 256
+
+    def __init__(self) -> None:
+        self.bos_token_id = 256
+        self.eos_token_id = 257
+        self.pad_token_id = 258
+        self.vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < self.NUM_BYTES).decode("utf-8", errors="replace")
+
+    def detokenizer(self) -> "_ByteDetokenizer":
+        return _ByteDetokenizer()
+
+
+class _ByteDetokenizer:
+    def __init__(self) -> None:
+        # The incremental UTF-8 decoder holds an incomplete trailing character back.
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        if 0 <= token_id < ByteTokenizer.NUM_BYTES:
+            return self._dec.decode(bytes((token_id,)))
+        return ""
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (fast tokenizer, no transformers needed)."""
+
+    def __init__(self, path: str, eos_token: str | None = None, bos_token: str | None = None):
+        from tokenizers import Tokenizer as _HF
+
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        self._tok = _HF.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        cfg = _special_tokens(os.path.dirname(path))
+        eos = eos_token or cfg.get("eos_token") or _first_present(self._tok, ("</s>", "<|endoftext|>", "<eos>"))
+        bos = bos_token or cfg.get("bos_token") or _first_present(self._tok, ("<s>", "<|begin_of_text|>", "<bos>"))
+        self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+        self.bos_token_id = self._tok.token_to_id(bos) if bos else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def detokenizer(self) -> "_HFDetokenizer":
+        return _HFDetokenizer(self)
+
+
+class _HFDetokenizer:
+    """Prefix/read offsets (as vLLM): decode a short window and emit only stable text.
+
+    Text ending in U+FFFD is an incomplete byte sequence (byte-fallback tokens): hold it.
+    """
+
+    def __init__(self, tok: HFTokenizer):
+        self._tok = tok
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def step(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        new_text = self._tok.decode(self._ids[self._prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self._prefix = self._read
+            self._read = len(self._ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        new_text = self._tok.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+
+def _special_tokens(directory: str) -> dict[str, str]:
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    out = {}
+    for key in ("eos_token", "bos_token"):
+        val = cfg.get(key)
+        if isinstance(val, dict):
+            val = val.get("content")
+        if isinstance(val, str):
+            out[key] = val
+    return out
+
+
+def _first_present(tok, candidates: tuple[str, ...]) -> str | None:
+    for c in candidates:
+        if tok.token_to_id(c) is not None:
+            return c
+    return None
+
+
+def load_tokenizer(path: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """``ByteTokenizer`` when ``path`` is None, else the tokenizer.json at (or in) ``path``."""
+    if path is None:
+        return ByteTokenizer()
+    target = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.exists(target):
+        raise FileNotFoundError(f"tokenizer file not found: {target}")
+    return HFTokenizer(target)
