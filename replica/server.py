@@ -9,7 +9,8 @@ Invariants:
       normally, with an error, or because the client cancelled; closing the stream is
       what aborts the request and frees its blocks in the engine.
     * ``EngineInputError("invalid")`` -> INVALID_ARGUMENT, ``("exhausted")`` ->
-      RESOURCE_EXHAUSTED; both before any message is streamed.
+      RESOURCE_EXHAUSTED; both before any message is streamed. Any other engine failure
+      -> INTERNAL.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                     yield output_to_proto(out)
             except EngineInputError as exc:
                 await context.abort(STATUS_CODES[exc.kind], str(exc))
+            except Exception as exc:  # noqa: BLE001 - an engine failure must reach the client as a status
+                log.exception("request %s failed in the engine", engine_request.request_id)
+                await context.abort(grpc.StatusCode.INTERNAL, f"engine failure: {exc}")
         finally:
             # NOTE: on client cancellation grpc.aio cancels this task; the engine's
             # generator sees CancelledError/GeneratorExit and frees the request's blocks.

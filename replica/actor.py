@@ -1,0 +1,60 @@
+"""The replica as a Ray actor.
+
+``ReplicaActor`` has an async ``__init__`` (Ray runs it on the actor's event loop), so a
+restarted actor -- Ray re-runs ``__init__`` with the same arguments -- comes back serving
+on its own, with the same replica id, a fresh gRPC port and a new publisher epoch.
+``actor_options`` gives the scheduling options: restarts forever, one GPU when the
+cluster has GPUs, else one CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replica.runtime import ReplicaRuntime
+from replica.settings import ReplicaSettings
+
+ACTOR_NAMESPACE = "unicache"
+
+
+def actor_name(replica_id: str) -> str:
+    return f"unicache-replica-{replica_id}"
+
+
+def actor_options(replica_id: str, use_gpu: bool, max_task_retries: int = 3) -> dict[str, Any]:
+    """Ray options for one replica actor.
+
+    Args:
+        use_gpu: request one GPU (else one CPU); the launcher decides from the cluster's
+            resources, not from the driver's own devices.
+        max_task_retries: retries of a method call interrupted by an actor restart.
+    """
+    opts: dict[str, Any] = {
+        "name": actor_name(replica_id),
+        "namespace": ACTOR_NAMESPACE,
+        "max_restarts": -1,
+        "max_task_retries": max_task_retries,
+        "max_concurrency": 64,
+    }
+    if use_gpu:
+        opts.update(num_gpus=1, num_cpus=1)
+    else:
+        opts.update(num_gpus=0, num_cpus=1)
+    return opts
+
+
+class ReplicaActor:
+    """Wraps one ``ReplicaRuntime``; methods are called by the launcher only (clients use gRPC)."""
+
+    async def __init__(self, settings: ReplicaSettings):
+        self.runtime = ReplicaRuntime(settings)
+        await self.runtime.start()
+
+    async def info(self) -> dict:
+        """replica_id, address (host:port of the gRPC server), device, epoch, pid."""
+        import os
+
+        return {**self.runtime.info(), "pid": os.getpid()}
+
+    async def shutdown(self) -> None:
+        await self.runtime.stop()

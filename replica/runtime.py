@@ -1,0 +1,62 @@
+"""One running replica: engine, gRPC server and cache publisher, started and stopped
+together. The Ray actor and ``unicache replica`` both wrap this, so they behave alike.
+
+Invariant: after ``start`` returns, the gRPC server answers health checks as SERVING and
+(when a Redis URL is set) the publisher has tried its first summary; Redis being down
+never makes ``start`` fail.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from unicache.redis_keys import RedisKeys
+from replica.engine.async_engine import AsyncEngine
+from replica.publisher import CachePublisher
+from replica.server import ReplicaServer
+from replica.settings import ReplicaSettings
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaRuntime:
+    def __init__(self, settings: ReplicaSettings):
+        self.settings = settings
+        self.engine: AsyncEngine | None = None
+        self.server: ReplicaServer | None = None
+        self.publisher: CachePublisher | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        """Start everything; returns the advertised ``host:port``."""
+        s = self.settings
+        self.engine = AsyncEngine(s.engine_config())
+        await self.engine.start()
+        self.server = ReplicaServer(self.engine, s.replica_id, s.host, s.port, s.default_max_tokens)
+        port = await self.server.start()
+        self.address = f"{s.advertised_host()}:{port}"
+        if s.redis_url:
+            self.publisher = CachePublisher(self.engine, s.replica_id, s.redis_url, self.address, RedisKeys(s.redis_prefix))
+            await self.publisher.start()
+        log.info("replica %s up at %s on %s", s.replica_id, self.address, self.engine.device)
+        return self.address
+
+    def info(self) -> dict:
+        return {
+            "replica_id": self.settings.replica_id,
+            "address": self.address,
+            "device": str(self.engine.device) if self.engine else "",
+            "epoch": self.publisher.epoch if self.publisher else 0,
+        }
+
+    async def stop(self) -> None:
+        """Stop in reverse order: stop publishing (heartbeat deleted), drain gRPC, stop the engine."""
+        if self.publisher is not None:
+            await self.publisher.stop()
+            self.publisher = None
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
+        if self.engine is not None:
+            await self.engine.stop()
+            self.engine = None

@@ -1,0 +1,112 @@
+"""Replica settings: one dataclass, every field a CLI flag and an environment variable.
+
+Field ``foo_bar`` is flag ``--foo-bar`` and variable ``UNICACHE_FOO_BAR``; precedence is
+flag, then variable, then the default below. The same object configures ``unicache
+replica`` (one process), the Ray actor and the launcher, so the three cannot drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import typing
+from dataclasses import dataclass, field
+
+from unicache.errors import UsageError
+from unicache.redis_keys import DEFAULT_PREFIX
+from replica.engine.config import EngineConfig
+
+ENV_PREFIX = "UNICACHE_"
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(slots=True)
+class ReplicaSettings:
+    replica_id: str = field(default="replica-0", metadata=_help("stable replica id (survives restarts)"))
+    host: str = field(default="127.0.0.1", metadata=_help("interface the gRPC server binds (0.0.0.0 in a pod)"))
+    port: int = field(default=0, metadata=_help("gRPC port; 0 picks a free one"))
+    advertise_host: str = field(
+        default="", metadata=_help("host routers dial (default: host, or $POD_IP / this host's IP when host is 0.0.0.0)")
+    )
+    redis_url: str = field(default="", metadata=_help("Redis for cache events and heartbeats; empty: publish nothing"))
+    redis_prefix: str = field(default=DEFAULT_PREFIX, metadata=_help("namespace of every Redis key"))
+    eviction_policy: str = field(default="unicache", metadata=_help("KV-cache eviction policy (lru, radix-lru, unicache)"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV block"))
+    num_blocks: int = field(default=1024, metadata=_help("KV blocks in the cache"))
+    device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
+    dtype: str = field(default="auto", metadata=_help("auto, float32, bfloat16, float16"))
+    checkpoint: str = field(default="", metadata=_help("local Llama-format checkpoint dir (empty: seeded random model)"))
+    tokenizer: str = field(default="", metadata=_help("tokenizer.json path (empty: byte-level)"))
+    max_num_seqs: int = field(default=64, metadata=_help("most sequences running at once"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help("most tokens computed per engine step"))
+    seed: int = field(default=0, metadata=_help("seed of the random weights and default sampler"))
+    default_max_tokens: int = field(default=16, metadata=_help("max_tokens when a request gives 0"))
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            checkpoint=self.checkpoint or None,
+            tokenizer=self.tokenizer or None,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            eviction_policy=self.eviction_policy,
+            device=self.device,
+            dtype=self.dtype,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            seed=self.seed,
+        )
+
+    def advertised_host(self) -> str:
+        """The host part of the address published in the heartbeat."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host not in ("0.0.0.0", "::", ""):
+            return self.host
+        return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _convert(kind: type, raw: str, source: str):
+    try:
+        return kind(raw)
+    except ValueError:
+        raise UsageError(f"{source}: expected {kind.__name__}, got {raw!r}") from None
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add ``--<field>`` for every ``ReplicaSettings`` field, defaulting to its env var."""
+    hints = typing.get_type_hints(ReplicaSettings)
+    for f in dataclasses.fields(ReplicaSettings):
+        if f.name in skip:
+            continue
+        kind = hints[f.name]
+        env = env_name(f.name)
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=kind,
+            default=None,
+            help=f"{f.metadata.get('help', '')} [env {env}; default {f.default!r}]",
+        )
+
+
+def settings_from_args(args: argparse.Namespace, **overrides) -> ReplicaSettings:
+    """Flag if given, else ``UNICACHE_<NAME>`` if set, else the default; then ``overrides``."""
+    hints = typing.get_type_hints(ReplicaSettings)
+    values = {}
+    for f in dataclasses.fields(ReplicaSettings):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+        elif env_name(f.name) in os.environ:
+            values[f.name] = _convert(hints[f.name], os.environ[env_name(f.name)], env_name(f.name))
+    values.update(overrides)
+    return ReplicaSettings(**values)
