@@ -133,7 +133,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         helptext = f"{f.metadata.get('help', '')} (env {ENV_PREFIX}{f.name.upper()}, default {default!r})"
         if f.name in SECRET_FIELDS:
             helptext = f"{f.metadata.get('help', '')} (env {ENV_PREFIX}{f.name.upper()})"
-        parser.add_argument(flag, dest=f"cfg_{f.name}", default=None, type=str if kind is bool else kind, help=helptext)
+        parser.add_argument(
+            flag, dest=f"cfg_{f.name}", metavar=f.name.upper(), default=None, type=str if kind is bool else kind, help=helptext
+        )
 
 
 def build_config(

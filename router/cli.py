@@ -1,0 +1,58 @@
+"""``unicache router`` (run the router) and ``unicache status --router ADDR``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from router.config import add_config_arguments, build_config
+from unicache.errors import UsageError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "router",
+        help="run the cache-aware router (gRPC + OpenAI-compatible HTTP)",
+        description="Run the router. Every setting is a flag, an env var UNICACHE_<NAME>, or a key in --config.",
+    )
+    add_config_arguments(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_router)
+
+    s = subparsers.add_parser("status", help="show the cluster's cache state as the router sees it")
+    s.add_argument("--router", required=True, metavar="HOST:PORT", help="the router's gRPC address")
+    s.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds (default 5)")
+    s.set_defaults(func=run_status)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from router.app import RouterApp
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = build_config(args)
+    logging.getLogger("router").info("config: %s", cfg.describe())
+    app = RouterApp(cfg)
+
+    async def main() -> None:
+        task = asyncio.create_task(app.serve_forever())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(main())
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from router.status import fetch_cluster_state, format_table
+
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    print(format_table(fetch_cluster_state(args.router, args.timeout)))
+    return 0
