@@ -299,3 +299,14 @@ def test_tenants_never_share_block_hashes():
     assert len(a) == len(b) == 3
     assert set(a).isdisjoint(b)
     assert make_routing_policy("round_robin").name == "round_robin"
+
+
+async def test_unicache_status_against_live_router(cluster2, capsys):
+    from unicache.cli import main
+
+    app, _, _ = cluster2
+    rc = await asyncio.to_thread(main, ["status", "--router", f"127.0.0.1:{app.grpc_port}"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "routing policy: round_robin   redis: DISCONNECTED   replicas: 2"
+    assert [line.split()[0] for line in lines[2:]] == ["r0", "r1"]

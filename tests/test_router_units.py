@@ -1,0 +1,136 @@
+"""Router building blocks without servers: config precedence, auth and salts, chat
+template, status table, CLI wiring."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import hmac
+import json
+
+import pytest
+
+from router.auth import AuthError, Authenticator, api_key_from_headers, load_api_keys_file, parse_api_keys
+from router.chat_template import ChatFormatError, render_chat, render_chat_json
+from router.cluster import ReplicaRecord
+from router.config import RouterConfig, add_config_arguments, build_config
+from router.core import Labelled, Prepared
+from router.status import format_table
+from unicache.cli import main
+from unicache.errors import UsageError
+from unicache.v1 import common_pb2, router_pb2
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_config_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_config_precedence_file_env_flag(tmp_path):
+    f = tmp_path / "router.yaml"
+    f.write_text("grpc-port: 6000\nhttp_port: 6001\nrouting_policy: sglang\nauth_enabled: false\n")
+    env = {"UNICACHE_CONFIG": str(f), "UNICACHE_HTTP_PORT": "7001", "UNICACHE_FORWARD_DEADLINE_S": "2.5"}
+    cfg = build_config(parse(["--http-port", "8001", "--use-redis", "no"]), env=env)
+    assert (cfg.grpc_port, cfg.http_port, cfg.routing_policy, cfg.auth_enabled) == (6000, 8001, "sglang", False)
+    assert (cfg.forward_deadline_s, cfg.use_redis, cfg.block_size) == (2.5, False, 16)
+    j = tmp_path / "r.json"
+    j.write_text(json.dumps({"block_size": 4}))
+    assert build_config(parse(["--config", str(j)]), env={}).block_size == 4
+
+
+def test_config_errors_are_usage_errors_without_secrets(tmp_path):
+    with pytest.raises(UsageError, match="UNICACHE_GRPC_PORT: grpc_port must be int"):
+        build_config(env={"UNICACHE_GRPC_PORT": "lots"})
+    with pytest.raises(UsageError, match="unknown setting 'colour'"):
+        (tmp_path / "c.yaml").write_text("colour: red\n")
+        build_config(env={"UNICACHE_CONFIG": str(tmp_path / "c.yaml")})
+    with pytest.raises(UsageError, match="bad --replicas entry"):
+        RouterConfig(replicas="a=1:2,b").static_replicas()
+    assert RouterConfig(replicas="a=h:1, b=h:2").static_replicas() == {"a": "h:1", "b": "h:2"}
+    shown = RouterConfig(salt_secret="topsecret", api_keys="k:t").describe()
+    assert shown["salt_secret"] == "***" and shown["api_keys"] == "***" and shown["redis_password"] == ""
+    assert "topsecret" not in json.dumps(shown)
+
+
+def test_every_setting_has_flag_and_env():
+    p = argparse.ArgumentParser()
+    add_config_arguments(p)
+    flags = {a.dest for a in p._actions}
+    for f in dataclasses.fields(RouterConfig):
+        assert f"cfg_{f.name}" in flags
+        cfg = build_config(env={f"UNICACHE_{f.name.upper()}": {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]})
+        assert str(getattr(cfg, f.name)) in ("v", "3", "1.5", "True")
+
+
+def test_auth_keys_tenants_and_salts(tmp_path):
+    keys = parse_api_keys("k1:tenantA, k2:tenantB\n# comment\nk:with:colon:tenantC")
+    assert keys == {"k1": "tenantA", "k2": "tenantB", "k:with:colon": "tenantC"}
+    with pytest.raises(UsageError, match="entry 1"):
+        parse_api_keys("nokey")
+    (tmp_path / "keys.json").write_text('{"j1": "tA"}')
+    assert load_api_keys_file(str(tmp_path / "keys.json")) == {"j1": "tA"}
+    auth = Authenticator(keys, "secret")
+    assert auth.authenticate("k2") == "tenantB"
+    for bad in (None, "", "k", "k1 ", "K1"):
+        with pytest.raises(AuthError) as err:
+            auth.authenticate(bad)
+        assert "k1" not in str(err.value)
+    expected = hmac.new(b"secret", b"tenantA", hashlib.sha256).digest()[:16]
+    assert auth.cache_salt("tenantA") == expected
+    assert auth.cache_salt("tenantB") != expected
+    assert Authenticator(keys, "other").cache_salt("tenantA") != expected
+    assert Authenticator({}, "", enabled=False).authenticate(None) == "default"
+    with pytest.raises(UsageError, match="SALT_SECRET"):
+        Authenticator(keys, "")
+    with pytest.raises(UsageError, match="no API keys"):
+        Authenticator({}, "s")
+
+
+def test_api_key_from_headers():
+    assert api_key_from_headers({"authorization": "Bearer abc"}.get) == "abc"
+    assert api_key_from_headers({"authorization": "bearer  abc "}.get) == "abc"
+    assert api_key_from_headers({"x-api-key": "xyz"}.get) == "xyz"
+    assert api_key_from_headers({"authorization": "Basic Zm9v", "x-api-key": "xyz"}.get) == "xyz"
+    assert api_key_from_headers({}.get) is None
+
+
+def test_chat_template():
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    text = render_chat(msgs)
+    assert text == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\nA\n<|assistant|>\n"
+    # The next turn's rendering starts with this turn's prompt (minus its generation cue).
+    longer = render_chat(msgs + [{"role": "user", "content": "again"}])
+    assert longer.startswith(text[: -len("<|assistant|>\n")])
+    assert render_chat_json(json.dumps(msgs)) == text
+    for bad in ([], [{"role": "x", "content": "a"}], ["hi"], [{"role": "user", "content": [{"type": "image"}]}]):
+        with pytest.raises(ChatFormatError):
+            render_chat(bad)
+    with pytest.raises(ChatFormatError, match="not valid JSON"):
+        render_chat_json("[{")
+
+
+def test_status_table_exact():
+    state = router_pb2.ClusterState(redis_connected=True, routing_policy="cache_aware")
+    rs = state.replicas.add()
+    rs.info.replica_id, rs.info.address, rs.info.healthy, rs.info.device = "r0", "10.0.0.1:50052", True, "cuda:0"
+    rs.running, rs.waiting, rs.indexed_blocks = 3, 1, 120
+    rs.cache.CopyFrom(
+        common_pb2.CacheState(capacity_blocks=1000, used_blocks=200, free_blocks=800, cached_blocks=150, hit_ratio=0.4567, evictions=9, queue_sizes={"evict_first": 5, "chat": 7})
+    )
+    lines = format_table(state).splitlines()
+    assert lines[0] == "routing policy: cache_aware   redis: connected   replicas: 1"
+    assert lines[1].split() == ["replica", "address", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "indexed", "queues"]
+    assert lines[2].split() == ["r0", "10.0.0.1:50052", "cuda:0", "ok", "3", "1", "1000", "200", "800", "150", "45.7", "9", "120", "chat=7", "evict_first=5"]
+
+
+def test_hot_path_records_use_slots():
+    for cls in (Prepared, Labelled, ReplicaRecord):
+        assert "__slots__" in vars(cls), cls
+
+
+def test_cli_status_unreachable_is_one_line(capsys):
+    assert main(["status", "--router", "127.0.0.1:1", "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["unicache status: error: router 127.0.0.1:1 unreachable: UNAVAILABLE"]
