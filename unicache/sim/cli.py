@@ -77,15 +77,15 @@ def _numbers(text: str, what: str, kind: type) -> list:
     return out
 
 
-def _check_names(names: list[str], known: list[str], what: str) -> None:
+def _check_names(names: list[str], known: list[str], flag: str, noun: str) -> None:
     for name in names:
         if name not in known:
-            raise UsageError(f"{what}: unknown {what.lstrip('-')} {name!r} (choose from {', '.join(known)})")
+            raise UsageError(f"{flag}: unknown {noun} {name!r} (choose from {', '.join(known)})")
 
 
 def run_sim(args: argparse.Namespace) -> int:
     policies = _split(args.policies, "--policies")
-    _check_names(policies, policy_names(), "--policies")
+    _check_names(policies, policy_names(), "--policies", "policy")
     if args.block_size <= 0:
         raise UsageError(f"--block-size must be positive, got {args.block_size}")
     if args.replicas <= 0:
@@ -95,7 +95,7 @@ def run_sim(args: argparse.Namespace) -> int:
     routers: list[str | None] = [None]
     if args.replicas > 1:
         routers = list(_split(args.router, "--router"))
-        _check_names(routers, routing_policy_names(), "--router")
+        _check_names(routers, routing_policy_names(), "--router", "router")
     fracs = blocks = None
     if args.capacity_blocks is not None:
         blocks = _numbers(args.capacity_blocks, "--capacity-blocks", int)

@@ -1,0 +1,169 @@
+"""The replay engine: exact hits, TTFTs, queueing, pinning, rejection, opt, routing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from replica.eviction.opt import FutureAccesses
+from unicache.sim.metrics import percentile
+from unicache.sim.prepare import prepare
+from unicache.sim.replay import Replay, ReplayConfig
+from unicache.sim.timing import TimingModel
+from unicache.request_class import Task
+from unicache.trace import TraceRequest
+
+BS = 4
+# prefill = 0.125 s per uncached token (batch of one), decode = 0.5 s per token
+LINEAR = TimingModel(prefill_coef=0.125, batch_exp=1.0, token_exp=1.0, decode_s_per_token=0.5)
+
+
+def req(t_s: float, hash_ids, input_length=None, output=0, out_ids=(), **labels) -> TraceRequest:
+    return TraceRequest(
+        index=0,
+        timestamp_ms=t_s * 1000.0,
+        input_length=input_length if input_length is not None else len(hash_ids) * BS,
+        output_length=output,
+        hash_ids=list(hash_ids),
+        output_hash_ids=list(out_ids),
+        **labels,
+    )
+
+
+def run(trace, policy="lru", capacity=64, **kw):
+    prepared = prepare(trace, BS)
+    future = FutureAccesses.from_prompts(r.prompt_hashes for r in prepared.requests)
+    cfg = ReplayConfig(policy=policy, capacity_blocks=capacity, timing=kw.pop("timing", LINEAR), **kw)
+    sim = Replay(prepared, cfg, future=future)
+    return sim.run(), sim
+
+
+def test_timing_model_defaults_and_batch():
+    t = TimingModel()
+    assert t.prefill_s(1, 1000) == pytest.approx(5.56e-5 * 1000**1.034)
+    assert t.prefill_s(2, 2000) == pytest.approx(5.56e-5 * 2**0.992 * 1000**1.034)
+    assert t.prefill_s(1, 0) == pytest.approx(5.56e-5)  # a full hit still computes one token
+    assert t.prefill_s(0, 0) == 0.0
+    assert t.decode_s(10) == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        TimingModel(prefill_coef=-1)
+
+
+def test_prefix_hit_ttft_and_ratios():
+    res, _ = run([req(0, [1, 2]), req(10, [1, 2, 3])])
+    assert res["block_hit_ratio"] == pytest.approx(2 / 5)
+    assert res["token_hit_ratio"] == pytest.approx(8 / 20)
+    assert res["hit_blocks"] == 2
+    assert res["ttft_mean_s"] == pytest.approx((1.0 + 0.5) / 2)  # 8 then 4 uncached tokens
+    assert res["ttft_p99_s"] == pytest.approx(1.0)
+    assert res["evictions"] == 0 and res["rejected"] == 0
+
+
+@pytest.mark.parametrize("lanes, hits, ttft1", [(1, 2, 0.5 + 0.5), (2, 0, 1.5)])
+def test_overlapping_requests_queue_or_miss(lanes, hits, ttft1):
+    """One lane: the second request waits for the first prefill and then hits its blocks.
+    Two lanes: it starts at once, before the first one's blocks are cached, and misses."""
+    res, sim = run([req(0, [1, 2]), req(0.5, [1, 2, 3])], lanes=lanes)
+    assert res["hit_blocks"] == hits
+    assert sorted(sim.counters.ttfts) == pytest.approx(sorted([1.0, ttft1]))
+
+
+def test_running_blocks_are_pinned_and_requests_wait_for_blocks():
+    # r0 reserves 3 blocks (2 prompt + 1 for 4 output tokens): prefill ends at 1.0,
+    # decode at 1.0 + 4 * 0.5 = 3.0. r1 needs one block: it waits until 3.0.
+    trace = [req(0, [1, 2], output=4), req(0.1, [5]), req(10, [1, 2, 6])]
+    res, sim = run(trace, capacity=3)
+    assert sim.counters.ttfts == pytest.approx([1.0, 3.0 - 0.1 + 0.5, 0.5])
+    # r1 took the uncached decode block, so r0's prompt blocks survived for r2
+    assert res["hit_blocks"] == 2
+    assert res["evictions"] == 1  # r2's third block evicts r1's block
+    sim.replicas[0].store.check_invariants()
+
+
+def test_request_larger_than_the_replica_is_rejected():
+    res, sim = run([req(0, [1, 2, 3]), req(1, [1])], capacity=2)
+    assert res["rejected"] == 1
+    assert res["hit_blocks"] == 0
+    assert res["block_hit_ratio"] == 0.0
+    assert len(sim.counters.ttfts) == 1
+
+
+def test_decode_blocks_are_hit_by_the_next_turn():
+    trace = [
+        req(0, [1, 2], output=8, out_ids=[7, 8], session_id="s", turn=0, task=Task.CHAT),
+        req(20, [1, 2, 7, 8, 9], session_id="s", turn=1, task=Task.CHAT),
+    ]
+    res, _ = run(trace)
+    assert res["hit_blocks"] == 4
+    assert res["per_task"] == {"chat": pytest.approx(4 / 7)}
+
+
+def test_tenant_salt_keeps_tenants_apart():
+    res, _ = run([req(0, [1, 2], tenant="a"), req(5, [1, 2], tenant="b"), req(10, [1, 2], tenant="a")])
+    assert res["hit_blocks"] == 2
+
+
+SEQ = [[1], [2], [3], [1], [2]]
+
+
+@pytest.mark.parametrize("policy, hits", [("lru", 0), ("radix-lru", 0), ("opt", 1)])
+def test_opt_uses_the_future_through_the_same_replay(policy, hits):
+    trace = [req(10 * i, ids) for i, ids in enumerate(SEQ)]
+    res, sim = run(trace, policy=policy, capacity=2)
+    assert res["hit_blocks"] == hits
+    assert res["evictions"] == 3 - hits
+    sim.replicas[0].store.check_invariants()
+
+
+def test_opt_never_below_lru_on_a_mixed_trace():
+    trace = [req(i, [i % 3, 100 + i % 5, 200 + i]) for i in range(40)]
+    lru, _ = run(trace, capacity=8)
+    opt, _ = run(trace, policy="opt", capacity=8)
+    assert opt["hit_blocks"] > lru["hit_blocks"]
+
+
+def test_two_replicas_round_robin_and_pooled():
+    trace = [req(0, [1, 2]), req(5, [1, 2]), req(10, [1, 2])]
+    res, sim = run(trace, replicas=2, router="round_robin")
+    assert res["hit_blocks"] == 2  # r0, r1 (miss), r0 (hit)
+    assert (res["router"], res["replicas"]) == ("round_robin", 2)
+    assert [r.computed_prefill_tokens for r in sim.replicas] == [8, 8]
+    assert res["load_imbalance"] == pytest.approx(1.0)
+    # the locality index saw r0's and r1's stored blocks through their events
+    hashes = sim.trace.requests[0].prompt_hashes
+    assert sim.index.match("r0", hashes) == 2 and sim.index.match("r1", hashes) == 2
+    pooled, psim = run(trace, replicas=2, pooled=True)
+    assert pooled["hit_blocks"] == 4 and pooled["router"] == "pooled"
+    assert len(psim.replicas) == 1 and psim.replicas[0].store.num_blocks == 128
+
+
+def test_load_imbalance_counts_computed_prefill_tokens():
+    trace = [req(0, [1, 2, 3, 4]), req(1, [9])]
+    res, sim = run(trace, replicas=2, router="round_robin")
+    assert [r.computed_prefill_tokens for r in sim.replicas] == [16, 4]
+    assert res["load_imbalance"] == pytest.approx(16 / 10)
+
+
+def test_config_errors():
+    prepared = prepare([req(0, [1])], BS)
+    with pytest.raises(ValueError, match="capacity"):
+        Replay(prepared, ReplayConfig("lru", 0))
+    with pytest.raises(ValueError, match="oracle"):
+        Replay(prepared, ReplayConfig("opt", 4))
+    with pytest.raises(ValueError, match="router"):
+        Replay(prepared, ReplayConfig("lru", 4, replicas=2))
+
+
+def test_percentile_nearest_rank():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile(list(range(1, 101)), 99) == 99
+    assert math.isnan(percentile([], 99))
+
+
+def test_hot_path_records_are_slotted():
+    from unicache.sim.prepare import SimRequest
+    from unicache.sim.replica import SimReplica
+
+    for cls in (SimRequest, SimReplica, TimingModel, ReplayConfig):
+        assert hasattr(cls, "__slots__"), cls
