@@ -131,7 +131,10 @@ class RouterApp:
         await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._grpc_server, self.grpc_port = server, port
 
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.http_host else socket.AF_INET, socket.SOCK_STREAM)
+        # NOTE: proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only
+        # when proto is TCP, and without it Nagle + delayed ACK add ~40 ms per response.
+        family = socket.AF_INET6 if ":" in cfg.http_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((cfg.http_host, cfg.http_port))

@@ -310,3 +310,11 @@ async def test_unicache_status_against_live_router(cluster2, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "routing policy: round_robin   redis: DISCONNECTED   replicas: 2"
     assert [line.split()[0] for line in lines[2:]] == ["r0", "r1"]
+
+
+async def test_http_listener_is_tcp_so_asyncio_sets_nodelay(single):
+    import socket
+
+    app, _, _ = single
+    (listener,) = app._uvicorn.servers[0].sockets
+    assert listener.proto == socket.IPPROTO_TCP

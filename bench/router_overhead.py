@@ -1,0 +1,154 @@
+"""End-to-end latency the router adds over calling a replica directly (gRPC and HTTP).
+
+One real replica (AsyncEngine with the tiny seeded model, ReplicaServer on port 0) and a
+router in front of it (static replica, so Redis is not needed; ``--with-redis`` runs an
+embedded redis-server, the replica's publisher and the router's subscriber as in
+production). Requests go one at a time, interleaving the three paths (direct gRPC, router
+gRPC, router HTTP non-streaming) so drift hits all alike; every request has a fresh
+prompt so none is a cache hit. Reports p50/p99 per path and the router's added latency
+(router minus direct) at p50 and p99, and the ratio to the direct call.
+
+Run: .venv/bin/python bench/router_overhead.py [--requests 200] [--prompt-tokens 256]
+     [--max-tokens 1] [--with-redis] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import string
+import time
+
+import grpc
+import httpx
+
+from replica.engine.async_engine import AsyncEngine
+from replica.engine.config import EngineConfig
+from replica.engine.model import ModelConfig
+from replica.server import ReplicaServer
+from router.app import RouterApp
+from router.config import build_config
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+async def run(args) -> dict:
+    model = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=4096)
+    engine = AsyncEngine(EngineConfig(model=model, num_blocks=4096, block_size=16, eviction_policy="lru", device=args.device))
+    await engine.start()
+    server = ReplicaServer(engine, "r0")
+    port = await server.start()
+    addr = f"127.0.0.1:{port}"
+    redis = publisher = None
+    overrides = {"grpc_port": 0, "http_port": 0, "use_redis": False, "replicas": f"r0={addr}", "routing_policy": args.policy}
+    if args.with_redis:
+        from replica.publisher import CachePublisher
+        from unicache.redis_server import EmbeddedRedis
+
+        redis = EmbeddedRedis()
+        redis.start()
+        publisher = CachePublisher(engine, "r0", redis.url, addr)
+        await publisher.start()
+        overrides.update(use_redis=True, replicas="", redis_url=redis.url)
+    app = RouterApp(build_config(env={"UNICACHE_API_KEYS": "k:bench", "UNICACHE_SALT_SECRET": "s"}, overrides=overrides))
+    await app.start()
+    for _ in range(500):
+        if app.cluster.replicas:
+            break
+        await asyncio.sleep(0.01)
+    rchan = grpc.aio.insecure_channel(addr)
+    replica = replica_pb2_grpc.ReplicaStub(rchan)
+    gchan = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
+    router = router_pb2_grpc.RouterStub(gchan)
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", headers={"x-api-key": "k"}, timeout=60)
+    rng = random.Random(0)
+    tok = app.core.tokenizer
+    sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens)
+
+    def prompt() -> str:
+        return "".join(rng.choice(string.ascii_letters + " ") for _ in range(args.prompt_tokens))
+
+    async def direct() -> None:
+        req = replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=tok.encode(prompt())), sampling=sampling)
+        async for _ in replica.Generate(req, timeout=60):
+            pass
+
+    async def via_grpc() -> None:
+        req = router_pb2.RouterGenerateRequest(text=prompt(), sampling=sampling)
+        async for _ in router.Generate(req, metadata=[("x-api-key", "k")], timeout=60):
+            pass
+
+    async def via_http() -> None:
+        r = await http.post("/v1/completions", json={"prompt": prompt(), "max_tokens": args.max_tokens})
+        r.raise_for_status()
+
+    paths = {"direct_grpc": direct, "router_grpc": via_grpc, "router_http": via_http}
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    try:
+        for i in range(args.warmup + args.requests):
+            for name, fn in paths.items():
+                t0 = time.perf_counter()
+                await fn()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        await http.aclose()
+        await gchan.close()
+        await rchan.close()
+        await app.stop()
+        if publisher is not None:
+            await publisher.stop()
+        await server.stop()
+        await engine.stop()
+        if redis is not None:
+            redis.close()
+    d50, d99 = pct(times["direct_grpc"], 0.5), pct(times["direct_grpc"], 0.99)
+    out = {
+        "requests": args.requests,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "with_redis": args.with_redis,
+        "paths": {},
+    }
+    for name, xs in times.items():
+        p50, p99 = pct(xs, 0.5), pct(xs, 0.99)
+        out["paths"][name] = {
+            "p50_ms": round(1e3 * p50, 3),
+            "p99_ms": round(1e3 * p99, 3),
+            "mean_ms": round(1e3 * statistics.fmean(xs), 3),
+            "added_p50_ms": round(1e3 * (p50 - d50), 3),
+            "added_p99_ms": round(1e3 * (p99 - d99), 3),
+            "ratio_p50_vs_direct": round(p50 / d50, 3),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--policy", default="cache_aware")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--with-redis", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    out = asyncio.run(run(args))
+    print(f"{'path':<12} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'p50/direct':>10}")
+    for name, r in out["paths"].items():
+        print(f"{name:<12} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['added_p50_ms']:>10.2f} {r['added_p99_ms']:>10.2f} {r['ratio_p50_vs_direct']:>10.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
