@@ -1,0 +1,153 @@
+{{/*
+Names and labels. Every name is truncated to 63 characters (the DNS label limit) with
+any trailing "-" removed, so long release names still render valid resources.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "unicache.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The fully qualified app name: fullnameOverride, else <release>-<chart> (just <release>
+when the release name already contains the chart name).
+*/}}
+{{- define "unicache.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* chart-version, for the helm.sh/chart label. */}}
+{{- define "unicache.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every resource. */}}
+{{- define "unicache.labels" -}}
+helm.sh/chart: {{ include "unicache.chart" . }}
+{{ include "unicache.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: unicache
+{{- end }}
+
+{{/* Selector labels (immutable on Deployments/StatefulSets: never add to these). */}}
+{{- define "unicache.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "unicache.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Per-component helpers. Call with (dict "ctx" $ "component" "router").
+*/}}
+{{- define "unicache.componentName" -}}
+{{- $full := include "unicache.fullname" .ctx | trunc (int (sub 62 (len .component))) | trimSuffix "-" }}
+{{- printf "%s-%s" $full .component }}
+{{- end }}
+
+{{- define "unicache.componentLabels" -}}
+{{ include "unicache.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "unicache.componentSelectorLabels" -}}
+{{ include "unicache.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* An image reference from {repository, tag, digest}: the digest wins when set. */}}
+{{- define "unicache.image" -}}
+{{- if .digest }}
+{{- printf "%s@%s" .repository .digest }}
+{{- else }}
+{{- printf "%s:%s" .repository (toString .tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding API keys, the salt secret and the in-cluster Redis password. */}}
+{{- define "unicache.secretName" -}}
+{{- if .Values.auth.existingSecret }}
+{{- .Values.auth.existingSecret }}
+{{- else }}
+{{- include "unicache.componentName" (dict "ctx" . "component" "secrets") }}
+{{- end }}
+{{- end }}
+
+{{/* The Redis URL (without password) every component uses. */}}
+{{- define "unicache.redisUrl" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s.%s.svc:6379/0" (include "unicache.componentName" (dict "ctx" . "component" "redis")) .Release.Namespace }}
+{{- else }}
+{{- required "redis.external.url is required when redis.enabled is false" .Values.redis.external.url }}
+{{- end }}
+{{- end }}
+
+{{/* Env var UNICACHE_REDIS_PASSWORD from a Secret (nothing for a password-less external Redis). */}}
+{{- define "unicache.redisPasswordEnv" -}}
+{{- if .Values.redis.enabled }}
+- name: UNICACHE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "unicache.componentName" (dict "ctx" . "component" "redis") }}
+      key: redis-password
+{{- else if .Values.redis.external.passwordSecret }}
+- name: UNICACHE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.external.passwordSecret }}
+      key: {{ .Values.redis.external.passwordSecretKey }}
+{{- end }}
+{{- end }}
+
+{{/* The KubeRay RayCluster name and the head Service KubeRay creates for it. */}}
+{{- define "unicache.rayClusterName" -}}
+{{- include "unicache.componentName" (dict "ctx" . "component" "ray") | trunc 48 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "unicache.rayHeadService" -}}
+{{- printf "%s-head-svc" (include "unicache.rayClusterName" .) }}
+{{- end }}
+
+{{/* Number of replica actors the launcher starts. */}}
+{{- define "unicache.replicaCount" -}}
+{{- if gt (int .Values.replicas.count) 0 }}
+{{- .Values.replicas.count }}
+{{- else }}
+{{- mul (int .Values.rayCluster.worker.replicas) (max 1 (int .Values.rayCluster.worker.gpusPerWorker)) }}
+{{- end }}
+{{- end }}
+
+{{/* Pod security context shared by every pod: non-root, fixed high UID, RuntimeDefault seccomp. */}}
+{{- define "unicache.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* Container security context: no privilege escalation, all capabilities dropped, read-only root. */}}
+{{- define "unicache.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+privileged: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+capabilities:
+  drop:
+    - ALL
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
