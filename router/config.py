@@ -71,7 +71,11 @@ class RouterConfig:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = ("***" if value else "") if f.name in SECRET_FIELDS else value
+            if f.name in SECRET_FIELDS:
+                value = "***" if value else ""
+            elif f.name == "redis_url":
+                value = mask_url_password(value)
+            out[f.name] = value
         return out
 
     def static_replicas(self) -> dict[str, str]:
@@ -83,6 +87,15 @@ class RouterConfig:
                 raise UsageError(f"bad --replicas entry {item!r}: expected id=host:port")
             out[rid] = addr
         return out
+
+
+def mask_url_password(url: str) -> str:
+    """``redis://user:pw@host`` -> ``redis://user:***@host`` (for logs)."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in creds:
+        return url
+    return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
 
 
 def _convert(name: str, kind: type, value: Any, source: str) -> Any:

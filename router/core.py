@@ -204,8 +204,14 @@ class RouterCore:
             cache_salt=prep.salt,
         )
         tried: set[str] = set()
+        last_error: RouterError | None = None
         while True:
-            decision = self.choose(prep.routing, tried)
+            try:
+                decision = self.choose(prep.routing, tried)
+            except RouterError:
+                if last_error is not None:
+                    raise last_error from None  # no other replica to retry on
+                raise
             rid = decision.replica_id
             rec = self.cluster.replicas[rid]
             self.cluster.started(rid)
@@ -219,11 +225,13 @@ class RouterCore:
                     code = exc.code()
                     if code == grpc.StatusCode.UNAVAILABLE and not rec.static:
                         rec.healthy = False  # until its next heartbeat
+                    error = RouterError(_FROM_REPLICA.get(code, "upstream"), f"replica {rid}: {exc.details() or code.name}")
                     if code in RETRYABLE and not tried:
                         tried.add(rid)
+                        last_error = error
                         self.metrics.retries.inc()
                         continue
-                    raise RouterError(_FROM_REPLICA.get(code, "upstream"), f"replica {rid}: {exc.details() or code.name}") from None
+                    raise error from None
                 self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
                 if first is None:
                     return

@@ -318,3 +318,12 @@ async def test_http_listener_is_tcp_so_asyncio_sets_nodelay(single):
     app, _, _ = single
     (listener,) = app._uvicorn.servers[0].sockets
     assert listener.proto == socket.IPPROTO_TCP
+
+
+async def test_http_only_replica_fails_reports_its_error(single):
+    app, rep, client = single
+    rep.fail_next = 1
+    r = await client.post("/v1/completions", json={"prompt": PROMPT}, headers={"x-api-key": "key-a"})
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == "replica solo: injected failure"
+    assert app.cluster.replicas["solo"].in_flight == 0

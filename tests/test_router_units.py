@@ -134,3 +134,9 @@ def test_cli_status_unreachable_is_one_line(capsys):
     assert main(["status", "--router", "127.0.0.1:1", "--timeout", "0.5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["unicache status: error: router 127.0.0.1:1 unreachable: UNAVAILABLE"]
+
+
+def test_redis_url_password_masked_in_describe():
+    shown = RouterConfig(redis_url="rediss://app:pa55@redis:6380/0").describe()
+    assert shown["redis_url"] == "rediss://app:***@redis:6380/0"
+    assert RouterConfig(redis_url="redis://h:1/0").describe()["redis_url"] == "redis://h:1/0"
