@@ -149,7 +149,7 @@ class Replay:
         heappop = heapq.heappop
         bar = tqdm(total=n, disable=not self.progress, file=sys.stderr, unit="req", mininterval=0.5,
                    desc=f"{self.config.policy}@{self.config.capacity_blocks}", leave=False)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         i = 0
         inf = float("inf")
         while True:
@@ -167,12 +167,12 @@ class Replay:
                     bar.update(_PROGRESS_STEP)
             else:
                 break
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         bar.update(n - bar.n)
         bar.close()
-        return self._result(elapsed)
+        return self._result(elapsed, cpu)
 
-    def _result(self, elapsed: float) -> dict:
+    def _result(self, elapsed: float, cpu: float) -> dict:
         cfg = self.config
         rec = result_record(
             self.counters,
@@ -181,6 +181,7 @@ class Replay:
             block_accesses=self.trace.block_accesses,
             evictions=sum(r.store.stats.evictions for r in self.replicas),
             elapsed_s=elapsed,
+            cpu_s=cpu,
         )
         if cfg.replicas > 1:
             computed = [r.computed_prefill_tokens for r in self.replicas]
