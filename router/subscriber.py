@@ -6,7 +6,7 @@ One asyncio task runs ``run()``, which repeats ``step()``:
        index.drop_replica via ``ClusterView.remove``).
     2. Resync every replica the index marks stale (new, gap, epoch change): GET its
        ``CacheSummary``, ``apply_summary``, then replay the event stream past the
-       summary's seq. A missing or stale summary is requested on the resync channel and
+       summary's seq (read backwards from the newest entry down to that seq). A missing or stale summary is requested on the resync channel and
        retried after ``resync_retry_s``.
     3. XREAD the event streams from each replica's cursor into ``apply_events``; a batch
        that does not follow (gap or new epoch) schedules a resync.
@@ -58,6 +58,8 @@ class RedisSubscriber:
             long (default: the heartbeat TTL, 3 s).
         resync_retry_s: wait before retrying a resync that found no usable summary.
         backoff_initial_s / backoff_max_s: reconnect backoff bounds (0.1 s .. 5 s).
+        replay_chunk: stream entries read per XREVRANGE while replaying after a summary
+            (a resync reads only the batches newer than the summary, not the whole stream).
         clock: monotonic clock (tests may pass a fake one).
     """
 
@@ -75,6 +77,7 @@ class RedisSubscriber:
         resync_retry_s: float = 0.5,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
+        replay_chunk: int = 256,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cluster = cluster
@@ -86,6 +89,7 @@ class RedisSubscriber:
         self.resync_retry_s = resync_retry_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.replay_chunk = replay_chunk
         self.clock = clock
         kwargs = {"socket_timeout": timeout_s + block_ms / 1000.0, "socket_connect_timeout": timeout_s}
         if password:
@@ -207,31 +211,68 @@ class RedisSubscriber:
         self.resyncs += 1
         index = self.cluster.index
         raw = await self._call(self.redis.get(self.keys.summary(replica_id)))
-        entries = await self._call(self.redis.xrange(self.keys.events(replica_id)), extra_s=self.timeout_s)
-        self._cursors[replica_id] = entries[-1][0] if entries else b"0-0"
         if raw is None:
+            last = await self._call(self.redis.xrevrange(self.keys.events(replica_id), count=1))
+            self._cursors[replica_id] = last[0][0] if last else b"0-0"
             index.mark_resync(replica_id)
             await self._request_summary(replica_id)
             return False
         summary = cache_pb2.CacheSummary()
         summary.ParseFromString(raw)
+        newest_id, newest_epoch, batches = await self._batches_after(replica_id, summary.epoch, summary.seq)
+        self._cursors[replica_id] = newest_id
         index.apply_summary(replica_id, summary.epoch, summary.seq, [BlockHash(h) for h in summary.block_hashes])
-        last_epoch = summary.epoch
-        for _entry_id, fields in entries:
-            batch = _parse_batch(fields)
-            if batch is None:
-                continue
-            last_epoch = batch.epoch
-            if batch.epoch != summary.epoch:
-                continue  # older epoch (before the summary) or newer (checked below)
+        for batch in batches:
             if not self._apply(replica_id, batch):
                 break
-        if last_epoch != summary.epoch or index.needs_resync(replica_id):
+        if newest_epoch not in (None, summary.epoch) or index.needs_resync(replica_id):
+            # The stream moved to another epoch than the summary's, or the batches right
+            # after the summary were trimmed away: the summary is stale.
             index.mark_resync(replica_id)
             await self._request_summary(replica_id)
             return False
         self._retry_at.pop(replica_id, None)
         return True
+
+    async def _batches_after(
+        self, replica_id: str, epoch: int, seq: int
+    ) -> tuple[bytes | str, int | None, list[cache_pb2.KVEventBatch]]:
+        """Scan the stream backwards (``replay_chunk`` entries per call) down to the
+        summary's (epoch, seq). Returns (newest entry id or "0-0", newest batch's epoch or
+        None, the batches of ``epoch`` with seq > ``seq`` oldest first)."""
+        key = self.keys.events(replica_id)
+        newest_id: bytes | str = b"0-0"
+        newest_epoch: int | None = None
+        found: list[cache_pb2.KVEventBatch] = []
+        seen_epoch = False
+        upper: bytes | str = "+"
+        while True:
+            chunk = await self._call(self.redis.xrevrange(key, max=upper, min="-", count=self.replay_chunk))
+            if not chunk:
+                break
+            if upper == "+":
+                newest_id = chunk[0][0]
+            for _entry_id, fields in chunk:
+                batch = _parse_batch(fields)
+                if batch is None:
+                    continue
+                if newest_epoch is None:
+                    newest_epoch = batch.epoch
+                if batch.epoch == epoch:
+                    if batch.seq <= seq:
+                        found.reverse()
+                        return newest_id, newest_epoch, found
+                    seen_epoch = True
+                    found.append(batch)
+                elif seen_epoch:  # an older epoch below this one's batches: done
+                    found.reverse()
+                    return newest_id, newest_epoch, found
+            if len(chunk) < self.replay_chunk:
+                break
+            last_id = chunk[-1][0]
+            upper = b"(" + last_id if isinstance(last_id, bytes) else "(" + last_id
+        found.reverse()
+        return newest_id, newest_epoch, found
 
     async def _request_summary(self, replica_id: str) -> None:
         self.resync_requests += 1

@@ -195,3 +195,34 @@ async def test_redis_outage_keeps_replicas_then_rebuilds(setup, redis_server):
     await sub.step(block_ms=0)
     assert list(cluster.replicas) == []
     r2.close()
+
+
+async def test_resync_reads_only_batches_after_the_summary(setup, redis_server):
+    sub, cluster, index, _, r, _ = setup
+    sub.replay_chunk = 2  # force several XREVRANGE pages
+    put_heartbeat(r, "a", epoch=2)
+    for seq in (1, 2, 3):
+        add_events(r, "a", 1, seq, stored=[100 + seq])  # an older epoch: ignored
+    for seq in range(1, 8):
+        add_events(r, "a", 2, seq, stored=[seq])
+    put_summary(r, "a", 2, 4, [1, 2, 3, 4])
+    await sub.step(block_ms=0)
+    assert held(index, "a") == [1, 2, 3, 4, 5, 6, 7]
+    assert index.holdings("a").applied_seq == 7 and not index.needs_resync("a")
+    # Live events continue from the newest entry.
+    add_events(r, "a", 2, 8, removed=[1])
+    await sub.step(block_ms=0)
+    assert held(index, "a") == [2, 3, 4, 5, 6, 7]
+
+
+async def test_summary_older_than_trimmed_stream_is_requested_again(setup):
+    sub, cluster, index, _, r, _ = setup
+    put_heartbeat(r, "a")
+    for seq in (5, 6):  # batches 1..4 were trimmed away
+        add_events(r, "a", 1, seq, stored=[seq])
+    put_summary(r, "a", 1, 2, [1, 2])
+    await sub.step(block_ms=0)
+    assert index.needs_resync("a") and sub.resync_requests == 1
+    put_summary(r, "a", 1, 6, [1, 2, 5, 6])
+    await sub.step(block_ms=0)
+    assert not index.needs_resync("a") and held(index, "a") == [1, 2, 5, 6]
