@@ -82,6 +82,7 @@ class Prepared:
     salt: bytes
     cls: RequestClass
     routing: RoutingRequest
+    prepare_s: float = 0.0  # time spent hashing and classifying
 
 
 @dataclass(slots=True)
@@ -157,6 +158,7 @@ class RouterCore:
             task = Task.parse(labels.task) if labels.task else None
         except ValueError as exc:
             raise RouterError("invalid", str(exc)) from None
+        t0 = time.perf_counter()
         salt = self.auth.cache_salt(tenant)
         hashes = hash_token_blocks(token_ids, self.block_size, cache_salt=salt)
         cls = self.classifier.classify(
@@ -166,15 +168,17 @@ class RouterCore:
         )
         request_id = uuid.uuid4().hex
         routing = RoutingRequest(request_id, cls, hashes, len(token_ids), self.block_size)
-        return Prepared(request_id, tenant, token_ids, salt, cls, routing)
+        return Prepared(request_id, tenant, token_ids, salt, cls, routing, time.perf_counter() - t0)
 
-    def choose(self, routing: RoutingRequest, exclude: set[str]) -> RouteDecision:
+    def choose(self, routing: RoutingRequest, exclude: set[str], extra_s: float = 0.0) -> RouteDecision:
+        """The policy's choice among live replicas not in ``exclude``; the routing-latency
+        histogram gets the choice time plus ``extra_s`` (hashing and classifying)."""
+        t0 = time.perf_counter()
         loads = self.cluster.loads(exclude)
         if not loads:
             raise RouterError("unavailable", "no replicas available")
-        t0 = time.perf_counter()
         decision = self.policy.choose(routing, loads, self.cluster.locality())
-        self.metrics.routing_latency.observe(time.perf_counter() - t0)
+        self.metrics.routing_latency.observe(time.perf_counter() - t0 + extra_s)
         return decision
 
     def route_info(self, prep: Prepared, decision: RouteDecision) -> router_pb2.RouteInfo:
@@ -207,7 +211,7 @@ class RouterCore:
         last_error: RouterError | None = None
         while True:
             try:
-                decision = self.choose(prep.routing, tried)
+                decision = self.choose(prep.routing, tried, 0.0 if tried else prep.prepare_s)
             except RouterError:
                 if last_error is not None:
                     raise last_error from None  # no other replica to retry on

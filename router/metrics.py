@@ -36,7 +36,7 @@ class RouterMetrics:
         )
         self.routing_latency = Histogram(
             "unicache_router_routing_latency_seconds",
-            "Time to classify, hash and choose a replica",
+            "Time to hash, classify and choose a replica (per attempt)",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
