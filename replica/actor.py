@@ -47,6 +47,14 @@ class ReplicaActor:
     """Wraps one ``ReplicaRuntime``; methods are called by the launcher only (clients use gRPC)."""
 
     async def __init__(self, settings: ReplicaSettings):
+        if settings.host in ("0.0.0.0", "::") and not settings.advertise_host:
+            import dataclasses
+
+            import ray
+
+            # NOTE: on a multi-node cluster the address routers dial is this node's IP as
+            # Ray knows it (the pod IP under KubeRay), not the driver's.
+            settings = dataclasses.replace(settings, advertise_host=ray.util.get_node_ip_address())
         self.runtime = ReplicaRuntime(settings)
         await self.runtime.start()
 

@@ -8,6 +8,8 @@ never makes ``start`` fail.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 from unicache.redis_keys import RedisKeys
@@ -26,6 +28,7 @@ class ReplicaRuntime:
         self.server: ReplicaServer | None = None
         self.publisher: CachePublisher | None = None
         self.address = ""
+        self._drain: asyncio.Task | None = None
 
     async def start(self) -> str:
         """Start everything; returns the advertised ``host:port``."""
@@ -38,6 +41,9 @@ class ReplicaRuntime:
         if s.redis_url:
             self.publisher = CachePublisher(self.engine, s.replica_id, s.redis_url, self.address, RedisKeys(s.redis_prefix))
             await self.publisher.start()
+        else:
+            # Nobody publishes: still take the engine's cache events so they cannot pile up.
+            self._drain = asyncio.create_task(self._drain_events())
         log.info("replica %s up at %s on %s", s.replica_id, self.address, self.engine.device)
         return self.address
 
@@ -49,8 +55,18 @@ class ReplicaRuntime:
             "epoch": self.publisher.epoch if self.publisher else 0,
         }
 
+    async def _drain_events(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.engine.take_events()
+
     async def stop(self) -> None:
         """Stop in reverse order: stop publishing (heartbeat deleted), drain gRPC, stop the engine."""
+        if self._drain is not None:
+            self._drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain
+            self._drain = None
         if self.publisher is not None:
             await self.publisher.stop()
             self.publisher = None
