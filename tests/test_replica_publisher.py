@@ -224,3 +224,10 @@ async def test_redis_outage_then_fresh_epoch_with_exact_summary(redis_server, re
         await eventually(lambda: redis_client.exists(KEYS.heartbeat("r0")))
     finally:
         await pub.stop()
+
+
+def test_hot_path_records_use_slots():
+    from replica.publisher import PublisherStats
+
+    for obj in (PendingBatch(), PublisherStats()):
+        assert not hasattr(obj, "__dict__"), type(obj).__name__
