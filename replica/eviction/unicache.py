@@ -86,6 +86,9 @@ class UniCachePolicy(EvictionPolicy):
         reuse_decay: per-update decay of the reuse counters of "reuse" weighting.
         fit_prior_weight: observations the gap priors are worth in the online fits.
         max_sessions: sessions whose last arrival is remembered for gap fitting (LRU).
+        horizon_scoring: score P(reuse within the cache's residence time | age), i.e.
+            p (S(a) - S(a + tau)) / (1 - p + p S(a)), tau = EMA of victims' ages, instead
+            of p S(a) (reuse at any later time).
         structural_fit: fit the structural queue's gaps from its hits (off: keep the
             prior; hit gaps of one hot system-prompt block swamp colder templates).
         temperature: T of alpha_q = (E_q / mean E)^(1/T).
@@ -113,6 +116,7 @@ class UniCachePolicy(EvictionPolicy):
         fit_prior_weight: float = 20.0,
         max_sessions: int = 100_000,
         structural_fit: bool = False,
+        horizon_scoring: bool = True,
     ):
         if temperature <= 0 or not 0 < alpha_ema <= 1 or not 0 < alpha_min <= 1 <= alpha_max:
             raise ValueError("need temperature > 0, 0 < alpha_ema <= 1, alpha_min <= 1 <= alpha_max")
@@ -134,6 +138,8 @@ class UniCachePolicy(EvictionPolicy):
         self.update_every = update_every
         self.max_sessions = max_sessions
         self.structural_fit = structural_fit
+        self.horizon_scoring = horizon_scoring
+        self._horizon = 60.0  # EMA of victims' ages: how long a block stays after last use
         self._session_seen: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.fits = [
             OnlineLogNormal(
@@ -252,10 +258,17 @@ class UniCachePolicy(EvictionPolicy):
                 head = self._head(q)
                 if head is None:
                     continue
-                score = self.alpha[q] * self.fits[q].survival(now - head[0])
+                age = now - head[0]
+                fit, p = self.fits[q], self.alpha[q]
+                if self.horizon_scoring:
+                    s_now = fit.survival(age)
+                    score = p * (s_now - fit.survival(age + self._horizon)) / (1.0 - p + p * s_now + 1e-12)
+                else:
+                    score = p * fit.survival(age)
                 if best_q < 0 or score < best_score:
                     best_q, best_score = q, score
         key, _, block_id = heapq.heappop(self._heaps[best_q])
+        self._horizon += 0.01 * (max(0.0, self._now - key) - self._horizon)
         del self._live[block_id]
         self._sizes[best_q] -= 1
         h = self._hash.pop(block_id, None)
