@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import importlib.util
 import json
 import re
 import subprocess
@@ -54,17 +55,16 @@ GPU4 = {
 }
 VALUE_SETS = {"default": {}, "external-redis": EXTERNAL_REDIS, "gpu4": GPU4}
 
-# Metric names the Grafana dashboard queries; the router's /metrics must export them.
-DASHBOARD_METRICS = {
-    "unicache_requests_total",
-    "unicache_matched_tokens_total",
-    "unicache_computed_tokens_total",
-    "unicache_ttft_seconds_bucket",
-    "unicache_replica_hit_ratio",
-    "unicache_replica_blocks_used",
-    "unicache_replica_blocks_free",
-    "unicache_routing_decisions_total",
-}
+
+
+def _load_dashboard_builder():
+    spec = importlib.util.spec_from_file_location("build_dashboard", REPO / "helm" / "tools" / "build_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DASHBOARD = _load_dashboard_builder()
 
 
 def render(values: dict, name: str = RELEASE) -> dict[str, str]:
@@ -244,31 +244,32 @@ def _strict_crd_schema(schema: dict) -> dict:
     return schema
 
 
-@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
-def test_raycluster_validates_against_the_kuberay_crd(rendered, value_set):
+@pytest.fixture(scope="module")
+def raycluster_schema() -> dict:
+    """The strict v1 RayCluster schema from the KubeRay CRD (parsed once: the file is ~1 MB)."""
     if not RAYCLUSTER_CRD.exists():
         pytest.skip(f"KubeRay CRD schema not found at {RAYCLUSTER_CRD} (CI provides ../shared/schemas)")
-    crd = yaml.safe_load(RAYCLUSTER_CRD.read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load(RAYCLUSTER_CRD.read_text(), Loader=loader)
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     schema = _strict_crd_schema(version["schema"]["openAPIV3Schema"])
     schema["properties"]["metadata"] = {"type": "object"}
+    return schema
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_raycluster_validates_against_the_kuberay_crd(rendered, raycluster_schema, value_set):
     doc = one(rendered[value_set], "RayCluster")
     assert doc["apiVersion"] == "ray.io/v1"
-    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
+    errors = sorted(jsonschema.Draft7Validator(raycluster_schema).iter_errors(doc), key=lambda e: list(e.path))
     assert [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors] == []
 
 
-def test_strict_crd_schema_rejects_a_misspelt_field(rendered):
+def test_strict_crd_schema_rejects_a_misspelt_field(rendered, raycluster_schema):
     """The strict CRD check is not vacuous: a typo in the worker group fails it."""
-    if not RAYCLUSTER_CRD.exists():
-        pytest.skip(f"KubeRay CRD schema not found at {RAYCLUSTER_CRD} (CI provides ../shared/schemas)")
-    crd = yaml.safe_load(RAYCLUSTER_CRD.read_text())
-    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
-    schema = _strict_crd_schema(version["schema"]["openAPIV3Schema"])
-    schema["properties"]["metadata"] = {"type": "object"}
     doc = copy.deepcopy(one(rendered["default"], "RayCluster"))
     doc["spec"]["workerGroupSpecs"][0]["replicaz"] = 3
-    assert not jsonschema.Draft7Validator(schema).is_valid(doc)
+    assert not jsonschema.Draft7Validator(raycluster_schema).is_valid(doc)
 
 
 def test_servicemonitor_shape(rendered):
@@ -412,14 +413,34 @@ def test_grafana_dashboard_covers_cache_state_routing_and_ttft(rendered):
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     dash = json.loads(cm["data"]["unicache.json"])
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    used = {m for e in exprs for m in re.findall(r"\bunicache_[a-z_]+", e)}
-    assert used == DASHBOARD_METRICS
-    titles = {p["title"] for p in dash["panels"]}
-    assert {"Cache hit ratio per replica", "KV blocks used per replica", "KV blocks free per replica",
-            "Routing decisions by reason", "Time to first token"} <= titles
+    assert {m for e in exprs for m in re.findall(r"\bunicache_[a-z_]+", e)} == set(DASHBOARD.METRICS)
     by_title = {p["title"]: p for p in dash["panels"]}
-    assert "by (replica)" in by_title["Cache hit ratio per replica"]["targets"][0]["expr"]
-    assert "by (reason)" in by_title["Routing decisions by reason"]["targets"][0]["expr"]
+    for title, grouping, metric in [
+        ("Cache hit ratio per replica", "by (replica)", "unicache_router_replica_hit_ratio"),
+        ("KV blocks used per replica", "by (replica)", "unicache_router_replica_used_blocks"),
+        ("KV blocks free per replica", "by (replica)", "unicache_router_replica_free_blocks"),
+        ("Routing decisions by reason", "by (reason)", "unicache_router_routing_decisions_total"),
+        ("Time to first token", "by (le)", "unicache_router_ttft_seconds_bucket"),
+    ]:
+        expr = by_title[title]["targets"][0]["expr"]
+        assert grouping in expr and metric in expr, title
+
+
+def test_committed_dashboard_matches_its_generator():
+    assert (CHART / "dashboards" / "unicache.json").read_text() == DASHBOARD.render()
+
+
+def test_router_exports_every_metric_the_dashboard_queries():
+    """The dashboard's contract with router/metrics.py: each queried series exists."""
+    from router.metrics import RouterMetrics
+
+    suffix = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    exported = {
+        family.name + s
+        for family in RouterMetrics().registry.collect()
+        for s in suffix.get(family.type, ("",))
+    }
+    assert sorted(set(DASHBOARD.METRICS) - exported) == []
 
 
 def test_notes_render_the_quickstart():
