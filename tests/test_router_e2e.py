@@ -327,3 +327,36 @@ async def test_http_only_replica_fails_reports_its_error(single):
     assert r.status_code == 503
     assert r.json()["error"]["message"] == "replica solo: injected failure"
     assert app.cluster.replicas["solo"].in_flight == 0
+
+
+async def test_health_and_reflection_services(cluster2):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    app, _, _ = cluster2
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="unicache.v1.Router"), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+        names = sorted([s.name async for r in call for s in r.list_services_response.service])
+    assert names == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "unicache.v1.Router"]
+
+
+async def test_http_stream_client_disconnect_cancels_replica(single):
+    app, rep, client = single
+    rep.hold = asyncio.Event()
+    body = {"prompt": PROMPT, "max_tokens": 5, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body, headers={"x-api-key": "key-a"}) as r:
+        async for line in r.aiter_lines():
+            if line:
+                assert json.loads(line[6:])["choices"][0]["text"] == "T"
+                break
+    # Leaving the block closed the connection mid-stream.
+    await asyncio.wait_for(rep.cancelled.wait(), 10)
+    for _ in range(200):
+        if app.cluster.replicas["solo"].in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert app.cluster.replicas["solo"].in_flight == 0
