@@ -181,3 +181,92 @@ def test_opt_access_removes_candidate():
     assert drain(p) == [0]
     p.on_removed(1)
     assert len(p) == 0 and p.pop_victim() is None
+
+
+# ------------------------------------------------------- property-based checks
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from replica.kv.store import OutOfBlocks  # noqa: E402
+
+
+class CheckedRadix(RadixLRUPolicy):
+    """Checks every victim against a brute-force scan of the candidates."""
+
+    def pop_victim(self):
+        times = {b: self._last_use[b] for b in self._candidates if not self._children.get(b)}
+        oldest = next(iter(self._candidates), None)
+        victim = super().pop_victim()
+        if times:
+            assert victim in times and times[victim] == min(times.values())
+        else:
+            assert victim == oldest
+        return victim
+
+
+class CheckedOpt(OptPolicy):
+    """Checks every victim's next use is the furthest among the candidates'."""
+
+    def pop_victim(self):
+        next_uses = {b: self.future.next_use(self._hash[b]) for b in self._token}
+        victim = super().pop_victim()
+        if next_uses:
+            assert next_uses[victim] == max(next_uses.values())
+        return victim
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "alloc", "finish", "fork"]),
+        st.lists(st.integers(0, 3), min_size=1, max_size=4),
+        st.integers(0, 3),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+def _drive(policy_factory, steps):
+    prompts = [hash_id_blocks(ids) for _, ids, _ in steps]
+    future = FutureAccesses.from_prompts(prompts)
+    policy = policy_factory(future)
+    store = KVStore(5, 2, policy)
+    live: list[str] = []
+    for i, (op, ids, extra) in enumerate(steps):
+        now = float(i)
+        future.clock = i
+        if op == "alloc":
+            hashes = prompts[i]
+            tokens = 2 * len(hashes) + extra
+            fits = store.can_allocate(hashes, tokens)
+            try:
+                store.allocate(f"r{i}", hashes, tokens, SINGLE_TURN, now, num_prompt_tokens=2 * len(hashes))
+            except OutOfBlocks:
+                assert not fits
+            else:
+                assert fits
+                store.cache_blocks(f"r{i}", now)
+                live.append(f"r{i}")
+        elif op == "fork" and live:
+            store.fork(live[extra % len(live)], f"f{i}")
+            live.append(f"f{i}")
+        elif live:
+            store.free(live.pop(extra % len(live)), now)
+        store.check_invariants()
+    for rid in live:
+        store.free(rid, 99.0)
+    store.check_invariants()
+    candidates = len(store.policy)
+    assert len(drain(store.policy)) == candidates and len(store.policy) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_radix_lru_through_the_store_keeps_invariants(steps):
+    _drive(lambda future: CheckedRadix(), steps)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_opt_through_the_store_evicts_the_furthest_next_use(steps):
+    _drive(CheckedOpt, steps)
