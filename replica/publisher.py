@@ -183,7 +183,7 @@ class CachePublisher:
         async with self._lock:
             if not await self._flush_locked():
                 return False
-            return await self._write_summary(delete_stream=False)
+            return await self._write_summary(self.epoch, self.seq, delete_stream=False)
 
     async def try_resync(self) -> bool:
         """Start a new epoch: drop held events, delete the stream, write a summary at seq 0."""
@@ -191,15 +191,14 @@ class CachePublisher:
             dropped = len(self.source.take_events()) + self._pending.num_events
             self.stats.dropped_events += dropped
             self._pending = PendingBatch()
-            previous = (self.epoch, self.seq)
-            self.epoch = max(self.epoch + 1, int(self.clock() * 1000))
-            self.seq = 0
-            if await self._write_summary(delete_stream=True):
-                self.resync_needed = False
-                self.stats.resyncs += 1
-                log.info("replica %s published summary, epoch %d (was %s)", self.replica_id, self.epoch, previous)
-                return True
-            return False
+            epoch = max(self.epoch + 1, int(self.clock() * 1000))
+            if not await self._write_summary(epoch, 0, delete_stream=True):
+                return False
+            log.info("replica %s published summary, epoch %d (was %d)", self.replica_id, epoch, self.epoch)
+            self.epoch, self.seq = epoch, 0
+            self.resync_needed = False
+            self.stats.resyncs += 1
+            return True
 
     async def publish_heartbeat(self) -> bool:
         """SET the heartbeat with its TTL; also checks the summary key still exists (a
@@ -259,12 +258,12 @@ class CachePublisher:
         self._pending = PendingBatch()
         return True
 
-    async def _write_summary(self, delete_stream: bool) -> bool:
+    async def _write_summary(self, epoch: int, seq: int, delete_stream: bool) -> bool:
         hashes = self.source.cached_hashes()
         summary = cache_pb2.CacheSummary(
             replica_id=self.replica_id,
-            epoch=self.epoch,
-            seq=self.seq,
+            epoch=epoch,
+            seq=seq,
             block_hashes=hashes,
             block_size=self.source.block_size,
             timestamp=self.clock(),
