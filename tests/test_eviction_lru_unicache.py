@@ -1,0 +1,191 @@
+"""Exact eviction orders of the lru and unicache policies on small hand-built cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from unicache.block_hash import hash_id_blocks
+from unicache.request_class import RequestClass, Task
+from replica.eviction.base import ReleaseInfo
+from replica.eviction.lognormal import OnlineLogNormal
+from replica.eviction.registry import make_policy
+from replica.eviction.unicache import AGENT, CHAT, EVICT_FIRST, STRUCTURAL, UniCachePolicy
+
+SINGLE = RequestClass()
+CHAT_CLS = RequestClass(session_id="c", turn=1, task=Task.CHAT)
+AGENT_CLS = RequestClass(session_id="a", turn=1, task=Task.AGENT)
+TEMPLATE = RequestClass(template=True, template_blocks=2, task=Task.TOOL)
+
+
+def release(policy, block_ids, cls, now, num_prompt_blocks=None):
+    """Release a request's blocks tail first, as the store does."""
+    n = len(block_ids)
+    prompt = n if num_prompt_blocks is None else num_prompt_blocks
+    for pos in range(n - 1, -1, -1):
+        policy.on_release(block_ids[pos], ReleaseInfo(cls, pos, n, pos >= prompt, now))
+
+
+def drain(policy):
+    out = []
+    while (v := policy.pop_victim()) is not None:
+        out.append(v)
+    return out
+
+
+def plain(**kw):
+    """unicache with the adaptive parts off, so orders follow from the queue rules alone."""
+    base = dict(weighting="none", online_fit=False, horizon_scoring=False)
+    base.update(kw)
+    return UniCachePolicy(**base)
+
+
+# ---------------------------------------------------------------- lru
+def test_lru_oldest_request_first_tail_before_head_and_hits_leave():
+    p = make_policy("lru")
+    release(p, [0, 1, 2], SINGLE, 1.0)
+    release(p, [3, 4], SINGLE, 2.0)
+    p.on_access(1, SINGLE, 3.0)
+    assert drain(p) == [2, 0, 4, 3]
+    assert p.pop_victim() is None
+
+
+# ----------------------------------------------------------- unicache
+def test_queue_placement():
+    p = UniCachePolicy()
+    q = lambda cls, pos, n, dec=False: p.queue_of(ReleaseInfo(cls, pos, n, dec, 0.0))  # noqa: E731
+    assert q(SINGLE, 0, 3) == EVICT_FIRST
+    assert q(SINGLE, 2, 3, dec=True) == EVICT_FIRST
+    assert q(CHAT_CLS, 0, 3) == CHAT
+    assert q(CHAT_CLS, 2, 3, dec=True) == CHAT
+    assert q(AGENT_CLS, 1, 3) == AGENT
+    assert q(TEMPLATE, 0, 4) == STRUCTURAL
+    assert q(TEMPLATE, 1, 4) == STRUCTURAL
+    assert q(TEMPLATE, 2, 4) == EVICT_FIRST  # the unique suffix after the template
+    assert UniCachePolicy(split_agent=False).queue_of(ReleaseInfo(AGENT_CLS, 0, 1, False, 0.0)) == CHAT
+    assert UniCachePolicy(structural=False).queue_of(ReleaseInfo(TEMPLATE, 0, 4, False, 0.0)) == EVICT_FIRST
+    assert UniCachePolicy(session_queues=False).queue_of(ReleaseInfo(CHAT_CLS, 0, 4, False, 0.0)) == EVICT_FIRST
+
+
+def test_strict_evict_first_empties_evict_first_before_older_session_blocks():
+    p = plain(strict_evict_first=True)
+    release(p, [0, 1], CHAT_CLS, 1.0)
+    release(p, [2, 3], SINGLE, 5.0)
+    assert p.queue_sizes() == {"evict_first": 2, "chat": 2, "agent": 0, "structural": 0}
+    assert drain(p) == [3, 2, 1, 0]
+
+
+def test_equal_weights_and_shared_fit_fall_back_to_global_lru_order():
+    p = plain()
+    release(p, [0, 1], CHAT_CLS, 1.0)
+    release(p, [2, 3], SINGLE, 5.0)
+    release(p, [4], CHAT_CLS, 6.0)
+    p.on_request(SINGLE, 7.0)
+    assert drain(p) == [1, 0, 3, 2, 4]
+
+
+def test_reuse_weights_evict_never_reused_queue_before_an_older_reused_one():
+    def run(weighting):
+        p = UniCachePolicy(weighting=weighting, online_fit=False, horizon_scoring=False, update_every=1)
+        release(p, [10], CHAT_CLS, 0.0)
+        p.on_access(10, CHAT_CLS, 1.0)  # chat blocks get reused
+        release(p, [10], CHAT_CLS, 2.0)
+        release(p, [20], SINGLE, 2.5)  # evict-first blocks never are
+        p.on_request(SINGLE, 3.0)
+        return p, drain(p)
+
+    p, order = run("reuse")
+    assert p.alpha[CHAT] == pytest.approx(1.5 / 3.0)
+    assert p.alpha[EVICT_FIRST] == pytest.approx(0.5 / 2.0)
+    assert order == [20, 10]
+    assert run("none")[1] == [10, 20]
+
+
+def test_ghost_reuse_counts_for_the_queue_that_evicted_it():
+    p = UniCachePolicy(online_fit=False, horizon_scoring=False, update_every=1)
+    h = hash_id_blocks([1, 2])
+    p.on_cached(0, h[0], -1, 0.0)
+    p.on_cached(1, h[1], 0, 0.0)
+    release(p, [0, 1], SINGLE, 0.0)
+    assert drain(p) == [1, 0]
+    p.on_cached(5, h[1], -1, 9.0)  # the evicted prefix was needed again: a missed reuse
+    p.on_request(SINGLE, 9.0)
+    assert p.alpha[EVICT_FIRST] == pytest.approx(1.5 / 3.0)
+
+
+def test_structural_queue_cold_template_before_hot_and_deep_before_shallow():
+    p = plain()
+    release(p, [0, 1], TEMPLATE, 1.0)  # template X
+    release(p, [2, 3], TEMPLATE, 2.0)  # template Y
+    p.on_access(0, TEMPLATE, 3.0)
+    p.on_access(1, TEMPLATE, 3.0)
+    release(p, [0, 1], TEMPLATE, 4.0)  # X is hot again
+    assert drain(p) == [3, 2, 1, 0]
+
+
+def test_depth_bonus_keeps_shallow_template_blocks_longer():
+    p = plain(depth_bonus_s=10.0)
+    p.on_release(0, ReleaseInfo(TEMPLATE, 0, 4, False, 0.0))  # key 0 + 10
+    p.on_release(1, ReleaseInfo(TEMPLATE, 1, 4, False, 3.0))  # key 3 + 5
+    assert drain(p) == [1, 0]
+
+
+def test_horizon_scoring_ranks_by_reuse_within_the_residence_time():
+    # Both 1 s old, reuse probability 0.5. An agent block (gaps ~6 s) will almost surely
+    # be reused within the 60 s horizon if at all; a chat block (gaps ~118 s) mostly
+    # later. Survival alone ranks the agent block lower (it has the shorter tail).
+    def run(horizon):
+        p = UniCachePolicy(weighting="none", online_fit=False, horizon_scoring=horizon)
+        p.alpha = [0.5, 0.5, 0.5, 0.5]
+        release(p, [0], AGENT_CLS, 0.0)
+        release(p, [1], CHAT_CLS, 0.0)
+        p.on_request(SINGLE, 1.0)
+        return drain(p)
+
+    assert run(horizon=True) == [1, 0]
+    assert run(horizon=False) == [0, 1]
+
+
+def test_session_gaps_are_fitted_from_arrivals():
+    p = UniCachePolicy(fit_prior_weight=20.0)
+    p.on_request(CHAT_CLS, 0.0)
+    p.on_request(CHAT_CLS, 100.0)
+    assert p.fits[CHAT].mu == pytest.approx((4.77 * 20 + math.log(100.0)) / 21)
+    assert p.fits[AGENT].mu == pytest.approx(1.81)
+    assert p.fits[EVICT_FIRST] is p.fits[CHAT]
+
+
+def test_accessed_and_removed_blocks_leave_and_stale_entries_are_compacted():
+    p = plain()
+    for i in range(500):
+        release(p, [7], CHAT_CLS, float(i))
+        p.on_access(7, CHAT_CLS, float(i) + 0.5)
+    assert len(p) == 0
+    assert len(p._heaps[CHAT]) <= 2 * 0 + 64 + 1
+    release(p, [1, 2], SINGLE, 600.0)
+    p.on_removed(2)
+    assert p.queue_sizes()["evict_first"] == 1
+    assert drain(p) == [1]
+
+
+def test_lognormal_fit():
+    f = OnlineLogNormal(mu=4.77, sigma=1.279)
+    assert f.survival(0.0) == 1.0
+    assert f.survival(math.exp(4.77)) == pytest.approx(0.5)
+    for _ in range(5000):
+        f.observe(math.e**2)
+    assert f.mu == pytest.approx(2.0, abs=0.05)
+    assert f.sigma == pytest.approx(0.25)  # floor: identical gaps have zero spread
+    assert f.survival(1.0) > f.survival(10.0) > f.survival(100.0)
+    frozen = OnlineLogNormal(mu=1.0, sigma=1.0, frozen=True)
+    frozen.observe(1000.0)
+    assert (frozen.mu, frozen.sigma) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": 0}, {"alpha_ema": 0}, {"update_every": 0}, {"weighting": "nope"}, {"depth_bonus_s": -1}]
+)
+def test_bad_tunables_raise(kwargs):
+    with pytest.raises(ValueError):
+        UniCachePolicy(**kwargs)
