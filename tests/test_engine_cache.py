@@ -79,7 +79,7 @@ def test_cache_salt_separates_tenants():
 
 def _replay_dense(engine: LLMEngine, req, index: int, tokens: list[int]) -> list[int]:
     """Re-sample sample ``index`` token by token from full, uncached forwards."""
-    gen = make_generator(req.sampling, index, 0, torch.device("cpu"))
+    gen = make_generator(req.sampling, index, 0)
     seq = list(req.prompt_token_ids)
     out = []
     for _ in tokens:

@@ -85,8 +85,7 @@ class LLMEngine:
             self.model = LlamaForCausalLM.random(config.model, config.seed)
         mcfg: ModelConfig = self.model.config
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.rotary.to(self.device)  # NOTE: keep cos/sin in float64 for exact positions
+        self.model.place(self.device, self.dtype)
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
         self.vocab_size = mcfg.vocab_size
@@ -163,7 +162,7 @@ class LLMEngine:
             token_ids=list(req.prompt_token_ids),
             num_prompt=len(req.prompt_token_ids),
             detok=self.tokenizer.detokenizer(),
-            generator=make_generator(req.sampling, 0, fallback, self.device),
+            generator=make_generator(req.sampling, 0, fallback),
             max_stop_len=max_stop,
         )
         group.seqs.append(seq)
@@ -268,7 +267,7 @@ class LLMEngine:
         group = parent.group
         children = []
         for idx in range(1, group.request.sampling.n):
-            gen = make_generator(group.request.sampling, idx, group.fallback_seed, self.device)
+            gen = make_generator(group.request.sampling, idx, group.fallback_seed)
             child = parent.fork(idx, gen, self.tokenizer.detokenizer())
             self.store.fork(parent.seq_id, child.seq_id)
             group.seqs.append(child)

@@ -70,10 +70,14 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: ``[T, heads, head_dim]``; positions: ``[T]``."""
-        cos = self.cos[positions].to(x.dtype)[:, None, :]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for ``positions``, shaped ``[T, 1, head_dim]`` (once per forward)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: ``[T, heads, head_dim]``."""
+        cos, sin = cos_sin
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -90,20 +94,20 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
+    def _qkv(self, x: torch.Tensor, cos_sin):
         t = x.shape[0]
-        q = rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
-        k = rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
+        q = Rotary.apply(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos_sin)
+        k = Rotary.apply(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos_sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         return q, k, v
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata):
-        q, k, v = self._qkv(x, positions, rotary)
+    def forward(self, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
+        q, k, v = self._qkv(x, cos_sin)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.num_heads // self.num_kv_heads)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
-    def forward_dense(self, x, positions, rotary):
-        q, k, v = self._qkv(x, positions, rotary)
+    def forward_dense(self, x, cos_sin):
+        q, k, v = self._qkv(x, cos_sin)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         gqa = self.num_heads != self.num_kv_heads
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
@@ -164,12 +168,20 @@ class LlamaForCausalLM(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * cfg.init_std)
         return model
 
+    def place(self, device: torch.device, dtype: torch.dtype) -> "LlamaForCausalLM":
+        """Move weights to ``device``/``dtype``; rotary tables stay float64 (exact at long positions)."""
+        self.to(device=device, dtype=dtype).eval()
+        cfg = self.config
+        self.rotary = Rotary(cfg.dim_per_head, cfg.max_position, cfg.rope_theta).to(device)
+        return self
+
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv, meta: AttentionMetadata) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.tables(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = kv.layer_views(i)
-            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rotary, k_cache, v_cache, meta)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos_sin, k_cache, v_cache, meta)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 
@@ -182,7 +194,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[T, vocab]`` of a plain causal forward over ``input_ids`` (no KV cache)."""
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         h = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.tables(positions, h.dtype)
         for layer in self.model.layers:
-            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), positions, self.rotary)
+            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), cos_sin)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.logits(self.model.norm(h))

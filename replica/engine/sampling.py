@@ -12,12 +12,16 @@ import torch
 from replica.engine.api import SamplingParams
 
 
-def make_generator(params: SamplingParams, index: int, fallback_seed: int, device: torch.device) -> torch.Generator | None:
-    """A generator for sample ``index`` (None for greedy, which draws nothing)."""
+def make_generator(params: SamplingParams, index: int, fallback_seed: int) -> torch.Generator | None:
+    """A CPU generator for sample ``index`` (None for greedy, which draws nothing).
+
+    Sampling runs on CPU logits whatever the model's device, so draws are identical on
+    CPU and CUDA replicas.
+    """
     if params.temperature == 0.0:
         return None
     seed = params.seed if params.seed is not None else fallback_seed
-    gen = torch.Generator(device=device)
+    gen = torch.Generator()
     gen.manual_seed((seed * 1_000_003 + index) % (2**63))
     return gen
 
