@@ -77,3 +77,21 @@ def test_tokenizer_module_does_not_import_torch():
     code = "import sys, replica.engine.tokenizer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_engine_uses_a_checkpoints_tokenizer_json(hf_path, tmp_path):
+    import shutil
+
+    from replica.engine.checkpoint import save_checkpoint
+    from replica.engine.engine import LLMEngine
+    from replica.engine.model import LlamaForCausalLM, ModelConfig
+    from tests.support.engine_factory import TINY_MODEL, make_request, run_one, tiny_config
+
+    tok = HFTokenizer(str(hf_path))
+    cfg = ModelConfig(**{**TINY_MODEL, "vocab_size": tok.vocab_size})
+    save_checkpoint(LlamaForCausalLM.random(cfg, 5), str(tmp_path))
+    shutil.copy(hf_path, tmp_path / "tokenizer.json")
+    engine = LLMEngine(tiny_config(checkpoint=str(tmp_path)))
+    assert isinstance(engine.tokenizer, HFTokenizer)
+    res = run_one(engine, make_request("a", tok.encode("the café"), max_tokens=12))
+    assert res.text[0] == tok.decode(res.tokens[0])

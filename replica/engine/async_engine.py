@@ -42,7 +42,7 @@ class AsyncEngine:
         self.config = config
         self.device = str(resolve_device(config.device))
         self.block_size = config.block_size
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.tokenizer = load_tokenizer(config.tokenizer_path())
         self.engine: LLMEngine | None = None
         self._streams: dict[str, _Stream] = {}
         self._inbox_lock = threading.Lock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from replica.engine.model import ModelConfig
@@ -30,6 +31,8 @@ class EngineConfig:
         max_model_len: longest prompt + output (None: the model's max_position).
         max_n: largest ``n`` accepted per request (also capped by ``max_num_seqs``).
         seed: seeds the random weights and the sampler of requests without a seed.
+        cpu_threads: torch intra-op threads for a CPU engine (process-wide); None keeps
+            torch's default. On a crowded host 1 is often fastest (no spinning OpenMP peers).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -47,6 +50,15 @@ class EngineConfig:
     max_model_len: int | None = None
     max_n: int = 16
     seed: int = 0
+    cpu_threads: int | None = None
+
+    def tokenizer_path(self) -> str | None:
+        """Explicit tokenizer, else a checkpoint's own tokenizer.json, else None (bytes)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.checkpoint is not None and os.path.exists(os.path.join(self.checkpoint, "tokenizer.json")):
+            return os.path.join(self.checkpoint, "tokenizer.json")
+        return None
 
     @property
     def total_blocks(self) -> int:

@@ -76,7 +76,9 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        if config.cpu_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
+        self.tokenizer = load_tokenizer(config.tokenizer_path())
         if config.checkpoint is not None:
             from replica.engine.checkpoint import load_checkpoint
 
