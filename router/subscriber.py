@@ -128,6 +128,10 @@ class RedisSubscriber:
                 self.cluster.redis_connected = False
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
+            except Exception:  # noqa: BLE001 - a bug or bad payload must not stop following Redis
+                log.exception("redis subscriber step failed; retrying")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
 
     async def step(self, block_ms: int | None = None) -> bool:
         """One round: reconnect check, heartbeats (when due), resyncs, one XREAD.
@@ -218,7 +222,13 @@ class RedisSubscriber:
             await self._request_summary(replica_id)
             return False
         summary = cache_pb2.CacheSummary()
-        summary.ParseFromString(raw)
+        try:
+            summary.ParseFromString(raw)
+        except Exception:  # noqa: BLE001 - treat a corrupt summary as missing
+            log.warning("replica %s: unparsable cache summary; requesting a new one", replica_id)
+            index.mark_resync(replica_id)
+            await self._request_summary(replica_id)
+            return False
         newest_id, newest_epoch, batches = await self._batches_after(replica_id, summary.epoch, summary.seq)
         self._cursors[replica_id] = newest_id
         index.apply_summary(replica_id, summary.epoch, summary.seq, [BlockHash(h) for h in summary.block_hashes])

@@ -226,3 +226,17 @@ async def test_summary_older_than_trimmed_stream_is_requested_again(setup):
     put_summary(r, "a", 1, 6, [1, 2, 5, 6])
     await sub.step(block_ms=0)
     assert not index.needs_resync("a") and held(index, "a") == [1, 2, 5, 6]
+
+
+async def test_corrupt_payloads_do_not_stop_the_subscriber(setup):
+    sub, cluster, index, _, r, _ = setup
+    put_heartbeat(r, "a")
+    r.set(KEYS.summary("a"), b"\xff\xff not a protobuf")
+    r.set(KEYS.heartbeat("junk"), b"\xff\xff")
+    await sub.step(block_ms=0)
+    assert list(cluster.replicas) == ["a"] and index.needs_resync("a") and sub.resync_requests == 1
+    put_summary(r, "a", 1, 0, [3])
+    r.xadd(KEYS.events("a"), {"b": b"\xff\xff"})
+    add_events(r, "a", 1, 1, stored=[4])
+    await sub.step(block_ms=0)
+    assert held(index, "a") == [3, 4]
