@@ -158,6 +158,8 @@ def test_schema_accepts_the_value_sets_and_rejects_bad_values():
             {"redis": {"enabled": False}},
             {"auth": {"apiKeys": [{"key": "a,b", "tenant": "t"}]}},
             {"settings": {"extra": {"REDIS_URL": "x"}}},
+            {"replicas": {"gpu": "maybe"}},
+            {"redis": {"password": "p@ss/word"}},
         ]
         for values in bad:
             with pytest.raises(helm.HelmValuesError):
@@ -328,6 +330,9 @@ def test_router_ports_probes_and_wiring(rendered):
     assert env["UNICACHE_API_KEYS_FILE"]["value"] == "/etc/unicache/secrets/api-keys"
     assert env["UNICACHE_SALT_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "uc-unicache-secrets", "key": "salt-secret"}
     assert env["UNICACHE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "uc-unicache-redis", "key": "redis-password"}
+    assert env["UNICACHE_REDIS_URL"]["value"] == "redis://:$(UNICACHE_REDIS_PASSWORD)@uc-unicache-redis.serving.svc:6379/0"
+    names = [e["name"] for e in c["env"]]  # $(VAR) expands only variables defined earlier
+    assert names.index("UNICACHE_REDIS_PASSWORD") < names.index("UNICACHE_REDIS_URL")
     assert "replicas" not in dep["spec"]  # the HPA owns the count
     hpa = one(docs, "HorizontalPodAutoscaler")
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
@@ -335,10 +340,31 @@ def test_router_ports_probes_and_wiring(rendered):
     pdb = one(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     settings = one(docs, "ConfigMap", "settings")["data"]
-    assert settings["UNICACHE_REDIS_URL"] == "redis://uc-unicache-redis.serving.svc:6379/0"
     assert settings["UNICACHE_ROUTING_POLICY"] == "cache_aware"
-    assert settings["UNICACHE_BLOCK_SIZE"] == "16"
-    assert "UNICACHE_NUM_BLOCKS" not in settings and "UNICACHE_MODEL_PATH" not in settings
+    assert (settings["UNICACHE_BLOCK_SIZE"], settings["UNICACHE_NUM_BLOCKS"], settings["UNICACHE_GPU"]) == ("16", "1024", "auto")
+    # empty settings mean "the default" to router and replicas alike, so they are not set at all
+    assert "UNICACHE_TOKENIZER" not in settings and "UNICACHE_CHECKPOINT" not in settings
+    assert "UNICACHE_REDIS_URL" not in settings  # per container: it embeds the password
+
+
+def test_every_unicache_variable_the_chart_sets_is_a_real_setting(rendered):
+    """UNICACHE_* names in the ConfigMap and container env are fields of RouterConfig or
+    ReplicaSettings, or `unicache replicas` options (replica/cli.py): no typo is silently
+    ignored by the programs."""
+    from dataclasses import fields
+
+    from replica.settings import ReplicaSettings
+    from router.config import RouterConfig
+
+    cli_options = re.findall(r"env_name\(['\"](\w+)['\"]\)", (REPO / "replica" / "cli.py").read_text())
+    known = {"UNICACHE_" + n.upper() for n in [f.name for f in fields(RouterConfig)] + [f.name for f in fields(ReplicaSettings)] + cli_options}
+    for value_set, docs in rendered.items():
+        used = set(one(docs, "ConfigMap", "settings")["data"])
+        for component in ("router", "launcher"):
+            container = one(docs, "Deployment", component)["spec"]["template"]["spec"]["containers"][0]
+            used |= {name for name in container_env(container) if name.startswith("UNICACHE_")}
+        assert sorted(used - known) == [], value_set
+        assert {"UNICACHE_REDIS_URL", "UNICACHE_SALT_SECRET", "UNICACHE_HOST", "UNICACHE_GPU"} <= used
 
 
 def test_generated_secrets_are_well_formed(rendered):
@@ -362,11 +388,12 @@ def test_external_redis_replaces_the_in_cluster_one(rendered):
     docs = rendered["external-redis"]
     assert find(docs, "StatefulSet") == [] and find(docs, "Secret", "redis") == []
     assert [d["metadata"]["name"] for d in find(docs, "Service")] == ["uc-unicache-router"]
-    assert one(docs, "ConfigMap", "settings")["data"]["UNICACHE_REDIS_URL"] == "rediss://redis.example.internal:6380/2"
     router = one(docs, "Deployment", "router")
     assert router["spec"]["replicas"] == 3 and find(docs, "HorizontalPodAutoscaler") == []
-    env = container_env(router["spec"]["template"]["spec"]["containers"][0])
-    assert env["UNICACHE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ext-redis", "key": "redis-password"}
+    for dep in (router, one(docs, "Deployment", "launcher")):
+        env = container_env(dep["spec"]["template"]["spec"]["containers"][0])
+        assert env["UNICACHE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ext-redis", "key": "redis-password"}
+        assert env["UNICACHE_REDIS_URL"]["value"] == "rediss://:$(UNICACHE_REDIS_PASSWORD)@redis.example.internal:6380/2"
 
 
 def test_gpu_worker_group_and_launcher(rendered):
@@ -384,10 +411,12 @@ def test_gpu_worker_group_and_launcher(rendered):
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert worker["image"] == "ghcr.io/unicache/unicache-replica@sha256:" + "a" * 64
-    assert container_env(worker)["UNICACHE_ADVERTISE_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     launcher = one(docs, "Deployment", "launcher")["spec"]["template"]["spec"]["containers"][0]
     assert launcher["command"] == ["unicache"]
     assert launcher["args"] == ["replicas", "--num", "4", "--ray-address", "ray://uc-unicache-ray-head-svc:10001"]
+    assert launcher["image"] == worker["image"]  # Ray client and cluster must match versions
+    env = container_env(launcher)
+    assert env["UNICACHE_HOST"]["value"] == "0.0.0.0" and "UNICACHE_ADVERTISE_HOST" not in env
     redis = one(docs, "StatefulSet")
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
     # the default render has no GPU toleration or selector

@@ -92,21 +92,30 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* Env var UNICACHE_REDIS_PASSWORD from a Secret (nothing for a password-less external Redis). */}}
-{{- define "unicache.redisPasswordEnv" -}}
+{{/*
+Env vars UNICACHE_REDIS_PASSWORD (from a Secret; omitted for a password-less external
+Redis) and UNICACHE_REDIS_URL with that password embedded through Kubernetes' $(VAR)
+expansion: the replicas take their Redis credentials from the URL only.
+*/}}
+{{- define "unicache.redisEnv" -}}
+{{- $url := include "unicache.redisUrl" . }}
 {{- if .Values.redis.enabled }}
 - name: UNICACHE_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ include "unicache.componentName" (dict "ctx" . "component" "redis") }}
       key: redis-password
+{{- $url = regexReplaceAll "^(rediss?://)" $url "${1}:$(UNICACHE_REDIS_PASSWORD)@" }}
 {{- else if .Values.redis.external.passwordSecret }}
 - name: UNICACHE_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ .Values.redis.external.passwordSecret }}
       key: {{ .Values.redis.external.passwordSecretKey }}
+{{- $url = regexReplaceAll "^(rediss?://)" $url "${1}:$(UNICACHE_REDIS_PASSWORD)@" }}
 {{- end }}
+- name: UNICACHE_REDIS_URL
+  value: {{ $url | quote }}
 {{- end }}
 
 {{/* The KubeRay RayCluster name and the head Service KubeRay creates for it. */}}
