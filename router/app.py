@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from replica.engine.tokenizer import load_tokenizer
 from router.auth import Authenticator, load_api_keys_file, parse_api_keys
 from router.cluster import ClusterView
-from router.config import RouterConfig
+from router.config import RouterConfig, resolve_tokenizer_path
 from router.core import RouterCore
 from router.http_api import HttpFrontDoor
 from router.index import LocalityIndex
@@ -76,11 +76,11 @@ class RouterApp:
         self.index = LocalityIndex(config.max_index_blocks)
         self.cluster = ClusterView(self.policy, self.index)
         self.auth = build_authenticator(config)
-        spec = config.tokenizer
+        path = resolve_tokenizer_path(config)
         try:
-            tokenizer = load_tokenizer(None if spec in ("", "byte") else spec)
-        except (FileNotFoundError, OSError, ValueError) as exc:
-            raise UsageError(f"tokenizer {spec!r}: {exc}") from None
+            tokenizer = load_tokenizer(path)
+        except Exception as exc:  # noqa: BLE001 - any load failure is a configuration error
+            raise UsageError(f"cannot load tokenizer {path}: {exc}") from None
         self.metrics = RouterMetrics()
         self.clients = ReplicaClients(config.forward_deadline_s, config.connect_timeout_s)
         self.core = RouterCore(
@@ -106,6 +106,7 @@ class RouterApp:
                 password=config.redis_password or None,
                 tls_ca=config.redis_tls_ca or None,
                 timeout_s=config.redis_timeout_s,
+                expected_block_size=config.block_size,
                 **(subscriber_kwargs or {}),
             )
         self.http = HttpFrontDoor(self.core, config.model_name, self.policy.name)

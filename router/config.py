@@ -62,7 +62,10 @@ class RouterConfig:
     connect_timeout_s: float = field(default=5.0, metadata={"help": "wait for a replica channel to be ready"})
     model_name: str = field(default="unicache-default", metadata={"help": "model name served under /v1/models"})
     block_size: int = field(default=16, metadata={"help": "KV block size in tokens (must match the replicas)"})
-    tokenizer: str = field(default="byte", metadata={"help": "tokenizer spec, same as the replicas' ('byte' or a tokenizer.json path)"})
+    tokenizer: str = field(
+        default="", metadata={"help": "tokenizer.json path, or 'byte'; empty: the checkpoint's tokenizer.json, else bytes (as the replicas)"}
+    )
+    checkpoint: str = field(default="", metadata={"help": "the replicas' checkpoint dir (only its tokenizer.json is read)"})
     max_index_blocks: int = field(default=2_000_000, metadata={"help": "locality index bound per replica"})
     max_in_flight: int = field(default=4096, metadata={"help": "requests in flight before answering 429"})
 
@@ -87,6 +90,28 @@ class RouterConfig:
                 raise UsageError(f"bad --replicas entry {item!r}: expected id=host:port")
             out[rid] = addr
         return out
+
+
+def resolve_tokenizer_path(cfg: RouterConfig) -> str | None:
+    """The tokenizer file the replicas use, by their rule (replica/engine/config.py):
+    an explicit tokenizer, else the checkpoint's ``tokenizer.json``, else bytes (None).
+
+    A checkpoint the router cannot read is a UsageError: guessing bytes would send the
+    model wrong token ids and hash prompts differently from the replicas.
+    """
+    if cfg.tokenizer == "byte":
+        return None
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if cfg.checkpoint:
+        if not os.path.isdir(cfg.checkpoint):
+            raise UsageError(
+                f"checkpoint {cfg.checkpoint} is not readable from the router: mount it, or set --tokenizer "
+                "to its tokenizer.json (or 'byte' if the replicas tokenize bytes)"
+            )
+        path = os.path.join(cfg.checkpoint, "tokenizer.json")
+        return path if os.path.exists(path) else None
+    return None
 
 
 def mask_url_password(url: str) -> str:

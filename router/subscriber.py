@@ -60,6 +60,8 @@ class RedisSubscriber:
         backoff_initial_s / backoff_max_s: reconnect backoff bounds (0.1 s .. 5 s).
         replay_chunk: stream entries read per XREVRANGE while replaying after a summary
             (a resync reads only the batches newer than the summary, not the whole stream).
+        expected_block_size: the router's block size; a replica announcing another one
+            is logged (its hashes can never match the router's).
         clock: monotonic clock (tests may pass a fake one).
     """
 
@@ -78,6 +80,7 @@ class RedisSubscriber:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
         replay_chunk: int = 256,
+        expected_block_size: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cluster = cluster
@@ -90,6 +93,8 @@ class RedisSubscriber:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.replay_chunk = replay_chunk
+        self.expected_block_size = expected_block_size
+        self._warned_block_size: set[str] = set()
         self.clock = clock
         kwargs = {"socket_timeout": timeout_s + block_ms / 1000.0, "socket_connect_timeout": timeout_s}
         if password:
@@ -188,6 +193,10 @@ class RedisSubscriber:
                 continue
             rid = hb.replica_id or self.keys.replica_from_heartbeat_key(key)
             seen.add(rid)
+            bs = hb.cache.block_size
+            if self.expected_block_size and bs and bs != self.expected_block_size and rid not in self._warned_block_size:
+                self._warned_block_size.add(rid)
+                log.warning("replica %s uses block size %d but the router %d: no prefix will match", rid, bs, self.expected_block_size)
             self.cluster.upsert(rid, hb.address, hb)
             holdings = self.cluster.index.holdings(rid)
             if holdings.epoch >= 0 and hb.epoch and hb.epoch != holdings.epoch:

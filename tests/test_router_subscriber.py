@@ -240,3 +240,15 @@ async def test_corrupt_payloads_do_not_stop_the_subscriber(setup):
     add_events(r, "a", 1, 1, stored=[4])
     await sub.step(block_ms=0)
     assert held(index, "a") == [3, 4]
+
+
+async def test_block_size_mismatch_is_logged_once(setup, caplog):
+    sub, cluster, _, _, r, _ = setup
+    sub.expected_block_size = 16
+    hb = cache_pb2.Heartbeat(replica_id="a", address="h:1", cache=common_pb2.CacheState(block_size=32))
+    r.set(KEYS.heartbeat("a"), hb.SerializeToString())
+    with caplog.at_level("WARNING", logger="router.subscriber"):
+        await sub.scan_heartbeats()
+        await sub.scan_heartbeats()
+    msgs = [rec.getMessage() for rec in caplog.records if "block size" in rec.getMessage()]
+    assert msgs == ["replica a uses block size 32 but the router 16: no prefix will match"]

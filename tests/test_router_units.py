@@ -140,3 +140,30 @@ def test_redis_url_password_masked_in_describe():
     shown = RouterConfig(redis_url="rediss://app:pa55@redis:6380/0").describe()
     assert shown["redis_url"] == "rediss://app:***@redis:6380/0"
     assert RouterConfig(redis_url="redis://h:1/0").describe()["redis_url"] == "redis://h:1/0"
+
+
+def test_router_tokenizes_like_the_replicas(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from replica.engine.config import EngineConfig
+    from replica.engine.tokenizer import load_tokenizer
+    from router.app import RouterApp
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(ckpt / "tokenizer.json"))
+    base = {"use_redis": False, "auth_enabled": False}
+    router_tok = RouterApp(build_config(env={"UNICACHE_CHECKPOINT": str(ckpt)}, overrides=base)).core.tokenizer
+    replica_tok = load_tokenizer(EngineConfig(checkpoint=str(ckpt)).tokenizer_path())
+    assert router_tok.encode("hello world zzz") == replica_tok.encode("hello world zzz") == [0, 1, 2]
+    # Explicit 'byte' wins; a checkpoint without tokenizer.json means bytes, as on replicas.
+    assert RouterApp(build_config(env={}, overrides={**base, "checkpoint": str(ckpt), "tokenizer": "byte"})).core.encode("hi") == [104, 105]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert RouterApp(build_config(env={}, overrides={**base, "checkpoint": str(empty)})).core.encode("hi") == [104, 105]
+    with pytest.raises(UsageError, match="not readable from the router"):
+        RouterApp(build_config(env={}, overrides={**base, "checkpoint": str(tmp_path / "missing")}))
+    with pytest.raises(UsageError, match="cannot load tokenizer"):
+        RouterApp(build_config(env={}, overrides={**base, "tokenizer": str(tmp_path / "nope.json")}))
