@@ -167,3 +167,8 @@ def test_hot_path_records_are_slotted():
 
     for cls in (SimRequest, SimReplica, TimingModel, ReplayConfig):
         assert hasattr(cls, "__slots__"), cls
+
+
+def test_label_names_a_variant():
+    res, _ = run([req(0, [1])], policy="radix-lru", label="radix-variant")
+    assert res["policy"] == "radix-variant"

@@ -63,6 +63,8 @@ class ReplayConfig:
             (default 16384; the first request always fits).
         timing: the prefill/decode time model.
         policy_kwargs: extra constructor arguments of the eviction policy.
+        label: the name reported as ``policy`` (default: ``policy``), e.g. to tell
+            ablation variants of one policy apart.
     """
 
     policy: str
@@ -75,6 +77,7 @@ class ReplayConfig:
     max_batch_tokens: int = 16384
     timing: TimingModel = field(default_factory=TimingModel)
     policy_kwargs: dict = field(default_factory=dict)
+    label: str | None = None
 
 
 class Replay:
@@ -176,7 +179,7 @@ class Replay:
         cfg = self.config
         rec = result_record(
             self.counters,
-            policy=cfg.policy,
+            policy=cfg.label or cfg.policy,
             capacity_blocks=cfg.capacity_blocks,
             block_accesses=self.trace.block_accesses,
             evictions=sum(r.store.stats.evictions for r in self.replicas),
