@@ -186,20 +186,15 @@ class HttpFrontDoor:
             if not isinstance(body, dict):
                 raise BadRequest("request body must be a JSON object")
             if chat:
-                text = render_chat(body.get("messages"))
+                token_ids = core.encode(render_chat(body.get("messages")))
             else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                if not isinstance(prompt, str):
-                    raise BadRequest("prompt must be a string")
-                text = prompt
+                token_ids = self._prompt_ids(body.get("prompt"))
             sampling = sampling_from_body(body, chat)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise BadRequest("stream must be a boolean")
             include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
-            prep = core.prepare(tenant, core.encode(text), labels_from(body, request))
+            prep = core.prepare(tenant, token_ids, labels_from(body, request))
             agen = core.forward(prep, sampling)
             route, first = await agen.__anext__()
         except AuthError as exc:
@@ -225,6 +220,19 @@ class HttpFrontDoor:
             body_iter = self._sse(agen, first, rid, created, chat, include_usage, api)
             return StreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
         return await self._collect(agen, first, rid, created, chat, headers, api)
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        """A string (or a one-string list), or a list of token ids, as OpenAI accepts."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.core.encode(prompt)
+        vocab = getattr(self.core.tokenizer, "vocab_size", None)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(t < 0 or (vocab is not None and t >= vocab) for t in prompt):
+                raise BadRequest(f"prompt token ids must be in [0, {vocab})")
+            return prompt
+        raise BadRequest("prompt must be a string or a list of token ids")
 
     def _base(self, rid: str, created: int, chat: bool, chunk: bool) -> dict[str, Any]:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"

@@ -219,6 +219,8 @@ async def test_http_chat_non_streaming(single):
         ("/v1/completions", {"prompt": "x"}, {}, 401),
         ("/v1/completions", {"prompt": "x"}, {"authorization": "Bearer nope"}, 401),
         ("/v1/completions", {"prompt": 5}, {"x-api-key": "key-a"}, 400),
+        ("/v1/completions", {"prompt": [1, 259]}, {"x-api-key": "key-a"}, 400),
+        ("/v1/completions", {"prompt": ""}, {"x-api-key": "key-a"}, 400),
         ("/v1/completions", {"prompt": "x", "max_tokens": -1}, {"x-api-key": "key-a"}, 400),
         ("/v1/completions", {"prompt": "x", "task": "poetry"}, {"x-api-key": "key-a"}, 400),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, {"x-api-key": "key-a"}, 400),
@@ -360,3 +362,11 @@ async def test_http_stream_client_disconnect_cancels_replica(single):
             break
         await asyncio.sleep(0.01)
     assert app.cluster.replicas["solo"].in_flight == 0
+
+
+async def test_http_prompt_as_token_ids(single):
+    _, rep, client = single
+    ids = list(PROMPT.encode())
+    r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}, headers={"x-api-key": "key-a"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "T"
+    assert list(rep.requests[0].token_ids.ids) == ids
