@@ -24,12 +24,30 @@ SUBCOMMAND_MODULES: list[str] = [
 ]
 
 
+_FIRST_PARTY = frozenset({"unicache", "router", "replica"})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unicache", description="UniCache Serving: cache-aware LLM routing")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    unavailable = []
     for name in SUBCOMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            # NOTE: images install subsets of the dependencies (the router image has no
+            # torch or ray), so a subcommand whose module needs a missing third-party
+            # package is left out rather than breaking every other subcommand. A missing
+            # first-party module is a bug and still raises.
+            missing = (exc.name or "").split(".")[0]
+            if not missing or missing in _FIRST_PARTY:
+                raise
+            unavailable.append(f"{name} (needs {missing})")
+            continue
+        module.register(sub)
+    if unavailable:
+        parser.epilog = "not available in this installation: " + ", ".join(unavailable)
     return parser
 
 
