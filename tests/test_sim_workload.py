@@ -93,4 +93,7 @@ def test_every_knob_is_validated():
         WorkloadConfig(chat_rate=-1)
     with pytest.raises(ValueError, match="--agent-turns-mean"):
         WorkloadConfig(agent_turns_mean=0.5)
+    with pytest.raises(ValueError, match="--templates"):
+        WorkloadConfig(templates=0)
+    assert generate(WorkloadConfig(templates=0, template_rate=0.0, agent_prompts=0, agent_rate=0.0, duration=10.0))
     assert all("help" in f.metadata for f in fields(WorkloadConfig))

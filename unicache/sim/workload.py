@@ -72,6 +72,10 @@ class WorkloadConfig:
         for name in ("chat_turns_mean", "agent_turns_mean"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.agent_rate > 0 and self.agent_prompts < 1:
+            raise ValueError("--agent-prompts must be >= 1 when --agent-rate > 0")
+        if self.template_rate > 0 and self.templates < 1:
+            raise ValueError("--templates must be >= 1 when --template-rate > 0")
 
 
 class _Gen:
