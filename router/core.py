@@ -83,6 +83,7 @@ class Prepared:
     cls: RequestClass
     routing: RoutingRequest
     prepare_s: float = 0.0  # time spent hashing and classifying
+    arrival: float = 0.0  # perf_counter when preparation began (TTFT origin)
 
 
 @dataclass(slots=True)
@@ -168,7 +169,7 @@ class RouterCore:
         )
         request_id = uuid.uuid4().hex
         routing = RoutingRequest(request_id, cls, hashes, len(token_ids), self.block_size)
-        return Prepared(request_id, tenant, token_ids, salt, cls, routing, time.perf_counter() - t0)
+        return Prepared(request_id, tenant, token_ids, salt, cls, routing, time.perf_counter() - t0, t0)
 
     def choose(self, routing: RoutingRequest, exclude: set[str], extra_s: float = 0.0) -> RouteDecision:
         """The policy's choice among live replicas not in ``exclude``; the routing-latency
@@ -236,6 +237,7 @@ class RouterCore:
                         self.metrics.retries.inc()
                         continue
                     raise error from None
+                self.metrics.ttft.observe(time.perf_counter() - prep.arrival)
                 self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
                 if first is None:
                     return

@@ -14,6 +14,8 @@ from router.cluster import ClusterView
 
 # Routing decisions are sub-millisecond; buckets from 10 us to 100 ms.
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 1e-1)
+# Time to first token: 1 ms to 60 s.
+TTFT_BUCKETS = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class RouterMetrics:
@@ -40,11 +42,23 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.ttft = Histogram(
+            "unicache_router_ttft_seconds",
+            "Time from the request reaching the router to the replica's first message",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.replica_hit_ratio = Gauge(
             "unicache_router_replica_hit_ratio", "Replica block hit ratio (heartbeat)", ["replica"], registry=r
         )
         self.replica_load = Gauge(
             "unicache_router_replica_load", "Replica outstanding requests (max of router and replica view)", ["replica"], registry=r
+        )
+        self.replica_used_blocks = Gauge(
+            "unicache_router_replica_used_blocks", "Replica KV blocks in use (heartbeat)", ["replica"], registry=r
+        )
+        self.replica_free_blocks = Gauge(
+            "unicache_router_replica_free_blocks", "Replica KV blocks allocatable now (heartbeat)", ["replica"], registry=r
         )
         self.replica_in_flight = Gauge(
             "unicache_router_replica_in_flight", "Requests this router has in flight per replica", ["replica"], registry=r
@@ -57,7 +71,11 @@ class RouterMetrics:
 
     def refresh(self, cluster: ClusterView) -> None:
         """Set the per-replica gauges from the cluster view."""
-        for g in (self.replica_hit_ratio, self.replica_load, self.replica_in_flight, self.indexed_blocks):
+        per_replica = (
+            self.replica_hit_ratio, self.replica_used_blocks, self.replica_free_blocks,
+            self.replica_load, self.replica_in_flight, self.indexed_blocks,
+        )
+        for g in per_replica:
             g.clear()
         for load in cluster.loads():
             rec = cluster.replicas[load.replica_id]
@@ -66,7 +84,10 @@ class RouterMetrics:
             self.replica_in_flight.labels(rid).set(rec.in_flight)
             self.indexed_blocks.labels(rid).set(cluster.index.num_blocks(rid))
             if rec.heartbeat is not None:
-                self.replica_hit_ratio.labels(rid).set(rec.heartbeat.cache.hit_ratio)
+                cache = rec.heartbeat.cache
+                self.replica_hit_ratio.labels(rid).set(cache.hit_ratio)
+                self.replica_used_blocks.labels(rid).set(cache.used_blocks)
+                self.replica_free_blocks.labels(rid).set(cache.free_blocks)
         self.replicas.set(len(cluster.replicas))
         self.redis_connected.set(1 if cluster.redis_connected else 0)
 

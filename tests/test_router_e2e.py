@@ -269,6 +269,7 @@ async def test_http_models_health_metrics_state_dashboard(single):
     assert 'unicache_router_computed_tokens_total{replica="solo"} 51.0' in text
     assert "unicache_router_routing_latency_seconds_count 1.0" in text
     assert 'unicache_router_replica_load{replica="solo"} 0.0' in text
+    assert "unicache_router_ttft_seconds_count 1.0" in text
     assert "s3cret" not in text and "key-a" not in text
     state = (await client.get("/v1/cluster/state")).json()
     assert [r["info"]["replica_id"] for r in state["replicas"]] == ["solo"]

@@ -167,3 +167,33 @@ def test_router_tokenizes_like_the_replicas(tmp_path):
         RouterApp(build_config(env={}, overrides={**base, "checkpoint": str(tmp_path / "missing")}))
     with pytest.raises(UsageError, match="cannot load tokenizer"):
         RouterApp(build_config(env={}, overrides={**base, "tokenizer": str(tmp_path / "nope.json")}))
+
+
+def test_metrics_per_replica_gauges_follow_membership():
+    from router.cluster import ClusterView
+    from router.index import LocalityIndex
+    from router.metrics import RouterMetrics
+    from router.routing.registry import make_routing_policy
+    from unicache.v1 import cache_pb2
+
+    cluster = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
+    hb = cache_pb2.Heartbeat(replica_id="a", running=2, waiting=3, cache=common_pb2.CacheState(used_blocks=7, free_blocks=93, hit_ratio=0.25))
+    cluster.upsert("a", "h:1", hb)
+    cluster.upsert("b", "h:2")
+    cluster.index.apply_summary("a", 1, 0, [b"x" * 16, b"y" * 16])
+    m = RouterMetrics()
+    text = m.render(cluster).decode()
+    for line in [
+        'unicache_router_replica_used_blocks{replica="a"} 7.0',
+        'unicache_router_replica_free_blocks{replica="a"} 93.0',
+        'unicache_router_replica_hit_ratio{replica="a"} 0.25',
+        'unicache_router_replica_load{replica="a"} 5.0',
+        'unicache_router_replica_load{replica="b"} 0.0',
+        'unicache_router_indexed_blocks{replica="a"} 2.0',
+        "unicache_router_replicas 2.0",
+        "unicache_router_redis_connected 0.0",
+    ]:
+        assert line in text, line
+    cluster.remove("a")
+    text = m.render(cluster).decode()
+    assert 'replica="a"' not in text and 'unicache_router_replica_load{replica="b"} 0.0' in text
