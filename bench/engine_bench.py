@@ -8,18 +8,27 @@ the same process; the headline is the ratio warm / cold (target <= 0.2).
 Decode: B requests (distinct 64-token prompts) decode ``--decode-tokens`` tokens together;
 tokens/s counts only steps in which every scheduled token is a decode token.
 
-Run: .venv/bin/python bench/engine_bench.py [--device auto] [--json bench/results/engine_bench.json]
+Run: .venv/bin/python bench/engine_bench.py [--device auto] [--threads N] [--json bench/results/engine_bench.json]
+
+NOTE: OMP_WAIT_POLICY defaults to PASSIVE here (set before torch loads). On a shared,
+oversubscribed CPU host, spinning OpenMP workers wait on peers that are descheduled and
+small matmuls get 10-40x slower; passive waiting removes that pathology. Export
+OMP_WAIT_POLICY=ACTIVE to measure torch's default behaviour.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import statistics
-import time
+import os
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
 
 from replica.engine.api import EngineRequest, SamplingParams
 from replica.engine.config import EngineConfig
@@ -103,7 +112,10 @@ def main() -> None:
 
     config = EngineConfig(device=args.device, num_blocks=2048, max_num_batched_tokens=max(2048, args.prompt))
     engine = LLMEngine(config)
-    print(f"device={engine.device} dtype={engine.dtype} threads={torch.get_num_threads()} model={config.model}")
+    print(
+        f"device={engine.device} dtype={engine.dtype} threads={torch.get_num_threads()} "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} model={config.model}"
+    )
     ttft = bench_ttft(engine, args.prompt, args.cached, args.reps)
     print(
         f"TTFT {args.prompt}-token prompt: cold {ttft['ttft_cold_s'] * 1e3:.1f} ms, "
@@ -121,6 +133,7 @@ def main() -> None:
         "device": str(engine.device),
         "dtype": str(engine.dtype),
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "machine": platform.machine(),
         "ttft": ttft,
         "decode": decode,
