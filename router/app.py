@@ -82,7 +82,7 @@ class RouterApp:
         except Exception as exc:  # noqa: BLE001 - any load failure is a configuration error
             raise UsageError(f"cannot load tokenizer {path}: {exc}") from None
         self.metrics = RouterMetrics()
-        self.clients = ReplicaClients(config.forward_deadline_s, config.connect_timeout_s)
+        self.clients = ReplicaClients(config.forward_deadline_s)
         self.core = RouterCore(
             self.cluster,
             self.auth,

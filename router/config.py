@@ -59,7 +59,6 @@ class RouterConfig:
     api_keys_file: str = field(default="", metadata={"help": "file of 'key:tenant' lines or a JSON object"})
     salt_secret: str = field(default="", metadata={"help": "server secret the tenant cache salts derive from"})
     forward_deadline_s: float = field(default=300.0, metadata={"help": "deadline of one forwarded Generate"})
-    connect_timeout_s: float = field(default=5.0, metadata={"help": "wait for a replica channel to be ready"})
     model_name: str = field(default="unicache-default", metadata={"help": "model name served under /v1/models"})
     block_size: int = field(default=16, metadata={"help": "KV block size in tokens (must match the replicas)"})
     tokenizer: str = field(

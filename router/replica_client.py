@@ -65,13 +65,11 @@ class ReplicaClients:
 
     Args:
         forward_deadline_s: deadline of each forwarded Generate (default 300 s).
-        connect_timeout_s: deadline of small unary calls (GetCacheState).
         max_message_bytes: send/receive limit (64 MiB, like the replica server).
     """
 
-    def __init__(self, forward_deadline_s: float = 300.0, connect_timeout_s: float = 5.0, max_message_bytes: int = 64 * 1024 * 1024):
+    def __init__(self, forward_deadline_s: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024):
         self.forward_deadline_s = forward_deadline_s
-        self.connect_timeout_s = connect_timeout_s
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -88,14 +86,6 @@ class ReplicaClients:
     def generate(self, address: str, request: replica_pb2.GenerateRequest) -> ReplicaStream:
         call = self.stub(address).Generate(request, timeout=self.forward_deadline_s)
         return ReplicaStream(call)
-
-    async def cache_state(self, address: str):
-        return await self.stub(address).GetCacheState(replica_pb2.GetCacheStateRequest(), timeout=self.connect_timeout_s)
-
-    async def forget(self, address: str) -> None:
-        entry = self._channels.pop(address, None)
-        if entry is not None:
-            await entry[0].close()
 
     async def close(self) -> None:
         channels = [c for c, _ in self._channels.values()]
