@@ -324,7 +324,8 @@ def test_router_ports_probes_and_wiring(rendered):
         ("http", 8000, "http"),
     ]
     assert c["livenessProbe"]["grpc"] == {"port": 50051}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     env = container_env(c)
     assert env["UNICACHE_GRPC_HOST"]["value"] == "0.0.0.0"
     assert env["UNICACHE_API_KEYS_FILE"]["value"] == "/etc/unicache/secrets/api-keys"
@@ -365,6 +366,25 @@ def test_every_unicache_variable_the_chart_sets_is_a_real_setting(rendered):
             used |= {name for name in container_env(container) if name.startswith("UNICACHE_")}
         assert sorted(used - known) == [], value_set
         assert {"UNICACHE_REDIS_URL", "UNICACHE_SALT_SECRET", "UNICACHE_HOST", "UNICACHE_GPU"} <= used
+
+
+def test_probe_paths_and_heartbeat_keys_match_the_code(rendered):
+    """The chart's HTTP paths are routes of router/http_api.py, and the launcher's readiness
+    probe counts heartbeats under the key pattern of unicache/redis_keys.py."""
+    from unicache.redis_keys import RedisKeys
+
+    routes = set(re.findall(r'Route\("([^"]+)"', (REPO / "router" / "http_api.py").read_text()))
+    docs = rendered["default"]
+    router = one(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
+    paths = {router[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe")}
+    paths |= {e["path"] for e in one(docs, "ServiceMonitor")["spec"]["endpoints"]}
+    paths |= set(re.findall(r'base \+ "([^"]+)"', one(docs, "Pod")["spec"]["containers"][0]["command"][2]))
+    assert paths == {"/healthz", "/readyz", "/metrics", "/v1/models"}
+    assert paths <= routes
+    launcher = one(docs, "Deployment", "launcher")["spec"]["template"]["spec"]["containers"][0]
+    probe = launcher["readinessProbe"]["exec"]["command"][2]
+    assert 'os.environ["UNICACHE_REDIS_PREFIX"] + ":hb:*"' in probe
+    assert RedisKeys("P").heartbeat_pattern() == "P" + ":hb:*"
 
 
 def test_generated_secrets_are_well_formed(rendered):
