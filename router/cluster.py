@@ -8,10 +8,13 @@ Invariants:
       locality-index entry, so policy, index and membership never disagree for long.
     * ``in_flight[r]`` counts requests this router forwarded to r and not yet finished;
       it never goes negative.
+    * A replica that answered UNAVAILABLE is skipped for ``down_cooldown_s`` (not until
+      its next heartbeat: during a Redis outage there are none), then tried again.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +29,7 @@ class ReplicaRecord:
     replica_id: str
     address: str
     heartbeat: cache_pb2.Heartbeat | None = None
-    healthy: bool = True
+    down_until: float = 0.0  # clock time before which routing skips it (after UNAVAILABLE)
     static: bool = False
     in_flight: int = 0
     routed: int = 0
@@ -46,11 +49,22 @@ class ClusterView:
         policy: the routing policy to keep informed of membership changes.
         index: the locality index (one per router).
         on_change: optional callback after membership changes (metrics).
+        down_cooldown_s: how long a replica that answered UNAVAILABLE is skipped (2 s).
+        clock: monotonic clock.
     """
 
-    def __init__(self, policy: RoutingPolicy, index: LocalityIndex, on_change: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        index: LocalityIndex,
+        on_change: Callable[[], None] | None = None,
+        down_cooldown_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.policy = policy
         self.index = index
+        self.down_cooldown_s = down_cooldown_s
+        self.clock = clock
         self.replicas: dict[str, ReplicaRecord] = {}
         self.redis_connected = False
         self._on_change = on_change
@@ -64,7 +78,6 @@ class ClusterView:
         if new:
             rec = self.replicas[replica_id] = ReplicaRecord(replica_id, address, static=static)
         rec.address = address or rec.address
-        rec.healthy = True
         if heartbeat is not None:
             rec.heartbeat = heartbeat
         if new:
@@ -94,7 +107,7 @@ class ClusterView:
             if rid in exclude:
                 continue
             rec = self.replicas[rid]
-            if not rec.healthy:
+            if not self.healthy(rid):
                 continue
             hb = rec.heartbeat
             if hb is not None:
@@ -112,6 +125,16 @@ class ClusterView:
             else:
                 out.append(ReplicaLoad(rid, in_flight=rec.in_flight))
         return out
+
+    def healthy(self, replica_id: str) -> bool:
+        rec = self.replicas.get(replica_id)
+        return rec is not None and self.clock() >= rec.down_until
+
+    def mark_down(self, replica_id: str) -> None:
+        """The replica refused a call (UNAVAILABLE): skip it for ``down_cooldown_s``."""
+        rec = self.replicas.get(replica_id)
+        if rec is not None:
+            rec.down_until = self.clock() + self.down_cooldown_s
 
     def started(self, replica_id: str) -> None:
         rec = self.replicas.get(replica_id)

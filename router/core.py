@@ -228,8 +228,8 @@ class RouterCore:
                     first = await stream.first()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
-                    if code == grpc.StatusCode.UNAVAILABLE and not rec.static:
-                        rec.healthy = False  # until its next heartbeat
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        self.cluster.mark_down(rid)
                     error = RouterError(_FROM_REPLICA.get(code, "upstream"), f"replica {rid}: {exc.details() or code.name}")
                     if code in RETRYABLE and not tried:
                         tried.add(rid)

@@ -35,7 +35,7 @@ def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.ClusterState
         rec = cluster.replicas[rid]
         hb = rec.heartbeat
         state = router_pb2.ReplicaState(
-            info=router_pb2.ReplicaInfo(replica_id=rid, address=rec.address, healthy=rec.healthy, device=hb.device if hb else ""),
+            info=router_pb2.ReplicaInfo(replica_id=rid, address=rec.address, healthy=cluster.healthy(rid), device=hb.device if hb else ""),
             running=hb.running if hb else 0,
             waiting=hb.waiting if hb else 0,
             indexed_blocks=cluster.index.num_blocks(rid),
@@ -98,7 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             rec = cluster.replicas[rid]
             out.replicas.append(
                 router_pb2.ReplicaInfo(
-                    replica_id=rid, address=rec.address, healthy=rec.healthy, device=rec.heartbeat.device if rec.heartbeat else ""
+                    replica_id=rid, address=rec.address, healthy=cluster.healthy(rid), device=rec.heartbeat.device if rec.heartbeat else ""
                 )
             )
         return out

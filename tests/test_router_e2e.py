@@ -89,18 +89,27 @@ async def test_grpc_rejects_missing_or_wrong_key(cluster2, metadata):
 
 async def test_grpc_retry_once_on_next_replica_before_first_token(cluster2):
     app, (r0, r1), stub = cluster2
+    now = [100.0]
+    app.cluster.clock = lambda: now[0]
     r0.fail_next = 1
     msgs = await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
     assert msgs[0].route.replica_id == "r1"
     assert (len(r0.requests), len(r1.requests)) == (1, 1)
     assert app.metrics.retries._value.get() == 1
     assert {r: rec.in_flight for r, rec in app.cluster.replicas.items()} == {"r0": 0, "r1": 0}
+    # r0 answered UNAVAILABLE: skipped for the cooldown, then tried again.
+    lst = await stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5)
+    assert [(r.replica_id, r.healthy) for r in lst.replicas] == [("r0", False), ("r1", True)]
+    msgs = await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
+    assert msgs[0].route.replica_id == "r1"
+    now[0] += app.cluster.down_cooldown_s
+    assert app.cluster.healthy("r0")
     # Both fail: the client sees the replica's status, no third attempt.
     r0.fail_next = r1.fail_next = 1
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert (len(r0.requests), len(r1.requests)) == (2, 2)
+    assert (len(r0.requests), len(r1.requests)) == (2, 3)
 
 
 async def test_grpc_invalid_argument_is_not_retried(cluster2):
