@@ -71,7 +71,7 @@ def held(index: LocalityIndex, rid: str) -> list[int]:
 
 
 @pytest.fixture
-def setup(redis_server):
+async def setup(redis_server):
     policy = RecordingPolicy()
     index = LocalityIndex(max_blocks_per_replica=1000)
     cluster = ClusterView(policy, index)
@@ -82,6 +82,7 @@ def setup(redis_server):
     )
     r = redis.Redis.from_url(redis_server.url, socket_timeout=2)
     yield sub, cluster, index, policy, r, clock
+    await sub.close()
     r.close()
 
 
@@ -252,3 +253,28 @@ async def test_block_size_mismatch_is_logged_once(setup, caplog):
         await sub.scan_heartbeats()
     msgs = [rec.getMessage() for rec in caplog.records if "block size" in rec.getMessage()]
     assert msgs == ["replica a uses block size 32 but the router 16: no prefix will match"]
+
+
+async def test_password_protected_redis():
+    from tests.support.redis_proc import RedisProcess
+
+    server = RedisProcess(password="pw-123")
+    server.start()
+    try:
+        cluster = ClusterView(RecordingPolicy(), LocalityIndex())
+        plain_url = f"redis://127.0.0.1:{server.port}/0"
+        r = redis.Redis.from_url(server.url, socket_timeout=2)
+        put_heartbeat(r, "a")
+        put_summary(r, "a", 1, 0, [1])
+        sub = RedisSubscriber(cluster, plain_url, KEYS.prefix, password="pw-123", heartbeat_interval_s=0.0)
+        await sub.step(block_ms=0)
+        assert list(cluster.replicas) == ["a"] and held(cluster.index, "a") == [1]
+        await sub.close()
+        bad = RedisSubscriber(ClusterView(RecordingPolicy(), LocalityIndex()), plain_url, KEYS.prefix, password="wrong")
+        with pytest.raises(REDIS_ERRORS):
+            await bad.step(block_ms=0)
+        assert bad.cluster.redis_connected is False
+        await bad.close()
+        r.close()
+    finally:
+        server.close()
