@@ -54,6 +54,9 @@ class LocalityIndex(LocalityView):
         h = self._replicas.get(replica_id)
         return h is None or h.needs_resync
 
+    def is_stale(self, replica_id: str) -> bool:
+        return self.needs_resync(replica_id)
+
     def match(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> int:
         h = self._replicas.get(replica_id)
         if h is None:

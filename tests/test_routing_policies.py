@@ -232,7 +232,7 @@ def test_sglang_tree_stays_prefix_closed(paths, bound):
 
 
 def test_cache_aware_longest_prefix_wins_at_equal_load():
-    p = CacheAwarePolicy()
+    p = CacheAwarePolicy()  # no routing history: the churn term is 0
     idx = make_index({"r0": [1, 2], "r1": list(range(1, 9)), "r2": [1, 2, 3]})
     d = p.choose(make_request("q", range(1, 11)), THREE, idx)
     assert (d.replica_id, d.reason, d.matched_blocks) == ("r1", "index_prefix", 8)
@@ -282,7 +282,7 @@ def test_cache_aware_discounts_blocks_under_eviction_pressure():
 
 
 def test_cache_aware_follows_in_flight_prefix_until_finished():
-    p = CacheAwarePolicy()
+    p = CacheAwarePolicy(churn_weight=0.0)
     a = make_request("a", range(10))
     reps = [load("r0", out=1), load("r1", out=1), load("r2")]
     da = p.choose(a, reps, EMPTY)
@@ -295,23 +295,46 @@ def test_cache_aware_follows_in_flight_prefix_until_finished():
     assert (db.replica_id, db.reason, db.matched_blocks) == ("r2", "inflight_prefix", 8)
     p.on_request_finished(a, "r2")
     assert p.choose(b, reps, EMPTY).replica_id == "r0"
+    # With in-flight tracking off, b goes by load at once.
+    q = CacheAwarePolicy(churn_weight=0.0, track_inflight=False)
+    q.on_request_routed(a, da)
+    assert q.choose(b, reps, EMPTY).replica_id == "r0"
 
 
-def test_cache_aware_session_sticks_when_the_index_is_empty():
-    p = CacheAwarePolicy()
+def test_cache_aware_churn_spreads_new_prefixes():
+    p = CacheAwarePolicy()  # churn_weight 0.5
+    reps = [load("r0"), load("r1")]
+    a = make_request("a", range(10))
+    p.on_request_routed(a, p.choose(a, reps, EMPTY))  # -> r0 (tie by id); 160 new tokens on r0
+    # Unrelated prompt: r0's inflow is twice the mean: churn 0.5 * 160 * (2 - 1) = 80 -> r1.
+    d = p.choose(make_request("b", range(100, 110)), reps, EMPTY)
+    assert (d.replica_id, d.score) == ("r1", 160.0)
+    # A 6-block match on r0 (96 tokens) outweighs the 80 tokens of churn.
+    idx = make_index({"r0": list(range(6))})
+    d = p.choose(make_request("c", list(range(6)) + [50, 51, 52, 53]), reps, idx)
+    assert (d.replica_id, d.score) == ("r0", pytest.approx(160 - 96 + 80))
+    # Without the churn term the unrelated prompt goes to r0 (tie -> id).
+    assert CacheAwarePolicy(churn_weight=0.0).choose(make_request("b", range(100, 110)), reps, EMPTY).replica_id == "r0"
+
+
+def test_cache_aware_session_sticks_while_the_index_is_stale():
+    p = CacheAwarePolicy(churn_weight=0.0)
     t0 = make_request("t0", range(10), session="s")
     d0 = p.choose(t0, [load("r0", out=1), load("r1"), load("r2", out=1)], EMPTY)
     assert d0.replica_id == "r1"
     p.on_request_routed(t0, d0)
     p.on_request_finished(t0, "r1")
-    # Redis is down (empty index): the next turn extends the prefix and stays on r1
-    # although r0 is now as idle; 0.5 * 10 blocks credited.
+    # Redis is down (empty, never synced index): the next turn extends the prefix and
+    # stays on r1 although r0 is now as idle; 0.5 * 10 blocks credited.
     t1 = make_request("t1", range(14), session="s")
     d1 = p.choose(t1, [load("r0"), load("r1"), load("r2")], EMPTY)
     assert (d1.replica_id, d1.reason, d1.matched_blocks) == ("r1", "session_sticky", 5)
     # Another tenant's session "s" is a different session.
     other = make_request("o", range(14), session="s", tenant="t2")
     assert p.choose(other, [load("r0"), load("r1"), load("r2")], EMPTY).replica_id == "r0"
+    # A fresh index that says r1 evicted the session's blocks wins over stickiness.
+    fresh = make_index({"r0": [], "r1": [], "r2": []})
+    assert p.choose(t1, [load("r0"), load("r1"), load("r2")], fresh).replica_id == "r0"
     # The replica dies: the session is forgotten.
     p.on_replica_died("r1")
     d2 = p.choose(t1, [load("r0"), load("r2")], EMPTY)
@@ -319,26 +342,30 @@ def test_cache_aware_session_sticks_when_the_index_is_empty():
 
 
 def test_cache_aware_index_beats_stale_sticky_credit():
-    p = CacheAwarePolicy()
+    p = CacheAwarePolicy(churn_weight=0.0)
     t0 = make_request("t0", range(10), session="s")
     p.on_request_routed(t0, p.choose(t0, [load("r0"), load("r1", out=1)], EMPTY))  # -> r0
     p.on_request_finished(t0, "r0")
-    # r0 evicted the session's blocks; r1 holds 9 of them (say, via a shared prefix).
+    # r0 is unknown to the index (stale: 0.5 * 10 = 5 blocks credited); r1 holds 9.
     idx = make_index({"r1": list(range(9))})
     d = p.choose(make_request("t1", range(12), session="s"), [load("r0"), load("r1")], idx)
     assert (d.replica_id, d.matched_blocks) == ("r1", 9)
 
 
-def test_cache_aware_template_home():
-    p = CacheAwarePolicy()
-    a = make_request("a", [500, 501, 502, 503, 1, 2], template_blocks=4)
-    da = p.choose(a, [load("r0", out=2), load("r1", out=2), load("r2")], EMPTY)
-    assert da.replica_id == "r2"
-    p.on_request_routed(a, da)
-    p.on_request_finished(a, "r2")
+def test_cache_aware_template_home_is_the_ring_owner():
+    p = CacheAwarePolicy(template_trust=0.5, churn_weight=0.0)
+    reps = [load("r0"), load("r1"), load("r2")]
+    p.update_replicas(["r0", "r1", "r2"])
     b = make_request("b", [500, 501, 502, 503, 9, 9], template_blocks=4)
-    d = p.choose(b, [load("r0"), load("r1"), load("r2")], EMPTY)
-    assert (d.replica_id, d.reason, d.matched_blocks) == ("r2", "template_home", 2)
+    home = reference_owner(["r0", "r1", "r2"], b.block_hashes[3].hex(), 160)
+    d = p.choose(b, reps, EMPTY)
+    assert (d.replica_id, d.reason, d.matched_blocks) == (home, "template_home", 2)
+    # Same template, other suffix: same home. A real longer match elsewhere wins.
+    c = make_request("c", [500, 501, 502, 503, 7, 7, 7], template_blocks=4)
+    assert p.choose(c, reps, EMPTY).replica_id == home
+    other = next(r for r in ["r0", "r1", "r2"] if r != home)
+    idx = make_index({other: [500, 501, 502]})
+    assert p.choose(c, reps, idx).replica_id == other
 
 
 def test_cache_aware_update_replicas_drops_state_of_departed():
@@ -346,9 +373,10 @@ def test_cache_aware_update_replicas_drops_state_of_departed():
     a = make_request("a", range(4), session="s", template_blocks=2)
     p.on_request_routed(a, p.choose(a, [load("r0")], EMPTY))
     p.update_replicas(["r1"])
+    assert p._pending == {} and p._sessions == {} and p._inflow == {} and p._inflight == {}
+    assert p.ring.members == {"r1"}
     d = p.choose(make_request("b", range(4), session="s", template_blocks=2), [load("r0", out=1), load("r1")], EMPTY)
-    assert (d.replica_id, d.reason) == ("r1", "load")
-    assert p._pending == {} and p._sessions == {} and p._templates == {}
+    assert d.replica_id == "r1"
 
 
 def test_common_prefix_blocks():
@@ -356,3 +384,12 @@ def test_common_prefix_blocks():
     assert common_prefix_blocks(hashes(1, 2), hashes(1, 2, 3)) == 2
     assert common_prefix_blocks(hashes(5), hashes(1)) == 0
     assert common_prefix_blocks([], hashes(1)) == 0
+
+
+def test_index_is_stale_until_synced_and_after_a_gap():
+    idx = LocalityIndex()
+    assert idx.is_stale("r0")  # never synced
+    idx.apply_summary("r0", epoch=1, seq=0, block_hashes=hashes(1, 2))
+    assert not idx.is_stale("r0")
+    assert idx.apply_events("r0", 1, 2, hashes(1, 2, 3), []) is False  # seq gap
+    assert idx.is_stale("r0")

@@ -75,6 +75,12 @@ class LocalityView(ABC):
     def match_all(self, replica_ids: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         return {r: self.match(r, block_hashes) for r in replica_ids}
 
+    def is_stale(self, replica_id: str) -> bool:
+        """True when the view cannot vouch for the replica's holdings (never synced, or a
+        resync is pending, e.g. while Redis is down). Policies may then trust their own
+        memory (session stickiness) over ``match``."""
+        return False
+
 
 class RoutingPolicy(ABC):
     """Chooses a replica per request. Lifecycle hooks keep policy-private state current.

@@ -1,43 +1,50 @@
-"""``cache_aware`` (ours): minimise an estimate of each replica's time to first token.
+"""``cache_aware`` (ours): minimise an estimate of each replica's time to first token,
+while keeping the replicas' cache churn even.
 
 For a request of N prompt tokens and chained block hashes h[0..L), block size B, and
 every live replica r:
 
-    m_r       = blocks of h the replica holds or will hold, in order of trust:
-                  index   = LocalityView.match(r, h)            (published holdings)
-                  pending = index extended by h[i] in flight to r (routed, unfinished:
-                            their blocks are being computed and will be cached)
-                  sticky  = sticky_trust * k on the session's last replica, where k is
-                            the common prefix with the session's previous turn
-                  home    = template_trust * template_blocks on the template's home
-                            replica (where that template was last routed)
-                m_r = max(pending, sticky, home)            (the last two only as floors)
-    p_r       = min(1, (queued_prefill_tokens_r / B) / max(1, free_blocks_r))
-                (eviction pressure: the share of r's evictable blocks that the work
-                already queued there will claim before this request runs)
-    hit_r     = B * m_r * (1 - evict_weight * p_r)     (a matched block likely to be
-                evicted before use counts less)
-    load_r    = queued_prefill_tokens_r + request_cost_tokens * outstanding_r
-    cost_r    = (N - hit_r) + load_weight * load_r      (tokens to compute + work ahead)
+    m_r      = blocks of h the replica holds or will hold:
+                 index    = LocalityView.match(r, h)          (published holdings)
+                 inflight = index extended while h[i] is in a prompt routed to r and not
+                            finished yet (being computed: it will be cached)
+                 sticky   = sticky_trust * k on the session's last replica, k = common
+                            prefix with the session's previous turn, only while the view
+                            is stale for r (``LocalityView.is_stale``: Redis down, resync)
+                 home     = template_trust * template_blocks on the template's home, the
+                            owner of hash(h[template_blocks - 1]) on a consistent-hash ring
+               m_r = max(inflight, sticky, home)
+    p_r      = min(1, (queued_prefill_tokens_r / B) / max(1, free_blocks_r))
+               (eviction pressure: the share of r's evictable blocks that work already
+               queued there claims before this request is admitted)
+    hit_r    = B * m_r * (1 - evict_weight * p_r)    (a matched block likely to be evicted
+               before use counts less)
+    load_r   = queued_prefill_tokens_r + request_cost_tokens * outstanding_r
+    churn_r  = N * max(0, inflow_r / mean(inflow) - 1), inflow_r = the uncached prompt
+               tokens routed to r, decayed by (1 - 1/churn_window) per routed request
+               (new blocks per replica: what evicts cached blocks there, and the prefill
+               work the load-imbalance figure counts)
+    cost_r   = (N - hit_r) + load_weight * load_r + churn_weight * churn_r
 
 The request goes to argmin cost_r over the *admissible* replicas, those with
 ``outstanding_r <= max(min_outstanding + balance_slack, balance_ratio * mean_outstanding)``
-(a hard guard so locality never piles work on one replica); ties go to the less loaded
-replica (``load_key``). Defaults: load_weight 1.0, request_cost_tokens 64,
-evict_weight 0.5, sticky_trust 0.5, template_trust 0.5, balance_ratio 1.25,
-balance_slack 4.
+(a hard guard so locality never piles requests on one replica); ties go to the less
+loaded replica (``load_key``). Defaults: load_weight 1.0, request_cost_tokens 64,
+evict_weight 0.5, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
+churn_window 256, balance_ratio 1.25, balance_slack 4 (chosen on the generated mix and
+the Mooncake trace, see ``bench/routing_report.py``).
 
-Task and template locality come mostly for free: hashes are chained, so requests of one
-template share leading hashes and ``m_r`` already steers them to where those blocks
-live; the ``pending`` and ``home`` terms cover the moments the index cannot (a burst of
-a new template before its blocks are published, Redis down). Session stickiness works
-the same way: the session's previous turn is in the index (or pending), and the sticky
-floor keeps a session in place when the index is empty or stale.
+Task and template locality come mostly from chained hashes: requests of one template
+(or one agent system prompt) share leading hashes, so ``m_r`` steers them to where those
+blocks live, and the churn term spreads *new* prefixes instead of piling them on the
+replica that happens to hold a tenant's short system prompt. ``inflight`` and ``home``
+cover what the index cannot know yet (a burst of one new template before its blocks are
+published); the sticky floor keeps sessions in place while the index is unavailable.
 
 Invariants:
-    * Router-side state is bounded: at most ``max_sessions`` sessions, ``max_templates``
-      templates and ``max_inflight`` tracked requests (oldest dropped first).
-    * A replica that died or left holds no pending blocks, sessions or template homes.
+    * Router-side state is bounded: at most ``max_sessions`` sessions and
+      ``max_inflight`` tracked requests (oldest dropped first).
+    * A replica that died or left holds no pending blocks, sessions, inflow or ring points.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from unicache.block_hash import BlockHash
 from router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
 from router.routing.least_loaded import load_key
 from router.routing.registry import register_routing_policy
-from router.routing.session_affinity import session_key
+from router.routing.session_affinity import HashRing, session_key
 
 
 def common_prefix_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
@@ -76,7 +83,8 @@ class _InFlight:
 
 @register_routing_policy("cache_aware")
 class CacheAwarePolicy(RoutingPolicy):
-    """Prefix locality against load, with stickiness, template homes and eviction risk.
+    """Prefix locality against load and churn, with stickiness, template homes and
+    eviction risk. The formula and its defaults are in the module docstring.
 
     Args:
         load_weight: tokens of cost per token of work queued ahead (default 1.0).
@@ -84,11 +92,16 @@ class CacheAwarePolicy(RoutingPolicy):
             (default 64).
         evict_weight: how much full eviction pressure discounts a matched block (0.5).
         sticky_trust: share of the previous turn's prefix credited to the session's
-            last replica when the index shows less (default 0.5).
-        template_trust: share of a template's blocks credited to its home (default 0.5).
+            last replica while the view is stale for it (default 0.5).
+        template_trust: share of a template's blocks credited to its home (default 0.1).
+        churn_weight: weight of the churn term, in units of the request's tokens per unit
+            of relative excess inflow (default 0.5; 0 turns it off).
+        churn_window: inflow decays by 1 - 1/churn_window per routed request (256).
+        track_inflight: count blocks of unfinished requests as held (default True).
         balance_ratio: admissible if outstanding <= balance_ratio * mean (default 1.25)
         balance_slack: ... or <= min outstanding + balance_slack (default 4).
-        max_sessions / max_templates / max_inflight: bounds on router-side state.
+        virtual_nodes: points per replica on the template ring (default 160).
+        max_sessions / max_inflight: bounds on router-side state.
     """
 
     def __init__(
@@ -97,25 +110,33 @@ class CacheAwarePolicy(RoutingPolicy):
         request_cost_tokens: float = 64.0,
         evict_weight: float = 0.5,
         sticky_trust: float = 0.5,
-        template_trust: float = 0.5,
+        template_trust: float = 0.1,
+        churn_weight: float = 0.5,
+        churn_window: int = 256,
+        track_inflight: bool = True,
         balance_ratio: float = 1.25,
         balance_slack: int = 4,
+        virtual_nodes: int = 160,
         max_sessions: int = 100_000,
-        max_templates: int = 10_000,
         max_inflight: int = 100_000,
     ):
+        if churn_window <= 0:
+            raise ValueError("churn_window must be positive")
         self.load_weight = load_weight
         self.request_cost_tokens = request_cost_tokens
         self.evict_weight = evict_weight
         self.sticky_trust = sticky_trust
         self.template_trust = template_trust
+        self.churn_weight = churn_weight
+        self.track_inflight = track_inflight
         self.balance_ratio = balance_ratio
         self.balance_slack = balance_slack
         self.max_sessions = max_sessions
-        self.max_templates = max_templates
         self.max_inflight = max_inflight
+        self.ring = HashRing(virtual_nodes)
+        self._decay = 1.0 - 1.0 / churn_window
+        self._inflow: dict[str, float] = {}
         self._sessions: OrderedDict[str, tuple[str, list[BlockHash]]] = OrderedDict()
-        self._templates: OrderedDict[BlockHash, str] = OrderedDict()
         self._inflight: OrderedDict[str, _InFlight] = OrderedDict()
         self._pending: dict[str, dict[BlockHash, int]] = {}
 
@@ -126,6 +147,16 @@ class CacheAwarePolicy(RoutingPolicy):
         cap = max(min(loads) + self.balance_slack, self.balance_ratio * sum(loads) / len(loads))
         return [r for r in replicas if r.outstanding <= cap]
 
+    def _template_home(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad]) -> tuple[str | None, float]:
+        cls = request.cls
+        tb = cls.template_blocks
+        if not (cls.template and self.template_trust and 0 < tb <= len(request.block_hashes)):
+            return None, 0.0
+        live = {r.replica_id for r in replicas}
+        for rid in live - self.ring.members:
+            self.ring.add(rid)
+        return self.ring.owner(request.block_hashes[tb - 1].hex(), live), self.template_trust * tb
+
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision:
         hashes = request.block_hashes
         bs = request.block_size
@@ -133,16 +164,17 @@ class CacheAwarePolicy(RoutingPolicy):
         cls = request.cls
 
         sticky_id, sticky_blocks = None, 0.0
-        if cls.session_id is not None:
+        if cls.session_id is not None and self.sticky_trust:
             prev = self._sessions.get(session_key(cls.tenant, cls.session_id))
             if prev is not None:
                 sticky_id = prev[0]
                 sticky_blocks = self.sticky_trust * common_prefix_blocks(hashes, prev[1])
-        home_id, home_blocks = None, 0.0
-        tb = cls.template_blocks
-        if cls.template and 0 < tb <= len(hashes):
-            home_id = self._templates.get(hashes[tb - 1])
-            home_blocks = self.template_trust * tb
+        home_id, home_blocks = self._template_home(request, replicas)
+        churn_scale, mean_inflow = 0.0, 0.0
+        if self.churn_weight and self._inflow:
+            mean_inflow = sum(self._inflow.get(r.replica_id, 0.0) for r in replicas) / len(replicas)
+            if mean_inflow > 0:
+                churn_scale = self.churn_weight * n_tokens
 
         best: tuple[float, tuple[int, int, str]] | None = None
         best_r, best_m, best_reason = replicas[0], 0.0, ""
@@ -158,7 +190,7 @@ class CacheAwarePolicy(RoutingPolicy):
                     k += 1
                 if k > m:
                     m, reason = float(k), "inflight_prefix"
-            if rid == sticky_id and sticky_blocks > m:
+            if rid == sticky_id and sticky_blocks > m and index.is_stale(rid):
                 m, reason = sticky_blocks, "session_sticky"
             if rid == home_id and home_blocks > m:
                 m, reason = home_blocks, "template_home"
@@ -168,6 +200,8 @@ class CacheAwarePolicy(RoutingPolicy):
             hit = bs * m * (1.0 - self.evict_weight * pressure)
             load = r.queued_prefill_tokens + self.request_cost_tokens * r.outstanding
             cost = (n_tokens - hit) + self.load_weight * load
+            if churn_scale:
+                cost += churn_scale * max(0.0, self._inflow.get(rid, 0.0) / mean_inflow - 1.0)
             key = (cost, load_key(r))
             if best is None or key < best:
                 best, best_r, best_m, best_reason = key, r, m, reason
@@ -185,13 +219,14 @@ class CacheAwarePolicy(RoutingPolicy):
             self._sessions.move_to_end(key)
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
-        tb = cls.template_blocks
-        if cls.template and 0 < tb <= len(request.block_hashes):
-            tkey = request.block_hashes[tb - 1]
-            self._templates[tkey] = rid
-            self._templates.move_to_end(tkey)
-            while len(self._templates) > self.max_templates:
-                self._templates.popitem(last=False)
+        inflow = self._inflow
+        decay = self._decay
+        for r in inflow:
+            inflow[r] *= decay
+        new_tokens = max(0, request.num_prompt_tokens - decision.matched_blocks * request.block_size)
+        inflow[rid] = inflow.get(rid, 0.0) + new_tokens
+        if not self.track_inflight:
+            return
         self._release(request.request_id)
         self._inflight[request.request_id] = _InFlight(rid, request.block_hashes)
         pend = self._pending.setdefault(rid, {})
@@ -219,15 +254,18 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def update_replicas(self, replica_ids: Sequence[str]) -> None:
         live = set(replica_ids)
-        for rid in {f.replica_id for f in self._inflight.values()} | set(self._pending):
-            if rid not in live:
-                self.on_replica_died(rid)
+        known = set(self._pending) | set(self._inflow) | set(self.ring.members)
+        known |= {f.replica_id for f in self._inflight.values()}
+        for rid in known - live:
+            self.on_replica_died(rid)
+        for rid in live:
+            self.ring.add(rid)
 
     def on_replica_died(self, replica_id: str) -> None:
         self._pending.pop(replica_id, None)
+        self._inflow.pop(replica_id, None)
+        self.ring.remove(replica_id)
         for rid in [k for k, f in self._inflight.items() if f.replica_id == replica_id]:
             del self._inflight[rid]
         for key in [k for k, (r, _) in self._sessions.items() if r == replica_id]:
             del self._sessions[key]
-        for key in [k for k, r in self._templates.items() if r == replica_id]:
-            del self._templates[key]
