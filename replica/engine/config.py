@@ -29,6 +29,8 @@ class EngineConfig:
         max_num_seqs: most sequences (samples) running at once.
         max_num_batched_tokens: most tokens computed in one step (prefills are chunked).
         max_model_len: longest prompt + output (None: the model's max_position).
+        admission_watermark: fraction of the cache kept free when admitting a request
+            while others run (vLLM's 1%), to avoid admit-then-preempt thrash.
         max_n: largest ``n`` accepted per request (also capped by ``max_num_seqs``).
         seed: seeds the random weights and the sampler of requests without a seed.
         cpu_threads: torch intra-op threads for a CPU engine (process-wide); None keeps
@@ -48,6 +50,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    admission_watermark: float = 0.01
     max_n: int = 16
     seed: int = 0
     cpu_threads: int | None = None

@@ -108,7 +108,13 @@ class LLMEngine:
             storage=self.storage,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(self.store, config.max_num_seqs, config.max_num_batched_tokens, clock)
+        self.scheduler = Scheduler(
+            self.store,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            clock,
+            watermark_blocks=int(config.total_blocks * config.admission_watermark),
+        )
         self.lock = threading.Lock()
         self._groups: dict[str, RequestGroup] = {}
         self._seed_rng = torch.Generator().manual_seed(config.seed)

@@ -43,14 +43,24 @@ class Scheduler:
         max_num_seqs: most running sequences (a request with n samples counts n at admission).
         max_num_batched_tokens: most tokens computed per step.
         clock: seconds, passed to the store as ``now``.
+        watermark_blocks: blocks kept free when admitting next to running sequences, so a
+            fresh admission does not force a preemption on the very next decode step.
     """
 
-    def __init__(self, store: KVStore, max_num_seqs: int, max_num_batched_tokens: int, clock: Callable[[], float]):
+    def __init__(
+        self,
+        store: KVStore,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        clock: Callable[[], float],
+        watermark_blocks: int = 0,
+    ):
         self.store = store
         self.block_size = store.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
+        self.watermark_blocks = watermark_blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -77,9 +87,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            group = seq.group
-            seats = 1 if group.forked else group.request.sampling.n
-            if len(self.running) + seats > self.max_num_seqs:
+            if self._seats_in_use() + self._seats(seq) > self.max_num_seqs:
                 break
             if not self._admit(seq, now):
                 break
@@ -88,6 +96,14 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, end))
             budget -= end - seq.num_computed
         return chunks
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Sequence slots ``seq`` takes: all n samples until its group has forked."""
+        return 1 if seq.group.forked else seq.group.request.sampling.n
+
+    def _seats_in_use(self) -> int:
+        return sum(self._seats(s) for s in self.running)
 
     def _reserve_slots(self, seq: Sequence, end: int, now: float) -> bool:
         """Grow ``seq``'s block table to hold ``end`` tokens, preempting others if needed."""
@@ -108,7 +124,8 @@ class Scheduler:
         hashes = seq.full_block_hashes(n_tokens, self.block_size)
         # At least one token is always computed: its logits give the next token.
         query = hashes[: (n_tokens - 1) // self.block_size]
-        if not self.store.can_allocate(query, n_tokens):
+        reserve = self.watermark_blocks * self.block_size if self.running else 0
+        if not self.store.can_allocate(query, n_tokens + reserve):
             return False
         group = seq.group
         alloc = self.store.allocate(

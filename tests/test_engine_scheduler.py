@@ -1,0 +1,61 @@
+"""Exact scheduling: admission, block growth, preemption of the newest, recompute with hits."""
+
+from __future__ import annotations
+
+from replica.engine.engine import LLMEngine
+from tests.support.engine_factory import make_request, run_one, tiny_config
+
+
+def snapshot(eng: LLMEngine):
+    s = eng.scheduler
+    running = [(q.seq_id, len(q.token_ids), eng.store.block_table(q.seq_id)) for q in s.running]
+    return running, [q.seq_id for q in s.waiting], s.num_preemptions, eng.store.stats.evictions
+
+
+def test_newest_request_is_preempted_and_recomputed_from_its_cached_blocks():
+    # 8 blocks of 4 tokens; two 8-token prompts that each grow to 20 tokens cannot both fit.
+    eng = LLMEngine(tiny_config(num_blocks=8))
+    a, b = list(range(8)), list(range(100, 108))
+    eng.add_request(make_request("A", a, max_tokens=12))
+    eng.add_request(make_request("B", b, max_tokens=12))
+    tokens: dict[str, list[int]] = {"A": [], "B": []}
+    states = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+        states.append(snapshot(eng))
+    assert states[0] == ([("A#0", 9, [0, 1]), ("B#0", 9, [2, 3])], [], 0, 0)
+    assert states[5] == ([("A#0", 14, [0, 1, 4, 6]), ("B#0", 14, [2, 3, 5, 7])], [], 0, 0)
+    # Position 16 needs a fifth block for A: B (newest) is preempted; A evicts B's tail
+    # block 7 (LRU frees a request's tail first) and keeps going.
+    assert states[9] == ([("A#0", 18, [0, 1, 4, 6, 7])], ["B#0"], 1, 1)
+    assert states[11] == ([], ["B#0"], 1, 1)  # A finished at 20 tokens: blocks free
+    # B comes back hitting its 3 surviving blocks, recomputes the rest in one step.
+    assert states[12] == ([("B#0", 18, [2, 3, 5, 7, 6])], [], 1, 2)
+    assert len(states) == 15
+    for rid, prompt in (("A", a), ("B", b)):
+        cold = LLMEngine(tiny_config(enable_prefix_caching=False))
+        assert tokens[rid] == run_one(cold, make_request(rid, prompt, max_tokens=12)).tokens[0]
+    assert eng.num_referenced_blocks() == 0
+
+
+def test_admission_respects_max_num_seqs_counting_every_sample():
+    eng = LLMEngine(tiny_config(max_num_seqs=4))
+    eng.add_request(make_request("A", list(range(6)), max_tokens=3, n=3))
+    eng.add_request(make_request("B", list(range(6, 12)), max_tokens=3, n=2))
+    eng.step()
+    running, waiting, _, _ = snapshot(eng)
+    assert [r[0] for r in running] == ["A#0", "A#1", "A#2"] and waiting == ["B#0"]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_referenced_blocks() == 0
+
+
+def test_prefill_is_chunked_by_the_token_budget():
+    eng = LLMEngine(tiny_config(max_num_batched_tokens=8))
+    eng.add_request(make_request("A", list(range(20)), max_tokens=2))
+    computed = []
+    while eng.has_unfinished():
+        eng.step()
+        computed += [q.num_computed for q in eng.scheduler.running]
+    assert computed[:3] == [8, 16, 20]
