@@ -14,6 +14,7 @@ Routing is decided before the response starts, so every response (streaming too)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -55,6 +56,39 @@ def error_response(status: int, message: str, code: str | None = None) -> JSONRe
 
 class BadRequest(ValueError):
     pass
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request"; never reaches the client
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await ``coro``, cancelling it if the client disconnects first (raises ClientGone).
+
+    Cancelling the generation closes the replica call, so an abandoned non-streaming
+    request stops computing at once. (Streaming responses get the same from Starlette.)
+    """
+    task = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if task.cancelled() and watcher.done():
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
 
 
 def _num(body: dict, name: str, kind: type, lo: float, hi: float | None, default):
@@ -196,7 +230,7 @@ class HttpFrontDoor:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
             prep = core.prepare(tenant, token_ids, labels_from(body, request))
             agen = core.forward(prep, sampling)
-            route, first = await agen.__anext__()
+            route, first = await _unless_disconnected(request, agen.__anext__())
         except AuthError as exc:
             core.metrics.requests.labels(api, "unauthenticated").inc()
             return error_response(401, str(exc), "invalid_api_key")
@@ -209,6 +243,9 @@ class HttpFrontDoor:
         except StopAsyncIteration:
             core.metrics.requests.labels(api, "upstream").inc()
             return error_response(502, "replica returned an empty stream")
+        except ClientGone:
+            core.metrics.requests.labels(api, "cancelled").inc()
+            return Response(status_code=CLIENT_CLOSED)
         headers = {
             "x-unicache-replica": route.replica_id,
             "x-unicache-route-reason": route.reason,
@@ -219,7 +256,11 @@ class HttpFrontDoor:
         if stream:
             body_iter = self._sse(agen, first, rid, created, chat, include_usage, api)
             return StreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
-        return await self._collect(agen, first, rid, created, chat, headers, api)
+        try:
+            return await _unless_disconnected(request, self._collect(agen, first, rid, created, chat, headers, api))
+        except ClientGone:
+            core.metrics.requests.labels(api, "cancelled").inc()
+            return Response(status_code=CLIENT_CLOSED)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         """A string (or a one-string list), or a list of token ids, as OpenAI accepts."""

@@ -380,3 +380,26 @@ async def test_http_prompt_as_token_ids(single):
     r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}, headers={"x-api-key": "key-a"})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "T"
     assert list(rep.requests[0].token_ids.ids) == ids
+
+
+async def test_http_non_streaming_client_disconnect_cancels_replica(single):
+    app, rep, client = single
+    rep.hold = asyncio.Event()
+    post = asyncio.create_task(
+        client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, headers={"x-api-key": "key-a"})
+    )
+    for _ in range(500):  # until the replica is generating
+        if rep.requests:
+            break
+        await asyncio.sleep(0.01)
+    post.cancel()  # the client gives up: httpx closes the connection
+    with pytest.raises(asyncio.CancelledError):
+        await post
+    await asyncio.wait_for(rep.cancelled.wait(), 10)
+    for _ in range(200):
+        if app.cluster.replicas["solo"].in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert app.cluster.replicas["solo"].in_flight == 0
+    text = (await client.get("/metrics")).text
+    assert 'unicache_router_requests_total{api="completions",outcome="cancelled"} 1.0' in text
