@@ -121,9 +121,11 @@ def markdown(report: dict) -> str:
                 gap = f"{(uc['block_hit_ratio'] - lru['block_hit_ratio']) / (opt['block_hit_ratio'] - lru['block_hit_ratio']):.2f}"
             ttft = [f"{r['ttft_mean_s']:.3f}/{r['ttft_p99_s']:.3f}" for r in row]
             lines.append(f"| {frac:.0%} ({cap}) | " + " | ".join(hit) + f" | {gap} | " + " | ".join(ttft) + " |")
-        speeds = {p: [r["accesses_per_s"] for r in res if r["policy"] == p] for p in policies}
-        lines.append("\nSimulator speed (block accesses/s, mean over capacities): "
-                     + ", ".join(f"{p} {sum(v) / len(v):,.0f}" for p, v in speeds.items()) + ".")
+        speeds = {p: sum(v) / len(v) for p in policies if (v := [r["accesses_per_s"] for r in res if r["policy"] == p])}
+        base = speeds.get("lru")
+        lines.append("\nSimulator speed (block accesses per CPU second, mean over capacities; ratio to lru in "
+                     "the same run): " + ", ".join(
+                         f"{p} {v:,.0f}" + (f" ({v / base:.2f}x)" if base else "") for p, v in speeds.items()) + ".")
         if "classifier_accuracy" in run:
             acc = run["classifier_accuracy"]
             lines.append("\nClassifier accuracy against the labels: "
