@@ -95,3 +95,10 @@ def test_engine_uses_a_checkpoints_tokenizer_json(hf_path, tmp_path):
     assert isinstance(engine.tokenizer, HFTokenizer)
     res = run_one(engine, make_request("a", tok.encode("the café"), max_tokens=12))
     assert res.text[0] == tok.decode(res.tokens[0])
+
+
+def test_hf_stream_holds_back_characters_split_across_byte_tokens(hf_path):
+    tok = HFTokenizer(str(hf_path))
+    ids = tok.encode("жй")  # unseen in training: one byte-level token per UTF-8 byte
+    assert len(ids) == 4
+    assert stream(tok, ids) == ["", "ж", "", "й", ""]
