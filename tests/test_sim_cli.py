@@ -60,6 +60,7 @@ def test_sim_capacity_fraction_and_replicas(trace_path, tmp_path):
     assert [(r["router"], r["replicas"], r["capacity_blocks"]) for r in results] == [
         ("round_robin", 2, 2), ("pooled", 2, 2)]
     assert all("load_imbalance" in r for r in results)
+    assert all(r["capacity_frac"] == 0.5 for r in results)
 
 
 def test_ignore_labels_reports_classifier_accuracy(tmp_path):

@@ -127,6 +127,9 @@ def run_sim(args: argparse.Namespace) -> int:
         trace, policies, capacities, base, routers=routers, pooled=args.pooled and multi,
         progress=not args.no_progress, on_result=lambda r: print(_row(r, trace.unique_blocks, multi), flush=True),
     )
+    if fracs is not None:
+        for r in results:
+            r["capacity_frac"] = fracs[capacities.index(r["capacity_blocks"])]
     if trace.classifier_accuracy:
         acc = trace.classifier_accuracy
         print("classifier accuracy vs labels: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items() if k != "labelled_requests"))

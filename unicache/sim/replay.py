@@ -151,7 +151,7 @@ class Replay:
         heap = self._heap
         heappop = heapq.heappop
         bar = tqdm(total=n, disable=not self.progress, file=sys.stderr, unit="req", mininterval=0.5,
-                   desc=f"{self.config.policy}@{self.config.capacity_blocks}", leave=False)
+                   desc=f"{self.config.label or self.config.policy}@{self.config.capacity_blocks}", leave=False)
         start, cpu_start = time.perf_counter(), time.process_time()
         i = 0
         inf = float("inf")
