@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--decode-prompt", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", default="bench/results/engine_bench.json")
     args = ap.parse_args()
@@ -127,7 +127,8 @@ def main() -> None:
     for b in (int(x) for x in args.batches.split(",")):
         d = bench_decode(engine, b, args.decode_prompt, args.decode_tokens)
         decode.append(d)
-        print(f"decode batch {b:>3}: {d['decode_tokens_per_s']:.1f} tokens/s")
+        d["speedup_vs_first_batch"] = d["decode_tokens_per_s"] / decode[0]["decode_tokens_per_s"]
+        print(f"decode batch {b:>3}: {d['decode_tokens_per_s']:.1f} tokens/s (x{d['speedup_vs_first_batch']:.2f})")
     assert engine.num_referenced_blocks() == 0
     result = {
         "device": str(engine.device),
