@@ -195,7 +195,7 @@ class HttpFrontDoor:
         return Response(self.core.metrics.render(self.core.cluster), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def state(self, request: Request) -> Response:
-        msg = cluster_state(self.core, self.policy_name)
+        msg = await cluster_state(self.core, self.policy_name)
         return JSONResponse(MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
 
     async def dashboard(self, request: Request) -> Response:

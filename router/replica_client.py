@@ -87,6 +87,10 @@ class ReplicaClients:
         call = self.stub(address).Generate(request, timeout=self.forward_deadline_s)
         return ReplicaStream(call)
 
+    async def cache_state(self, address: str, timeout_s: float):
+        """The replica's ``GetCacheState`` (raises grpc.aio.AioRpcError after ``timeout_s``)."""
+        return await self.stub(address).GetCacheState(replica_pb2.GetCacheStateRequest(), timeout=timeout_s)
+
     async def close(self) -> None:
         channels = [c for c, _ in self._channels.values()]
         self._channels.clear()

@@ -14,6 +14,8 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from router.auth import AuthError, api_key_from_headers
@@ -22,14 +24,28 @@ from router.core import Labelled, RouterCore, RouterError
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
+STATIC_STATE_DEADLINE_S = 1.0
+
+
 def _metadata_getter(context: grpc.aio.ServicerContext):
     md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
     return lambda name: md.get(name)
 
 
-def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.ClusterState:
-    """The cluster as the router sees it (shared by gRPC, HTTP JSON and the dashboard)."""
+async def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.ClusterState:
+    """The cluster as the router sees it (shared by gRPC, HTTP JSON and the dashboard).
+
+    Replicas known from Redis report the cache state of their last heartbeat; static
+    replicas (``--replicas``, no heartbeats) are asked with ``GetCacheState`` under a
+    deadline (``STATIC_STATE_DEADLINE_S``), and show an empty state if they do not answer.
+    """
     cluster = core.cluster
+    static = [rid for rid, rec in sorted(cluster.replicas.items()) if rec.heartbeat is None and rec.static]
+    answers = await asyncio.gather(
+        *(core.clients.cache_state(cluster.replicas[rid].address, STATIC_STATE_DEADLINE_S) for rid in static),
+        return_exceptions=True,
+    )
+    fetched = {rid: a for rid, a in zip(static, answers) if isinstance(a, common_pb2.CacheState)}
     out = router_pb2.ClusterState(redis_connected=cluster.redis_connected, routing_policy=policy_name)
     for rid in sorted(cluster.replicas):
         rec = cluster.replicas[rid]
@@ -43,7 +59,7 @@ def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.ClusterState
         if hb is not None:
             state.cache.CopyFrom(hb.cache)
         else:
-            state.cache.CopyFrom(common_pb2.CacheState(replica_id=rid))
+            state.cache.CopyFrom(fetched.get(rid, common_pb2.CacheState(replica_id=rid)))
         out.replicas.append(state)
     return out
 
@@ -104,4 +120,4 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return out
 
     async def GetClusterState(self, request, context):
-        return cluster_state(self.core, self.policy_name)
+        return await cluster_state(self.core, self.policy_name)

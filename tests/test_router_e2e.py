@@ -144,11 +144,14 @@ async def test_client_cancel_propagates_to_replica(cluster2):
 
 
 async def test_grpc_cluster_state_and_list_replicas(cluster2):
-    _, _, stub = cluster2
+    _, (r0, _), stub = cluster2
     lst = await stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5)
     assert [(r.replica_id, r.healthy) for r in lst.replicas] == [("r0", True), ("r1", True)]
+    r0.cached.add(b"z" * 16)
     state = await stub.GetClusterState(router_pb2.GetClusterStateRequest(), timeout=5)
     assert [s.info.replica_id for s in state.replicas] == ["r0", "r1"]
+    # Static replicas have no heartbeat: their cache state comes from GetCacheState.
+    assert [(s.cache.replica_id, s.cache.block_size, s.cache.cached_blocks) for s in state.replicas] == [("r0", 16, 1), ("r1", 16, 0)]
     assert state.routing_policy == "round_robin" and state.redis_connected is False
 
 

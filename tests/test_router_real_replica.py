@@ -88,6 +88,9 @@ async def test_second_request_hits_the_replica_that_cached_it(stack):
     assert first[-1].usage.cached_tokens == 0 and first[-1].usage.prompt_tokens == 55
     # The replica publishes the prompt's 3 blocks (plus decode blocks); the index learns them.
     await until(lambda: app.index.num_blocks(served) >= 3, "events in the index")
+    # NOTE: and a heartbeat taken after the request finished; one still showing it
+    # running makes the served replica look busier, and cache_aware may rightly go elsewhere.
+    await until(lambda: (hb := app.cluster.replicas[served].heartbeat).running == hb.waiting == 0, "idle heartbeat")
     second = [m async for m in stub.Generate(req, metadata=md, timeout=30)]
     assert second[0].route.replica_id == served
     assert second[0].route.reason == "index_prefix"
