@@ -123,10 +123,12 @@ def test_hits_after_evictions_generate_the_cold_tokens():
     eng = LLMEngine(tiny_config(num_blocks=24))
     p = prompt(10, 40)
     first = run_one(eng, make_request("a", p, max_tokens=4))
-    for k in range(3):  # push most of p's blocks out
-        run_one(eng, make_request(f"x{k}", prompt(20 + k, 40), max_tokens=4))
-    assert eng.cache_state().evictions > 0
+    assert eng.cache_state().cached_blocks == 10
+    # 16 blocks needed, 14 uncached free: LRU evicts p's two tail blocks (tail first).
+    run_one(eng, make_request("x", prompt(20, 60), max_tokens=4))
+    assert eng.cache_state().evictions == 2
     again = run_one(eng, make_request("b", p, max_tokens=4))
+    assert again.last[0].usage.cached_tokens == 32
     assert again.tokens == first.tokens == cold(make_request("c", p, max_tokens=4)).tokens
     assert_idle(eng)
 
