@@ -20,7 +20,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "unicache.sim.cli",  # unicache sim, unicache gen-workload
     "router.cli",  # unicache router, unicache status
     "replica.cli",  # unicache replica, unicache replicas
-    # "unicache.local_cluster",  -> unicache up, unicache demo
+    "unicache.local_cluster",  # unicache up
 ]
 
 

@@ -1,0 +1,108 @@
+"""``unicache up`` end to end: ready line, a request through the router, clean shutdown.
+
+Runs the real command in its own session with a private TMPDIR, so the test can check
+that SIGTERM leaves no process of that session, no listening port and no temp file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+READY = re.compile(r"^ready grpc=(\S+) http=(\S+) replicas=(\d+)$")
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields[0] is the state; session id is field 6 of stat, index 3 after the name.
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _port_open(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_up_serves_then_sigterm_leaves_nothing_behind():
+    # A short private TMPDIR: Ray's unix sockets live under it (107-byte path cap).
+    tmpdir = Path(tempfile.mkdtemp(prefix="uc-test-", dir="/tmp"))
+    env = dict(os.environ, TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unicache.cli", "up", "--replicas", "1", "--grpc-port", "0", "--http-port", "0",
+         "--num-blocks", "256"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    match = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+            match = READY.match(lines[-1])
+            if match:
+                break
+        assert match, "no ready line:\n" + "\n".join(lines)
+        while not lines[-1].startswith("Ctrl-C"):  # the endpoint listing follows the ready line
+            lines.append(proc.stdout.readline().rstrip("\n"))
+        grpc_addr, http_url, n = match.group(1), match.group(2), int(match.group(3))
+        assert n == 1
+        body = json.dumps({"model": "unicache-default", "prompt": "hello " * 40, "max_tokens": 4}).encode()
+        req = urllib.request.Request(f"{http_url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            out = json.loads(resp.read())
+            assert resp.headers["x-unicache-replica"] == "replica-0"
+        assert out["usage"]["completion_tokens"] == 4
+        redis_addr = next(l.split()[-1] for l in lines if l.strip().startswith("redis"))
+        redis_hostport = redis_addr.removeprefix("redis://").removesuffix("/0")
+        assert _session_pids(proc.pid), "the cluster runs in the test's session"
+
+        os.kill(proc.pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, rest
+        for _ in range(50):  # Ray's worker processes exit asynchronously after shutdown
+            if not _session_pids(proc.pid):
+                break
+            time.sleep(0.2)
+        assert _session_pids(proc.pid) == []
+        assert not _port_open(grpc_addr)
+        assert not _port_open(http_url.removeprefix("http://"))
+        assert not _port_open(redis_hostport)
+        assert list(tmpdir.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,285 @@
+"""``unicache up``: a whole cluster on this machine with nothing configured.
+
+Starts, in order: a private ``redis-server`` (unless ``--redis-url`` is given), Ray
+in-process (bound to loopback, its temp dir private to this run), N replica actors, and
+the router (gRPC + HTTP). Prints one line starting with ``ready`` once the router answers
+and sees every replica, then the endpoints and example requests. SIGINT/SIGTERM stop
+everything in reverse order and remove every temp dir this run created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from unicache import settings as settings_mod
+from unicache.errors import UsageError
+from unicache.redis_keys import DEFAULT_PREFIX
+
+log = logging.getLogger("unicache.up")
+
+
+@dataclass(slots=True)
+class ClusterSettings:
+    """Settings of ``unicache up`` (each also a flag, UNICACHE_<NAME> and a config-file key)."""
+
+    num_replicas: int = field(default=2, metadata={"help": "replica actors to start"})
+    grpc_port: int = field(default=50051, metadata={"help": "router gRPC port (0 picks a free one)"})
+    http_port: int = field(default=8000, metadata={"help": "router HTTP port (0 picks a free one)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "interface the router binds"})
+    redis_url: str = field(default="", metadata={"help": "external Redis (empty: start a private redis-server)"})
+    redis_prefix: str = field(default=DEFAULT_PREFIX, metadata={"help": "Redis key prefix"})
+    routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy"})
+    eviction_policy: str = field(default="unicache", metadata={"help": "KV-cache eviction policy of the replicas"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_blocks: int = field(default=2048, metadata={"help": "KV blocks per replica"})
+    checkpoint: str = field(default="", metadata={"help": "local Llama checkpoint dir (empty: small seeded model)"})
+    tokenizer: str = field(default="", metadata={"help": "tokenizer.json (empty: byte-level)"})
+    api_keys: str = field(default="", metadata={"help": "'key:tenant,...'; empty: local mode, no auth"})
+    salt_secret: str = field(default="", metadata={"help": "tenant salt secret (empty: random per run)"})
+    ready_timeout_s: float = field(default=300.0, metadata={"help": "deadline for everything to come up"})
+
+
+SECRETS = frozenset({"api_keys", "salt_secret"})
+
+
+@dataclass(slots=True)
+class Endpoints:
+    grpc: str
+    http: str
+    redis_url: str
+    replicas: list[tuple[str, str, str]]  # (id, address, device)
+
+
+class LocalCluster:
+    """Owns every process and temp dir of a local run. ``start`` then ``stop`` (idempotent)."""
+
+    def __init__(self, cfg: ClusterSettings):
+        if cfg.num_replicas < 1:
+            raise UsageError("--replicas must be at least 1")
+        self.cfg = cfg
+        self.redis = None
+        self.launcher = None
+        self.router = None
+        self._ray_started = False
+        self._tmp = tempfile.mkdtemp(prefix="unicache-")
+        self._extra_tmp: str | None = None
+        self.redis_url = cfg.redis_url
+
+    # ------------------------------------------------------------------ start
+    def _ray_temp_dir(self) -> str:
+        # NOTE: Ray puts unix sockets under its temp dir and AF_UNIX paths are capped at
+        # 107 bytes, so a long $TMPDIR gets a short sibling under /tmp instead.
+        if len(self._tmp) <= 40:
+            return os.path.join(self._tmp, "ray")
+        self._extra_tmp = tempfile.mkdtemp(prefix="uc-ray-", dir="/tmp")
+        return self._extra_tmp
+
+    def start_backends(self) -> list[tuple[str, str, str]]:
+        """Redis, Ray and the replicas (synchronous; call before the event loop runs)."""
+        import ray
+
+        from replica.launcher import ReplicaLauncher
+        from replica.settings import ReplicaSettings
+        from unicache.redis_server import EmbeddedRedis
+
+        cfg = self.cfg
+        if not self.redis_url:
+            self.redis = EmbeddedRedis()
+            self.redis.start()
+            self.redis_url = self.redis.url
+            log.info("started redis-server on %s", self.redis_url)
+        ray.init(
+            address="local",
+            _node_ip_address="127.0.0.1",  # NOTE: keep Ray's own sockets on loopback
+            num_cpus=max(os.cpu_count() or 1, cfg.num_replicas),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            _temp_dir=self._ray_temp_dir(),
+        )
+        self._ray_started = True
+        base = ReplicaSettings(
+            redis_url=self.redis_url,
+            redis_prefix=cfg.redis_prefix,
+            eviction_policy=cfg.eviction_policy,
+            block_size=cfg.block_size,
+            num_blocks=cfg.num_blocks,
+            checkpoint=cfg.checkpoint,
+            tokenizer=cfg.tokenizer,
+        )
+        self.launcher = ReplicaLauncher(base, cfg.num_replicas, start_timeout_s=cfg.ready_timeout_s)
+        return [(r.replica_id, r.address, r.device) for r in self.launcher.start()]
+
+    async def start_router(self) -> tuple[str, str]:
+        from router.app import RouterApp
+        from router.config import RouterConfig
+
+        cfg = self.cfg
+        rcfg = RouterConfig(
+            grpc_host=cfg.host,
+            grpc_port=cfg.grpc_port,
+            http_host=cfg.host,
+            http_port=cfg.http_port,
+            redis_url=self.redis_url,
+            redis_prefix=cfg.redis_prefix,
+            routing_policy=cfg.routing_policy,
+            auth_enabled=bool(cfg.api_keys),
+            api_keys=cfg.api_keys,
+            salt_secret=cfg.salt_secret or secrets.token_hex(16),
+            block_size=cfg.block_size,
+            tokenizer=cfg.tokenizer,
+            checkpoint=cfg.checkpoint,
+        )
+        self.router = RouterApp(rcfg)
+        await self.router.start()
+        return f"{cfg.host}:{self.router.grpc_port}", f"http://{cfg.host}:{self.router.http_port}"
+
+    async def wait_ready(self, grpc_addr: str, want_replicas: int) -> None:
+        """Until the router answers gRPC health and has seen every replica's heartbeat."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        async with grpc.aio.insecure_channel(grpc_addr) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    seen = len(self.router.cluster.replicas)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING and seen >= want_replicas:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise UsageError(f"router not ready within {self.cfg.ready_timeout_s:.0f}s")
+                await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------- stop
+    async def stop_router(self) -> None:
+        if self.router is not None:
+            await self.router.stop()
+            self.router = None
+
+    def stop_backends(self) -> None:
+        """Replicas, then Ray, then Redis, then the temp dir. Safe to call twice."""
+        if self.launcher is not None:
+            try:
+                self.launcher.stop()
+            finally:
+                self.launcher = None
+        if self._ray_started:
+            import ray
+
+            ray.shutdown()
+            self._ray_started = False
+        if self.redis is not None:
+            self.redis.close()
+            self.redis = None
+        for path in (self._tmp, self._extra_tmp):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def print_ready(ep: Endpoints, api_key: str | None) -> None:
+    auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
+    meta = f', metadata=[("authorization", "Bearer {api_key}")]' if api_key else ""
+    host, _, port = ep.grpc.rpartition(":")
+    lines = [
+        f"ready grpc={ep.grpc} http={ep.http} replicas={len(ep.replicas)}",
+        f"  router gRPC     {ep.grpc}   (unicache.v1.Router, health, reflection)",
+        f"  OpenAI HTTP     {ep.http}/v1/completions, {ep.http}/v1/chat/completions",
+        f"  dashboard       {ep.http}/dashboard     metrics {ep.http}/metrics",
+        f"  redis           {ep.redis_url}",
+    ]
+    for rid, addr, device in ep.replicas:
+        lines.append(f"  replica {rid:10s} {addr} ({device})")
+    lines += [
+        "",
+        "Try:",
+        f"  curl -s {ep.http}/v1/completions -H 'Content-Type: application/json'{auth} \\",
+        """    -d '{"model": "unicache-default", "prompt": "Hello, cache!", "max_tokens": 8}'""",
+        f"  unicache status --router {ep.grpc}",
+        f"  unicache demo --router {ep.grpc}",
+        "  python -c \"import grpc; from unicache.v1 import router_pb2 as pb, router_pb2_grpc as g; "
+        f"s = g.RouterStub(grpc.insecure_channel('{host}:{port}')); "
+        f"print([r.text for r in s.Generate(pb.RouterGenerateRequest(text='Hello', sampling={{'max_tokens': 8}}){meta})])\"",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = settings_mod.build(ClusterSettings, args, secrets=SECRETS)
+    cluster = LocalCluster(cfg)
+    stop = {"requested": False}
+
+    def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
+        stop["requested"] = True
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            replicas = cluster.start_backends()
+        except KeyboardInterrupt:
+            return 0
+        api_key = cfg.api_keys.split(",")[0].split(":")[0] if cfg.api_keys else None
+
+        async def serve() -> None:
+            loop = asyncio.get_running_loop()
+            stopped = asyncio.Event()
+            for s in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(s, stopped.set)
+            try:
+                grpc_addr, http_url = await cluster.start_router()
+                ready = asyncio.create_task(cluster.wait_ready(grpc_addr, len(replicas)))
+                waiter = asyncio.create_task(stopped.wait())
+                done, _ = await asyncio.wait({ready, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if ready in done:
+                    ready.result()
+                    print_ready(Endpoints(grpc_addr, http_url, cluster.redis_url, replicas), api_key)
+                    await stopped.wait()
+                else:
+                    ready.cancel()
+                waiter.cancel()
+            finally:
+                for s in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(s)
+                await cluster.stop_router()
+
+        asyncio.run(serve())
+        print("stopping", flush=True)
+        return 0
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        cluster.stop_backends()
+        for s, h in old.items():
+            signal.signal(s, h)
+        sys.stdout.flush()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "up",
+        help="start a local cluster: Redis, Ray, replicas and the router",
+        description=(
+            "Start everything on this machine with nothing configured. Every setting is a flag, "
+            "an environment variable UNICACHE_<NAME>, or a key in the --config file (YAML/JSON)."
+        ),
+    )
+    settings_mod.add_arguments(p, ClusterSettings, secrets=SECRETS, aliases={"num_replicas": ["--replicas"]})
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_up)
