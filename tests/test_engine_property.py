@@ -7,12 +7,21 @@ and no block stays referenced at the end.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replica.engine.engine import LLMEngine
+from replica.eviction.registry import policy_names
+from unicache.request_class import SINGLE_TURN, RequestClass, Task
 from tests.support.engine_factory import make_request, run_one, tiny_config
 
+CLASSES = [
+    SINGLE_TURN,
+    RequestClass(session_id="s1", turn=1, task=Task.CHAT),
+    RequestClass(session_id="s2", turn=2, task=Task.AGENT),
+    RequestClass(task=Task.QA, template=True, template_blocks=3),
+]
 TEMPLATES = [[(t * 41 + i * 7) % 256 for i in range(13)] for t in range(3)]
 
 request_st = st.tuples(
@@ -20,6 +29,7 @@ request_st = st.tuples(
     st.lists(st.integers(0, 255), min_size=1, max_size=9),  # suffix
     st.integers(1, 10),  # max_tokens
     st.integers(1, 3),  # n
+    st.sampled_from(range(len(CLASSES))),  # request class (drives the eviction queues)
 )
 op_st = st.one_of(
     st.tuples(st.just("add"), request_st),
@@ -38,10 +48,17 @@ def cold_tokens(prompt: list[int], max_tokens: int) -> list[int]:
     return _COLD[key]
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Every online policy the engine can run ("opt" needs the future: simulator only).
+ONLINE_POLICIES = [p for p in policy_names() if p != "opt"]
+
+
+@pytest.mark.parametrize("policy", ONLINE_POLICIES)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op_st, min_size=1, max_size=25))
-def test_random_interleavings_keep_invariants_and_cold_outputs(ops):
-    eng = LLMEngine(tiny_config(num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24))
+def test_random_interleavings_keep_invariants_and_cold_outputs(policy, ops):
+    eng = LLMEngine(
+        tiny_config(num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, eviction_policy=policy)
+    )
     requests = {}
     tokens: dict[tuple[str, int], list[int]] = {}
     aborted = set()
@@ -53,9 +70,10 @@ def test_random_interleavings_keep_invariants_and_cold_outputs(ops):
 
     for kind, arg in ops:
         if kind == "add":
-            tmpl, suffix, max_tokens, n = arg
+            tmpl, suffix, max_tokens, n, cls = arg
             rid = f"r{len(requests)}"
             req = make_request(rid, TEMPLATES[tmpl] + suffix, max_tokens=max_tokens, n=n)
+            req.cls = CLASSES[cls]
             requests[rid] = req
             eng.add_request(req)
         elif kind == "step":
