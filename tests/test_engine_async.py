@@ -165,6 +165,8 @@ async def test_stop_aborts_requests_in_flight():
     rest = [o async for o in gen]
     assert rest[-1].finished and rest[-1].finish_reason == "abort"
     assert eng.num_referenced_blocks() == 0
+    with pytest.raises(RuntimeError, match="stopped"):
+        await collect(eng, make_request("late", PROMPT))
 
 
 async def test_reports_device_block_size_and_encodes_before_start():

@@ -72,6 +72,11 @@ class AsyncEngine:
             self._wake.notify()
         await asyncio.to_thread(thread.join)
         self._thread = None
+        with self._wake:
+            late, self._new = self._new, []
+            self._aborts.clear()
+        for req in late:  # submitted while the thread was exiting
+            self._deliver_error(req.request_id, RuntimeError("engine stopped"))
 
     # -------------------------------------------------------------- requests
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
@@ -81,6 +86,8 @@ class AsyncEngine:
         re-raises an engine failure that hit the request.
         """
         engine = self._require_started()
+        if self._thread is None:
+            raise RuntimeError("AsyncEngine is stopped")
         engine.validate(req)
         if req.request_id in self._streams:
             raise EngineInputError("invalid", f"request id {req.request_id!r} is already in flight")
