@@ -59,3 +59,15 @@ def test_prefill_is_chunked_by_the_token_budget():
         eng.step()
         computed += [q.num_computed for q in eng.scheduler.running]
     assert computed[:3] == [8, 16, 20]
+
+
+def test_engine_config_rejects_nonsense():
+    import pytest
+
+    from replica.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=0)
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        EngineConfig(num_gpu_blocks=0)
+    assert EngineConfig(num_blocks=8, num_gpu_blocks=32).total_blocks == 32

@@ -55,6 +55,16 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None
 
+    def __post_init__(self) -> None:
+        positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_n")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"EngineConfig.num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if not 0.0 <= self.admission_watermark < 1.0:
+            raise ValueError(f"EngineConfig.admission_watermark must be in [0, 1), got {self.admission_watermark}")
+
     def tokenizer_path(self) -> str | None:
         """Explicit tokenizer, else a checkpoint's own tokenizer.json, else None (bytes)."""
         if self.tokenizer is not None:
