@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from router.index import LocalityIndex
 from router.routing.base import LocalityView, ReplicaLoad, RoutingPolicy
-from unicache.block_hash import BlockHash
 from unicache.v1 import cache_pb2
 
 
@@ -149,6 +148,3 @@ class ClusterView:
 
     def total_in_flight(self) -> int:
         return sum(r.in_flight for r in self.replicas.values())
-
-    def matched_blocks(self, replica_id: str, block_hashes: list[BlockHash]) -> int:
-        return self.locality().match(replica_id, block_hashes)
