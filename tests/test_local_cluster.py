@@ -85,6 +85,15 @@ def test_up_serves_then_sigterm_leaves_nothing_behind():
             out = json.loads(resp.read())
             assert resp.headers["x-unicache-replica"] == "replica-0"
         assert out["usage"]["completion_tokens"] == 4
+        demo = subprocess.run(
+            [sys.executable, "-m", "unicache.cli", "demo", "--router", grpc_addr, "--sessions", "1", "--turns", "2",
+             "--templated", "2", "--single", "1", "--max-tokens", "2"],
+            capture_output=True, text=True, timeout=120, env=env,
+        )
+        assert demo.returncode == 0, demo.stderr
+        all_row = next(l for l in demo.stdout.splitlines() if l.startswith("all "))
+        assert all_row.split()[1] == "5"  # 2 session turns + 2 templated + 1 one-off
+        assert "replica-0" in demo.stdout
         redis_addr = next(l.split()[-1] for l in lines if l.strip().startswith("redis"))
         redis_hostport = redis_addr.removeprefix("redis://").removesuffix("/0")
         assert _session_pids(proc.pid), "the cluster runs in the test's session"

@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "router.cli",  # unicache router, unicache status
     "replica.cli",  # unicache replica, unicache replicas
     "unicache.local_cluster",  # unicache up
+    "unicache.demo",  # unicache demo
 ]
 
 

@@ -98,6 +98,8 @@ class LocalCluster:
             self.redis.start()
             self.redis_url = self.redis.url
             log.info("started redis-server on %s", self.redis_url)
+        # NOTE: silences Ray's FutureWarning about CUDA_VISIBLE_DEVICES on CPU-only actors.
+        os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
         ray.init(
             address="local",
             _node_ip_address="127.0.0.1",  # NOTE: keep Ray's own sockets on loopback
