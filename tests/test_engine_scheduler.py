@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from replica.engine.config import EngineConfig
 from replica.engine.engine import LLMEngine
 from tests.support.engine_factory import make_request, run_one, tiny_config
 
@@ -62,10 +65,6 @@ def test_prefill_is_chunked_by_the_token_budget():
 
 
 def test_engine_config_rejects_nonsense():
-    import pytest
-
-    from replica.engine.config import EngineConfig
-
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="num_gpu_blocks"):
