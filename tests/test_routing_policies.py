@@ -282,21 +282,22 @@ def test_cache_aware_discounts_blocks_under_eviction_pressure():
 
 
 def test_cache_aware_follows_in_flight_prefix_until_finished():
-    p = CacheAwarePolicy(churn_weight=0.0)
+    p = CacheAwarePolicy(churn_weight=0.0, track_inflight=True)
     a = make_request("a", range(10))
     reps = [load("r0", out=1), load("r1", out=1), load("r2")]
     da = p.choose(a, reps, EMPTY)
     assert da.replica_id == "r2"
     p.on_request_routed(a, da)
-    # Before a's blocks are published, b (same 8-block prefix) follows a to r2.
+    # Before a's blocks are published, b (same 9-block prefix) follows a to r2:
+    # 160 - 144 + 128 (one outstanding request) = 144 < 160 on r0.
     reps = [load("r0"), load("r1"), load("r2", out=1)]
-    b = make_request("b", list(range(8)) + [77, 78])
+    b = make_request("b", list(range(9)) + [77])
     db = p.choose(b, reps, EMPTY)
-    assert (db.replica_id, db.reason, db.matched_blocks) == ("r2", "inflight_prefix", 8)
+    assert (db.replica_id, db.reason, db.matched_blocks, db.score) == ("r2", "inflight_prefix", 9, 144.0)
     p.on_request_finished(a, "r2")
     assert p.choose(b, reps, EMPTY).replica_id == "r0"
-    # With in-flight tracking off, b goes by load at once.
-    q = CacheAwarePolicy(churn_weight=0.0, track_inflight=False)
+    # With in-flight tracking off (the default), b goes by load at once.
+    q = CacheAwarePolicy(churn_weight=0.0)
     q.on_request_routed(a, da)
     assert q.choose(b, reps, EMPTY).replica_id == "r0"
 

@@ -7,7 +7,8 @@ every live replica r:
     m_r      = blocks of h the replica holds or will hold:
                  index    = LocalityView.match(r, h)          (published holdings)
                  inflight = index extended while h[i] is in a prompt routed to r and not
-                            finished yet (being computed: it will be cached)
+                            finished yet (being computed: it will be cached; only with
+                            ``track_inflight``)
                  sticky   = sticky_trust * k on the session's last replica, k = common
                             prefix with the session's previous turn, only while the view
                             is stale for r (``LocalityView.is_stale``: Redis down, resync)
@@ -29,10 +30,11 @@ every live replica r:
 The request goes to argmin cost_r over the *admissible* replicas, those with
 ``outstanding_r <= max(min_outstanding + balance_slack, balance_ratio * mean_outstanding)``
 (a hard guard so locality never piles requests on one replica); ties go to the less
-loaded replica (``load_key``). Defaults: load_weight 1.0, request_cost_tokens 64,
+loaded replica (``load_key``). Defaults: load_weight 1.0, request_cost_tokens 128,
 evict_weight 0.5, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
-churn_window 256, balance_ratio 1.25, balance_slack 4 (chosen on the generated mix and
-the Mooncake trace, see ``bench/routing_report.py``).
+churn_window 256, track_inflight off, balance_ratio 1.25, balance_slack 4 (chosen by
+replaying three seeds of the generated mix and the Mooncake trace at 4 replicas; see
+``bench/routing_report.py`` for the figures and an ablation of each term).
 
 Task and template locality come mostly from chained hashes: requests of one template
 (or one agent system prompt) share leading hashes, so ``m_r`` steers them to where those
@@ -89,7 +91,7 @@ class CacheAwarePolicy(RoutingPolicy):
     Args:
         load_weight: tokens of cost per token of work queued ahead (default 1.0).
         request_cost_tokens: work, in prompt tokens, one outstanding request stands for
-            (default 64).
+            (default 128).
         evict_weight: how much full eviction pressure discounts a matched block (0.5).
         sticky_trust: share of the previous turn's prefix credited to the session's
             last replica while the view is stale for it (default 0.5).
@@ -97,7 +99,9 @@ class CacheAwarePolicy(RoutingPolicy):
         churn_weight: weight of the churn term, in units of the request's tokens per unit
             of relative excess inflow (default 0.5; 0 turns it off).
         churn_window: inflow decays by 1 - 1/churn_window per routed request (256).
-        track_inflight: count blocks of unfinished requests as held (default True).
+        track_inflight: count blocks of unfinished requests as held (default False: in the
+            simulator, whose index never lags, it cost hit ratio and TTFT; turn it on where
+            replica events lag behind bursts of one new prefix).
         balance_ratio: admissible if outstanding <= balance_ratio * mean (default 1.25)
         balance_slack: ... or <= min outstanding + balance_slack (default 4).
         virtual_nodes: points per replica on the template ring (default 160).
@@ -107,13 +111,13 @@ class CacheAwarePolicy(RoutingPolicy):
     def __init__(
         self,
         load_weight: float = 1.0,
-        request_cost_tokens: float = 64.0,
+        request_cost_tokens: float = 128.0,
         evict_weight: float = 0.5,
         sticky_trust: float = 0.5,
         template_trust: float = 0.1,
         churn_weight: float = 0.5,
         churn_window: int = 256,
-        track_inflight: bool = True,
+        track_inflight: bool = False,
         balance_ratio: float = 1.25,
         balance_slack: int = 4,
         virtual_nodes: int = 160,
