@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from replica.engine.cpu_env import prefer_passive_omp_wait  # noqa: E402 - before torch
+
+prefer_passive_omp_wait()
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -14,6 +14,7 @@ import signal
 import threading
 
 from unicache.errors import UsageError
+from replica.engine.cpu_env import prefer_passive_omp_wait
 from replica.settings import add_settings_arguments, env_name, settings_from_args
 
 
@@ -50,6 +51,7 @@ def _wait_for_signal() -> None:
 
 
 def run_replica(args: argparse.Namespace) -> int:
+    prefer_passive_omp_wait()
     from replica.runtime import ReplicaRuntime
 
     settings = settings_from_args(args)
@@ -74,6 +76,7 @@ def run_replica(args: argparse.Namespace) -> int:
 
 
 def run_replicas(args: argparse.Namespace) -> int:
+    prefer_passive_omp_wait()  # inherited by in-process Ray's workers
     import ray
 
     from replica.launcher import ReplicaLauncher

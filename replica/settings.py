@@ -1,24 +1,21 @@
 """Replica settings: one dataclass, every field a CLI flag and an environment variable.
 
-Field ``foo_bar`` is flag ``--foo-bar`` and variable ``UNICACHE_FOO_BAR``; precedence is
-flag, then variable, then the default below. The same object configures ``unicache
+Field ``foo_bar`` is flag ``--foo-bar``, variable ``UNICACHE_FOO_BAR`` and key ``foo_bar`` of
+the ``--config`` file; precedence is flag, then variable, then file, then the default below. The same object configures ``unicache
 replica`` (one process), the Ray actor and the launcher, so the three cannot drift.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import socket
-import typing
 from dataclasses import dataclass, field
 
-from unicache.errors import UsageError
+from unicache import settings
 from unicache.redis_keys import DEFAULT_PREFIX
+from unicache.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
 from replica.engine.config import EngineConfig
-
-ENV_PREFIX = "UNICACHE_"
 
 
 def _help(text: str) -> dict:
@@ -70,43 +67,11 @@ class ReplicaSettings:
         return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
 
 
-def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
-
-
-def _convert(kind: type, raw: str, source: str):
-    try:
-        return kind(raw)
-    except ValueError:
-        raise UsageError(f"{source}: expected {kind.__name__}, got {raw!r}") from None
-
-
 def add_settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add ``--<field>`` for every ``ReplicaSettings`` field, defaulting to its env var."""
-    hints = typing.get_type_hints(ReplicaSettings)
-    for f in dataclasses.fields(ReplicaSettings):
-        if f.name in skip:
-            continue
-        kind = hints[f.name]
-        env = env_name(f.name)
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=kind,
-            default=None,
-            help=f"{f.metadata.get('help', '')} [env {env}; default {f.default!r}]",
-        )
+    """Add ``--config`` and ``--<field>`` for every ``ReplicaSettings`` field (unicache/settings.py)."""
+    settings.add_arguments(parser, ReplicaSettings, skip=skip)
 
 
 def settings_from_args(args: argparse.Namespace, **overrides) -> ReplicaSettings:
-    """Flag if given, else ``UNICACHE_<NAME>`` if set, else the default; then ``overrides``."""
-    hints = typing.get_type_hints(ReplicaSettings)
-    values = {}
-    for f in dataclasses.fields(ReplicaSettings):
-        given = getattr(args, f.name, None)
-        if given is not None:
-            values[f.name] = given
-        elif env_name(f.name) in os.environ:
-            values[f.name] = _convert(hints[f.name], os.environ[env_name(f.name)], env_name(f.name))
-    values.update(overrides)
-    return ReplicaSettings(**values)
+    """Flag, else ``UNICACHE_<NAME>``, else the config file, else the default; then ``overrides``."""
+    return settings.build(ReplicaSettings, args, overrides=overrides)

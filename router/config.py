@@ -13,29 +13,14 @@ Secrets (``salt_secret``, ``redis_password``, ``api_keys``) are never included i
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from unicache import settings
 from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
-
-ENV_PREFIX = "UNICACHE_"
-CONFIG_ENV = "UNICACHE_CONFIG"
 SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys"})
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {value!r}")
 
 
 @dataclass(slots=True)
@@ -122,57 +107,9 @@ def mask_url_password(url: str) -> str:
     return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
 
 
-def _convert(name: str, kind: type, value: Any, source: str) -> Any:
-    try:
-        if kind is bool:
-            return _bool(value)
-        return kind(value)
-    except (TypeError, ValueError):
-        shown = "***" if name in SECRET_FIELDS else repr(value)
-        raise UsageError(f"{source}: {name} must be {kind.__name__}, got {shown}") from None
-
-
-def _field_types() -> dict[str, type]:
-    types = {"str": str, "int": int, "float": float, "bool": bool}
-    return {f.name: types[f.type] if isinstance(f.type, str) else f.type for f in fields(RouterConfig)}
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """Read a YAML or JSON mapping of field names (dashes or underscores) to values."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        if p.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as exc:  # noqa: BLE001 - any parse error is a user error
-        raise UsageError(f"config file {path}: cannot parse: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UsageError(f"config file {path}: expected a mapping at the top level")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
-
-
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--config`` and one flag per field; unset flags stay ``None``."""
-    parser.add_argument("--config", default=None, help=f"YAML/JSON config file (env {CONFIG_ENV})")
-    for f in fields(RouterConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _field_types()[f.name]
-        default = f.default if f.default is not MISSING else None
-        helptext = f"{f.metadata.get('help', '')} (env {ENV_PREFIX}{f.name.upper()}, default {default!r})"
-        if f.name in SECRET_FIELDS:
-            helptext = f"{f.metadata.get('help', '')} (env {ENV_PREFIX}{f.name.upper()})"
-        parser.add_argument(
-            flag, dest=f"cfg_{f.name}", metavar=f.name.upper(), default=None, type=str if kind is bool else kind, help=helptext
-        )
+    settings.add_arguments(parser, RouterConfig, secrets=SECRET_FIELDS)
 
 
 def build_config(
@@ -181,30 +118,7 @@ def build_config(
     overrides: dict[str, Any] | None = None,
 ) -> RouterConfig:
     """Merge defaults < config file < environment < flags < ``overrides``."""
-    env = dict(os.environ) if env is None else env
-    types = _field_types()
-    values: dict[str, Any] = {}
-    path = getattr(args, "config", None) if args is not None else None
-    path = path or env.get(CONFIG_ENV)
-    if path:
-        for key, value in load_config_file(path).items():
-            if key not in types:
-                raise UsageError(f"config file {path}: unknown setting {key!r}")
-            values[key] = _convert(key, types[key], value, f"config file {path}")
-    for name, kind in types.items():
-        env_name = ENV_PREFIX + name.upper()
-        if env_name in env:
-            values[name] = _convert(name, kind, env[env_name], env_name)
-    if args is not None:
-        for name, kind in types.items():
-            value = getattr(args, f"cfg_{name}", None)
-            if value is not None:
-                values[name] = _convert(name, kind, value, "--" + name.replace("_", "-"))
-    for name, value in (overrides or {}).items():
-        if name not in types:
-            raise UsageError(f"unknown setting {name!r}")
-        values[name] = value
-    cfg = RouterConfig(**values)
+    cfg = settings.build(RouterConfig, args, env, overrides, secrets=SECRET_FIELDS)
     if cfg.block_size <= 0:
         raise UsageError("block_size must be positive")
     return cfg

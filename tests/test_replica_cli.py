@@ -43,8 +43,21 @@ def test_flag_beats_env_beats_default(monkeypatch):
 
 def test_bad_env_value_is_a_usage_error(monkeypatch):
     monkeypatch.setenv("UNICACHE_PORT", "eighty")
-    with pytest.raises(UsageError, match="UNICACHE_PORT: expected int, got 'eighty'"):
+    with pytest.raises(UsageError, match="UNICACHE_PORT: port must be int, got 'eighty'"):
         settings_from_args(parse([]))
+
+
+def test_config_file_sits_between_env_and_default(monkeypatch, tmp_path):
+    cfg = tmp_path / "replica.yaml"
+    cfg.write_text("num-blocks: 99\nblock_size: 8\neviction_policy: lru\n")
+    monkeypatch.setenv("UNICACHE_BLOCK_SIZE", "32")
+    monkeypatch.delenv("UNICACHE_NUM_BLOCKS", raising=False)
+    monkeypatch.delenv("UNICACHE_EVICTION_POLICY", raising=False)
+    s = settings_from_args(parse(["--config", str(cfg)]))
+    assert (s.num_blocks, s.block_size, s.eviction_policy) == (99, 32, "lru")
+    cfg.write_text("colour: red\n")
+    with pytest.raises(UsageError, match="unknown setting 'colour'"):
+        settings_from_args(parse(["--config", str(cfg)]))
 
 
 def test_advertised_host():

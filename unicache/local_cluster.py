@@ -86,6 +86,9 @@ class LocalCluster:
 
     def start_backends(self) -> list[tuple[str, str, str]]:
         """Redis, Ray and the replicas (synchronous; call before the event loop runs)."""
+        from replica.engine.cpu_env import prefer_passive_omp_wait
+
+        prefer_passive_omp_wait()
         import ray
 
         from replica.launcher import ReplicaLauncher
@@ -100,6 +103,7 @@ class LocalCluster:
             log.info("started redis-server on %s", self.redis_url)
         # NOTE: silences Ray's FutureWarning about CUDA_VISIBLE_DEVICES on CPU-only actors.
         os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+
         ray.init(
             address="local",
             _node_ip_address="127.0.0.1",  # NOTE: keep Ray's own sockets on loopback
