@@ -10,14 +10,13 @@ from unicache.classifier import Labels, _BlockUse, _Session
 from unicache.request_class import RequestClass
 from replica.eviction.base import ReleaseInfo
 from replica.eviction.lognormal import OnlineLogNormal
-from replica.eviction.unicache import _Candidate
 from replica.kv.block import KVBlock
 from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from replica.kv.store import Allocation, CacheStats, RequestBlocks
 
 RECORDS = [
     KVBlock, ReleaseInfo, RequestBlocks, Allocation, CacheStats, BlockStored, BlockRemoved,
-    AllBlocksCleared, RequestClass, Labels, _Session, _BlockUse, _Candidate, OnlineLogNormal,
+    AllBlocksCleared, RequestClass, Labels, _Session, _BlockUse, OnlineLogNormal,
 ]
 
 

@@ -6,39 +6,53 @@ Queues (by the class of the request that released the block):
     chat         blocks of chat sessions (any multi-turn session not classed agent).
     agent        blocks of agent sessions (short inter-turn gaps).
     structural   the template prefix blocks of single-turn templated requests.
+The session queues are split into lanes by turn depth (turn 0, 1, 2, 3-4, 5-8, 9+): a
+session that has already run many turns is more likely to continue. The other two are
+split by the block's hit count (0, 1, 2-3, 4-7, 8-15, 16+): hot templates apart from cold.
 
-Local score of a queue's head: s_q = S_q(now - key), the survival function (1 - CDF) of
-that queue's reuse gaps, a log-normal fitted online from the gaps of the queue's own hits
-(seeded with the paper's chat/agent fits). Global choice: victim = argmin_q alpha_q * s_q,
-where alpha_q comes from each queue's efficiency E_q = hits_q / mean size_q, normalised by
-the mean, raised to 1/T, clipped and smoothed (EMA), recomputed every few requests.
+Each lane is a heap ordered by *last use* (ties: release order, so a request's tail goes
+before its head, as in vLLM). ``pop_victim`` scores each lane's head and evicts the
+lowest, victim = argmin alpha_lane * s_q, as in the paper, with these measured changes
+(each switchable by a constructor flag, for the ablation table in
+``bench/unicache_ablation.py``):
 
-Changes from a literal transcription (each switchable for the ablation table):
-    * Every queue is ordered by *last use* (ties: release order, so a request's tail goes
-      before its head, as in vLLM). In the structural queue this makes cold templates go
-      before hot ones and deep blocks before shallow ones (a parent is always used at least
-      as recently as its child); ``depth_bonus_s`` adds the paper's offset score as extra
-      seconds of recency for shallow template blocks.
-    * ``strict_evict_first=False`` scores the evict-first queue like the others instead
-      of always emptying it first: with *inferred* classes, a "single-turn" request may be
-      the first turn of a session that has not been recognised yet.
+    * alpha ("reuse" weighting, default): p = the decayed fraction of the lane's released
+      blocks that were reused later, counting reuses of *evicted* blocks through a ghost
+      list of their hashes (otherwise eviction would hide reuse and confirm itself). The
+      paper's efficiency weights (hits / capacity, normalised, ^(1/T), clipped, EMA) are
+      ``weighting="efficiency"``; they lost badly to lru on Mooncake.
+    * s_q: S_q = 1 - CDF_q of a log-normal fitted online. Session gaps are fitted from
+      *arrivals* of the same session (hit gaps are censored by eviction); evict-first
+      shares the chat fit (its blocks are reused only if the request opens a session);
+      the structural queue keeps its prior unless ``structural_fit``.
+    * ``horizon_scoring`` (default): the score is the probability of reuse within the
+      cache's residence time tau (EMA of victims' ages) given survival so far,
+      p (S(a) - S(a + tau)) / (1 - p + p S(a)), instead of p S(a): a block whose reuse is
+      likely but far away is worth less than one likely to be reused soon.
+    * Structural blocks by last use: cold templates go before hot ones and deep blocks
+      before shallow ones (a parent is used at least as recently as its child);
+      ``depth_bonus_s`` adds the paper's 1 - offset/max_offset as seconds of recency.
+    * ``strict_evict_first`` (off by default) restores the paper's "always emptied
+      first"; with *inferred* classes a "single-turn" request may open a session.
 
 Invariants:
     * A block is a candidate iff it is in ``_live``; it then has exactly one live heap
-      entry (matching sequence number) in the heap of its queue; other entries are stale
-      and skipped on pop (lazy invalidation).
-    * Within a queue, heap order == score order, because s_q is monotone in the key
-      (S_q is decreasing in age and the same for all blocks of the queue).
-    * Every operation is O(log n) amortised; ``pop_victim`` looks at four heap heads; a
-      heap is compacted when stale entries outnumber live ones.
+      entry (``_live[id] is entry``) in its lane's heap; other entries are stale and skipped on
+      pop (lazy invalidation); a heap is compacted once stale entries outnumber live ones.
+    * Within a lane, p and S are shared, so with ``horizon_scoring`` off heap order is
+      score order exactly; with it on, the head is the lowest-scored block of its lane
+      among blocks past the gap distribution's mode (the hazard of a log-normal falls
+      after it), which is where victims come from.
+    * Every operation is O(log n) amortised; ``pop_victim`` rescores only the lanes that
+      changed since the last call (all 24 when the clock moved) and takes the minimum.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
@@ -48,19 +62,28 @@ from replica.eviction.registry import register_policy
 
 EVICT_FIRST, CHAT, AGENT, STRUCTURAL = 0, 1, 2, 3
 QUEUE_NAMES = ("evict_first", "chat", "agent", "structural")
+NUM_QUEUES = 4
+# Session queues are split into lanes by turn depth: turn 0, 1, 2, 3-4, 5-8, 9+.
+# (Mooncake: P(session continues) is 0.25 after turn 0, 0.39 after 1, 0.49 after 2 and
+# 0.81 after 8+; one reuse estimate per queue would blur that.)
+NUM_LANES = 6
+_TURN_LANE = (0, 1, 2, 3, 3, 4, 4, 4, 4)
+
+
+_ALL_LANES = range(NUM_QUEUES * NUM_LANES)
+
+
+def turn_lane(turn: int) -> int:
+    return _TURN_LANE[turn] if turn < len(_TURN_LANE) else NUM_LANES - 1
 
 # Priors of log(gap seconds): chat/agent from the paper's code; evict-first and structural
 # start like chat (weak priors, replaced by observed gaps).
 _PRIORS = {EVICT_FIRST: (4.77, 1.279), CHAT: (4.77, 1.279), AGENT: (1.81, 1.092), STRUCTURAL: (4.77, 1.279)}
 
 
-@dataclass(slots=True)
-class _Candidate:
-    """A live candidate: its queue, heap key (effective last use) and entry token."""
-
-    queue: int
-    key: float
-    token: int
+# A heap entry: (key = effective last use, token, block id, lane). Tokens are unique, so
+# heap comparisons never reach the block id. ``_live[block_id] is entry`` marks it live.
+_Entry = tuple[float, int, int, int]
 
 
 @register_policy("unicache")
@@ -86,6 +109,11 @@ class UniCachePolicy(EvictionPolicy):
         reuse_decay: per-update decay of the reuse counters of "reuse" weighting.
         fit_prior_weight: observations the gap priors are worth in the online fits.
         max_sessions: sessions whose last arrival is remembered for gap fitting (LRU).
+        turn_lanes: split session queues into lanes by turn depth, each with its own
+            reuse estimate (the heap order stays valid: one lane, one p and one S).
+        freq_lanes: split the evict-first and structural queues into lanes by the
+            block's hits since it was cached (0, 1, 2-3, 4-7, 8-15, 16+): a hot template's
+            blocks get their own, higher reuse estimate.
         horizon_scoring: score P(reuse within the cache's residence time | age), i.e.
             p (S(a) - S(a + tau)) / (1 - p + p S(a)), tau = EMA of victims' ages, instead
             of p S(a) (reuse at any later time).
@@ -116,6 +144,8 @@ class UniCachePolicy(EvictionPolicy):
         fit_prior_weight: float = 20.0,
         max_sessions: int = 100_000,
         structural_fit: bool = False,
+        turn_lanes: bool = True,
+        freq_lanes: bool = True,
         horizon_scoring: bool = True,
     ):
         if temperature <= 0 or not 0 < alpha_ema <= 1 or not 0 < alpha_min <= 1 <= alpha_max:
@@ -139,7 +169,10 @@ class UniCachePolicy(EvictionPolicy):
         self.max_sessions = max_sessions
         self.structural_fit = structural_fit
         self.horizon_scoring = horizon_scoring
+        self.turn_lanes = turn_lanes
+        self.freq_lanes = freq_lanes
         self._horizon = 60.0  # EMA of victims' ages: how long a block stays after last use
+        self._victims, self._victim_age_sum = 0, 0.0  # since the last horizon update
         self._session_seen: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.fits = [
             OnlineLogNormal(
@@ -153,21 +186,29 @@ class UniCachePolicy(EvictionPolicy):
         # Evict-first blocks are reused only when their request turns out to open a
         # session, so their reuse gap is a chat inter-turn gap: share that fit.
         self.fits[EVICT_FIRST] = self.fits[CHAT]
-        self.alpha = [1.0, 1.0, 1.0, 1.0]
-        self._heaps: list[list[tuple[float, int, int]]] = [[], [], [], []]
-        self._live: dict[int, _Candidate] = {}
+        n = NUM_QUEUES * NUM_LANES
+        self.alpha = [1.0] * n
+        self._heaps: list[list[_Entry]] = [[] for _ in range(n)]
+        self._live: dict[int, _Entry] = {}
         self._sizes = [0, 0, 0, 0]
+        self._lane_sizes = [0] * n
+        # Cached score of each lane's head (inf when empty). A lane is rescored when it
+        # changed (``_dirty``) or when the clock, fits or weights moved (``_all_dirty``).
+        self._scores = [math.inf] * n
+        self._dirty: set[int] = set()
+        self._all_dirty = True
         self._hits = [0, 0, 0, 0]
         self._size_sum = [0, 0, 0, 0]
         self._requests = 0
         self._tokens = itertools.count()
         self._now = 0.0
         self._hash: dict[int, BlockHash] = {}
+        self._uses: dict[int, int] = {}  # cached block -> hits since it was cached
         # Evicted hashes -> (queue, key): a later re-cache is a reuse the eviction missed.
         self._ghosts: OrderedDict[BlockHash, tuple[int, float]] = OrderedDict()
         self._peak = 0
-        self._released = [1.0, 1.0, 1.0, 1.0]
-        self._reused = [0.5, 0.5, 0.5, 0.5]
+        self._released = [1.0] * n
+        self._reused = [0.5] * n
 
     # ------------------------------------------------------------ placement
     def queue_of(self, info: ReleaseInfo) -> int:
@@ -183,49 +224,73 @@ class UniCachePolicy(EvictionPolicy):
     def on_cached(self, block_id: int, block_hash: BlockHash, parent_id: int, now: float) -> None:
         if now > self._now:
             self._now = now
+            self._all_dirty = True
         self._hash[block_id] = block_hash
+        self._uses[block_id] = 0
         ghost = self._ghosts.pop(block_hash, None)
         if ghost is not None:
-            q, key = ghost
-            self._reused[q] += 1.0
-            if q == STRUCTURAL and self.structural_fit:
-                self.fits[q].observe(now - key)
+            lane, key = ghost
+            self._reused[lane] += 1.0
+            if lane // NUM_LANES == STRUCTURAL and self.structural_fit:
+                self.fits[STRUCTURAL].observe(now - key)
 
     def on_release(self, block_id: int, info: ReleaseInfo) -> None:
         now = info.now
         if now > self._now:
             self._now = now
+            self._all_dirty = True
         q = self.queue_of(info)
         key = now
         if q == STRUCTURAL and self.depth_bonus_s:
             key += self.depth_bonus_s * (1.0 - info.position / info.cls.template_blocks)
-        tok = next(self._tokens)
-        self._released[q] += 1.0
-        self._live[block_id] = _Candidate(q, key, tok)
-        if len(self._live) > self._peak:
-            self._peak = len(self._live)
+        lane = q * NUM_LANES
+        if q == CHAT or q == AGENT:
+            if self.turn_lanes:
+                lane += turn_lane(info.cls.turn)
+        elif self.freq_lanes:
+            lane += min(NUM_LANES - 1, self._uses.get(block_id, 0).bit_length())
+        entry = (key, next(self._tokens), block_id, lane)
+        self._released[lane] += 1.0
+        live = self._live
+        live[block_id] = entry
+        if len(live) > self._peak:
+            self._peak = len(live)
         self._sizes[q] += 1
-        heap = self._heaps[q]
-        heapq.heappush(heap, (key, tok, block_id))
-        if len(heap) > 2 * self._sizes[q] + 64:
-            self._compact(q)
+        self._lane_sizes[lane] += 1
+        self._dirty.add(lane)
+        heap = self._heaps[lane]
+        heapq.heappush(heap, entry)
+        if len(heap) > 2 * self._lane_sizes[lane] + 64:
+            self._compact(lane)
 
     def on_access(self, block_id: int, cls: RequestClass, now: float) -> None:
         if now > self._now:
             self._now = now
-        cand = self._live.pop(block_id, None)
-        if cand is None:
+            self._all_dirty = True
+        uses = self._uses
+        if block_id in uses:
+            uses[block_id] += 1
+        entry = self._live.pop(block_id, None)
+        if entry is None:
             return
-        q = cand.queue
+        lane = entry[3]
+        q = lane // NUM_LANES
         self._sizes[q] -= 1
+        self._lane_sizes[lane] -= 1
+        self._dirty.add(lane)
         self._hits[q] += 1
-        self._reused[q] += 1.0
+        self._reused[lane] += 1.0
         if q == STRUCTURAL and self.structural_fit:
-            self.fits[q].observe(now - cand.key)
+            self.fits[q].observe(now - entry[0])
 
     def on_request(self, cls: RequestClass, now: float) -> None:
         if now > self._now:
             self._now = now
+        self._all_dirty = True  # fits, alpha and the horizon may change below
+        if self._victims:
+            decay = 0.99**self._victims
+            self._horizon = decay * self._horizon + (1.0 - decay) * self._victim_age_sum / self._victims
+            self._victims, self._victim_age_sum = 0, 0.0
         sid = cls.session_id
         if sid is not None:
             # NOTE: session gaps are measured here, from arrivals, not from cache hits:
@@ -249,41 +314,44 @@ class UniCachePolicy(EvictionPolicy):
     def pop_victim(self) -> int | None:
         if not self._live:
             return None
-        best_q, best_score = -1, 0.0
-        if self.strict_evict_first and self._head(EVICT_FIRST) is not None:
-            best_q = EVICT_FIRST
+        if self.strict_evict_first and self._head(EVICT_FIRST * NUM_LANES) is not None:
+            best = EVICT_FIRST * NUM_LANES
         else:
-            now = self._now
-            for q in range(4):
-                head = self._head(q)
-                if head is None:
-                    continue
-                age = now - head[0]
-                fit, p = self.fits[q], self.alpha[q]
-                if self.horizon_scoring:
-                    s_now = fit.survival(age)
-                    score = p * (s_now - fit.survival(age + self._horizon)) / (1.0 - p + p * s_now + 1e-12)
-                else:
-                    score = p * fit.survival(age)
-                if best_q < 0 or score < best_score:
-                    best_q, best_score = q, score
-        key, _, block_id = heapq.heappop(self._heaps[best_q])
-        self._horizon += 0.01 * (max(0.0, self._now - key) - self._horizon)
+            scores = self._scores
+            if self._all_dirty:
+                lanes = range(NUM_QUEUES * NUM_LANES)
+                self._all_dirty = False
+            else:
+                lanes = self._dirty
+            for lane in lanes:
+                scores[lane] = self._score(lane)
+            self._dirty.clear()
+            best = min(_ALL_LANES, key=scores.__getitem__)
+        key, _, block_id, _ = heapq.heappop(self._heaps[best])
+        self._victims += 1
+        self._victim_age_sum += max(0.0, self._now - key)
         del self._live[block_id]
-        self._sizes[best_q] -= 1
+        self._sizes[best // NUM_LANES] -= 1
+        self._lane_sizes[best] -= 1
+        self._dirty.add(best)
+        self._uses.pop(block_id, None)
         h = self._hash.pop(block_id, None)
         if h is not None and self.weighting == "reuse":
             ghosts = self._ghosts
-            ghosts[h] = (best_q, key)
+            ghosts[h] = (best, key)
             if len(ghosts) > self.ghost_factor * self._peak:
                 ghosts.popitem(last=False)
         return block_id
 
     def on_removed(self, block_id: int) -> None:
         self._hash.pop(block_id, None)
-        cand = self._live.pop(block_id, None)
-        if cand is not None:
-            self._sizes[cand.queue] -= 1
+        self._uses.pop(block_id, None)
+        entry = self._live.pop(block_id, None)
+        if entry is not None:
+            lane = entry[3]
+            self._sizes[lane // NUM_LANES] -= 1
+            self._lane_sizes[lane] -= 1
+            self._dirty.add(lane)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -291,24 +359,45 @@ class UniCachePolicy(EvictionPolicy):
     def queue_sizes(self) -> dict[str, int]:
         return dict(zip(QUEUE_NAMES, self._sizes))
 
+    def weight(self, queue: int, turn: int = 0, uses: int = 0) -> float:
+        """alpha of the lane a block of ``queue`` (session ``turn``, ``uses`` hits) joins."""
+        lane = queue * NUM_LANES
+        if queue == CHAT or queue == AGENT:
+            lane += turn_lane(turn) if self.turn_lanes else 0
+        elif self.freq_lanes:
+            lane += min(NUM_LANES - 1, uses.bit_length())
+        return self.alpha[lane]
+
     # ------------------------------------------------------------ internals
-    def _head(self, q: int) -> tuple[float, int, int] | None:
-        """The queue's live minimum, dropping stale entries above it."""
-        heap, live = self._heaps[q], self._live
+    def _score(self, lane: int) -> float:
+        """alpha_lane * s_q of the lane's head; inf for an empty lane."""
+        if not self._lane_sizes[lane]:
+            return math.inf
+        head = self._head(lane)
+        assert head is not None
+        age = self._now - head[0]
+        fit, p = self.fits[lane // NUM_LANES], self.alpha[lane]
+        s_now = fit.survival(age)
+        if self.horizon_scoring:
+            return p * (s_now - fit.survival(age + self._horizon)) / (1.0 - p + p * s_now + 1e-12)
+        return p * s_now
+
+    def _head(self, lane: int) -> _Entry | None:
+        """The lane's live minimum, dropping stale entries above it."""
+        heap, live = self._heaps[lane], self._live
         while heap:
             entry = heap[0]
-            cand = live.get(entry[2])
-            if cand is not None and cand.token == entry[1]:
+            if live.get(entry[2]) is entry:
                 return entry
             heapq.heappop(heap)
         return None
 
-    def _compact(self, q: int) -> None:
-        """Drop stale entries of queue q (amortised O(1): runs after >= n stale pushes)."""
+    def _compact(self, lane: int) -> None:
+        """Drop stale entries of a lane (amortised O(1): runs after >= n stale pushes)."""
         live = self._live
-        heap = [e for e in self._heaps[q] if (c := live.get(e[2])) is not None and c.token == e[1]]
+        heap = [e for e in self._heaps[lane] if live.get(e[2]) is e]
         heapq.heapify(heap)
-        self._heaps[q] = heap
+        self._heaps[lane] = heap
 
     def _update_alpha(self) -> None:
         _WEIGHTINGS[self.weighting](self)
@@ -319,10 +408,11 @@ class UniCachePolicy(EvictionPolicy):
         """alpha_q <- p_q, the fraction of the queue's releases reused later (hits, plus
         re-caches of evicted blocks remembered as ghosts, so eviction does not hide reuse)."""
         d = self.reuse_decay
-        for q in range(4):
-            self.alpha[q] = self._reused[q] / self._released[q]
-            self._reused[q] *= d
-            self._released[q] *= d
+        for lane in range(NUM_QUEUES * NUM_LANES):
+            # NOTE: capped at 1: a ghost can be re-cached by several requests in a row.
+            self.alpha[lane] = min(1.0, self._reused[lane] / self._released[lane])
+            self._reused[lane] *= d
+            self._released[lane] *= d
 
     def _alpha_efficiency(self) -> None:
         """alpha_q <- EMA of clip((E_q / mean E)^(1/T)) with E_q = hits_q / mean size_q."""
@@ -340,7 +430,8 @@ class UniCachePolicy(EvictionPolicy):
         for q, e in eff.items():
             raw = (e / mean_e) ** self.inv_temperature if e > 0 else self.alpha_min
             raw = min(self.alpha_max, max(self.alpha_min, raw))
-            self.alpha[q] += self.alpha_ema * (raw - self.alpha[q])
+            for lane in range(q * NUM_LANES, (q + 1) * NUM_LANES):
+                self.alpha[lane] += self.alpha_ema * (raw - self.alpha[lane])
 
     def _alpha_fixed(self) -> None:
         """alpha_q = 1 (ablation: no global weights)."""
