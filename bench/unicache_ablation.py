@@ -32,6 +32,8 @@ VARIANTS: dict[str, dict] = {
     "- session queues": {"session_queues": False},
     "- agent/chat split": {"split_agent": False},
     "- structural queue": {"structural": False},
+    "- turn-depth lanes": {"turn_lanes": False},
+    "- hit-count lanes": {"freq_lanes": False},
     "- online gap fit (priors)": {"online_fit": False},
     "- global weights (alpha=1)": {"weighting": "none"},
     "paper weights (efficiency, T=0.2)": {"weighting": "efficiency"},
