@@ -6,7 +6,8 @@ the engine can change independently.
 
 from __future__ import annotations
 
-from unicache.request_class import RequestClass, Task
+from unicache import wire
+from unicache.request_class import RequestClass
 from unicache.v1 import common_pb2, replica_pb2
 from replica.engine.api import CacheStateInfo, EngineInputError, EngineOutput, SamplingParams, Usage
 
@@ -34,35 +35,11 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
 
 
 def request_class_from_proto(msg: common_pb2.RequestClass) -> RequestClass:
-    """An unset message gives the default single-turn class. Unknown task -> EngineInputError."""
+    """``unicache.wire.request_class_from_proto`` with an unknown task as EngineInputError."""
     try:
-        task = Task.parse(msg.task or None)
+        return wire.request_class_from_proto(msg)
     except ValueError as exc:
         raise EngineInputError("invalid", str(exc)) from None
-    kwargs = {}
-    if msg.tenant:
-        kwargs["tenant"] = msg.tenant
-    return RequestClass(
-        session_id=msg.session_id or None,
-        turn=msg.turn,
-        task=task,
-        template=msg.template,
-        template_blocks=msg.template_blocks,
-        inferred=msg.inferred,
-        **kwargs,
-    )
-
-
-def request_class_to_proto(cls: RequestClass) -> common_pb2.RequestClass:
-    return common_pb2.RequestClass(
-        tenant=cls.tenant,
-        session_id=cls.session_id or "",
-        turn=cls.turn,
-        task=cls.task.value,
-        template=cls.template,
-        template_blocks=cls.template_blocks,
-        inferred=cls.inferred,
-    )
 
 
 def usage_to_proto(u: Usage) -> common_pb2.Usage:

@@ -29,6 +29,7 @@ from router.routing.base import RouteDecision, RoutingRequest
 from unicache.block_hash import hash_token_blocks
 from unicache.classifier import Labels, RequestClassifier
 from unicache.request_class import RequestClass, Task
+from unicache.wire import request_class_to_proto
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 
@@ -93,18 +94,6 @@ class Labelled:
     session_id: str | None = None
     task: str | None = None
     template: bool | None = None
-
-
-def class_to_proto(cls: RequestClass) -> common_pb2.RequestClass:
-    return common_pb2.RequestClass(
-        tenant=cls.tenant,
-        session_id=cls.session_id or "",
-        turn=cls.turn,
-        task=cls.task.value,
-        template=cls.template,
-        template_blocks=cls.template_blocks,
-        inferred=cls.inferred,
-    )
 
 
 class RouterCore:
@@ -188,7 +177,7 @@ class RouterCore:
             reason=decision.reason,
             matched_tokens=decision.matched_blocks * self.block_size,
             score=decision.score,
-            request_class=class_to_proto(prep.cls),
+            request_class=request_class_to_proto(prep.cls),
         )
 
     async def forward(
@@ -205,7 +194,7 @@ class RouterCore:
             request_id=prep.request_id,
             token_ids=replica_pb2.TokenIds(ids=prep.token_ids),
             sampling=sampling,
-            request_class=class_to_proto(prep.cls),
+            request_class=request_class_to_proto(prep.cls),
             cache_salt=prep.salt,
         )
         tried: set[str] = set()
