@@ -90,8 +90,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/unicache_ablation", help="output path without extension")
     ap.add_argument("--fracs", default="0.05,0.1")
     ap.add_argument("--mooncake", default=str(MOONCAKE))
-    ap.add_argument("--mix-seed", type=int, default=1)
-    ap.add_argument("--mix-duration", type=float, default=900.0, help="seconds of generated mix")
+    ap.add_argument("--mix-seed", type=int, default=0)
+    ap.add_argument("--mix-duration", type=float, default=1200.0, help="seconds of generated mix (as bench/eviction_report.py)")
     args = ap.parse_args()
     fracs = [float(x) for x in args.fracs.split(",")]
     out = Path(args.out)

@@ -109,6 +109,7 @@ class UniCachePolicy(EvictionPolicy):
         reuse_decay: per-update decay of the reuse counters of "reuse" weighting.
         fit_prior_weight: observations the gap priors are worth in the online fits.
         max_sessions: sessions whose last arrival is remembered for gap fitting (LRU).
+        horizon_scale: tau = horizon_scale * (EMA of victims' ages).
         turn_lanes: split session queues into lanes by turn depth, each with its own
             reuse estimate (the heap order stays valid: one lane, one p and one S).
         freq_lanes: split the evict-first and structural queues into lanes by the
@@ -144,6 +145,7 @@ class UniCachePolicy(EvictionPolicy):
         fit_prior_weight: float = 20.0,
         max_sessions: int = 100_000,
         structural_fit: bool = False,
+        horizon_scale: float = 1.0,
         turn_lanes: bool = True,
         freq_lanes: bool = True,
         horizon_scoring: bool = True,
@@ -169,6 +171,7 @@ class UniCachePolicy(EvictionPolicy):
         self.max_sessions = max_sessions
         self.structural_fit = structural_fit
         self.horizon_scoring = horizon_scoring
+        self.horizon_scale = horizon_scale
         self.turn_lanes = turn_lanes
         self.freq_lanes = freq_lanes
         self._horizon = 60.0  # EMA of victims' ages: how long a block stays after last use
@@ -379,7 +382,8 @@ class UniCachePolicy(EvictionPolicy):
         fit, p = self.fits[lane // NUM_LANES], self.alpha[lane]
         s_now = fit.survival(age)
         if self.horizon_scoring:
-            return p * (s_now - fit.survival(age + self._horizon)) / (1.0 - p + p * s_now + 1e-12)
+            tau = self.horizon_scale * self._horizon
+            return p * (s_now - fit.survival(age + tau)) / (1.0 - p + p * s_now + 1e-12)
         return p * s_now
 
     def _head(self, lane: int) -> _Entry | None:
