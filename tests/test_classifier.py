@@ -110,3 +110,11 @@ def test_memory_stays_bounded():
 def test_bad_tunables_raise(kwargs):
     with pytest.raises(ValueError):
         RequestClassifier(**kwargs)
+
+
+def test_a_sessions_shared_system_prompt_is_not_reported_as_template():
+    c = RequestClassifier()
+    c.classify(H(50, 51, 1, 2), None, 0.0)
+    c.classify(H(50, 51, 3, 4), None, 1.0)  # another conversation, same system prompt
+    nxt = c.classify(H(50, 51, 3, 4, 5, 6), None, 90.0)
+    assert nxt == RequestClass(session_id="auto-2", turn=1, task=Task.CHAT, inferred=True)
