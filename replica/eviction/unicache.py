@@ -99,7 +99,8 @@ class UniCachePolicy(EvictionPolicy):
         structural: route template prefix blocks to the structural queue.
         depth_bonus_s: seconds of extra recency for the shallowest template block,
             decreasing linearly to 0 at the template's end (paper's 1 - offset/max_offset).
-        online_fit: fit each queue's gap distribution from its hits (off: priors only).
+        online_fit: fit the session queues' gap distributions online from the arrival
+            gaps of their sessions (off: the paper's priors only).
         weighting: how alpha_q is set: "reuse" (default: alpha_q = p_q, the decayed
             fraction of the queue's released blocks that were reused, counting reuses of
             evicted blocks through a ghost list, so the score alpha_q * s_q estimates the
@@ -117,7 +118,7 @@ class UniCachePolicy(EvictionPolicy):
             blocks get their own, higher reuse estimate.
         horizon_scoring: score P(reuse within the cache's residence time | age), i.e.
             p (S(a) - S(a + tau)) / (1 - p + p S(a)), tau = EMA of victims' ages, instead
-            of p S(a) (reuse at any later time).
+            of p S(a) (reuse at any later time). Not with "efficiency" weighting.
         structural_fit: fit the structural queue's gaps from its hits (off: keep the
             prior; hit gaps of one hot system-prompt block swamp colder templates).
         temperature: T of alpha_q = (E_q / mean E)^(1/T).
@@ -171,6 +172,9 @@ class UniCachePolicy(EvictionPolicy):
         self.max_sessions = max_sessions
         self.structural_fit = structural_fit
         self.horizon_scoring = horizon_scoring
+        # NOTE: the horizon score needs p to be a probability; the paper's efficiency
+        # weights are not (they range up to alpha_max), so with them it is alpha * S(age).
+        self._horizon_on = horizon_scoring and weighting != "efficiency"
         self.horizon_scale = horizon_scale
         self.turn_lanes = turn_lanes
         self.freq_lanes = freq_lanes
@@ -207,7 +211,7 @@ class UniCachePolicy(EvictionPolicy):
         self._now = 0.0
         self._hash: dict[int, BlockHash] = {}
         self._uses: dict[int, int] = {}  # cached block -> hits since it was cached
-        # Evicted hashes -> (queue, key): a later re-cache is a reuse the eviction missed.
+        # Evicted hashes -> (lane, key): a later re-cache is a reuse the eviction missed.
         self._ghosts: OrderedDict[BlockHash, tuple[int, float]] = OrderedDict()
         self._peak = 0
         self._released = [1.0] * n
@@ -381,7 +385,7 @@ class UniCachePolicy(EvictionPolicy):
         age = self._now - head[0]
         fit, p = self.fits[lane // NUM_LANES], self.alpha[lane]
         s_now = fit.survival(age)
-        if self.horizon_scoring:
+        if self._horizon_on:
             tau = self.horizon_scale * self._horizon
             return p * (s_now - fit.survival(age + tau)) / (1.0 - p + p * s_now + 1e-12)
         return p * s_now
