@@ -189,3 +189,17 @@ def test_lognormal_fit():
 def test_bad_tunables_raise(kwargs):
     with pytest.raises(ValueError):
         UniCachePolicy(**kwargs)
+
+
+def test_paper_efficiency_weights_from_hits_per_unit_of_capacity():
+    p = UniCachePolicy(weighting="efficiency", update_every=2, alpha_ema=1.0, temperature=1.0, online_fit=False)
+    release(p, [1], CHAT_CLS, 0.0)
+    release(p, [2], SINGLE, 0.5)
+    p.on_request(SINGLE, 1.0)
+    p.on_access(1, CHAT_CLS, 1.0)
+    release(p, [1], CHAT_CLS, 1.5)
+    p.on_request(SINGLE, 2.0)
+    # E_chat = 1 hit / mean size 1, E_evict_first = 0: mean E = 0.5.
+    assert p.weight(CHAT, turn=1) == pytest.approx(2.0)
+    assert p.weight(EVICT_FIRST) == pytest.approx(0.05)  # no hits: clipped to alpha_min
+    assert drain(p) == [2, 1]
