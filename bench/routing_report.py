@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -129,7 +130,8 @@ def check_targets(results: list[dict]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Routing report\n\nProduced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs).\n",
+    lines = [f"# Routing report\n\nProduced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs) "
+             f"at commit {report.get('commit', 'unknown')}.\n",
              "Token hit ratio, load imbalance (max / mean prefill tokens computed per replica) and TTFT "
              "from the simulator; capacity is per replica (pooled: one replica with all of it).\n"]
     for run in report["runs"].values():
@@ -183,6 +185,18 @@ def seed_summary(runs: dict[str, dict]) -> dict:
     return out
 
 
+def _git_commit() -> str:
+    """HEAD, marked ``+dirty`` when tracked files differ from it (results depend on them)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return head + ("+dirty" if dirty else "") if head else "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake trace (default: ../shared beside the repo)")
@@ -216,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python bench/routing_report.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "python": platform.python_version(),
+        "commit": _git_commit(),
         "runs": runs, "mix_seed_summary": seed_summary(runs),
     }
     (out_dir / "routing_report.json").write_text(json.dumps(report, indent=2) + "\n")
