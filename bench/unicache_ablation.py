@@ -34,6 +34,7 @@ VARIANTS: dict[str, dict] = {
     "- structural queue": {"structural": False},
     "- turn-depth lanes": {"turn_lanes": False},
     "- hit-count lanes": {"freq_lanes": False},
+    "- last-prompt-block lane": {"tail_lane": False},
     "- online gap fit (priors)": {"online_fit": False},
     "- global weights (alpha=1)": {"weighting": "none"},
     "paper weights (efficiency, T=0.2)": {"weighting": "efficiency"},

@@ -11,7 +11,7 @@ from unicache.request_class import RequestClass, Task
 from replica.eviction.base import ReleaseInfo
 from replica.eviction.lognormal import OnlineLogNormal
 from replica.eviction.registry import make_policy
-from replica.eviction.unicache import AGENT, CHAT, EVICT_FIRST, STRUCTURAL, UniCachePolicy
+from replica.eviction.unicache import AGENT, CHAT, EVICT_FIRST, NUM_LANES, STRUCTURAL, TAIL_LANE, UniCachePolicy
 
 SINGLE = RequestClass()
 CHAT_CLS = RequestClass(session_id="c", turn=1, task=Task.CHAT)
@@ -36,7 +36,7 @@ def drain(policy):
 
 def plain(**kw):
     """unicache with the adaptive parts off, so orders follow from the queue rules alone."""
-    base = dict(weighting="none", online_fit=False, horizon_scoring=False)
+    base = dict(weighting="none", online_fit=False, horizon_scoring=False, tail_lane=False)
     base.update(kw)
     return UniCachePolicy(**base)
 
@@ -87,7 +87,7 @@ def test_equal_weights_and_shared_fit_fall_back_to_global_lru_order():
 
 def test_reuse_weights_evict_never_reused_queue_before_an_older_reused_one():
     def run(weighting):
-        p = UniCachePolicy(weighting=weighting, online_fit=False, horizon_scoring=False, update_every=1)
+        p = UniCachePolicy(weighting=weighting, online_fit=False, horizon_scoring=False, update_every=1, tail_lane=False)
         release(p, [10], CHAT_CLS, 0.0)
         p.on_access(10, CHAT_CLS, 1.0)  # chat blocks get reused
         release(p, [10], CHAT_CLS, 2.0)
@@ -103,7 +103,7 @@ def test_reuse_weights_evict_never_reused_queue_before_an_older_reused_one():
 
 
 def test_ghost_reuse_counts_for_the_queue_that_evicted_it():
-    p = UniCachePolicy(online_fit=False, horizon_scoring=False, update_every=1)
+    p = UniCachePolicy(online_fit=False, horizon_scoring=False, update_every=1, tail_lane=False)
     h = hash_id_blocks([1, 2])
     p.on_cached(0, h[0], -1, 0.0)
     p.on_cached(1, h[1], 0, 0.0)
@@ -136,7 +136,7 @@ def test_horizon_scoring_ranks_by_reuse_within_the_residence_time():
     # be reused within the 60 s horizon if at all; a chat block (gaps ~118 s) mostly
     # later. Survival alone ranks the agent block lower (it has the shorter tail).
     def run(horizon):
-        p = UniCachePolicy(weighting="none", online_fit=False, horizon_scoring=horizon)
+        p = UniCachePolicy(weighting="none", online_fit=False, horizon_scoring=horizon, tail_lane=False)
         p.alpha = [0.5] * len(p.alpha)
         release(p, [0], AGENT_CLS, 0.0)
         release(p, [1], CHAT_CLS, 0.0)
@@ -192,7 +192,9 @@ def test_bad_tunables_raise(kwargs):
 
 
 def test_paper_efficiency_weights_from_hits_per_unit_of_capacity():
-    p = UniCachePolicy(weighting="efficiency", update_every=2, alpha_ema=1.0, temperature=1.0, online_fit=False)
+    p = UniCachePolicy(
+        weighting="efficiency", update_every=2, alpha_ema=1.0, temperature=1.0, online_fit=False, tail_lane=False
+    )
     release(p, [1], CHAT_CLS, 0.0)
     release(p, [2], SINGLE, 0.5)
     p.on_request(SINGLE, 1.0)
@@ -203,3 +205,20 @@ def test_paper_efficiency_weights_from_hits_per_unit_of_capacity():
     assert p.weight(CHAT, turn=1) == pytest.approx(2.0)
     assert p.weight(EVICT_FIRST) == pytest.approx(0.05)  # no hits: clipped to alpha_min
     assert drain(p) == [2, 1]
+
+
+def test_last_prompt_block_gets_its_own_lane_and_reuse_estimate():
+    # Two requests: 3 prompt blocks + 1 decode block, released tail first. The decode
+    # block goes first in release order; the last prompt block (2, 6) is the tail lane.
+    p = UniCachePolicy(online_fit=False, horizon_scoring=False, update_every=1)
+    release(p, [0, 1, 2, 3], SINGLE, 0.0, num_prompt_blocks=3)
+    release(p, [4, 5, 6, 7], SINGLE, 0.0, num_prompt_blocks=3)
+    tail = EVICT_FIRST * NUM_LANES + TAIL_LANE
+    assert {bid for (_, _, bid, lane) in p._heaps[tail]} == {2, 6}
+    # The tail blocks are never reused, the others are: the tail lane goes first.
+    for bid in (0, 1, 4, 5):
+        p.on_access(bid, SINGLE, 1.0)
+    release(p, [0, 1], SINGLE, 1.5)  # a shorter prompt: its last block 1 is a tail now
+    p.on_request(SINGLE, 2.0)
+    assert p.alpha[tail] == pytest.approx(0.5 / 4.0)
+    assert drain(p)[:2] == [2, 6]

@@ -9,6 +9,8 @@ Queues (by the class of the request that released the block):
 The session queues are split into lanes by turn depth (turn 0, 1, 2, 3-4, 5-8, 9+): a
 session that has already run many turns is more likely to continue. The other two are
 split by the block's hit count (0, 1, 2-3, 4-7, 8-15, 16+): hot templates apart from cold.
+Each queue's seventh lane takes a request's last prompt block, often a partial block the
+next turn rewrites.
 
 Each lane is a heap ordered by *last use* (ties: release order, so a request's tail goes
 before its head, as in vLLM). ``pop_victim`` scores each lane's head and evicts the
@@ -66,15 +68,18 @@ NUM_QUEUES = 4
 # Session queues are split into lanes by turn depth: turn 0, 1, 2, 3-4, 5-8, 9+.
 # (Mooncake: P(session continues) is 0.25 after turn 0, 0.39 after 1, 0.49 after 2 and
 # 0.81 after 8+; one reuse estimate per queue would blur that.)
-NUM_LANES = 6
+NUM_LANES = 7
 _TURN_LANE = (0, 1, 2, 3, 3, 4, 4, 4, 4)
+# The last lane of each queue holds a request's last prompt block (with a trace's
+# partial last block, the next turn rewrites it: in Mooncake it is never reused).
+TAIL_LANE = NUM_LANES - 1
 
 
 _ALL_LANES = range(NUM_QUEUES * NUM_LANES)
 
 
 def turn_lane(turn: int) -> int:
-    return _TURN_LANE[turn] if turn < len(_TURN_LANE) else NUM_LANES - 1
+    return _TURN_LANE[turn] if turn < len(_TURN_LANE) else TAIL_LANE - 1
 
 # Priors of log(gap seconds): chat/agent from the paper's code; evict-first and structural
 # start like chat (weak priors, replaced by observed gaps).
@@ -116,6 +121,8 @@ class UniCachePolicy(EvictionPolicy):
         freq_lanes: split the evict-first and structural queues into lanes by the
             block's hits since it was cached (0, 1, 2-3, 4-7, 8-15, 16+): a hot template's
             blocks get their own, higher reuse estimate.
+        tail_lane: give each queue's last-prompt blocks a lane (and reuse estimate) of
+            their own.
         horizon_scoring: score P(reuse within the cache's residence time | age), i.e.
             p (S(a) - S(a + tau)) / (1 - p + p S(a)), tau = EMA of victims' ages, instead
             of p S(a) (reuse at any later time). Not with "efficiency" weighting.
@@ -149,6 +156,7 @@ class UniCachePolicy(EvictionPolicy):
         horizon_scale: float = 1.0,
         turn_lanes: bool = True,
         freq_lanes: bool = True,
+        tail_lane: bool = True,
         horizon_scoring: bool = True,
     ):
         if temperature <= 0 or not 0 < alpha_ema <= 1 or not 0 < alpha_min <= 1 <= alpha_max:
@@ -178,6 +186,8 @@ class UniCachePolicy(EvictionPolicy):
         self.horizon_scale = horizon_scale
         self.turn_lanes = turn_lanes
         self.freq_lanes = freq_lanes
+        self.tail_lane = tail_lane
+        self._last_pos, self._last_decode = -1, False  # previous on_release (burst detection)
         self._horizon = 60.0  # EMA of victims' ages: how long a block stays after last use
         self._victims, self._victim_age_sum = 0, 0.0  # since the last horizon update
         self._session_seen: OrderedDict[tuple[str, str], float] = OrderedDict()
@@ -250,12 +260,20 @@ class UniCachePolicy(EvictionPolicy):
         key = now
         if q == STRUCTURAL and self.depth_bonus_s:
             key += self.depth_bonus_s * (1.0 - info.position / info.cls.template_blocks)
+        # NOTE: the store releases a request's blocks tail first, so the first prompt
+        # (non-decode) block of a release burst is the request's last cached prompt block.
+        pos, is_tail = info.position, False
+        if not info.is_decode:
+            is_tail = pos >= self._last_pos or self._last_decode
+        self._last_pos, self._last_decode = pos, info.is_decode
         lane = q * NUM_LANES
-        if q == CHAT or q == AGENT:
+        if is_tail and self.tail_lane:
+            lane += TAIL_LANE
+        elif q == CHAT or q == AGENT:
             if self.turn_lanes:
                 lane += turn_lane(info.cls.turn)
         elif self.freq_lanes:
-            lane += min(NUM_LANES - 1, self._uses.get(block_id, 0).bit_length())
+            lane += min(TAIL_LANE - 1, self._uses.get(block_id, 0).bit_length())
         entry = (key, next(self._tokens), block_id, lane)
         self._released[lane] += 1.0
         live = self._live
@@ -372,7 +390,7 @@ class UniCachePolicy(EvictionPolicy):
         if queue == CHAT or queue == AGENT:
             lane += turn_lane(turn) if self.turn_lanes else 0
         elif self.freq_lanes:
-            lane += min(NUM_LANES - 1, uses.bit_length())
+            lane += min(TAIL_LANE - 1, uses.bit_length())
         return self.alpha[lane]
 
     # ------------------------------------------------------------ internals
