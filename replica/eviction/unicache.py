@@ -260,8 +260,10 @@ class UniCachePolicy(EvictionPolicy):
         key = now
         if q == STRUCTURAL and self.depth_bonus_s:
             key += self.depth_bonus_s * (1.0 - info.position / info.cls.template_blocks)
-        # NOTE: the store releases a request's blocks tail first, so the first prompt
-        # (non-decode) block of a release burst is the request's last cached prompt block.
+        # NOTE: the store releases a request's blocks tail first (positions falling), so
+        # the first prompt block of a release burst is the request's last cached prompt
+        # block. A heuristic: a burst that starts below the previous burst's last position
+        # is missed, and a tail still shared by another request marks its predecessor.
         pos, is_tail = info.position, False
         if not info.is_decode:
             is_tail = pos >= self._last_pos or self._last_decode
