@@ -24,6 +24,7 @@ from router.config import RouterConfig, resolve_tokenizer_path
 from router.core import RouterCore
 from router.http_api import HttpFrontDoor
 from router.index import LocalityIndex
+from router.limits import limiter_from_config
 from router.metrics import RouterMetrics
 from router.replica_client import ReplicaClients
 from router.routing.base import RoutingPolicy
@@ -92,6 +93,9 @@ class RouterApp:
             self.metrics,
             block_size=config.block_size,
             max_in_flight=config.max_in_flight,
+            limits=limiter_from_config(
+                config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits
+            ),
         )
         for rid, addr in config.static_replicas().items():
             self.cluster.upsert(rid, addr, static=True)

@@ -10,6 +10,8 @@ Invariants:
       message nothing is retried (tokens were already sent to the client).
     * Every routed request is matched by exactly one ``cluster.finished`` and one
       ``policy.on_request_finished`` (in a finally), including cancellation.
+    * Every request admitted by the tenant limiter (``router.limits``) releases its lease
+      exactly once, whatever ends it (finish, error, client cancel).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import grpc
 
 from router.auth import Authenticator
 from router.cluster import ClusterView
+from router.limits import LimitExceeded, TenantLimiter
 from router.metrics import RouterMetrics
 from router.replica_client import RETRYABLE, ReplicaClients
 from router.routing.base import RouteDecision, RoutingRequest
@@ -73,6 +76,14 @@ _FROM_REPLICA = {
 }
 
 
+# After the first message nothing is retried; a replica that went away mid-stream (its
+# process died) is UNAVAILABLE to the client too, so clients can tell it from a bug.
+_MID_STREAM = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+}
+
+
 @dataclass(slots=True)
 class Prepared:
     """A request after classification and hashing, before it is sent."""
@@ -109,6 +120,7 @@ class RouterCore:
         block_size: KV block size (must equal the replicas').
         max_in_flight: requests in flight beyond which new ones get "overloaded".
         clock: seconds for the classifier's inter-turn gaps (default ``time.monotonic``).
+        limits: per-tenant admission limits (default: none).
     """
 
     def __init__(
@@ -122,6 +134,7 @@ class RouterCore:
         block_size: int = 16,
         max_in_flight: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        limits: TenantLimiter | None = None,
     ):
         self.cluster = cluster
         self.auth = auth
@@ -132,6 +145,7 @@ class RouterCore:
         self.block_size = block_size
         self.max_in_flight = max_in_flight
         self.clock = clock
+        self.limits = limits or TenantLimiter()
 
     @property
     def policy(self):
@@ -144,6 +158,11 @@ class RouterCore:
         """Classify and hash; raises RouterError("invalid") for empty prompts or bad labels."""
         if not token_ids:
             raise RouterError("invalid", "empty prompt: the prompt must contain at least one token")
+        try:
+            self.limits.check_prompt(tenant, len(token_ids))
+        except LimitExceeded as exc:
+            self.metrics.limit_rejections.labels(exc.limit).inc()
+            raise RouterError(exc.kind, str(exc)) from None
         try:
             task = Task.parse(labels.task) if labels.task else None
         except ValueError as exc:
@@ -185,11 +204,27 @@ class RouterCore:
     ) -> AsyncIterator[tuple[router_pb2.RouteInfo | None, replica_pb2.GenerateResponse]]:
         """Route and stream the replica's messages; the first pair carries the RouteInfo.
 
-        Raises RouterError before the first message (no replica, all failed, bad input)
-        or later ("upstream") when the replica stream breaks mid-way.
+        Raises RouterError before the first message (no replica, all failed, bad input,
+        a tenant limit) or later ("upstream") when the replica stream breaks mid-way.
         """
         if self.cluster.total_in_flight() >= self.max_in_flight:
             raise RouterError("overloaded", f"router has {self.max_in_flight} requests in flight; retry later")
+        try:
+            lease = self.limits.acquire(prep.tenant, len(prep.token_ids))
+        except LimitExceeded as exc:
+            self.metrics.limit_rejections.labels(exc.limit).inc()
+            raise RouterError(exc.kind, str(exc)) from None
+        inner = self._forward(prep, sampling)
+        try:
+            async for item in inner:
+                yield item
+        finally:
+            lease.release()
+            await inner.aclose()
+
+    async def _forward(
+        self, prep: Prepared, sampling: common_pb2.SamplingParams
+    ) -> AsyncIterator[tuple[router_pb2.RouteInfo | None, replica_pb2.GenerateResponse]]:
         request = replica_pb2.GenerateRequest(
             request_id=prep.request_id,
             token_ids=replica_pb2.TokenIds(ids=prep.token_ids),
@@ -237,7 +272,14 @@ class RouterCore:
                         self._count_usage(rid, msg)
                         yield None, msg
                 except grpc.aio.AioRpcError as exc:
-                    raise RouterError("upstream", f"replica {rid} failed mid-stream: {exc.details() or exc.code().name}") from None
+                    code = exc.code()
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        self.cluster.mark_down(rid)
+                    raise RouterError(
+                        _MID_STREAM.get(code, "upstream"),
+                        f"replica {rid} failed after the response started ({code.name}: {exc.details() or 'no details'}); "
+                        "the response is incomplete, retry the request",
+                    ) from None
                 return
             finally:
                 stream.close()

@@ -27,6 +27,9 @@ class RouterMetrics:
             "unicache_router_routing_decisions", "Routing decisions by reason and replica", ["reason", "replica"], registry=r
         )
         self.retries = Counter("unicache_router_retries", "Requests retried on another replica", registry=r)
+        self.limit_rejections = Counter(
+            "unicache_router_limit_rejections", "Requests refused by a per-tenant limit, by limit name", ["limit"], registry=r
+        )
         self.matched_tokens = Counter(
             "unicache_router_matched_tokens", "Prompt tokens the locality index expected to hit", registry=r
         )

@@ -45,6 +45,8 @@ def field_types(cls: type) -> dict[str, type]:
 
 def convert(name: str, kind: type, value: Any, source: str, secret: bool = False) -> Any:
     """Convert a raw value to the field's type; a bad value is a one-line UsageError."""
+    if kind is str and isinstance(value, (dict, list)):
+        return json.dumps(value)  # a structured config-file value of a text setting
     try:
         return parse_bool(value) if kind is bool else kind(value)
     except (TypeError, ValueError):
