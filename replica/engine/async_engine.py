@@ -6,8 +6,12 @@ reach the thread through a locked inbox, so only that thread mutates the schedul
 store. Nothing here blocks the event loop: ``start``/``stop`` build and join in worker
 threads.
 
-Invariant: a request whose consumer stops iterating (``aclose``, cancellation, error) is
-aborted and its blocks freed before the step thread runs another step for it.
+Invariants:
+    * A request whose consumer stops iterating (``aclose``, cancellation, error) is
+      aborted and its blocks freed before the step thread runs another step for it.
+    * ``num_waiting`` counts the requests accepted by ``generate`` that have produced no
+      output yet (queued or still in prefill); it never exceeds ``config.max_waiting``:
+      one more is refused with ``EngineInputError("exhausted")`` before it is queued.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._waiting = 0  # accepted requests without output yet (event-loop thread only)
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -91,26 +96,41 @@ class AsyncEngine:
         engine.validate(req)
         if req.request_id in self._streams:
             raise EngineInputError("invalid", f"request id {req.request_id!r} is already in flight")
+        limit = self.config.max_waiting
+        if limit is not None and self._waiting >= limit:
+            raise EngineInputError("exhausted", f"replica overloaded: {self._waiting} requests waiting (max_waiting={limit}); retry later")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[req.request_id] = stream
         with self._wake:
             self._new.append(req)
             self._wake.notify()
         remaining = req.sampling.n
+        self._waiting += 1
+        waiting = True
         try:
             while remaining:
                 item = await stream.queue.get()
+                if waiting:
+                    self._waiting -= 1
+                    waiting = False
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
                     remaining -= 1
                 yield item
         finally:
+            if waiting:
+                self._waiting -= 1
             self._streams.pop(req.request_id, None)
             if remaining:
                 with self._wake:
                     self._aborts.append(req.request_id)
                     self._wake.notify()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted by ``generate`` without output yet (see the module invariants)."""
+        return self._waiting
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

@@ -32,6 +32,10 @@ class EngineConfig:
         admission_watermark: fraction of the cache kept free when admitting a request
             while others run (vLLM's 1%), to avoid admit-then-preempt thrash.
         max_n: largest ``n`` accepted per request (also capped by ``max_num_seqs``).
+        max_waiting: most requests accepted but not yet started (no output yet); one more
+            is refused at once with ``EngineInputError("exhausted")`` (gRPC
+            RESOURCE_EXHAUSTED), so overload is shed instead of queued without bound.
+            None: unbounded.
         seed: seeds the random weights and the sampler of requests without a seed.
         cpu_threads: torch intra-op threads for a CPU engine (process-wide); None keeps
             torch's default. On a crowded host 1 is often fastest (no spinning OpenMP peers).
@@ -52,6 +56,7 @@ class EngineConfig:
     max_model_len: int | None = None
     admission_watermark: float = 0.01
     max_n: int = 16
+    max_waiting: int | None = 1024
     seed: int = 0
     cpu_threads: int | None = None
 
@@ -60,6 +65,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"EngineConfig.max_waiting must be >= 1 or None, got {self.max_waiting}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"EngineConfig.num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
         if not 0.0 <= self.admission_watermark < 1.0:
