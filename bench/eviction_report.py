@@ -4,7 +4,8 @@ Replays (1) the Mooncake conversation trace (block size 512, no labels: classes 
 from the classifier) and (2) a generated labelled mix (block size 16; also replayed with
 labels ignored to score the classifier) through ``unicache.sim`` at 2/5/10/25% of each
 trace's unique blocks, with lru, radix-lru, unicache and opt. Writes a JSON report and a
-markdown table, and checks the issue's targets:
+markdown table, one PNG per trace (hit ratio against capacity), and checks the issue's
+targets:
 
     * unicache >= lru at every capacity on both traces;
     * (unicache - lru) / (opt - lru) >= 0.5 on the labelled mix at 5% and 10%;
@@ -28,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from unicache.sim.plot import plot_hit_ratio  # noqa: E402
 from unicache.sim.prepare import prepare  # noqa: E402
 from unicache.sim.replay import ReplayConfig  # noqa: E402
 from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
@@ -182,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     report["checks"] = check_targets(runs, fracs)
+    for name, run in runs.items():
+        plot_hit_ratio(run["results"], run["unique_blocks"], str(out_dir / f"eviction_{name}.png"),
+                       title=f"{name}: block hit ratio vs capacity (block size {run['block_size']})")
     (out_dir / "eviction_report.json").write_text(json.dumps(report, indent=2) + "\n")
     md = markdown(report)
     (out_dir / "eviction_report.md").write_text(md)
