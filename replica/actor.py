@@ -64,5 +64,16 @@ class ReplicaActor:
 
         return {**self.runtime.info(), "pid": os.getpid()}
 
+    async def set_faults(self, first_token_delay_s: float = 0.0, token_delay_s: float = 0.0) -> None:
+        """Change the fault-injection delays (replica/faults.py) of the running server; a
+        restarted actor starts again from its settings."""
+        from replica.faults import FaultInjection
+
+        self.runtime.server.servicer.faults = FaultInjection(first_token_delay_s, token_delay_s)
+
+    async def cached_hashes(self) -> list[bytes]:
+        """Every block hash the replica's prefix cache holds now (what its summary would list)."""
+        return list(self.runtime.engine.cached_hashes())
+
     async def shutdown(self) -> None:
         await self.runtime.stop()

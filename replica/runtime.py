@@ -35,7 +35,7 @@ class ReplicaRuntime:
         s = self.settings
         self.engine = AsyncEngine(s.engine_config())
         await self.engine.start()
-        self.server = ReplicaServer(self.engine, s.replica_id, s.host, s.port, s.default_max_tokens)
+        self.server = ReplicaServer(self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults())
         port = await self.server.start()
         self.address = f"{s.advertised_host()}:{port}"
         if s.redis_url:

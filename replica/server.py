@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -24,9 +25,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from unicache.grpc_decode import add_servicer
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from replica.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
 from replica.engine.api import EngineInputError, EngineRequest
+from replica.faults import FaultInjection
 
 if TYPE_CHECKING:
     from replica.engine.async_engine import AsyncEngine
@@ -47,12 +50,16 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         engine: a started ``AsyncEngine``.
         replica_id: reported in ``GetCacheState``.
         default_max_tokens: used when a request leaves ``max_tokens`` at 0 (default 16).
+        faults: delays for reliability tests (replica/faults.py); default none.
     """
 
-    def __init__(self, engine: "AsyncEngine", replica_id: str, default_max_tokens: int = 16):
+    def __init__(
+        self, engine: "AsyncEngine", replica_id: str, default_max_tokens: int = 16, faults: FaultInjection | None = None
+    ):
         self.engine = engine
         self.replica_id = replica_id
         self.default_max_tokens = default_max_tokens
+        self.faults = faults or FaultInjection()
 
     def to_engine_request(self, request: replica_pb2.GenerateRequest) -> EngineRequest:
         """Build the engine request; raises ``EngineInputError`` for a missing/empty prompt."""
@@ -82,11 +89,18 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         except EngineInputError as exc:
             await context.abort(STATUS_CODES[exc.kind], str(exc))
             return
+        faults = self.faults
+        if faults.first_token_delay_s:
+            await asyncio.sleep(faults.first_token_delay_s)
         stream = self.engine.generate(engine_request)
         try:
             try:
+                sent = False
                 async for out in stream:
+                    if sent and faults.token_delay_s:
+                        await asyncio.sleep(faults.token_delay_s)
                     yield output_to_proto(out)
+                    sent = True
             except EngineInputError as exc:
                 await context.abort(STATUS_CODES[exc.kind], str(exc))
             except Exception as exc:  # noqa: BLE001 - an engine failure must reach the client as a status
@@ -114,6 +128,7 @@ class ReplicaServer:
         default_max_tokens: see ``ReplicaServicer``.
         grace_s: how long ``stop`` lets in-flight calls finish (default 2 s).
         max_message_bytes: gRPC send/receive limit (default 64 MiB: long token-id prompts).
+        faults: delays for reliability tests (replica/faults.py); default none.
     """
 
     def __init__(
@@ -125,12 +140,13 @@ class ReplicaServer:
         default_max_tokens: int = 16,
         grace_s: float = 2.0,
         max_message_bytes: int = 64 * 1024 * 1024,
+        faults: FaultInjection | None = None,
     ):
         self.host = host
         self.requested_port = port
         self.port = 0
         self.grace_s = grace_s
-        self.servicer = ReplicaServicer(engine, replica_id, default_max_tokens)
+        self.servicer = ReplicaServicer(engine, replica_id, default_max_tokens, faults)
         self.health = health_aio.HealthServicer()
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
@@ -141,7 +157,7 @@ class ReplicaServer:
     async def start(self) -> int:
         """Bind, start serving, mark the service SERVING; returns the bound port."""
         server = grpc.aio.server(options=self._options)
-        replica_pb2_grpc.add_ReplicaServicer_to_server(self.servicer, server)
+        add_servicer(replica_pb2_grpc.add_ReplicaServicer_to_server, self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
         if port == 0:

@@ -16,6 +16,8 @@ from unicache import settings
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
 from replica.engine.config import EngineConfig
+from replica.engine.model_config import model_preset
+from replica.faults import FaultInjection
 
 
 def _help(text: str) -> dict:
@@ -43,9 +45,19 @@ class ReplicaSettings:
     max_num_batched_tokens: int = field(default=2048, metadata=_help("most tokens computed per engine step"))
     seed: int = field(default=0, metadata=_help("seed of the random weights and default sampler"))
     default_max_tokens: int = field(default=16, metadata=_help("max_tokens when a request gives 0"))
+    model_preset: str = field(
+        default="default", metadata=_help("architecture of the seeded random model: default, or tiny (fast tests)")
+    )
+    fault_first_token_delay_s: float = field(
+        default=0.0, metadata=_help("fault injection (tests): delay every request this long before it starts")
+    )
+    fault_token_delay_s: float = field(
+        default=0.0, metadata=_help("fault injection (tests): delay each streamed message after the first")
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
+            model=model_preset(self.model_preset),
             checkpoint=self.checkpoint or None,
             tokenizer=self.tokenizer or None,
             num_blocks=self.num_blocks,
@@ -57,6 +69,9 @@ class ReplicaSettings:
             max_num_batched_tokens=self.max_num_batched_tokens,
             seed=self.seed,
         )
+
+    def faults(self) -> FaultInjection:
+        return FaultInjection(self.fault_first_token_delay_s, self.fault_token_delay_s)
 
     def advertised_host(self) -> str:
         """The host part of the address published in the heartbeat."""

@@ -100,6 +100,8 @@ class RouterApp:
         for rid, addr in config.static_replicas().items():
             self.cluster.upsert(rid, addr, static=True)
         self.subscriber: RedisSubscriber | None = None
+        if config.use_redis and not config.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise UsageError("redis_url must start with redis://, rediss:// or unix://")
         if config.use_redis and config.redis_tls_ca and not config.redis_url.startswith("rediss://"):
             raise UsageError("redis_tls_ca needs a rediss:// redis_url")
         if config.use_redis:

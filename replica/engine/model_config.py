@@ -31,3 +31,21 @@ class ModelConfig:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.dim_per_head % 2:
             raise ValueError("head_dim must be even (rotary embedding)")
+
+
+def _tiny() -> ModelConfig:
+    return ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=2048)
+
+
+# Named architectures for the seeded random model (``ReplicaSettings.model_preset``):
+# "default" is ``ModelConfig()``; "tiny" (2 layers, hidden 64) starts and decodes fast,
+# for fault, load and CI tests where the model's quality does not matter.
+MODEL_PRESETS = {"default": ModelConfig, "tiny": _tiny}
+
+
+def model_preset(name: str) -> ModelConfig:
+    """The preset's ``ModelConfig``; ValueError names the known presets."""
+    try:
+        return MODEL_PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(MODEL_PRESETS))}") from None
