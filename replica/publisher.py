@@ -95,6 +95,8 @@ class CachePublisher:
         op_timeout_s: deadline of every Redis call (default 0.5 s).
         retry_interval_s: how often to retry Redis while resync-needed (default 0.25 s).
         clock: wall clock for timestamps and epochs (default ``time.time``).
+        password: Redis password when it is not in the URL (a secret: never logged).
+        tls_ca: CA bundle that verifies the server of a ``rediss://`` URL.
     """
 
     def __init__(
@@ -112,7 +114,11 @@ class CachePublisher:
         op_timeout_s: float = 0.5,
         retry_interval_s: float = 0.25,
         clock: Callable[[], float] = time.time,
+        password: str | None = None,
+        tls_ca: str | None = None,
     ):
+        if tls_ca and not redis_url.startswith("rediss://"):
+            raise ValueError("redis_tls_ca needs a rediss:// redis_url")
         self.source = source
         self.replica_id = replica_id
         self.redis_url = redis_url
@@ -126,6 +132,7 @@ class CachePublisher:
         self.op_timeout_s = op_timeout_s
         self.retry_interval_s = retry_interval_s
         self.clock = clock
+        self._auth = {k: v for k, v in (("password", password), ("ssl_ca_certs", tls_ca)) if v}
         self.epoch = 0
         self.seq = 0
         self.resync_needed = True  # nothing published yet: the first success is a resync
@@ -284,7 +291,9 @@ class CachePublisher:
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             self.stats.redis_errors += 1
             if not self.resync_needed:
-                log.warning("replica %s: Redis unavailable (%s); will resync", self.replica_id, exc)
+                # NOTE: the exception's type only: messages may quote the server's reply or the
+                # connection parameters, and a log line must never carry the password.
+                log.warning("replica %s: Redis unavailable (%s); will resync", self.replica_id, type(exc).__name__)
             self.resync_needed = True
             return None
 
@@ -295,6 +304,7 @@ class CachePublisher:
             socket_connect_timeout=self.op_timeout_s,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
+            **self._auth,
         )
 
     async def _event_loop(self) -> None:

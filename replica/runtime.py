@@ -39,7 +39,10 @@ class ReplicaRuntime:
         port = await self.server.start()
         self.address = f"{s.advertised_host()}:{port}"
         if s.redis_url:
-            self.publisher = CachePublisher(self.engine, s.replica_id, s.redis_url, self.address, RedisKeys(s.redis_prefix))
+            self.publisher = CachePublisher(
+                self.engine, s.replica_id, s.redis_url, self.address, RedisKeys(s.redis_prefix),
+                password=s.redis_password or None, tls_ca=s.redis_tls_ca or None,
+            )
             await self.publisher.start()
         else:
             # Nobody publishes: still take the engine's cache events so they cannot pile up.

@@ -34,6 +34,8 @@ class ReplicaSettings:
     )
     redis_url: str = field(default="", metadata=_help("Redis for cache events and heartbeats; empty: publish nothing"))
     redis_prefix: str = field(default=DEFAULT_PREFIX, metadata=_help("namespace of every Redis key"))
+    redis_password: str = field(default="", repr=False, metadata=_help("Redis password if not in redis_url (secret)"))
+    redis_tls_ca: str = field(default="", metadata=_help("CA bundle verifying the server of a rediss:// redis_url"))
     eviction_policy: str = field(default="unicache", metadata=_help("KV-cache eviction policy (lru, radix-lru, unicache)"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
     num_blocks: int = field(default=1024, metadata=_help("KV blocks in the cache"))
@@ -82,11 +84,14 @@ class ReplicaSettings:
         return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
 
 
+SECRET_FIELDS = frozenset({"redis_password"})
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """Add ``--config`` and ``--<field>`` for every ``ReplicaSettings`` field (unicache/settings.py)."""
-    settings.add_arguments(parser, ReplicaSettings, skip=skip)
+    settings.add_arguments(parser, ReplicaSettings, skip=skip, secrets=SECRET_FIELDS)
 
 
 def settings_from_args(args: argparse.Namespace, **overrides) -> ReplicaSettings:
     """Flag, else ``UNICACHE_<NAME>``, else the config file, else the default; then ``overrides``."""
-    return settings.build(ReplicaSettings, args, overrides=overrides)
+    return settings.build(ReplicaSettings, args, overrides=overrides, secrets=SECRET_FIELDS)

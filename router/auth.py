@@ -66,9 +66,12 @@ class Authenticator:
 
     def __init__(self, keys: dict[str, str], salt_secret: str, enabled: bool = True):
         if enabled and not keys:
-            raise UsageError("auth is enabled but no API keys are configured (set UNICACHE_API_KEYS or --api-keys-file)")
+            raise UsageError(
+                "auth is enabled but no API keys are configured (set UNICACHE_API_KEYS or --api-keys-file, "
+                "or pass --auth-enabled false to serve every request as tenant 'default')"
+            )
         if enabled and not salt_secret:
-            raise UsageError("auth is enabled but UNICACHE_SALT_SECRET is not set")
+            raise UsageError("auth is enabled but no salt secret is configured (set UNICACHE_SALT_SECRET or --salt-secret)")
         self.enabled = enabled
         self._keys = [(k.encode(), t) for k, t in keys.items()]
         self._secret = salt_secret.encode()

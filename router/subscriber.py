@@ -107,6 +107,7 @@ class RedisSubscriber:
         self._next_scan = 0.0
         self._grace_until = 0.0
         self._ever_connected = False
+        self._warned_at_start = False
         self.resyncs = 0
         self.resync_requests = 0
         self.reconnects = 0
@@ -128,7 +129,9 @@ class RedisSubscriber:
                 if not waited:
                     await asyncio.sleep(self.block_ms / 1000.0)
             except REDIS_ERRORS as exc:
-                if self.cluster.redis_connected:
+                if self.cluster.redis_connected or not (self._ever_connected or self._warned_at_start):
+                    # NOTE: the exception's type only (its text may quote connection details).
+                    self._warned_at_start = True
                     log.warning("redis unreachable (%s); routing on session and load until it returns", type(exc).__name__)
                 self.cluster.redis_connected = False
                 await asyncio.sleep(backoff)

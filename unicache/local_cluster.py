@@ -197,26 +197,29 @@ class LocalCluster:
 
 
 def print_ready(ep: Endpoints, api_key: str | None) -> None:
-    auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
-    meta = f', metadata=[("authorization", "Bearer {api_key}")]' if api_key else ""
+    from router.config import mask_url_password
+
+    # NOTE: the banner is often captured into logs, so it shows a placeholder, never a key.
+    auth = ' -H "Authorization: Bearer $API_KEY"' if api_key else ""
+    meta = ", metadata=[('authorization', 'Bearer ' + os.environ['API_KEY'])]" if api_key else ""
     host, _, port = ep.grpc.rpartition(":")
     lines = [
         f"ready grpc={ep.grpc} http={ep.http} replicas={len(ep.replicas)}",
         f"  router gRPC     {ep.grpc}   (unicache.v1.Router, health, reflection)",
         f"  OpenAI HTTP     {ep.http}/v1/completions, {ep.http}/v1/chat/completions",
         f"  dashboard       {ep.http}/dashboard     metrics {ep.http}/metrics",
-        f"  redis           {ep.redis_url}",
+        f"  redis           {mask_url_password(ep.redis_url)}",
     ]
     for rid, addr, device in ep.replicas:
         lines.append(f"  replica {rid:10s} {addr} ({device})")
     lines += [
         "",
-        "Try:",
+        "Try:" + ("   (export API_KEY=<one of the --api-keys keys>)" if api_key else ""),
         f"  curl -s {ep.http}/v1/completions -H 'Content-Type: application/json'{auth} \\",
         """    -d '{"model": "unicache-default", "prompt": "Hello, cache!", "max_tokens": 8}'""",
         f"  unicache status --router {ep.grpc}",
         f"  unicache demo --router {ep.grpc}",
-        "  python -c \"import grpc; from unicache.v1 import router_pb2 as pb, router_pb2_grpc as g; "
+        "  python -c \"import os, grpc; from unicache.v1 import router_pb2 as pb, router_pb2_grpc as g; "
         f"s = g.RouterStub(grpc.insecure_channel('{host}:{port}')); "
         f"print([r.text for r in s.Generate(pb.RouterGenerateRequest(text='Hello', sampling={{'max_tokens': 8}}){meta})])\"",
         "",

@@ -69,12 +69,23 @@ def load_config_file(path: str) -> dict[str, Any]:
 
             data = yaml.safe_load(text)
     except Exception as exc:  # noqa: BLE001 - any parse error is a user error
-        raise UsageError(f"config file {path}: cannot parse: {exc}") from None
+        raise UsageError(f"config file {path}: cannot parse: {_parse_error(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise UsageError(f"config file {path}: expected a mapping at the top level")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _parse_error(exc: Exception) -> str:
+    """Where and what, without the offending text: YAML's own message quotes the line,
+    which may hold a secret (``salt_secret: "abc...``)."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        return f"{getattr(exc, 'problem', None) or 'syntax error'} at line {mark.line + 1} column {mark.column + 1}"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+    return type(exc).__name__
 
 
 def add_arguments(
