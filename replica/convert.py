@@ -22,12 +22,13 @@ FINISH_REASON_NAMES: dict[int, str | None] = {v: k for k, v in FINISH_REASONS.it
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
     """Proto defaults (0) mean "server default": max_tokens -> ``default_max_tokens``,
-    top_p 0 -> 1.0, n 0 -> 1. Range checks (too many tokens, bad temperature) are the
+    top_p 0 -> 1.0 (only 0: a negative top_p is rejected, not
+    silently widened), n 0 -> 1. Range checks (too many tokens, bad temperature) are the
     engine's: it raises ``EngineInputError`` with the limit in the message."""
     return SamplingParams(
         max_tokens=msg.max_tokens or default_max_tokens,
         temperature=float(msg.temperature),
-        top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+        top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,  # negative or NaN: the engine rejects it
         seed=int(msg.seed) if msg.HasField("seed") else None,
         stop=list(msg.stop),
         n=msg.n or 1,

@@ -33,6 +33,7 @@ from router.service import RouterServicer
 from router.subscriber import RedisSubscriber
 from unicache.classifier import RequestClassifier
 from unicache.errors import UsageError
+from unicache.grpc_decode import add_servicer
 from unicache.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class RouterApp:
         server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         )
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.core, self.policy.name), server)
+        add_servicer(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(self.core, self.policy.name), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
