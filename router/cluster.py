@@ -8,8 +8,9 @@ Invariants:
       locality-index entry, so policy, index and membership never disagree for long.
     * ``in_flight[r]`` counts requests this router forwarded to r and not yet finished;
       it never goes negative.
-    * A replica that answered UNAVAILABLE is skipped for ``down_cooldown_s`` (not until
-      its next heartbeat: during a Redis outage there are none), then tried again.
+    * A replica that answered UNAVAILABLE, or missed the forward deadline before its
+      first message, is skipped for ``down_cooldown_s`` (not until its next heartbeat:
+      during a Redis outage there are none), then tried again.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class EmptyView(LocalityView):
 
     def match(self, replica_id: str, block_hashes) -> int:  # noqa: ARG002
         return 0
+
+    def is_stale(self, replica_id: str) -> bool:  # noqa: ARG002
+        # NOTE: it vouches for nothing, so policies fall back on their own memory
+        # (cache_aware's session stickiness) instead of treating every replica as cold.
+        return True
 
 
 class ClusterView:
@@ -130,7 +136,8 @@ class ClusterView:
         return rec is not None and self.clock() >= rec.down_until
 
     def mark_down(self, replica_id: str) -> None:
-        """The replica refused a call (UNAVAILABLE): skip it for ``down_cooldown_s``."""
+        """The replica refused a call (UNAVAILABLE) or timed out before answering: skip it
+        for ``down_cooldown_s``."""
         rec = self.replicas.get(replica_id)
         if rec is not None:
             rec.down_until = self.clock() + self.down_cooldown_s

@@ -76,6 +76,11 @@ _FROM_REPLICA = {
 }
 
 
+# A replica that refused a call (down) or missed the forward deadline before its first
+# message (stuck or overloaded) is skipped for the cluster's cooldown, so the next
+# requests do not wait out the same deadline there.
+_SKIP_AFTER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
 # After the first message nothing is retried; a replica that went away mid-stream (its
 # process died) is UNAVAILABLE to the client too, so clients can tell it from a bug.
 _MID_STREAM = {
@@ -252,7 +257,7 @@ class RouterCore:
                     first = await stream.first()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
-                    if code == grpc.StatusCode.UNAVAILABLE:
+                    if code in _SKIP_AFTER:
                         self.cluster.mark_down(rid)
                     error = RouterError(_FROM_REPLICA.get(code, "upstream"), f"replica {rid}: {exc.details() or code.name}")
                     if code in RETRYABLE and not tried:

@@ -1,0 +1,170 @@
+"""Fast, in-process checks of the fault handling the cluster tests exercise end to end
+(tests/test_fault_cluster.py): the fault-injection hook, a mid-stream replica failure
+surfacing as UNAVAILABLE, a missed deadline skipping the replica, and session routing
+while the index is unavailable."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from replica.engine.async_engine import AsyncEngine
+from replica.engine.model_config import model_preset
+from replica.faults import FaultInjection
+from replica.server import ReplicaServer
+from replica.settings import ReplicaSettings
+from router.app import RouterApp
+from router.cluster import ClusterView, EmptyView
+from router.config import build_config
+from router.index import LocalityIndex
+from router.routing.base import RoutingRequest
+from router.routing.cache_aware import CacheAwarePolicy
+from tests.support.engine_factory import tiny_config
+from tests.support.fake_replica import FakeReplica
+from unicache.block_hash import hash_token_blocks
+from unicache.request_class import RequestClass, Task
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
+
+PROMPT = "A prompt of exactly forty-eight bytes, 3 blocks."
+
+
+# --- replica fault injection ------------------------------------------------------------
+def test_fault_settings_default_off_and_model_presets():
+    s = ReplicaSettings()
+    assert (s.fault_first_token_delay_s, s.fault_token_delay_s) == (0.0, 0.0)
+    assert s.faults() == FaultInjection(0.0, 0.0)
+    assert s.engine_config().model == model_preset("default")
+    tiny = ReplicaSettings(model_preset="tiny").engine_config().model
+    assert (tiny.num_layers, tiny.hidden_size) == (2, 64)
+    with pytest.raises(ValueError, match="unknown model preset 'huge'; known: default, tiny"):
+        model_preset("huge")
+    with pytest.raises(ValueError):
+        FaultInjection(first_token_delay_s=-1)
+
+
+async def test_first_token_delay_trips_the_callers_deadline_and_frees_nothing():
+    engine = AsyncEngine(tiny_config())
+    await engine.start()
+    server = ReplicaServer(engine, "slow", faults=FaultInjection(first_token_delay_s=30.0))
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = replica_pb2_grpc.ReplicaStub(ch)
+            req = replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=list(range(20))))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [m async for m in stub.Generate(req, timeout=0.3)]
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            server.servicer.faults = FaultInjection()  # turned off while running
+            msgs = [m async for m in stub.Generate(req, timeout=30)]
+            assert sum(len(m.token_ids) for m in msgs) == 16  # default_max_tokens
+        assert engine.num_referenced_blocks() == 0
+    finally:
+        await server.stop()
+        await engine.stop()
+
+
+# --- router: failures on the way ---------------------------------------------------------
+class DiesMidStream(FakeReplica):
+    """Streams one token, then fails the call with UNAVAILABLE (as a killed process does)."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        yield replica_pb2.GenerateResponse(index=0, token_ids=[65], text="A")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+
+class Stuck(FakeReplica):
+    """Accepts the call and never answers."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await asyncio.sleep(3600)
+        yield replica_pb2.GenerateResponse()
+
+
+async def start_router(reps, **overrides) -> tuple[RouterApp, router_pb2_grpc.RouterStub, grpc.aio.Channel]:
+    spec = ",".join(f"{r.replica_id}={r.address}" for r in reps)
+    cfg = build_config(
+        env={"UNICACHE_USE_REDIS": "false"},
+        overrides={"grpc_port": 0, "http_port": 0, "replicas": spec, "routing_policy": "round_robin", "auth_enabled": False, **overrides},
+    )
+    app = RouterApp(cfg)
+    await app.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
+    return app, router_pb2_grpc.RouterStub(channel), channel
+
+
+def gen_request(max_tokens: int = 4) -> router_pb2.RouterGenerateRequest:
+    return router_pb2.RouterGenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+
+
+async def test_replica_dying_mid_stream_is_unavailable_with_a_clear_message():
+    rep = DiesMidStream("r0")
+    await rep.start()
+    app, stub, channel = await start_router([rep])
+    try:
+        call = stub.Generate(gen_request(), timeout=10)
+        first = await call.read()
+        assert (list(first.token_ids), first.route.replica_id) == ([65], "r0")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert info.value.details() == (
+            "replica r0 failed after the response started (UNAVAILABLE: Socket closed); "
+            "the response is incomplete, retry the request"
+        )
+        assert not app.cluster.healthy("r0")  # skipped for the cooldown
+        assert len(rep.requests) == 1  # never retried after a token was sent
+    finally:
+        await channel.close()
+        await app.stop()
+        await rep.stop()
+
+
+async def test_missed_deadline_retries_elsewhere_and_skips_the_stuck_replica():
+    stuck, good = Stuck("r0"), FakeReplica("r1")
+    for r in (stuck, good):
+        await r.start()
+    app, stub, channel = await start_router([stuck, good], forward_deadline_s=0.3)
+    app.cluster.down_cooldown_s = 60.0
+    try:
+        replies = []
+        for _ in range(3):
+            msgs = [m async for m in stub.Generate(gen_request(), timeout=10)]
+            replies.append((msgs[0].route.replica_id, "".join(m.text for m in msgs)))
+        assert replies == [("r1", "A pr")] * 3
+        assert (len(stuck.requests), len(good.requests)) == (1, 3)
+        assert not app.cluster.healthy("r0") and app.cluster.healthy("r1")
+    finally:
+        await channel.close()
+        await app.stop()
+        for r in (stuck, good):
+            await r.stop()
+
+
+# --- routing while Redis is down ------------------------------------------------------------
+def test_sessions_stick_while_the_index_is_unavailable():
+    # NOTE: no churn term: after one request its inflow share alone would outweigh the
+    # sticky credit; the cluster test shows stickiness under the default policy.
+    policy = CacheAwarePolicy(churn_weight=0.0)
+    cluster = ClusterView(policy, LocalityIndex())
+    for rid in ("r0", "r1", "r2"):
+        cluster.upsert(rid, f"127.0.0.1:{rid}")
+    cluster.redis_connected = False
+    view = cluster.locality()
+    assert isinstance(view, EmptyView) and view.is_stale("r1") and view.match("r1", []) == 0
+
+    def request(text: str, rid: str) -> RoutingRequest:
+        ids = list(text.encode())
+        cls = RequestClass(tenant="t", session_id="s1", turn=1, task=Task.CHAT)
+        return RoutingRequest(rid, cls, hash_token_blocks(ids, 16), len(ids), 16)
+
+    turn1 = request(PROMPT * 2, "q1")
+    d1 = policy.choose(turn1, cluster.loads(), view)
+    policy.on_request_routed(turn1, d1)
+    policy.on_request_finished(turn1, d1.replica_id)
+    turn2 = request(PROMPT * 2 + " and the next turn of the same session", "q2")
+    d2 = policy.choose(turn2, cluster.loads(), view)
+    assert (d1.reason, d2.replica_id, d2.reason, d2.matched_blocks) == ("load", d1.replica_id, "session_sticky", 3)
