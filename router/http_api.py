@@ -9,13 +9,15 @@ Explicit labels: body fields ``session_id``, ``task``, ``template`` (extensions)
 headers ``x-session-id``, ``x-unicache-task``, ``x-unicache-template``; body wins.
 Routing is decided before the response starts, so every response (streaming too) carries
 ``x-unicache-replica`` and ``x-unicache-route-reason``. Errors are OpenAI-style JSON:
-400 bad input, 401 bad key, 429 overload, 503 no replicas (502/504 replica failures).
+400 bad input, 401 bad key, 413 body over ``max_body_bytes``, 429 overload, 503 no
+replicas (502/504 replica failures).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -41,6 +43,7 @@ FINISH = {
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
     503: "service_unavailable",
@@ -55,6 +58,29 @@ def error_response(status: int, message: str, code: str | None = None) -> JSONRe
 
 class BadRequest(ValueError):
     pass
+
+
+class TooLarge(Exception):
+    """The request body exceeds ``max_body_bytes`` (HTTP 413)."""
+
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (TooLarge) as soon as it is known to exceed ``limit``:
+    from ``content-length`` before reading, else while streaming it in, so an oversized
+    body is never held in memory whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class ClientGone(Exception):
@@ -94,7 +120,12 @@ def _num(body: dict, name: str, kind: type, lo: float, hi: float | None, default
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+    # NOTE: no float(value) on ints: a huge JSON integer would overflow it (OverflowError).
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and (math.isnan(value) or (kind is int and not value.is_integer())))
+    ):
         raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' number'}")
     if value < lo or (hi is not None and value > hi):
         raise BadRequest(f"{name} must be between {lo} and {hi}" if hi is not None else f"{name} must be >= {lo}")
@@ -105,7 +136,7 @@ def sampling_from_body(body: dict, chat: bool) -> common_pb2.SamplingParams:
     """OpenAI sampling fields -> proto (0 = server default, as the replica reads them)."""
     max_tokens = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else body.get("max_tokens")
     msg = common_pb2.SamplingParams(
-        max_tokens=_num({"max_tokens": max_tokens}, "max_tokens", int, 0, None, 0),
+        max_tokens=_num({"max_tokens": max_tokens}, "max_tokens", int, 0, 2**32 - 1, 0),
         temperature=_num(body, "temperature", float, 0.0, 2.0, 0.0),
         top_p=_num(body, "top_p", float, 0.0, 1.0, 0.0),
         n=_num(body, "n", int, 1, 128, 1),
@@ -155,8 +186,10 @@ def usage_dict(usages: dict[int, common_pb2.Usage], completion_fallback: int) ->
 class HttpFrontDoor:
     """Builds the Starlette app over a ``RouterCore``."""
 
-    def __init__(self, core: RouterCore, model_name: str, policy_name: str):
+    def __init__(self, core: RouterCore, model_name: str, policy_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        """``max_body_bytes``: larger request bodies get 413 without being read whole (8 MiB)."""
         self.core = core
+        self.max_body_bytes = max_body_bytes
         self.model_name = model_name
         self.policy_name = policy_name
         self.app = Starlette(
@@ -213,8 +246,8 @@ class HttpFrontDoor:
         try:
             tenant = core.auth.authenticate(api_key_from_headers(request.headers.get))
             try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError):
+                body = json.loads(await read_body(request, self.max_body_bytes))
+            except (ValueError, RecursionError):  # bad JSON or UTF-8, >4300-digit ints, deep nesting
                 raise BadRequest("request body is not valid JSON") from None
             if not isinstance(body, dict):
                 raise BadRequest("request body must be a JSON object")
@@ -226,13 +259,19 @@ class HttpFrontDoor:
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise BadRequest("stream must be a boolean")
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if stream else False
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise BadRequest("stream_options must be an object")
+            include_usage = bool(options.get("include_usage", False)) if stream else False
             prep = core.prepare(tenant, token_ids, labels_from(body, request))
             agen = core.forward(prep, sampling)
             route, first = await _unless_disconnected(request, agen.__anext__())
         except AuthError as exc:
             core.metrics.requests.labels(api, "unauthenticated").inc()
             return error_response(401, str(exc), "invalid_api_key")
+        except TooLarge as exc:
+            core.metrics.requests.labels(api, "invalid").inc()
+            return error_response(413, str(exc), "payload_too_large")
         except (BadRequest, ChatFormatError) as exc:
             core.metrics.requests.labels(api, "invalid").inc()
             return error_response(400, str(exc))
