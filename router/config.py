@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -105,7 +106,9 @@ def resolve_tokenizer_path(cfg: RouterConfig) -> str | None:
 
 
 def mask_url_password(url: str) -> str:
-    """``redis://user:pw@host`` -> ``redis://user:***@host`` (for logs)."""
+    """``redis://user:pw@host`` -> ``redis://user:***@host`` and ``?password=pw`` ->
+    ``?password=***`` (redis-py reads both), for logs."""
+    url = re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
     scheme, sep, rest = url.partition("://")
     creds, at, host = rest.rpartition("@")
     if not sep or not at or ":" not in creds:

@@ -245,3 +245,19 @@ async def test_router_subscriber_uses_tls_ca_for_rediss():
         assert (kwargs["ssl_ca_certs"], kwargs["password"]) == ("/etc/ssl/ca.pem", REDIS_PW)
     finally:
         await app.subscriber.close()
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        (f"redis://:{REDIS_PW}@h:6379/0", "redis://:***@h:6379/0"),
+        (f"rediss://default:{REDIS_PW}@h:6379/0", "rediss://default:***@h:6379/0"),
+        (f"redis://h:6379/0?password={REDIS_PW}&db=1", "redis://h:6379/0?password=***&db=1"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+    ],
+)
+def test_logged_redis_url_masks_both_password_forms(url, shown):
+    import redis
+
+    assert redis.connection.parse_url(url).get("password") in (REDIS_PW, None)  # redis-py reads both forms
+    assert build_config(env={}, overrides={"redis_url": url}).describe()["redis_url"] == shown
