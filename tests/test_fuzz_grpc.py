@@ -247,3 +247,29 @@ async def test_undecodable_requests_get_invalid_argument(stack, raw):
         assert got == INVALID
     else:  # it parsed: the answer is whatever the same message gets (never a server fault)
         assert got in (OK, INVALID, EXHAUSTED)
+
+
+@pytest.mark.parametrize(
+    "method, response",
+    [
+        ("/unicache.v1.Router/ListReplicas", router_pb2.ListReplicasResponse),
+        ("/unicache.v1.Router/GetClusterState", router_pb2.ClusterState),
+    ],
+)
+async def test_undecodable_unary_calls_get_invalid_argument(stack, method, response):
+    call = stack.channel.unary_unary(method, request_serializer=lambda b: b, response_deserializer=response.FromString)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(b"\xff\xff\xff", timeout=10)
+    assert err.value.code() == INVALID
+    assert err.value.details().startswith(f"request is not a valid {method[1:].replace('/', '.')} protobuf message")
+    assert isinstance(await call(b"", timeout=10), response)  # the empty message is valid
+
+
+async def test_replica_answers_undecodable_requests_with_invalid_argument(stack):
+    rep = stack.replicas[0]
+    async with grpc.aio.insecure_channel(rep.address) as channel:
+        call = channel.unary_stream("/unicache.v1.Replica/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [m async for m in call(b"\x12\x02\xc3\x28", timeout=10)]  # text (field 2) with invalid UTF-8
+    assert err.value.code() == INVALID
+    assert rep.servicer.request_ids == []  # the servicer never saw it
