@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 
 import grpc
 import pytest
@@ -20,6 +19,9 @@ from tests.support.cluster_harness import (
     ReplicaSet,
     RouterHandle,
     index_matches_caches,
+    locality_first,
+    prompt_hashes,
+    prompt_text,
     start_ray,
     stop_ray,
     wait_for,
@@ -67,21 +69,6 @@ async def router_factory(cluster):
         await r.stop()
 
 
-def text(tag: str, n: int) -> str:
-    """An ASCII prompt of exactly ``n`` bytes (= tokens); distinct tags differ from the
-    first block on (a crc of the tag leads), so prompts share no cached prefix."""
-    body = f"{zlib.crc32(tag.encode()):08x} [{tag}] " + " ".join(f"{tag}-{i}" for i in range(n))
-    return body[:n]
-
-
-def locality_first():
-    """cache_aware without its churn term: these tests need a request to land where its
-    prefix is cached (the fault handling under test does not depend on the policy)."""
-    from router.routing.cache_aware import CacheAwarePolicy
-
-    return CacheAwarePolicy(churn_weight=0.0)
-
-
 async def synced(router: RouterHandle, replicas: ReplicaSet) -> None:
     await wait_for(lambda: all(router.in_sync(r) for r in replicas.ids), "router index in sync with every replica")
 
@@ -91,7 +78,7 @@ async def test_redis_outage_serves_on_session_and_load_then_rebuilds(cluster, ro
     redis, replicas = cluster
     router = await router_factory(forward_deadline_s=60)
     await synced(router, replicas)
-    sessions = {f"s{i}": text(f"outage-system-{i}", 48) for i in range(4)}
+    sessions = {f"s{i}": prompt_text(f"outage-system-{i}", 48) for i in range(4)}
     phase = "up"
     log: list[tuple[str, str, object]] = []  # (phase, session, reply)
     stop = asyncio.Event()
@@ -151,7 +138,7 @@ async def test_redis_outage_serves_on_session_and_load_then_rebuilds(cluster, ro
 # ---------------------------------------------------------------------------------------
 async def test_router_restart_rebuilds_index_and_routes_with_locality_at_once(cluster, router_factory):
     _, replicas = cluster
-    prompts = [text(f"restart-{i}", 120) for i in range(6)]
+    prompts = [prompt_text(f"restart-{i}", 120) for i in range(6)]
     full_hit = (120 - 1) // BS * BS  # the last prompt token is always computed
 
     first = await router_factory()
@@ -164,7 +151,8 @@ async def test_router_restart_rebuilds_index_and_routes_with_locality_at_once(cl
 
     second = await router_factory()
     await synced(second, replicas)
-    assert await index_matches_caches(second, replicas)  # rebuilt from summaries + events alone
+    # Rebuilt from summaries + events alone (waited for: the last batches may still be in flight).
+    await wait_for(lambda: index_matches_caches(second, replicas), "indexed blocks == caches", 10, 0.05)
     after = [await second.generate(p) for p in prompts]
     assert [(r.code, r.reason, r.cached_tokens) for r in after] == [(grpc.StatusCode.OK, "index_prefix", full_hit)] * 6
     assert [r.replica for r in after] == [r.replica for r in warm]
@@ -176,12 +164,12 @@ async def test_slow_replica_deadline_fires_and_request_goes_elsewhere(cluster, r
     router = await router_factory(forward_deadline_s=3.0, policy_factory=locality_first)
     router.cluster.down_cooldown_s = 60.0  # keep "skipped" observable however slow the host is
     await synced(router, replicas)
-    prompt = text("slow", 200)
+    prompt = prompt_text("slow", 200)
     warm = await router.generate(prompt)
     assert warm.ok
     slow = warm.replica
     slow_addr = router.cluster.replicas[slow].address
-    await wait_for(lambda: router.app.index.match(slow, _hashes(router, prompt)) > 0, "prompt indexed on its replica")
+    await wait_for(lambda: router.app.index.match(slow, prompt_hashes(router, prompt)) > 0, "prompt indexed on its replica")
     await replicas.set_faults(slow, first_token_delay_s=120.0)
     try:
         t0 = time.monotonic()
@@ -196,23 +184,17 @@ async def test_slow_replica_deadline_fires_and_request_goes_elsewhere(cluster, r
     assert first.tokens == warm.tokens  # same seeded model everywhere, greedy
 
 
-def _hashes(router: RouterHandle, prompt: str):
-    from unicache.block_hash import hash_token_blocks
-
-    return hash_token_blocks(list(prompt.encode()), BS, cache_salt=router.app.auth.cache_salt("tenantF"))
-
-
 # ---------------------------------------------------------------------------------------
 async def test_replica_killed_retries_pending_fails_streams_then_rejoins(cluster, router_factory):
     _, replicas = cluster
     router = await router_factory(forward_deadline_s=120, policy_factory=locality_first)
     await synced(router, replicas)
-    base = text("kill", 800)
+    base = prompt_text("kill", 800)
     warm = await router.generate(base)
     assert warm.ok
     victim = warm.replica
     old = await replicas.info(victim)
-    await wait_for(lambda: router.app.index.match(victim, _hashes(router, base)) > 0, "prompt indexed on the victim")
+    await wait_for(lambda: router.app.index.match(victim, prompt_hashes(router, base)) > 0, "prompt indexed on the victim")
 
     # Two streams under way on the victim (slow tokens keep them open), then two requests
     # that reach it but get no token before it dies.
@@ -232,7 +214,7 @@ async def test_replica_killed_retries_pending_fails_streams_then_rejoins(cluster
     async def traffic() -> None:
         i = 0
         while not stop.is_set():
-            background.append((time.monotonic(), await router.generate(text(f"kill-bg-{i}", 64))))
+            background.append((time.monotonic(), await router.generate(prompt_text(f"kill-bg-{i}", 64))))
             i += 1
 
     bg = asyncio.create_task(traffic())
@@ -266,10 +248,11 @@ async def test_replica_killed_retries_pending_fails_streams_then_rejoins(cluster
             )
 
         await wait_for(rejoined, "the victim restarted by Ray and back in the router", 120, 0.1)
-        await wait_for(lambda: any(r.replica == victim for t, r in background if t > t_kill + 0.5 and r.ok), "traffic on the rejoined victim", 60)
     finally:
         stop.set()
         await bg
+    probe = await router.probe(victim, prompt_text("kill-probe", 64))
+    assert (probe.code, probe.replica, probe.cached_tokens) == (grpc.StatusCode.OK, victim, 0)  # serving, cache empty
 
     assert all(1 <= n < 100 for n in received), received  # cut short, not completed
     for exc in errors:

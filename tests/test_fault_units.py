@@ -6,8 +6,10 @@ while the index is unavailable."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
+import httpx
 import pytest
 
 from replica.engine.async_engine import AsyncEngine
@@ -117,6 +119,30 @@ async def test_replica_dying_mid_stream_is_unavailable_with_a_clear_message():
         )
         assert not app.cluster.healthy("r0")  # skipped for the cooldown
         assert len(rep.requests) == 1  # never retried after a token was sent
+    finally:
+        await channel.close()
+        await app.stop()
+        await rep.stop()
+
+
+async def test_replica_dying_mid_sse_stream_ends_with_an_unavailable_error_event():
+    rep = DiesMidStream("r0")
+    await rep.start()
+    app, _, channel = await start_router([rep])
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10) as client:
+            resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True})
+        assert resp.status_code == 200 and resp.headers["x-unicache-replica"] == "r0"
+        events = [line[len("data: "):] for line in resp.text.split("\n\n") if line.startswith("data: ")]
+        assert len(events) == 3 and events[-1] == "[DONE]"
+        assert json.loads(events[0])["choices"][0]["text"] == "A"
+        assert json.loads(events[1])["error"] == {
+            "message": "replica r0 failed after the response started (UNAVAILABLE: Socket closed); "
+            "the response is incomplete, retry the request",
+            "type": "service_unavailable",
+            "param": None,
+            "code": None,
+        }
     finally:
         await channel.close()
         await app.stop()

@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,6 +251,19 @@ class RouterHandle:
             reply.code, reply.details = exc.code(), exc.details() or ""
         return reply
 
+    async def probe(self, rid: str, text: str, max_tokens: int = 4) -> Reply:
+        """Send one request through the router while every other replica is skipped (as
+        after UNAVAILABLE), so it must go to ``rid``; the others are restored after."""
+        others = [r for r in self.cluster.replicas.values() if r.replica_id != rid]
+        saved = [r.down_until for r in others]
+        for r in others:
+            r.down_until = float("inf")
+        try:
+            return await self.generate(text, max_tokens)
+        finally:
+            for r, until in zip(others, saved):
+                r.down_until = until
+
     # ---------------------------------------------------------------- state
     @property
     def cluster(self):
@@ -268,6 +282,27 @@ class RouterHandle:
 
     def calls_to(self, address: str, since: float = 0.0) -> list[float]:
         return [t for t, a in self.calls if a == address and t >= since]
+
+
+def prompt_text(tag: str, n: int) -> str:
+    """An ASCII prompt of exactly ``n`` bytes (= byte-tokenizer tokens); distinct tags
+    differ from the first block on (a crc of the tag leads), so they share no prefix."""
+    body = f"{zlib.crc32(tag.encode()):08x} [{tag}] " + " ".join(f"{tag}-{i}" for i in range(n))
+    return body[:n]
+
+
+def locality_first():
+    """cache_aware without its churn term, for scenarios that need a request to land where
+    its prefix is cached (the fault handling under test does not depend on the policy)."""
+    from router.routing.cache_aware import CacheAwarePolicy
+
+    return CacheAwarePolicy(churn_weight=0.0)
+
+
+def prompt_hashes(router: "RouterHandle", prompt: str) -> list:
+    from unicache.block_hash import hash_token_blocks
+
+    return hash_token_blocks(list(prompt.encode()), router.cfg.block_size, cache_salt=router.app.auth.cache_salt(TENANT))
 
 
 async def wait_for(cond: Callable[[], Awaitable[bool] | bool], what: str, timeout_s: float = 30.0, every_s: float = 0.02) -> float:
