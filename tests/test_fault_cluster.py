@@ -126,10 +126,11 @@ async def test_redis_outage_serves_on_session_and_load_then_rebuilds(cluster, ro
     # Redis down: the index is unusable, sessions stick to their replica, the rest by load.
     assert "session_sticky" in reasons["down"] and reasons["down"] <= {"session_sticky", "load"}
     assert "index_prefix" in reasons["after"]
-    last_before = {sid: r.replica for ph, sid, r in log if ph == "up"}
+    previous: dict[str, str] = {}
     for ph, sid, r in log:
         if ph == "down" and r.reason == "session_sticky":
-            assert r.replica == last_before[sid]  # stuck where the session's blocks are
+            assert r.replica == previous[sid]  # stuck where the session's previous turn ran
+        previous[sid] = r.replica
     assert router.app.subscriber.reconnects == 1
     await wait_for(lambda: index_matches_caches(router, replicas), "indexed blocks == every replica's cache", 10, 0.1)
     assert rebuild_s < 30
