@@ -89,7 +89,8 @@ headers = st.fixed_dictionaries(
             st.sampled_from([None, ("authorization", "Bearer nope"), ("x-api-key", "key-acme2"), ("authorization", "key-acme")]),
             10,
         ),
-        "x-session-id": st.one_of(st.none(), st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=300)),
+        # (h11 refuses to send a header value with leading or trailing blanks)
+        "x-session-id": st.one_of(st.none(), st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=300).map(str.strip)),
         "x-unicache-task": mostly(st.one_of(st.none(), st.sampled_from(TASKS)), st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=10)),
         "x-unicache-template": mostly(st.one_of(st.none(), st.sampled_from(["true", "false", "1", "0"])), st.sampled_from(["yes", "", "2"])),
     }

@@ -30,7 +30,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick a token from one row of float logits ``[vocab]``."""
     if params.temperature == 0.0 or generator is None:
         return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    # NOTE: shift before dividing: logits / a tiny temperature (1e-40 is a valid float32)
+    # overflow to inf and softmax turns them into NaN, which failed the whole engine step.
+    # Shifted, the top logit is exactly 0, so the result tends to greedy as T -> 0.
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_probs, dim=-1)
