@@ -124,6 +124,8 @@ class RouterCore:
         metrics: Prometheus metrics.
         block_size: KV block size (must equal the replicas').
         max_in_flight: requests in flight beyond which new ones get "overloaded".
+        max_session_id_chars: longer session ids are "invalid" (default 256): the
+            classifier and the policy remember session ids, so their size must be bounded.
         clock: seconds for the classifier's inter-turn gaps (default ``time.monotonic``).
         limits: per-tenant admission limits (default: none).
     """
@@ -138,6 +140,7 @@ class RouterCore:
         metrics: RouterMetrics,
         block_size: int = 16,
         max_in_flight: int = 4096,
+        max_session_id_chars: int = 256,
         clock: Callable[[], float] = time.monotonic,
         limits: TenantLimiter | None = None,
     ):
@@ -149,6 +152,7 @@ class RouterCore:
         self.metrics = metrics
         self.block_size = block_size
         self.max_in_flight = max_in_flight
+        self.max_session_id_chars = max_session_id_chars
         self.clock = clock
         self.limits = limits or TenantLimiter()
 
@@ -168,6 +172,8 @@ class RouterCore:
         except LimitExceeded as exc:
             self.metrics.limit_rejections.labels(exc.limit).inc()
             raise RouterError(exc.kind, str(exc)) from None
+        if labels.session_id and len(labels.session_id) > self.max_session_id_chars:
+            raise RouterError("invalid", f"session_id is longer than {self.max_session_id_chars} characters")
         try:
             task = Task.parse(labels.task) if labels.task else None
         except ValueError as exc:

@@ -27,6 +27,7 @@ from unicache.v1 import common_pb2, router_pb2
 EXAMPLES = int(os.environ.get("UNICACHE_FUZZ_EXAMPLES", "150"))
 MAX_MODEL_LEN = 512  # FAST_MODEL.max_position
 MAX_N = 16  # EngineConfig.max_n
+MAX_SESSION_ID = 256  # RouterCore.max_session_id_chars
 DEFAULT_MAX_TOKENS = 16
 TASKS = ("chat", "agent", "code", "math", "qa", "tool", "other")
 KEYS = {"key-acme", "key-beta"}
@@ -95,7 +96,7 @@ request_case = st.fixed_dictionaries(
             30,
         ),
         "sampling": sampling,
-        "session_id": st.one_of(st.just(""), short_text, st.text(min_size=500, max_size=2000)),
+        "session_id": st.one_of(st.just(""), short_text, st.text(min_size=250, max_size=260), st.text(min_size=500, max_size=2000)),
         "task": mostly(st.one_of(st.just(""), st.sampled_from(TASKS)), st.one_of(st.sampled_from(["CHAT", "chat ", "bogus"]), short_text)),
         "template": st.one_of(st.none(), st.booleans()),
         "model": short_text,
@@ -128,7 +129,7 @@ def expected(case: dict) -> tuple[grpc.StatusCode, int]:
         return INVALID, 0
     text = parsed if kind == "text" else render(parsed)
     ntok = len(text.encode())
-    if ntok == 0:
+    if ntok == 0 or len(case["session_id"]) > MAX_SESSION_ID:
         return INVALID, 0
     if case["task"] and case["task"] not in TASKS:
         return INVALID, 0

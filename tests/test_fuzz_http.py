@@ -26,6 +26,7 @@ from tests.support.load_stack import LoadStack
 
 EXAMPLES = int(os.environ.get("UNICACHE_FUZZ_EXAMPLES", "150"))
 MAX_MODEL_LEN, MAX_N, DEFAULT_MAX_TOKENS, VOCAB = 512, 16, 16, 259
+MAX_SESSION_ID = 256  # RouterCore.max_session_id_chars
 TASKS = ("chat", "agent", "code", "math", "qa", "tool", "other")
 KEYS = {"key-acme", "key-beta"}
 COUNTS: dict[int, int] = {}
@@ -77,7 +78,7 @@ body_fields = st.fixed_dictionaries(
         "stop": field(st.one_of(short_text, st.lists(short_text, max_size=2))),
         "stream": field(st.booleans()),
         "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
-        "session_id": field(short_text),
+        "session_id": field(mostly(short_text, st.text(min_size=250, max_size=400), 10)),
         "task": field(st.sampled_from(TASKS)),
         "template": field(st.booleans()),
     }
@@ -183,6 +184,7 @@ def expected(c: dict) -> int:
     bad |= template is not None and not isinstance(template, bool) and not (isinstance(template, str) and template.lower() in ("true", "false", "1", "0"))
     session = f["session_id"] if f["session_id"] is not MISSING else h["x-session-id"]
     bad |= session is not None and not isinstance(session, str)
+    bad |= isinstance(session, str) and len(session) > MAX_SESSION_ID
     task = f["task"] if f["task"] is not MISSING else h["x-unicache-task"]
     bad |= task is not None and not isinstance(task, str)
     bad |= isinstance(task, str) and task != "" and task not in TASKS
