@@ -45,6 +45,9 @@ class ReplicaSettings:
     tokenizer: str = field(default="", metadata=_help("tokenizer.json path (empty: byte-level)"))
     max_num_seqs: int = field(default=64, metadata=_help("most sequences running at once"))
     max_num_batched_tokens: int = field(default=2048, metadata=_help("most tokens computed per engine step"))
+    max_waiting: int = field(
+        default=1024, metadata=_help("most requests waiting to start; more get RESOURCE_EXHAUSTED at once (load shedding)")
+    )
     seed: int = field(default=0, metadata=_help("seed of the random weights and default sampler"))
     default_max_tokens: int = field(default=16, metadata=_help("max_tokens when a request gives 0"))
     model_preset: str = field(
@@ -69,6 +72,7 @@ class ReplicaSettings:
             dtype=self.dtype,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_waiting=self.max_waiting,
             seed=self.seed,
         )
 

@@ -135,3 +135,16 @@ async def test_router_passes_replica_overload_on_as_resource_exhausted_and_429()
         assert engine.num_waiting == 0 and st.referenced_blocks() == [0]
     finally:
         await st.close()
+
+
+def test_replica_max_waiting_is_a_flag_and_an_environment_variable(monkeypatch):
+    import argparse
+
+    from replica.settings import add_settings_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    assert settings_from_args(parser.parse_args([])).engine_config().max_waiting == 1024
+    assert settings_from_args(parser.parse_args(["--max-waiting", "5"])).engine_config().max_waiting == 5
+    monkeypatch.setenv("UNICACHE_MAX_WAITING", "9")
+    assert settings_from_args(parser.parse_args([])).engine_config().max_waiting == 9
