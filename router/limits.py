@@ -27,7 +27,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from unicache.errors import UsageError
 
@@ -99,11 +99,8 @@ def parse_tenant_limits(spec: str) -> dict[str, dict[str, int]]:
 @dataclass(slots=True)
 class _TenantState:
     in_flight: int = 0
-    window: deque = None  # (granted_at, tokens), oldest first
+    window: deque = field(default_factory=deque)  # (granted_at, tokens), oldest first
     window_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        self.window = deque()
 
 
 class Lease:
