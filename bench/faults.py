@@ -78,7 +78,8 @@ async def redis_outage(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int) -> 
             while not stop.is_set():
                 for sid in sessions:
                     sessions[sid] += f" user turn {turn} of {sid}; assistant reply {turn}."
-                    log.append((phase, await router.generate(sessions[sid], session_id=sid, task="chat")))
+                    sent_in = phase  # the phase when the request was sent, not when it ended
+                    log.append((sent_in, await router.generate(sessions[sid], session_id=sid, task="chat")))
                 turn += 1
 
         def count(p: str) -> int:
@@ -205,7 +206,7 @@ async def replica_kill(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int) -> 
 
 
 # ------------------------------------------------------------------------------ router
-async def router_restart(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, k: int = 8, n: int = 240) -> dict:
+async def router_restart(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, k: int = 8, n: int = 480) -> dict:
     prompts = [prompt_text(f"bench-restart-{rep}-{i}", n) for i in range(k)]
     first = RouterHandle(redis.url, PREFIX, BS, subscriber_kwargs=PRODUCTION)
     await first.start()
@@ -255,7 +256,7 @@ async def slow_replica(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, dea
     await router.start()
     try:
         await synced(router, replicas)
-        prompt = prompt_text(f"bench-slow-{rep}", 200)
+        prompt = prompt_text(f"bench-slow-{rep}", 400)
         warm = await router.generate(prompt)
         slow = warm.replica
         await wait_for(lambda: router.app.index.match(slow, prompt_hashes(router, prompt)) > 0, "prompt indexed", 30)

@@ -10,7 +10,8 @@ Invariants:
       it never goes negative.
     * A replica that answered UNAVAILABLE, or missed the forward deadline before its
       first message, is skipped for ``down_cooldown_s`` (not until its next heartbeat:
-      during a Redis outage there are none), then tried again.
+      during a Redis outage there are none), then tried again, or at once when its
+      heartbeat announces a new address (it restarted).
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ class ClusterView:
         new = rec is None
         if new:
             rec = self.replicas[replica_id] = ReplicaRecord(replica_id, address, static=static)
-        rec.address = address or rec.address
+        if address and address != rec.address:
+            # NOTE: a new address is a new process (a restarted replica): the skip earned
+            # by the old one's refusals does not apply to it.
+            rec.address, rec.down_until = address, 0.0
         if heartbeat is not None:
             rec.heartbeat = heartbeat
         if new:

@@ -88,8 +88,9 @@ async def test_redis_outage_serves_on_session_and_load_then_rebuilds(cluster, ro
         while not stop.is_set():
             for sid in sessions:
                 sessions[sid] += f" user turn {turn} of {sid}; assistant reply {turn}."
+                sent_in = phase  # the phase when the request was sent, not when it ended
                 reply = await router.generate(sessions[sid], max_tokens=4, session_id=sid, task="chat")
-                log.append((phase, sid, reply))
+                log.append((sent_in, sid, reply))
             turn += 1
 
     def count(p: str) -> int:
@@ -139,10 +140,11 @@ async def test_redis_outage_serves_on_session_and_load_then_rebuilds(cluster, ro
 # ---------------------------------------------------------------------------------------
 async def test_router_restart_rebuilds_index_and_routes_with_locality_at_once(cluster, router_factory):
     _, replicas = cluster
-    prompts = [prompt_text(f"restart-{i}", 120) for i in range(6)]
-    full_hit = (120 - 1) // BS * BS  # the last prompt token is always computed
+    # NOTE: long enough that a cached prefix outweighs a replica's (heartbeat) load.
+    prompts = [prompt_text(f"restart-{i}", 480) for i in range(6)]
+    full_hit = (480 - 1) // BS * BS  # the last prompt token is always computed
 
-    first = await router_factory()
+    first = await router_factory(policy_factory=locality_first)
     await synced(first, replicas)
     cold = [await first.generate(p) for p in prompts]
     warm = [await first.generate(p) for p in prompts]
@@ -150,7 +152,7 @@ async def test_router_restart_rebuilds_index_and_routes_with_locality_at_once(cl
     assert [r.cached_tokens for r in warm] == [full_hit] * 6
     await first.stop()
 
-    second = await router_factory()
+    second = await router_factory(policy_factory=locality_first)
     await synced(second, replicas)
     # Rebuilt from summaries + events alone (waited for: the last batches may still be in flight).
     await wait_for(lambda: index_matches_caches(second, replicas), "indexed blocks == caches", 10, 0.05)
@@ -165,7 +167,7 @@ async def test_slow_replica_deadline_fires_and_request_goes_elsewhere(cluster, r
     router = await router_factory(forward_deadline_s=3.0, policy_factory=locality_first)
     router.cluster.down_cooldown_s = 60.0  # keep "skipped" observable however slow the host is
     await synced(router, replicas)
-    prompt = prompt_text("slow", 200)
+    prompt = prompt_text("slow", 400)
     warm = await router.generate(prompt)
     assert warm.ok
     slow = warm.replica
@@ -244,9 +246,8 @@ async def test_replica_killed_retries_pending_fails_streams_then_rejoins(cluster
         async def rejoined() -> bool:
             nonlocal new
             new = new or await restarted()
-            return new is not None and router.cluster.replicas.get(victim) is not None and (
-                router.cluster.replicas[victim].address == new["address"] and router.in_sync(victim, new["epoch"])
-            )
+            rec = router.cluster.replicas.get(victim)
+            return new is not None and rec is not None and rec.address == new["address"] and router.in_sync(victim, new["epoch"])
 
         await wait_for(rejoined, "the victim restarted by Ray and back in the router", 120, 0.1)
     finally:

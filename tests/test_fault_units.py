@@ -170,6 +170,17 @@ async def test_missed_deadline_retries_elsewhere_and_skips_the_stuck_replica():
             await r.stop()
 
 
+def test_a_restarted_replica_is_not_skipped_for_its_predecessors_refusals():
+    now = [100.0]
+    cluster = ClusterView(CacheAwarePolicy(), LocalityIndex(), down_cooldown_s=2.0, clock=lambda: now[0])
+    cluster.upsert("r0", "127.0.0.1:1000")
+    cluster.mark_down("r0")
+    cluster.upsert("r0", "127.0.0.1:1000")  # the old process's heartbeat, not yet expired
+    assert not cluster.healthy("r0")
+    cluster.upsert("r0", "127.0.0.1:2000")  # restarted on a new port
+    assert cluster.healthy("r0") and cluster.replicas["r0"].address == "127.0.0.1:2000"
+
+
 # --- routing while Redis is down ------------------------------------------------------------
 def test_sessions_stick_while_the_index_is_unavailable():
     # NOTE: no churn term: after one request its inflow share alone would outweigh the
