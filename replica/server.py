@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from unicache.grpc_decode import add_servicer
+from unicache.wire import REFUSAL_METADATA
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from replica.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
 from replica.engine.api import EngineInputError, EngineRequest
@@ -41,6 +42,13 @@ STATUS_CODES: dict[str, grpc.StatusCode] = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+
+
+def refusal_metadata(exc: EngineInputError) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata telling the router why a request was exhausted (unicache/wire.py)."""
+    if exc.kind != "exhausted":
+        return ()
+    return ((REFUSAL_METADATA, "overloaded" if exc.overloaded else "too_large"),)
 
 
 class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
@@ -87,7 +95,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         try:
             engine_request = self.to_engine_request(request)
         except EngineInputError as exc:
-            await context.abort(STATUS_CODES[exc.kind], str(exc))
+            await context.abort(STATUS_CODES[exc.kind], str(exc), trailing_metadata=refusal_metadata(exc))
             return
         faults = self.faults
         if faults.first_token_delay_s:
@@ -102,7 +110,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                     yield output_to_proto(out)
                     sent = True
             except EngineInputError as exc:
-                await context.abort(STATUS_CODES[exc.kind], str(exc))
+                await context.abort(STATUS_CODES[exc.kind], str(exc), trailing_metadata=refusal_metadata(exc))
             except Exception as exc:  # noqa: BLE001 - an engine failure must reach the client as a status
                 log.exception("request %s failed in the engine", engine_request.request_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"engine failure: {exc}")

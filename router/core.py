@@ -32,7 +32,7 @@ from router.routing.base import RouteDecision, RoutingRequest
 from unicache.block_hash import hash_token_blocks
 from unicache.classifier import Labels, RequestClassifier
 from unicache.request_class import RequestClass, Task
-from unicache.wire import request_class_to_proto
+from unicache.wire import REFUSAL_METADATA, request_class_to_proto
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 
@@ -40,7 +40,8 @@ class RouterError(Exception):
     """A request-level failure with the status both front doors map it to.
 
     ``kind``: invalid (400 / INVALID_ARGUMENT), unauthenticated (401), overloaded
-    (429 / RESOURCE_EXHAUSTED), unavailable (503 / UNAVAILABLE), upstream (502 / the
+    (429 / RESOURCE_EXHAUSTED), too_large (413 / RESOURCE_EXHAUSTED: a replica says the
+    request can never fit its context or cache), unavailable (503 / UNAVAILABLE), upstream (502 / the
     replica's status).
     """
 
@@ -48,11 +49,12 @@ class RouterError(Exception):
         "invalid": grpc.StatusCode.INVALID_ARGUMENT,
         "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
         "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
         "unavailable": grpc.StatusCode.UNAVAILABLE,
         "upstream": grpc.StatusCode.INTERNAL,
         "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     }
-    HTTP = {"invalid": 400, "unauthenticated": 401, "overloaded": 429, "unavailable": 503, "upstream": 502, "deadline": 504}
+    HTTP = {"invalid": 400, "unauthenticated": 401, "overloaded": 429, "too_large": 413, "unavailable": 503, "upstream": 502, "deadline": 504}
 
     def __init__(self, kind: str, message: str):
         assert kind in self.GRPC, kind
@@ -87,6 +89,15 @@ _MID_STREAM = {
     grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
 }
+
+
+def _replica_error_kind(exc: grpc.aio.AioRpcError) -> str:
+    """RouterError kind of a replica's refusal; RESOURCE_EXHAUSTED is "too_large" when the
+    replica marks it so (unicache.wire.REFUSAL_METADATA), else "overloaded"."""
+    kind = _FROM_REPLICA.get(exc.code(), "upstream")
+    if kind == "overloaded" and dict(exc.trailing_metadata() or ()).get(REFUSAL_METADATA) == "too_large":
+        return "too_large"
+    return kind
 
 
 @dataclass(slots=True)
@@ -265,7 +276,7 @@ class RouterCore:
                     code = exc.code()
                     if code in _SKIP_AFTER:
                         self.cluster.mark_down(rid)
-                    error = RouterError(_FROM_REPLICA.get(code, "upstream"), f"replica {rid}: {exc.details() or code.name}")
+                    error = RouterError(_replica_error_kind(exc), f"replica {rid}: {exc.details() or code.name}")
                     if code in RETRYABLE and not tried:
                         tried.add(rid)
                         last_error = error

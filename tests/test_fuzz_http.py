@@ -3,7 +3,7 @@
 Each generated request (raw bytes or a JSON object with right, wrong, missing and unknown
 fields; good, bad and missing keys; bogus label headers) has one right status, computed by
 an independent oracle from the documented rules: 401 bad key, 413 body over the limit,
-400 anything malformed or out of range (router or engine rule), 429 prompt + max_tokens
+400 anything malformed or out of range (router or engine rule), 413 prompt + max_tokens
 beyond the context, else 200 with a well-formed body. Never 500. After the run no KV block
 is referenced on any replica and both replicas still serve.
 
@@ -198,7 +198,7 @@ def expected(c: dict) -> int:
     if mt > MAX_MODEL_LEN or n > MAX_N or "" in stops:
         return 400
     if ntok + mt > MAX_MODEL_LEN:
-        return 429
+        return 413  # can never fit: not a 429, which tells clients to retry
     return 200
 
 

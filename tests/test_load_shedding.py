@@ -148,3 +148,56 @@ def test_replica_max_waiting_is_a_flag_and_an_environment_variable(monkeypatch):
     assert settings_from_args(parser.parse_args(["--max-waiting", "5"])).engine_config().max_waiting == 5
     monkeypatch.setenv("UNICACHE_MAX_WAITING", "9")
     assert settings_from_args(parser.parse_args([])).engine_config().max_waiting == 9
+
+
+async def test_too_large_is_413_and_overload_is_429_over_http():
+    """Both are RESOURCE_EXHAUSTED from the replica; its refusal metadata tells them apart."""
+    st = await LoadStack.start(num_replicas=1, max_waiting=1)
+    try:
+        long_prompt = {"prompt": "w" * 600, "max_tokens": 2}  # context is 512
+        async with httpx.AsyncClient(base_url=st.http_url, timeout=30) as client:
+            r = await client.post("/v1/completions", json=long_prompt, headers={"x-api-key": "key-acme"})
+            assert r.status_code == 413
+            assert r.json()["error"]["message"] == (
+                "replica r0: prompt (600 tokens) + max_tokens (2) exceeds the context of 512"
+            )
+            code, details = await grpc_code(st.stub, router_pb2.RouterGenerateRequest(text="w" * 600))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds the context of 512" in details
+            st.freeze()
+            admitted = asyncio.create_task(collect(st.stub, gen_request(0)))
+            await until(lambda: st.replicas[0].engine.num_waiting == 1, "1 waiting request")
+            r = await client.post("/v1/completions", json={"prompt": "short", "max_tokens": 2}, headers={"x-api-key": "key-acme"})
+            assert r.status_code == 429
+            st.thaw()
+            assert len((await admitted)[0]) == 3
+    finally:
+        await st.close()
+
+
+async def test_replica_marks_why_it_refused():
+    rep = await start_replica("r0", max_waiting=1)
+    channel = grpc.aio.insecure_channel(rep.address)
+    stub = replica_pb2_grpc.ReplicaStub(channel)
+    lock = rep.engine.engine.lock
+    try:
+        too_long = replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=[1] * 600))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [m async for m in stub.Generate(too_long, timeout=10)]
+        assert dict(err.value.trailing_metadata()).get("unicache-refusal") == "too_large"
+        lock.acquire()
+        first = stub.Generate(replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=[1] * 5)), timeout=30)
+        pending = asyncio.create_task(first.read())
+        await until(lambda: rep.engine.num_waiting == 1, "1 waiting request")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [m async for m in stub.Generate(replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=[2] * 5)), timeout=10)]
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(err.value.trailing_metadata()).get("unicache-refusal") == "overloaded"
+        lock.release()
+        await pending
+        first.cancel()
+    finally:
+        if lock.locked():
+            lock.release()
+        await channel.close()
+        await rep.server.stop()
+        await rep.engine.stop()

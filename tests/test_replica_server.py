@@ -47,9 +47,10 @@ class RecordingContext:
     def __init__(self):
         self.code = None
         self.details = None
+        self.trailing_metadata = ()
 
-    async def abort(self, code, details=""):
-        self.code, self.details = code, details
+    async def abort(self, code, details="", trailing_metadata=()):
+        self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
         raise Aborted(details)
 
 

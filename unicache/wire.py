@@ -5,6 +5,10 @@ from __future__ import annotations
 from unicache.request_class import RequestClass, Task
 from unicache.v1 import common_pb2
 
+# Trailing-metadata key of a replica's RESOURCE_EXHAUSTED: "overloaded" (its queue is
+# full: retry later, HTTP 429) or "too_large" (the request can never fit: HTTP 413).
+REFUSAL_METADATA = "unicache-refusal"
+
 
 def request_class_to_proto(cls: RequestClass) -> common_pb2.RequestClass:
     return common_pb2.RequestClass(

@@ -15,12 +15,15 @@ class EngineInputError(ValueError):
     """The request cannot be served as given.
 
     ``kind`` is ``"invalid"`` (maps to INVALID_ARGUMENT / HTTP 400) or ``"exhausted"``
-    (RESOURCE_EXHAUSTED / HTTP 429 or 413: e.g. prompt larger than the whole cache).
+    (RESOURCE_EXHAUSTED). An exhausted request with ``overloaded`` set was refused because
+    the replica is busy (retry later: HTTP 429); without it, it can never fit (prompt
+    beyond the context or the whole cache: HTTP 413).
     """
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, overloaded: bool = False):
         assert kind in ("invalid", "exhausted")
         self.kind = kind
+        self.overloaded = overloaded
         super().__init__(message)
 
 

@@ -98,7 +98,9 @@ class AsyncEngine:
             raise EngineInputError("invalid", f"request id {req.request_id!r} is already in flight")
         limit = self.config.max_waiting
         if limit is not None and self._waiting >= limit:
-            raise EngineInputError("exhausted", f"replica overloaded: {self._waiting} requests waiting (max_waiting={limit}); retry later")
+            raise EngineInputError(
+                "exhausted", f"replica overloaded: {self._waiting} requests waiting (max_waiting={limit}); retry later", overloaded=True
+            )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[req.request_id] = stream
         with self._wake:
