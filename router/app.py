@@ -116,7 +116,7 @@ class RouterApp:
                 expected_block_size=config.block_size,
                 **(subscriber_kwargs or {}),
             )
-        self.http = HttpFrontDoor(self.core, config.model_name, self.policy.name)
+        self.http = HttpFrontDoor(self.core, config.model_name, self.policy.name, max_body_bytes=config.max_request_bytes)
         self.grpc_port = 0
         self.http_port = 0
         self._grpc_server: grpc.aio.Server | None = None
@@ -126,7 +126,9 @@ class RouterApp:
     async def start(self) -> None:
         cfg = self.config
         server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+            # NOTE: the receive limit bounds what one request can make the router tokenize
+            # and hash (a 64 MiB prompt became a 64M-element token list).
+            options=[("grpc.max_receive_message_length", cfg.max_request_bytes), ("grpc.max_send_message_length", 64 << 20)]
         )
         add_servicer(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(self.core, self.policy.name), server)
         health = health_aio.HealthServicer()

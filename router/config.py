@@ -53,6 +53,9 @@ class RouterConfig:
     checkpoint: str = field(default="", metadata={"help": "the replicas' checkpoint dir (only its tokenizer.json is read)"})
     max_index_blocks: int = field(default=2_000_000, metadata={"help": "locality index bound per replica"})
     max_in_flight: int = field(default=4096, metadata={"help": "requests in flight before answering 429"})
+    max_request_bytes: int = field(
+        default=8 << 20, metadata={"help": "largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED beyond)"}
+    )
     tenant_max_concurrent: int = field(default=1024, metadata={"help": "requests one tenant may have in flight (429 beyond; 0: no limit)"})
     tenant_max_prompt_tokens: int = field(default=32768, metadata={"help": "prompt tokens per request (400 beyond; 0: no limit)"})
     tenant_tokens_per_minute: int = field(default=0, metadata={"help": "prompt tokens one tenant may send per minute (429 beyond; 0: no limit)"})

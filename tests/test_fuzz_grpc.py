@@ -274,3 +274,15 @@ async def test_replica_answers_undecodable_requests_with_invalid_argument(stack)
             [m async for m in call(b"\x12\x02\xc3\x28", timeout=10)]  # text (field 2) with invalid UTF-8
     assert err.value.code() == INVALID
     assert rep.servicer.request_ids == []  # the servicer never saw it
+
+
+async def test_message_over_max_request_bytes_is_refused_before_tokenizing(stack):
+    limit = stack.app.config.max_request_bytes
+    assert limit == 8 << 20  # RouterConfig default, the same as the HTTP body limit
+    huge = router_pb2.RouterGenerateRequest(text="q" * limit)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [m async for m in stack.stub.Generate(huge, metadata=[("x-api-key", "key-acme")], timeout=60)]
+    assert err.value.code() == EXHAUSTED
+    assert stack.served_ids() == []
+    ok = router_pb2.RouterGenerateRequest(text="fine", sampling=common_pb2.SamplingParams(max_tokens=1))
+    assert len([m async for m in stack.stub.Generate(ok, metadata=[("x-api-key", "key-acme")], timeout=30)]) == 1
