@@ -31,7 +31,15 @@ class ReplicaRuntime:
         self._drain: asyncio.Task | None = None
 
     async def start(self) -> str:
-        """Start everything; returns the advertised ``host:port``."""
+        """Start everything; returns the advertised ``host:port``. On failure (a bad Redis
+        setting, a port in use) stops what already started, then raises."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> str:
         s = self.settings
         self.engine = AsyncEngine(s.engine_config())
         await self.engine.start()

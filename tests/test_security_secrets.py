@@ -261,3 +261,14 @@ def test_logged_redis_url_masks_both_password_forms(url, shown):
 
     assert redis.connection.parse_url(url).get("password") in (REDIS_PW, None)  # redis-py reads both forms
     assert build_config(env={}, overrides={"redis_url": url}).describe()["redis_url"] == shown
+
+
+def test_replica_cli_redis_errors_carry_no_secret(clean_env, capsys, caplog):
+    """``unicache replica`` with a TLS CA on a plain URL holding a password: one line, no password."""
+    caplog.set_level(logging.DEBUG)
+    argv = ["replica", "--model-preset", "tiny", "--num-blocks", "16", "--device", "cpu",
+            "--redis-url", f"redis://:{REDIS_PW}@127.0.0.1:1/0", "--redis-password", REDIS_PW, "--redis-tls-ca", "/ca.pem"]
+    code, output = run_cli(argv, capsys)
+    assert code == 2
+    assert output.strip().splitlines()[-1] == "unicache replica: error: redis_tls_ca needs a rediss:// redis_url"
+    assert_clean(output + caplog.text, "replica CLI output")
