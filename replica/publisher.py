@@ -39,6 +39,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from unicache.block_hash import BlockHash
+from unicache.aio import cancel_and_wait
 from unicache.redis_keys import (
     EVENT_FLUSH_INTERVAL_S,
     EVENT_STREAM_MAXLEN,
@@ -158,11 +159,9 @@ class CachePublisher:
     async def stop(self, remove_heartbeat: bool = True) -> None:
         """Flush what is pending, stop the loops, and (by default) delete the heartbeat so
         routers drop this replica at once instead of waiting for the TTL."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        stuck = await cancel_and_wait(self._tasks)
+        if stuck:
+            log.warning("replica %s: %d publisher tasks did not stop", self.replica_id, len(stuck))
         self._tasks = []
         if self._redis is None:
             return

@@ -9,9 +9,9 @@ never makes ``start`` fail.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
+from unicache.aio import cancel_and_wait
 from unicache.redis_keys import RedisKeys
 from replica.engine.async_engine import AsyncEngine
 from replica.publisher import CachePublisher
@@ -74,9 +74,7 @@ class ReplicaRuntime:
     async def stop(self) -> None:
         """Stop in reverse order: stop publishing (heartbeat deleted), drain gRPC, stop the engine."""
         if self._drain is not None:
-            self._drain.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._drain
+            await cancel_and_wait([self._drain])
             self._drain = None
         if self.publisher is not None:
             await self.publisher.stop()

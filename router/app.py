@@ -32,6 +32,7 @@ from router.routing.registry import make_routing_policy
 from router.service import RouterServicer
 from router.subscriber import RedisSubscriber
 from unicache.classifier import RequestClassifier
+from unicache.aio import cancel_and_wait
 from unicache.errors import UsageError
 from unicache.grpc_decode import add_servicer
 from unicache.v1 import router_pb2, router_pb2_grpc
@@ -171,14 +172,12 @@ class RouterApp:
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
-        for task in reversed(self._tasks):
-            if task.get_name() == "router-redis":
-                task.cancel()
-        for task in self._tasks:
-            try:
-                await asyncio.wait_for(task, grace_s + 5)
-            except (asyncio.CancelledError, asyncio.TimeoutError):
-                pass
+        # The Redis follower is cancelled; uvicorn exits by itself once should_exit is set.
+        await cancel_and_wait([t for t in self._tasks if t.get_name() == "router-redis"])
+        http = [t for t in self._tasks if t.get_name() != "router-redis"]
+        if http:
+            _, late = await asyncio.wait(http, timeout=grace_s + 5)
+            await cancel_and_wait(late)
         self._tasks.clear()
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace_s)

@@ -1,0 +1,27 @@
+"""Small asyncio helpers shared by the replica and the router."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout_s: float = 5.0) -> set[asyncio.Task]:
+    """Cancel ``tasks`` and wait until they finish; returns those still running after ``timeout_s``.
+
+    NOTE: on Python 3.11 ``asyncio.wait_for`` can swallow a cancellation that arrives as
+    its inner awaitable completes (gh-86296), so a loop built on it may survive one
+    ``cancel()``; a bare ``await task`` then hangs forever. Cancelling again on every
+    round until the task is done makes shutdown bounded.
+    """
+    pending = {t for t in tasks if not t.done()}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while pending:
+        for t in pending:
+            t.cancel()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            break
+        _, pending = await asyncio.wait(pending, timeout=min(0.1, remaining))
+    return pending
