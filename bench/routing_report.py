@@ -55,6 +55,7 @@ ABLATION = {
     "- eviction pressure": {"evict_weight": 0.0},
     "- in-flight prefixes": {"track_inflight": False},
     "- template home": {"template_trust": 0.0},
+    "template home keyed on its last block": {"template_key_blocks": 0},
     "- request cost in load": {"request_cost_tokens": 0.0},
     "- balance guard": {"balance_ratio": 1e9},
 }

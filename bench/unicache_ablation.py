@@ -39,6 +39,7 @@ VARIANTS: dict[str, dict] = {
     "- global weights (alpha=1)": {"weighting": "none"},
     "paper weights (efficiency, T=0.2)": {"weighting": "efficiency"},
     "- horizon (score p*S(age))": {"horizon_scoring": False},
+    "- structural rate (by last use)": {"structural_rate_halflife_s": 0.0},
     "+ strict evict-first": {"strict_evict_first": True},
     "+ depth bonus 30 s": {"depth_bonus_s": 30.0},
 }

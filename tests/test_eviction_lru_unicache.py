@@ -124,6 +124,43 @@ def test_structural_queue_cold_template_before_hot_and_deep_before_shallow():
     assert drain(p) == [3, 2, 1, 0]
 
 
+def test_structural_rate_frequent_template_outlives_a_more_recent_single_hit():
+    # h = 120 s. Block 1: cached at 0, hit at 1, 2, 3, 4 (decayed count ~4.9 at t=4,
+    # effective time E = 4 + 120 log2(4.9) ~ 279). Block 0: cached at 0, hit once at 50
+    # (count 1 + 2^(-50/120) at t=50, E = 50 + 120 log2(1.75) ~ 147). Lower E goes first.
+    def run(halflife):
+        p = plain(structural_rate_halflife_s=halflife, freq_lanes=False)
+        release(p, [0, 1], TEMPLATE, 0.0)
+        for t in (1.0, 2.0, 3.0, 4.0):
+            p.on_access(1, TEMPLATE, t)
+        p.on_release(1, ReleaseInfo(TEMPLATE, 1, 2, False, 4.0))
+        p.on_access(0, TEMPLATE, 50.0)
+        p.on_release(0, ReleaseInfo(TEMPLATE, 0, 2, False, 50.0))
+        return drain(p)
+
+    assert run(120.0) == [0, 1]
+    assert run(0.0) == [1, 0]  # by last use: block 1 (t=4) before block 0 (t=50)
+
+
+def test_structural_rate_history_survives_eviction_through_the_ghost_list():
+    # Block 0 (hash h0) earns E > 100 from hits at 1, 2, 3 and is evicted; re-cached at 10
+    # as block 5 it resumes from that history (E >= its ghost key > 20), so the fresh
+    # block 6 released at 20 (E = 20) goes first.
+    p = plain(weighting="reuse", structural_rate_halflife_s=120.0, freq_lanes=False)
+    h = hash_id_blocks([1, 2])
+    p.on_cached(0, h[0], -1, 0.0)
+    p.on_release(0, ReleaseInfo(TEMPLATE, 0, 2, False, 0.0))
+    for t in (1.0, 2.0, 3.0):
+        p.on_access(0, TEMPLATE, t)
+    p.on_release(0, ReleaseInfo(TEMPLATE, 0, 2, False, 3.0))
+    assert drain(p) == [0]
+    p.on_cached(5, h[0], -1, 10.0)
+    p.on_release(5, ReleaseInfo(TEMPLATE, 0, 2, False, 10.0))
+    p.on_cached(6, h[1], -1, 20.0)
+    p.on_release(6, ReleaseInfo(TEMPLATE, 1, 2, False, 20.0))
+    assert drain(p) == [6, 5]
+
+
 def test_depth_bonus_keeps_shallow_template_blocks_longer():
     p = plain(depth_bonus_s=10.0)
     p.on_release(0, ReleaseInfo(TEMPLATE, 0, 4, False, 0.0))  # key 0 + 10
@@ -184,7 +221,8 @@ def test_lognormal_fit():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": 0}, {"alpha_ema": 0}, {"update_every": 0}, {"weighting": "nope"}, {"depth_bonus_s": -1}]
+    "kwargs", [{"temperature": 0}, {"alpha_ema": 0}, {"update_every": 0}, {"weighting": "nope"}, {"depth_bonus_s": -1},
+                {"structural_rate_halflife_s": -1}]
 )
 def test_bad_tunables_raise(kwargs):
     with pytest.raises(ValueError):

@@ -358,7 +358,8 @@ def test_cache_aware_template_home_is_the_ring_owner():
     reps = [load("r0"), load("r1"), load("r2")]
     p.update_replicas(["r0", "r1", "r2"])
     b = make_request("b", [500, 501, 502, 503, 9, 9], template_blocks=4)
-    home = reference_owner(["r0", "r1", "r2"], b.block_hashes[3].hex(), 160)
+    # Keyed on the first block (template_key_blocks=1, the default).
+    home = reference_owner(["r0", "r1", "r2"], b.block_hashes[0].hex(), 160)
     d = p.choose(b, reps, EMPTY)
     assert (d.replica_id, d.reason, d.matched_blocks) == (home, "template_home", 2)
     # Same template, other suffix: same home. A real longer match elsewhere wins.
@@ -367,6 +368,26 @@ def test_cache_aware_template_home_is_the_ring_owner():
     other = next(r for r in ["r0", "r1", "r2"] if r != home)
     idx = make_index({other: [500, 501, 502]})
     assert p.choose(c, reps, idx).replica_id == other
+
+
+def test_cache_aware_template_key_blocks_sets_the_ring_key():
+    reps = [load(f"r{i}") for i in range(8)]
+    ids = [r.replica_id for r in reps]
+    grown = make_request("g", [600, 601, 602, 603, 9], template_blocks=4)
+    # key_blocks=1: the home stays put while the template's known extent grows 1 -> 4.
+    p = CacheAwarePolicy(template_trust=2.0, churn_weight=0.0, template_key_blocks=1)
+    p.update_replicas(ids)
+    home1 = reference_owner(ids, grown.block_hashes[0].hex(), 160)
+    for tb in (1, 4):
+        d = p.choose(make_request(f"t{tb}", [600, 601, 602, 603, 9], template_blocks=tb), reps, EMPTY)
+        assert (d.replica_id, d.reason) == (home1, "template_home")
+    # key_blocks=0: keyed on the template's last block, so the home follows its extent.
+    p0 = CacheAwarePolicy(template_trust=2.0, churn_weight=0.0, template_key_blocks=0)
+    p0.update_replicas(ids)
+    for tb in (1, 4):
+        want = reference_owner(ids, grown.block_hashes[tb - 1].hex(), 160)
+        d = p0.choose(make_request(f"u{tb}", [600, 601, 602, 603, 9], template_blocks=tb), reps, EMPTY)
+        assert (d.replica_id, d.reason) == (want, "template_home")
 
 
 def test_cache_aware_update_replicas_drops_state_of_departed():

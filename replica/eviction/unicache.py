@@ -31,9 +31,20 @@ lowest, victim = argmin alpha_lane * s_q, as in the paper, with these measured c
       cache's residence time tau (EMA of victims' ages) given survival so far,
       p (S(a) - S(a + tau)) / (1 - p + p S(a)), instead of p S(a): a block whose reuse is
       likely but far away is worth less than one likely to be reused soon.
-    * Structural blocks by last use: cold templates go before hot ones and deep blocks
-      before shallow ones (a parent is used at least as recently as its child);
-      ``depth_bonus_s`` adds the paper's 1 - offset/max_offset as seconds of recency.
+    * ``structural_rate_halflife_s`` (default 120 s): a structural block's reuse is a
+      Poisson stream whose rate is estimated from its decayed access count
+      c = sum_i 2^(-(now - t_i)/h) (LRFU's CRF; a stream of rate r has E[c] = r h / ln 2),
+      scored p (1 - exp(-r tau)), P(reuse within the residence time). Its heap key is the
+      count as an effective time E (c = 2^((E - now)/h)), which all blocks age alike, so
+      heap order is score order; an evicted block's E rides in the ghost list and is
+      resumed on re-caching (frequency history across evictions, as in TinyLFU). A hot
+      template that paused outlives a cold one used once more recently. Measured (mean of
+      mix seeds 0-5, 4 replicas x 1%): pooled 52.3 -> 53.2% token hits, cache_aware 46.3
+      -> 47.5; one replica at 2% of the seed-0 mix: +3.6 points. 0: by last use.
+    * Otherwise structural blocks go by last use: cold templates before hot ones and deep
+      blocks before shallow ones (a parent is used at least as recently as its child);
+      ``depth_bonus_s`` adds the paper's 1 - offset/max_offset as seconds of recency (to
+      the effective time E in rate mode).
     * ``strict_evict_first`` (off by default) restores the paper's "always emptied
       first"; with *inferred* classes a "single-turn" request may open a session.
 
@@ -41,6 +52,8 @@ Invariants:
     * A block is a candidate iff it is in ``_live``; it then has exactly one live heap
       entry (``_live[id] is entry``) in its lane's heap; other entries are stale and skipped on
       pop (lazy invalidation); a heap is compacted once stale entries outnumber live ones.
+    * ``_crf`` holds an effective time only for blocks released into the structural
+      queue (or re-cached from a structural ghost) and loses it on eviction/removal.
     * Within a lane, p and S are shared, so with ``horizon_scoring`` off heap order is
       score order exactly; with it on, the head is the lowest-scored block of its lane
       among blocks past the gap distribution's mode (the hazard of a log-normal falls
@@ -76,6 +89,7 @@ TAIL_LANE = NUM_LANES - 1
 
 
 _ALL_LANES = range(NUM_QUEUES * NUM_LANES)
+_LN2 = math.log(2.0)
 
 
 def turn_lane(turn: int) -> int:
@@ -127,7 +141,11 @@ class UniCachePolicy(EvictionPolicy):
             p (S(a) - S(a + tau)) / (1 - p + p S(a)), tau = EMA of victims' ages, instead
             of p S(a) (reuse at any later time). Not with "efficiency" weighting.
         structural_fit: fit the structural queue's gaps from its hits (off: keep the
-            prior; hit gaps of one hot system-prompt block swamp colder templates).
+            prior; hit gaps of one hot system-prompt block swamp colder templates). Not
+            used while ``structural_rate_halflife_s`` is on.
+        structural_rate_halflife_s: half-life h of the decayed access count that scores
+            structural blocks as Poisson reuse at rate c ln2 / h (default 120 s; 0: by
+            last use with the log-normal prior, as before).
         temperature: T of alpha_q = (E_q / mean E)^(1/T).
         alpha_ema: smoothing of alpha updates.
         alpha_min / alpha_max: clip of alpha_q.
@@ -153,6 +171,7 @@ class UniCachePolicy(EvictionPolicy):
         fit_prior_weight: float = 20.0,
         max_sessions: int = 100_000,
         structural_fit: bool = False,
+        structural_rate_halflife_s: float = 120.0,
         horizon_scale: float = 1.0,
         turn_lanes: bool = True,
         freq_lanes: bool = True,
@@ -179,6 +198,12 @@ class UniCachePolicy(EvictionPolicy):
         self.update_every = update_every
         self.max_sessions = max_sessions
         self.structural_fit = structural_fit
+        if structural_rate_halflife_s < 0:
+            raise ValueError("structural_rate_halflife_s must be >= 0")
+        self.rate_halflife = structural_rate_halflife_s
+        # cached block -> E, its decayed access count as an effective time:
+        # sum_i 2^(-(now - t_i)/h) == 2^((E - now)/h) over the block's accesses t_i.
+        self._crf: dict[int, float] = {}
         self.horizon_scoring = horizon_scoring
         # NOTE: the horizon score needs p to be a probability; the paper's efficiency
         # weights are not (they range up to alpha_max), so with them it is alpha * S(age).
@@ -245,6 +270,10 @@ class UniCachePolicy(EvictionPolicy):
         self._hash[block_id] = block_hash
         self._uses[block_id] = 0
         ghost = self._ghosts.pop(block_hash, None)
+        if self.rate_halflife and ghost is not None and ghost[0] // NUM_LANES == STRUCTURAL:
+            # NOTE: a re-cached template block keeps its access history (its ghost key is
+            # its effective time), as TinyLFU keeps counts of evicted keys.
+            self._crf[block_id] = self._combine(ghost[1], now)
         if ghost is not None:
             lane, key = ghost
             self._reused[lane] += 1.0
@@ -258,6 +287,10 @@ class UniCachePolicy(EvictionPolicy):
             self._all_dirty = True
         q = self.queue_of(info)
         key = now
+        if q == STRUCTURAL and self.rate_halflife:
+            # Only structural blocks carry a decayed count (from their first release,
+            # which follows their caching within one request).
+            key = self._crf.setdefault(block_id, now)
         if q == STRUCTURAL and self.depth_bonus_s:
             key += self.depth_bonus_s * (1.0 - info.position / info.cls.template_blocks)
         # NOTE: the store releases a request's blocks tail first (positions falling), so
@@ -297,6 +330,10 @@ class UniCachePolicy(EvictionPolicy):
         uses = self._uses
         if block_id in uses:
             uses[block_id] += 1
+        if self.rate_halflife:
+            crf = self._crf
+            if block_id in crf:
+                crf[block_id] = self._combine(crf[block_id], now)
         entry = self._live.pop(block_id, None)
         if entry is None:
             return
@@ -362,6 +399,7 @@ class UniCachePolicy(EvictionPolicy):
         self._lane_sizes[best] -= 1
         self._dirty.add(best)
         self._uses.pop(block_id, None)
+        self._crf.pop(block_id, None)
         h = self._hash.pop(block_id, None)
         if h is not None and self.weighting == "reuse":
             ghosts = self._ghosts
@@ -373,6 +411,7 @@ class UniCachePolicy(EvictionPolicy):
     def on_removed(self, block_id: int) -> None:
         self._hash.pop(block_id, None)
         self._uses.pop(block_id, None)
+        self._crf.pop(block_id, None)
         entry = self._live.pop(block_id, None)
         if entry is not None:
             lane = entry[3]
@@ -404,11 +443,24 @@ class UniCachePolicy(EvictionPolicy):
         assert head is not None
         age = self._now - head[0]
         fit, p = self.fits[lane // NUM_LANES], self.alpha[lane]
+        if self.rate_halflife and lane // NUM_LANES == STRUCTURAL:
+            # Poisson reuse at the decayed-count rate estimate r = crf * ln2 / h (a
+            # Poisson stream of rate r has E[crf] = r h / ln 2): P(reuse within tau).
+            h = self.rate_halflife
+            rate = math.exp(-age * _LN2 / h) * _LN2 / h
+            tau = self.horizon_scale * self._horizon
+            return p * -math.expm1(-rate * tau)
         s_now = fit.survival(age)
         if self._horizon_on:
             tau = self.horizon_scale * self._horizon
             return p * (s_now - fit.survival(age + tau)) / (1.0 - p + p * s_now + 1e-12)
         return p * s_now
+
+    def _combine(self, e: float, t: float) -> float:
+        """Effective time after one more access at ``t``: h log2(2^(e/h) + 2^(t/h))."""
+        h = self.rate_halflife
+        hi, lo = (e, t) if e >= t else (t, e)
+        return hi + h * math.log1p(math.exp((lo - hi) * _LN2 / h)) / _LN2
 
     def _head(self, lane: int) -> _Entry | None:
         """The lane's live minimum, dropping stale entries above it."""
