@@ -95,6 +95,7 @@ class RouterApp:
             self.metrics,
             block_size=config.block_size,
             max_in_flight=config.max_in_flight,
+            first_token_timeout_s=config.first_token_timeout_s or None,
             limits=limiter_from_config(
                 config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits
             ),

@@ -45,6 +45,9 @@ class RouterConfig:
     api_keys_file: str = field(default="", metadata={"help": "file of 'key:tenant' lines or a JSON object"})
     salt_secret: str = field(default="", metadata={"help": "server secret the tenant cache salts derive from"})
     forward_deadline_s: float = field(default=300.0, metadata={"help": "deadline of one forwarded Generate"})
+    first_token_timeout_s: float = field(
+        default=60.0, metadata={"help": "retry elsewhere when a replica streams nothing this long (0: off)"}
+    )
     model_name: str = field(default="unicache-default", metadata={"help": "model name served under /v1/models"})
     block_size: int = field(default=16, metadata={"help": "KV block size in tokens (must match the replicas)"})
     tokenizer: str = field(

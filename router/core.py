@@ -139,6 +139,9 @@ class RouterCore:
             classifier and the policy remember session ids, so their size must be bounded.
         clock: seconds for the classifier's inter-turn gaps (default ``time.monotonic``).
         limits: per-tenant admission limits (default: none).
+        first_token_timeout_s: a replica that streams nothing for this long is cancelled,
+            skipped for its cooldown, and the request retried elsewhere (default 60 s;
+            None waits for the whole forward deadline).
     """
 
     def __init__(
@@ -154,6 +157,7 @@ class RouterCore:
         max_session_id_chars: int = 256,
         clock: Callable[[], float] = time.monotonic,
         limits: TenantLimiter | None = None,
+        first_token_timeout_s: float | None = 60.0,
     ):
         self.cluster = cluster
         self.auth = auth
@@ -166,6 +170,7 @@ class RouterCore:
         self.max_session_id_chars = max_session_id_chars
         self.clock = clock
         self.limits = limits or TenantLimiter()
+        self.first_token_timeout_s = first_token_timeout_s
 
     @property
     def policy(self):
@@ -271,7 +276,7 @@ class RouterCore:
             stream = self.clients.generate(rec.address, request)
             try:
                 try:
-                    first = await stream.first()
+                    first = await stream.first(self.first_token_timeout_s)
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
                     if code in _SKIP_AFTER:

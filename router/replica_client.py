@@ -38,9 +38,22 @@ class ReplicaStream:
         self._call = call
         self._done = False
 
-    async def first(self) -> replica_pb2.GenerateResponse | None:
-        """The first message (None if the stream ended empty); raises grpc.aio.AioRpcError."""
-        msg = await self._call.read()
+    async def first(self, timeout_s: float | None = None) -> replica_pb2.GenerateResponse | None:
+        """The first message (None if the stream ended empty); raises grpc.aio.AioRpcError.
+
+        With ``timeout_s``, a replica that sends nothing in time is cancelled and the call
+        fails with DEADLINE_EXCEEDED, as if the whole call's deadline had passed.
+        """
+        try:
+            msg = await asyncio.wait_for(self._call.read(), timeout_s)
+        except asyncio.TimeoutError:
+            self.close()
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details=f"no first token within {timeout_s:g}s",
+            ) from None
         if msg is grpc.aio.EOF:
             self._done = True
             return None

@@ -170,6 +170,25 @@ async def test_missed_deadline_retries_elsewhere_and_skips_the_stuck_replica():
             await r.stop()
 
 
+async def test_no_first_token_in_time_retries_elsewhere_well_before_the_deadline():
+    stuck, good = Stuck("r0"), FakeReplica("r1")
+    for r in (stuck, good):
+        await r.start()
+    app, stub, channel = await start_router([stuck, good], forward_deadline_s=300.0, first_token_timeout_s=0.3)
+    app.cluster.down_cooldown_s = 60.0
+    try:
+        msgs = [m async for m in stub.Generate(gen_request(), timeout=10)]
+        assert (msgs[0].route.replica_id, "".join(m.text for m in msgs)) == ("r1", "A pr")
+        assert (len(stuck.requests), len(good.requests)) == (1, 1)
+        assert not app.cluster.healthy("r0")
+        assert app.metrics.registry.get_sample_value("unicache_router_retries_total") == 1
+    finally:
+        await channel.close()
+        await app.stop()
+        for r in (stuck, good):
+            await r.stop()
+
+
 def test_a_restarted_replica_is_not_skipped_for_its_predecessors_refusals():
     now = [100.0]
     cluster = ClusterView(CacheAwarePolicy(), LocalityIndex(), down_cooldown_s=2.0, clock=lambda: now[0])
