@@ -32,259 +32,129 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # NOTE: the harness lives in tests/support (not an installed package)
 
-import grpc  # noqa: E402
-
-from tests.support.cluster_harness import (  # noqa: E402
-    ReplicaSet,
-    RouterHandle,
-    index_matches_caches,
-    locality_first,
-    prompt_hashes,
-    prompt_text,
-    start_ray,
-    stop_ray,
-    wait_for,
-)
+from tests.support import fault_scenarios as fs  # noqa: E402
+from tests.support.cluster_harness import ReplicaSet, RouterHandle, locality_first, start_ray, stop_ray  # noqa: E402
 from unicache.redis_server import EmbeddedRedis  # noqa: E402
 
 PREFIX = "faultbench"
 BS = 8
 PRODUCTION: dict = {}  # RedisSubscriber defaults
+WAIT_S = 60.0  # deadline of each wait inside a scenario (production intervals are slower)
 
 
-async def synced(router: RouterHandle, replicas: ReplicaSet) -> None:
-    await wait_for(lambda: all(router.in_sync(r) for r in replicas.ids), "router in sync", 60)
+async def with_router(run, redis: EmbeddedRedis, **config):
+    """Start a router with production subscriber settings, ``await run(router)``, stop it."""
+    router = RouterHandle(redis.url, PREFIX, BS, subscriber_kwargs=PRODUCTION, **config)
+    await router.start()
+    try:
+        return await run(router)
+    finally:
+        await router.stop()
 
 
 # ------------------------------------------------------------------------------- redis
 async def redis_outage(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int) -> dict:
-    router = RouterHandle(redis.url, PREFIX, BS, subscriber_kwargs=PRODUCTION, forward_deadline_s=60)
-    await router.start()
-    try:
-        await synced(router, replicas)
-        sessions = {f"r{rep}s{i}": prompt_text(f"bench-outage-{rep}-{i}", 48) for i in range(4)}
-        phase = "up"
-        log: list[tuple[str, object]] = []
-        stop = asyncio.Event()
-
-        async def traffic() -> None:
-            turn = 0
-            while not stop.is_set():
-                for sid in sessions:
-                    sessions[sid] += f" user turn {turn} of {sid}; assistant reply {turn}."
-                    sent_in = phase  # the phase when the request was sent, not when it ended
-                    log.append((sent_in, await router.generate(sessions[sid], session_id=sid, task="chat")))
-                turn += 1
-
-        def count(p: str) -> int:
-            return sum(1 for ph, _ in log if ph == p)
-
-        task = asyncio.create_task(traffic())
-        await wait_for(lambda: count("up") >= 12, "traffic before the outage", 60)
-        phase = "killing"
-        redis.kill()
-        t_kill = time.monotonic()
-        await wait_for(lambda: not router.cluster.redis_connected, "outage noticed", 30)
-        noticed_s = time.monotonic() - t_kill
-        phase = "down"
-        await wait_for(lambda: count("down") >= 12, "traffic while Redis is down", 60)
-        stop.set()
-        await task
-        # NOTE: quiet restart, so "index == cache" is exact rather than racing new events.
-        redis.start()
-        t0 = time.monotonic()
-        await wait_for(lambda: router.cluster.redis_connected, "reconnect", 60)
-        reconnect_s = time.monotonic() - t0
-        await wait_for(lambda: index_matches_caches(router, replicas), "index rebuilt", 60, 0.05)
-        rebuild_s = time.monotonic() - t0
-        stop.clear()
-        phase = "after"
-        task = asyncio.create_task(traffic())
-        await wait_for(lambda: count("after") >= 12, "traffic after Redis returned", 60)
-        stop.set()
-        await task
-    finally:
-        await router.stop()
-    reasons = {p: dict(collections.Counter(r.reason for ph, r in log if ph == p and r.ok)) for p in ("up", "down", "after")}
+    # NOTE: quiet restart, so "index == cache" is exact rather than racing new events.
+    rec = await with_router(
+        lambda router: fs.redis_outage(
+            router, redis, replicas, tag=f"bench-outage-{rep}", session_prefix=f"r{rep}", quiet_restart=True, timeout_s=WAIT_S
+        ),
+        redis,
+        forward_deadline_s=60,
+    )
+    reasons = {
+        p: dict(collections.Counter(s.reply.reason for s in rec.log if s.phase == p and s.reply.ok)) for p in ("up", "down", "after")
+    }
     return {
-        "requests": len(log),
-        "failed": sum(1 for _, r in log if not r.ok),
+        "requests": len(rec.log),
+        "failed": sum(1 for s in rec.log if not s.reply.ok),
         "reasons": reasons,
-        "outage_noticed_s": noticed_s,
-        "reconnect_s": reconnect_s,
-        "index_rebuilt_s": rebuild_s,
+        "outage_noticed_s": rec.noticed_s,
+        "reconnect_s": rec.reconnect_s,
+        "index_rebuilt_s": rec.rebuilt_s,
     }
 
 
 # ----------------------------------------------------------------------------- replica
 async def replica_kill(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int) -> dict:
-    router = RouterHandle(redis.url, PREFIX, BS, subscriber_kwargs=PRODUCTION, forward_deadline_s=120, policy_factory=locality_first)
-    await router.start()
-    try:
-        await synced(router, replicas)
-        base = prompt_text(f"bench-kill-{rep}", 800)
-        warm = await router.generate(base)
-        victim = warm.replica
-        old = await replicas.info(victim)
-        await wait_for(lambda: router.app.index.match(victim, prompt_hashes(router, base)) > 0, "prompt indexed", 30)
-        await replicas.set_faults(victim, token_delay_s=0.2)
-        streams = [router.call(base + f" long {i}", max_tokens=100) for i in range(2)]
-        on_victim = []
-        for call in streams:
-            on_victim.append((await call.read()).route.replica_id == victim)
-        await replicas.set_faults(victim, first_token_delay_s=120.0, token_delay_s=0.2)
-        n0 = len(router.calls_to(old["address"]))
-        pending = [asyncio.create_task(router.generate(base + f" pending {i}")) for i in range(2)]
-        await wait_for(lambda: len(router.calls_to(old["address"])) == n0 + 2, "pending at the victim", 30)
-
-        background: list = []
-        stop = asyncio.Event()
-
-        async def traffic() -> None:
-            i = 0
-            while not stop.is_set():
-                background.append((time.monotonic(), await router.generate(prompt_text(f"bench-kill-bg-{rep}-{i}", 64))))
-                i += 1
-
-        bg = asyncio.create_task(traffic())
-        t_kill = time.monotonic()
-        replicas.kill(victim)
-        stream_codes = []
-        for call in streams:
-            try:
-                while await call.read() is not grpc.aio.EOF:
-                    pass
-                stream_codes.append("OK")
-            except grpc.aio.AioRpcError as exc:
-                stream_codes.append(exc.code().name)
-        retried = await asyncio.gather(*pending)
-        new: dict = {}
-
-        async def rejoined() -> bool:
-            if not new:
-                try:
-                    now = await replicas.info(victim, timeout_s=5)
-                except Exception:  # noqa: BLE001 - restarting
-                    return False
-                if now["pid"] == old["pid"]:
-                    return False
-                new.update(now, seen=time.monotonic())
-            rec = router.cluster.replicas.get(victim)
-            return rec is not None and rec.address == new["address"] and router.in_sync(victim, new["epoch"])
-
-        await wait_for(rejoined, "victim back in the router", 180, 0.05)
-        rejoin_s = time.monotonic() - t_kill
-        stop.set()
-        await bg
-        # NOTE: a probe the router must send to the victim (the others skipped): with
-        # sequential traffic and equal costs, ties would always go to the lowest id.
-        probe = await router.probe(victim, prompt_text(f"bench-kill-probe-{rep}", 64))
-        served_s = time.monotonic() - t_kill
-        await replicas.set_faults(victim)  # no-op on the restarted actor (fresh settings)
-    finally:
-        await router.stop()
-    late = [t - t_kill for t in router.calls_to(old["address"], t_kill)]
+    rec = await with_router(
+        lambda router: fs.replica_kill(
+            router, replicas, tag=f"bench-kill-{rep}", timeout_s=WAIT_S, rejoin_timeout_s=180, rejoin_every_s=0.05
+        ),
+        redis,
+        forward_deadline_s=120,
+        policy_factory=locality_first,
+    )
     return {
-        "streams_on_victim": sum(on_victim),
-        "stream_endings": stream_codes,
-        "pending_retried_ok": sum(1 for r in retried if r.ok and r.replica != victim),
-        "background_requests": len(background),
-        "background_failed": sum(1 for _, r in background if not r.ok),
-        "calls_to_dead_address_after_kill": len(late),
-        "last_call_to_dead_address_s": max(late, default=0.0),
-        "actor_restarted_s": new["seen"] - t_kill,
-        "rejoined_index_s": rejoin_s,
-        "probe_served_by_victim": probe.ok and probe.replica == victim,
-        "first_served_s": served_s,
+        "streams_on_victim": sum(s.first_replica == rec.victim for s in rec.streams),
+        "stream_endings": [s.code.name for s in rec.streams],
+        "pending_retried_ok": sum(1 for r in rec.retried if r.ok and r.replica != rec.victim),
+        "background_requests": len(rec.background),
+        "background_failed": sum(1 for _, r in rec.background if not r.ok),
+        "calls_to_dead_address_after_kill": len(rec.late_calls_s),
+        "last_call_to_dead_address_s": max(rec.late_calls_s, default=0.0),
+        "actor_restarted_s": rec.restarted_at - rec.t_kill,
+        "rejoined_index_s": rec.rejoined_s,
+        "probe_served_by_victim": rec.probe.ok and rec.probe.replica == rec.victim,
+        "first_served_s": rec.served_s,
     }
 
 
 # ------------------------------------------------------------------------------ router
 async def router_restart(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, k: int = 8, n: int = 480) -> dict:
-    prompts = [prompt_text(f"bench-restart-{rep}-{i}", n) for i in range(k)]
-    first = RouterHandle(redis.url, PREFIX, BS, subscriber_kwargs=PRODUCTION)
-    await first.start()
-    try:
-        await synced(first, replicas)
-        for p in prompts:
-            await first.generate(p)
-        warm = [await first.generate(p) for p in prompts]
-    finally:
-        await first.stop()
+    async def make() -> RouterHandle:
+        router = RouterHandle(redis.url, PREFIX, BS, subscriber_kwargs=PRODUCTION)
+        await router.start()
+        return router
+
+    # NOTE: clients start as soon as the router knows every replica (what /readyz says),
+    # not when its index is complete: the figure includes that race.
+    rec = await fs.router_restart(
+        make, replicas, tag=f"bench-restart-{rep}", k=k, n=n, rounds=2, wait_for_index=False, timeout_s=WAIT_S
+    )
+    warm = rec.warm
     pre_ratio = sum(r.cached_tokens for r in warm) / sum(r.prompt_tokens for r in warm)
-    second = RouterHandle(redis.url, PREFIX, BS, subscriber_kwargs=PRODUCTION)
-    t0 = time.monotonic()
-    await second.start()
-    try:
-        # NOTE: clients start as soon as the router knows every replica (what /readyz says),
-        # not when its index is complete: the figure includes that race.
-        await wait_for(lambda: len(second.cluster.replicas) == len(replicas.ids), "replicas known", 60, 0.005)
-        ready_s = time.monotonic() - t0
-        after, synced_at_send = [], []
-        for _ in range(2):
-            for i, p in enumerate(prompts):
-                synced_at_send.append(all(second.in_sync(r) for r in replicas.ids))
-                after.append((i, await second.generate(p)))
-    finally:
-        await second.stop()
-    ok = [r.ok and r.cached_tokens >= warm[i].cached_tokens for i, r in after]
+    ok = [r.ok and r.cached_tokens >= warm[j % k].cached_tokens for j, r in enumerate(rec.after)]
     recovered_after = next((j for j in range(len(ok) + 1) if all(ok[j:])), len(ok))
-    first_round = [r for _, r in after[:k]]
+    first_round = rec.after[:k]
     return {
         "prompts": k,
         "prompt_tokens": n,
         "pre_restart_hit_ratio": pre_ratio,
         "first_round_hit_ratio": sum(r.cached_tokens for r in first_round) / max(1, sum(r.prompt_tokens for r in first_round)),
         "requests_until_recovered": recovered_after,
-        "requests_sent_before_index_synced": synced_at_send.count(False),
-        "ready_s": ready_s,
-        "failed": sum(1 for _, r in after if not r.ok),
+        "requests_sent_before_index_synced": rec.synced_at_send.count(False),
+        "ready_s": rec.ready_s,
+        "failed": sum(1 for r in rec.after if not r.ok),
     }
 
 
 # -------------------------------------------------------------------------------- slow
 async def slow_replica(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, deadline_s: float = 2.0) -> dict:
-    router = RouterHandle(
-        redis.url, PREFIX, BS, subscriber_kwargs=PRODUCTION, forward_deadline_s=deadline_s, policy_factory=locality_first
+    rec = await with_router(
+        lambda router: fs.slow_replica(
+            router, replicas, tag=f"bench-slow-{rep}", delay_s=60.0, baseline=5, faulted=6, timeout_s=WAIT_S
+        ),
+        redis,
+        forward_deadline_s=deadline_s,
+        policy_factory=locality_first,
     )
-    await router.start()
-    try:
-        await synced(router, replicas)
-        prompt = prompt_text(f"bench-slow-{rep}", 400)
-        warm = await router.generate(prompt)
-        slow = warm.replica
-        await wait_for(lambda: router.app.index.match(slow, prompt_hashes(router, prompt)) > 0, "prompt indexed", 30)
-
-        async def timed() -> tuple[float, object]:
-            t = time.monotonic()
-            r = await router.generate(prompt)
-            return time.monotonic() - t, r
-
-        baseline = [await timed() for _ in range(5)]
-        await replicas.set_faults(slow, first_token_delay_s=60.0)
-        try:
-            hit = await timed()
-            later = [await timed() for _ in range(5)]
-        finally:
-            await replicas.set_faults(slow)
-    finally:
-        await router.stop()
-    base_med = statistics.median(t for t, _ in baseline)
-    later_med = statistics.median(t for t, _ in later)
+    hit, later = rec.faulted[0], rec.faulted[1:]
+    base_med = statistics.median(t.latency_s for t in rec.baseline)
+    later_med = statistics.median(t.latency_s for t in later)
     return {
         "forward_deadline_s": deadline_s,
         "baseline_latency_s": base_med,
-        "deadline_hit_latency_s": hit[0],
-        "deadline_hit_served_elsewhere": hit[1].ok and hit[1].replica != slow,
+        "deadline_hit_latency_s": hit.latency_s,
+        "deadline_hit_served_elsewhere": hit.reply.ok and hit.reply.replica != rec.slow,
         "later_latency_s": later_med,
         "later_over_baseline": later_med / base_med,
-        "later_served_elsewhere": sum(1 for _, r in later if r.ok and r.replica != slow),
+        "later_served_elsewhere": sum(1 for t in later if t.reply.ok and t.reply.replica != rec.slow),
     }
 
 
