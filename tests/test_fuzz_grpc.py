@@ -12,7 +12,6 @@ Example count: ``UNICACHE_FUZZ_EXAMPLES`` (default 150 per property).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -21,7 +20,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.support.load_stack import LoadStack
+from tests.support.fuzz_stack import serves_over_grpc, stack_fixture
 from unicache.v1 import common_pb2, router_pb2
 
 EXAMPLES = int(os.environ.get("UNICACHE_FUZZ_EXAMPLES", "150"))
@@ -162,29 +161,7 @@ def build(case: dict) -> router_pb2.RouterGenerateRequest:
     return req
 
 
-async def settled(stack: LoadStack) -> None:
-    """After a run: every replica still serves and holds no referenced KV block."""
-    for _ in range(500):
-        if stack.referenced_blocks() == [0, 0]:
-            break
-        await asyncio.sleep(0.01)
-    assert stack.referenced_blocks() == [0, 0]
-    req = router_pb2.RouterGenerateRequest(text="still alive", sampling=common_pb2.SamplingParams(max_tokens=2))
-    for _ in range(2):  # round robin: one request per replica
-        msgs = [m async for m in stack.stub.Generate(req, metadata=[("x-api-key", "key-acme")], timeout=30)]
-        assert sum(len(m.token_ids) for m in msgs) == 2
-    assert stack.app.cluster.total_in_flight() == 0
-
-
-@pytest.fixture
-async def stack():
-    st_ = await LoadStack.start(num_replicas=2)
-    try:
-        yield st_
-        await settled(st_)
-        print(f"\ngRPC fuzz cases by expected outcome: {COUNTS}")
-    finally:
-        await st_.close()
+stack = stack_fixture(serves_over_grpc, lambda: f"\ngRPC fuzz cases by expected outcome: {COUNTS}")
 
 
 @given(case=request_case)

@@ -12,7 +12,6 @@ Example count: ``UNICACHE_FUZZ_EXAMPLES`` (default 150 per property).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -22,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.http_api import DEFAULT_MAX_BODY_BYTES
-from tests.support.load_stack import LoadStack
+from tests.support.fuzz_stack import serves_over_http, stack_fixture
 
 EXAMPLES = int(os.environ.get("UNICACHE_FUZZ_EXAMPLES", "150"))
 MAX_MODEL_LEN, MAX_N, DEFAULT_MAX_TOKENS, VOCAB = 512, 16, 16, 259
@@ -214,28 +213,7 @@ def request_parts(c: dict) -> tuple[bytes, dict]:
     return content, hdrs
 
 
-async def settled(stack: LoadStack) -> None:
-    for _ in range(500):
-        if stack.referenced_blocks() == [0, 0]:
-            break
-        await asyncio.sleep(0.01)
-    assert stack.referenced_blocks() == [0, 0]
-    async with httpx.AsyncClient(base_url=stack.http_url, timeout=30) as client:
-        for _ in range(2):  # round robin: one request per replica
-            r = await client.post("/v1/completions", json={"prompt": "alive", "max_tokens": 2}, headers={"x-api-key": "key-acme"})
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-    assert stack.app.cluster.total_in_flight() == 0
-
-
-@pytest.fixture
-async def stack():
-    st_ = await LoadStack.start(num_replicas=2)
-    try:
-        yield st_
-        await settled(st_)
-        print(f"\nHTTP fuzz cases by expected status: {dict(sorted(COUNTS.items()))}")
-    finally:
-        await st_.close()
+stack = stack_fixture(serves_over_http, lambda: f"\nHTTP fuzz cases by expected status: {dict(sorted(COUNTS.items()))}")
 
 
 @given(c=case)
