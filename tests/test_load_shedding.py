@@ -16,16 +16,9 @@ import pytest
 
 from tests.support.load_stack import LoadStack, start_replica
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2
+from tests.support.polling import eventually
 
 AUTH = [("authorization", "Bearer key-acme")]
-
-
-async def until(cond, what: str, limit_s: float = 20.0) -> None:
-    for _ in range(int(limit_s / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def gen_request(i: int, max_tokens: int = 3) -> router_pb2.RouterGenerateRequest:
@@ -68,7 +61,7 @@ async def test_replica_refuses_past_max_waiting_then_serves_again():
     try:
         lock.acquire()  # freeze the step thread: accepted requests stay waiting
         admitted = [asyncio.create_task(run(i)) for i in range(3)]
-        await until(lambda: rep.engine.num_waiting == 3, "3 waiting requests")
+        await eventually(lambda: rep.engine.num_waiting == 3, "3 waiting requests")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await run(3)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -93,7 +86,7 @@ async def test_router_sheds_past_max_in_flight_over_grpc_and_http():
     try:
         st.freeze()
         admitted = [asyncio.create_task(collect(st.stub, gen_request(i))) for i in range(6)]
-        await until(lambda: st.app.cluster.total_in_flight() == 6, "6 requests in flight")
+        await eventually(lambda: st.app.cluster.total_in_flight() == 6, "6 requests in flight")
         refused = await asyncio.gather(*(grpc_code(st.stub, gen_request(10 + i)) for i in range(4)))
         assert refused == [(grpc.StatusCode.RESOURCE_EXHAUSTED, "router has 6 requests in flight; retry later")] * 4
         async with httpx.AsyncClient(base_url=st.http_url, timeout=30) as client:
@@ -122,7 +115,7 @@ async def test_router_passes_replica_overload_on_as_resource_exhausted_and_429()
         st.freeze()
         admitted = [asyncio.create_task(collect(st.stub, gen_request(i))) for i in range(2)]
         engine = st.replicas[0].engine
-        await until(lambda: engine.num_waiting == 2, "2 waiting requests")
+        await eventually(lambda: engine.num_waiting == 2, "2 waiting requests")
         code, details = await grpc_code(st.stub, gen_request(5))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert details == "replica r0: replica overloaded: 2 requests waiting (max_waiting=2); retry later"
@@ -165,7 +158,7 @@ async def test_too_large_is_413_and_overload_is_429_over_http():
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds the context of 512" in details
             st.freeze()
             admitted = asyncio.create_task(collect(st.stub, gen_request(0)))
-            await until(lambda: st.replicas[0].engine.num_waiting == 1, "1 waiting request")
+            await eventually(lambda: st.replicas[0].engine.num_waiting == 1, "1 waiting request")
             r = await client.post("/v1/completions", json={"prompt": "short", "max_tokens": 2}, headers={"x-api-key": "key-acme"})
             assert r.status_code == 429
             st.thaw()
@@ -187,7 +180,7 @@ async def test_replica_marks_why_it_refused():
         lock.acquire()
         first = stub.Generate(replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=[1] * 5)), timeout=30)
         pending = asyncio.create_task(first.read())
-        await until(lambda: rep.engine.num_waiting == 1, "1 waiting request")
+        await eventually(lambda: rep.engine.num_waiting == 1, "1 waiting request")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             [m async for m in stub.Generate(replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=[2] * 5)), timeout=10)]
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -24,6 +24,7 @@ from replica.kv.store import KVStore
 from replica.publisher import CachePublisher
 from replica.store_source import StoreCacheSource
 from router.index import LocalityIndex
+from tests.support.polling import eventually
 
 BS = 4
 KEYS = RedisKeys("t")
@@ -59,20 +60,6 @@ async def read_batches(r, rid="r0") -> list[cache_pb2.KVEventBatch]:
 async def read_summary(r, rid="r0") -> cache_pb2.CacheSummary | None:
     raw = await r.get(KEYS.summary(rid))
     return cache_pb2.CacheSummary.FromString(raw) if raw is not None else None
-
-
-async def eventually(pred, timeout_s: float = 10.0) -> None:
-    """Poll an async/sync predicate until true (a deadline, not a timing assertion)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while True:
-        v = pred()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v:
-            return
-        assert loop.time() < end, "condition not reached before the deadline"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture

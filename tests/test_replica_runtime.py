@@ -5,7 +5,6 @@ Redis is killed the replica keeps serving, then republishes an exact summary in 
 
 from __future__ import annotations
 
-import asyncio
 
 import grpc
 import redis.asyncio as aioredis
@@ -15,22 +14,10 @@ from unicache.redis_keys import RedisKeys
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from replica.runtime import ReplicaRuntime
 from replica.settings import ReplicaSettings
+from tests.support.polling import eventually
 
 BS = 8
 KEYS = RedisKeys("rt")
-
-
-async def eventually(pred, timeout_s: float = 15.0):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while True:
-        v = pred()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v:
-            return v
-        assert loop.time() < end, "condition not reached before the deadline"
-        await asyncio.sleep(0.05)
 
 
 async def generate(address: str, ids: list[int], max_tokens: int = 1) -> list[int]:

@@ -5,7 +5,6 @@ the prompt, by the locality index, and be served from its cache."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import grpc
@@ -21,18 +20,11 @@ from router.app import RouterApp
 from router.config import build_config
 from unicache.redis_keys import RedisKeys
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.support.polling import eventually
 
 BS = 16
 PREFIX = "e2e"
 PROMPT = "System: you are terse.\nUser: name three primes please.\n"  # 55 bytes: 3 full blocks
-
-
-async def until(cond, what: str, limit_s: float = 20.0) -> None:
-    for _ in range(int(limit_s / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Replica:
@@ -68,7 +60,7 @@ async def stack(redis_server):
     )
     app = RouterApp(cfg, subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20, "resync_retry_s": 0.05})
     await app.start()
-    await until(lambda: sorted(app.cluster.replicas) == ["r0", "r1"] and not any(app.index.needs_resync(r) for r in ("r0", "r1")), "replicas")
+    await eventually(lambda: sorted(app.cluster.replicas) == ["r0", "r1"] and not any(app.index.needs_resync(r) for r in ("r0", "r1")), "replicas")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
     try:
         yield app, router_pb2_grpc.RouterStub(channel)
@@ -87,10 +79,10 @@ async def test_second_request_hits_the_replica_that_cached_it(stack):
     served = first[0].route.replica_id
     assert first[-1].usage.cached_tokens == 0 and first[-1].usage.prompt_tokens == 55
     # The replica publishes the prompt's 3 blocks (plus decode blocks); the index learns them.
-    await until(lambda: app.index.num_blocks(served) >= 3, "events in the index")
+    await eventually(lambda: app.index.num_blocks(served) >= 3, "events in the index")
     # NOTE: and a heartbeat taken after the request finished; one still showing it
     # running makes the served replica look busier, and cache_aware may rightly go elsewhere.
-    await until(lambda: (hb := app.cluster.replicas[served].heartbeat).running == hb.waiting == 0, "idle heartbeat")
+    await eventually(lambda: (hb := app.cluster.replicas[served].heartbeat).running == hb.waiting == 0, "idle heartbeat")
     second = [m async for m in stub.Generate(req, metadata=md, timeout=30)]
     assert second[0].route.replica_id == served
     assert second[0].route.reason == "index_prefix"

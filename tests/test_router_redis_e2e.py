@@ -4,7 +4,6 @@ a Redis outage, and rebuilding the index when Redis returns."""
 
 from __future__ import annotations
 
-import asyncio
 
 import httpx
 import redis
@@ -15,16 +14,9 @@ from tests.support.fake_replica import FakeReplica
 from tests.test_router_subscriber import KEYS
 from unicache.block_hash import hash_token_blocks
 from unicache.v1 import cache_pb2
+from tests.support.polling import eventually
 
 PROMPT = "A shared system prompt that is long enough for three blocks."
-
-
-async def until(cond, what: str, limit_s: float = 10.0) -> None:
-    for _ in range(int(limit_s / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def publish(r: redis.Redis, reps: list[FakeReplica], holdings: dict[str, list[bytes]]) -> None:
@@ -57,14 +49,14 @@ async def test_prefix_routing_through_redis_outage(redis_server):
     await app.start()
     client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10, headers={"x-api-key": "k"})
     try:
-        await until(lambda: app.index.num_blocks("r1") == 3 and "r0" in app.cluster.replicas, "index from Redis")
+        await eventually(lambda: app.index.num_blocks("r1") == 3 and "r0" in app.cluster.replicas, "index from Redis")
         resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
         assert resp.headers["x-unicache-replica"] == "r1"
         assert resp.headers["x-unicache-route-reason"] == "index_prefix"
         assert resp.headers["x-unicache-matched-tokens"] == "48"
 
         redis_server.kill()
-        await until(lambda: not app.cluster.redis_connected, "subscriber to notice the outage")
+        await eventually(lambda: not app.cluster.redis_connected, "subscriber to notice the outage")
         resp = await client.post("/v1/completions", json={"prompt": "unrelated prompt", "max_tokens": 1})
         assert resp.status_code == 200  # still serving, from the last known replicas
         assert (await client.get("/healthz")).json()["redis_connected"] is False
@@ -73,7 +65,7 @@ async def test_prefix_routing_through_redis_outage(redis_server):
         redis_server.start()
         r2 = redis.Redis.from_url(redis_server.url, socket_timeout=2)
         publish(r2, reps, {"r0": hashes})  # after the restart r0 holds the prefix
-        await until(
+        await eventually(
             lambda: app.cluster.redis_connected and app.index.num_blocks("r0") == 3 and app.index.num_blocks("r1") == 0,
             "index rebuilt after Redis returned",
         )

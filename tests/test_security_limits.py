@@ -17,6 +17,7 @@ from router.limits import LimitExceeded, TenantLimiter, TenantLimits, parse_tena
 from tests.support.fake_replica import FakeReplica
 from unicache.errors import UsageError
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.support.polling import eventually
 
 KEYS = "key-a:tenantA,key-b:tenantB"
 PROMPT = "The quick brown fox jumps."  # 26 bytes: under tenantA's 40-token limit
@@ -144,14 +145,6 @@ async def limited():
         await rep.stop()
 
 
-async def until(cond, what: str) -> None:
-    for _ in range(500):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def gen(stub, metadata, text: str = "hello", max_tokens: int = 3):
     req = router_pb2.RouterGenerateRequest(text=text, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
     return stub.Generate(req, metadata=metadata, timeout=10)
@@ -191,12 +184,12 @@ async def test_concurrency_limit_grpc_and_http_and_release_on_cancel(limited):
 
     # Client cancel releases the slot.
     c1.cancel()
-    await until(lambda: lim.in_flight("tenantA") == 1, "cancel to release")
+    await eventually(lambda: lim.in_flight("tenantA") == 1, "cancel to release")
     # Normal finish releases the slot.
     rep.hold.set()
     assert len(await read_rest(c2)) == 2
     assert (await read_rest(c3))[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    await until(lambda: lim.in_flight("tenantA") == 0 and lim.in_flight("tenantB") == 0, "finish to release")
+    await eventually(lambda: lim.in_flight("tenantA") == 0 and lim.in_flight("tenantB") == 0, "finish to release")
     metrics = (await client.get("/metrics")).text
     assert 'unicache_router_limit_rejections_total{limit="max_concurrent"} 2.0' in metrics
 
@@ -243,17 +236,17 @@ async def test_release_on_replica_error_and_http_disconnects(limited):
                 assert json.loads(line[6:])["choices"][0]["text"] == "T"
                 assert lim.in_flight("tenantA") == 1
                 break
-    await until(lambda: lim.in_flight("tenantA") == 0, "stream disconnect to release")
+    await eventually(lambda: lim.in_flight("tenantA") == 0, "stream disconnect to release")
 
     # HTTP non-streaming: the client gives up while the replica holds the request.
     n = len(rep.requests)
     post = asyncio.create_task(client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, headers={"x-api-key": "key-a"}))
-    await until(lambda: len(rep.requests) == n + 1, "request at the replica")
+    await eventually(lambda: len(rep.requests) == n + 1, "request at the replica")
     assert lim.in_flight("tenantA") == 1
     post.cancel()
     with pytest.raises(asyncio.CancelledError):
         await post
-    await until(lambda: lim.in_flight("tenantA") == 0, "disconnect to release")
+    await eventually(lambda: lim.in_flight("tenantA") == 0, "disconnect to release")
 
     # With no replica at all: 503 and nothing held.
     app.cluster.remove("solo")

@@ -6,7 +6,6 @@ router and the replicas' publisher against a password-protected redis-server."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 
@@ -26,6 +25,7 @@ from unicache.cli import main
 from unicache.redis_keys import RedisKeys
 from unicache.redis_server import free_port
 from unicache.v1 import router_pb2, router_pb2_grpc
+from tests.support.polling import eventually
 
 API_KEY = "sk-live-KEY-4f1c9e"
 SALT = "salt-SECRET-77b2"
@@ -56,14 +56,6 @@ def clean_env(monkeypatch):
     for name in list(os.environ):
         if name.startswith("UNICACHE_"):
             monkeypatch.delenv(name)
-
-
-async def until(cond, what: str, limit_s: float = 20.0) -> None:
-    for _ in range(int(limit_s / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def router_config(redis_url: str, **overrides):
@@ -112,7 +104,7 @@ async def test_password_protected_redis_works_for_router_and_replica(protected_r
     app = RouterApp(router_config(url, redis_password=REDIS_PW), subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20})
     await app.start()
     try:
-        await until(lambda: "r0" in app.cluster.replicas and app.cluster.redis_connected, "router to see r0")
+        await eventually(lambda: "r0" in app.cluster.replicas and app.cluster.redis_connected, "router to see r0")
         assert pub.stats.heartbeats >= 1 and pub.stats.redis_errors == 0
         assert_clean(await scrape_everything(app), "router responses")
     finally:
@@ -136,8 +128,8 @@ async def test_wrong_redis_password_leaks_nothing(protected_redis, caplog):
     await app.start()
     await pub.start()
     try:
-        await until(lambda: app.subscriber.reconnects >= 0 and "redis unreachable" in caplog.text, "router to log the failure")
-        await until(lambda: pub.stats.redis_errors >= 1, "publisher to fail")
+        await eventually(lambda: app.subscriber.reconnects >= 0 and "redis unreachable" in caplog.text, "router to log the failure")
+        await eventually(lambda: pub.stats.redis_errors >= 1, "publisher to fail")
         assert app.cluster.redis_connected is False and pub.resync_needed is True
         assert "AuthenticationError" in caplog.text  # the log says what went wrong ...
         assert_clean(await scrape_everything(app), "router responses")
@@ -158,7 +150,7 @@ async def test_unreachable_redis_with_password_in_url_leaks_nothing(caplog):
     await app.start()
     await pub.start()
     try:
-        await until(lambda: "redis unreachable" in caplog.text and pub.stats.redis_errors >= 1, "both to fail")
+        await eventually(lambda: "redis unreachable" in caplog.text and pub.stats.redis_errors >= 1, "both to fail")
         assert "ConnectionError" in caplog.text
         assert_clean(await scrape_everything(app), "router responses")
     finally:

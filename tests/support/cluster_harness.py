@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.support.polling import eventually
 
 log = logging.getLogger(__name__)
 
@@ -308,15 +309,8 @@ def prompt_hashes(router: "RouterHandle", prompt: str) -> list:
 async def wait_for(cond: Callable[[], Awaitable[bool] | bool], what: str, timeout_s: float = 30.0, every_s: float = 0.02) -> float:
     """Poll ``cond`` (sync or async) until true; returns the seconds it took."""
     t0 = time.monotonic()
-    while True:
-        value = cond()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        await asyncio.sleep(every_s)
+    await eventually(cond, what, timeout_s, every_s)
+    return time.monotonic() - t0
 
 
 async def index_matches_caches(router: RouterHandle, replicas: ReplicaSet) -> bool:
