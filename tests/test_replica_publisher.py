@@ -22,7 +22,7 @@ from replica.event_batch import PendingBatch
 from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from replica.kv.store import KVStore
 from replica.publisher import CachePublisher
-from replica.store_source import StoreCacheSource
+from tests.support.store_source import StoreCacheSource
 from router.index import LocalityIndex
 from tests.support.polling import eventually
 

@@ -17,7 +17,7 @@ from replica.eviction.registry import make_policy
 from replica.kv.store import KVStore
 from replica.publisher import CachePublisher
 from replica.settings import ReplicaSettings, add_settings_arguments
-from replica.store_source import StoreCacheSource
+from tests.support.store_source import StoreCacheSource
 from router.app import RouterApp
 from router.config import build_config
 from tests.support.redis_proc import RedisProcess
