@@ -198,6 +198,39 @@ def _git_commit() -> str:
     return head + ("+dirty" if dirty else "") if head else "unknown"
 
 
+def plot(report: dict, path: Path) -> None:
+    """Token hit ratio per router + eviction, grouped by replica count: the generated mix
+    (mean over seeds) and the Mooncake trace side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    if report.get("mix_seed_summary"):
+        panels.append(("generated mix (mean over seeds)",
+                       {n: {k: v["token_hit_ratio"] for k, v in rows.items()} for n, rows in report["mix_seed_summary"].items()}))
+    if "mooncake" in report["runs"]:
+        panels.append(("Mooncake trace", {n: {_label(r): r["token_hit_ratio"] for r in d["results"]}
+                                           for n, d in report["runs"]["mooncake"]["by_replicas"].items()}))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
+    for ax, (title, by_n) in zip(axes[0], panels):
+        labels = list(next(iter(by_n.values())))
+        width = 0.8 / len(by_n)
+        for i, (n, vals) in enumerate(sorted(by_n.items(), key=lambda kv: int(kv[0]))):
+            ax.barh([y + i * width for y in range(len(labels))], [100 * vals[lab] for lab in labels], width,
+                    label=f"{n} replicas")
+        ax.set_yticks([y + width * (len(by_n) - 1) / 2 for y in range(len(labels))], labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("token hit ratio (%)")
+        ax.set_title(title)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake trace (default: ../shared beside the repo)")
@@ -209,7 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity-frac", type=float, default=0.01, help="per replica, of unique blocks (default 0.01)")
     ap.add_argument("--skip", default="", help="comma list of runs to skip: mooncake, mix")
     ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--replot", action="store_true", help="only redraw routing_report.png from routing_report.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        plot(json.loads((Path(args.out_dir) / "routing_report.json").read_text()), Path(args.out_dir) / "routing_report.png")
+        return 0
     replicas = [int(x) for x in args.replicas.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out_dir)
@@ -237,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "routing_report.json").write_text(json.dumps(report, indent=2) + "\n")
     md = markdown(report)
     (out_dir / "routing_report.md").write_text(md)
+    plot(report, out_dir / "routing_report.png")
     print(md)
     return 0
 
