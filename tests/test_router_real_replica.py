@@ -6,6 +6,7 @@ the prompt, by the locality index, and be served from its cache."""
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import httpx
@@ -76,16 +77,20 @@ async def test_second_request_hits_the_replica_that_cached_it(stack):
     req = router_pb2.RouterGenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=4))
     md = [("authorization", "Bearer k")]
     first = [m async for m in stub.Generate(req, metadata=md, timeout=30)]
+    first_done = time.time()
     served = first[0].route.replica_id
     assert first[-1].usage.cached_tokens == 0 and first[-1].usage.prompt_tokens == 55
     # The replica publishes the prompt's 3 blocks (plus decode blocks); the index learns them.
     await eventually(lambda: app.index.num_blocks(served) >= 3, "events in the index")
     # NOTE: and a heartbeat taken after the request finished; one still showing it
     # running makes the served replica look busier, and cache_aware may rightly go elsewhere.
-    await eventually(lambda: (hb := app.cluster.replicas[served].heartbeat).running == hb.waiting == 0, "idle heartbeat")
-    # NOTE: the router counts the first request out only after its stream closed, which can
-    # trail the client's last message; counted in flight, it adds a request's load there.
-    await eventually(lambda: app.cluster.total_in_flight() == 0, "first request counted out")
+    # NOTE: the heartbeat must be one taken after the request finished: the router may still
+    # hold an idle one from before the request while a newer "running" one waits in Redis.
+    await eventually(
+        lambda: (hb := app.cluster.replicas[served].heartbeat).timestamp > first_done and hb.running == hb.waiting == 0,
+        "idle heartbeat taken after the first request",
+    )
+    assert app.cluster.total_in_flight() == 0
     second = [m async for m in stub.Generate(req, metadata=md, timeout=30)]
     assert second[0].route.replica_id == served
     assert second[0].route.reason == "index_prefix"
