@@ -348,6 +348,21 @@ def test_router_ports_probes_and_wiring(rendered):
     assert "UNICACHE_REDIS_URL" not in settings  # per container: it embeds the password
 
 
+def test_router_limits_from_values_reach_the_router_config():
+    docs = documents(render({"router": {"firstTokenTimeoutSeconds": 20, "tenantLimits": {"maxConcurrent": 16},
+                                        "tenantOverrides": ["acme.max_concurrent=4", "beta.tokens_per_minute=900"]}}))
+    settings = one(docs, "ConfigMap", "settings")["data"]
+    from router.config import build_config
+
+    cfg = build_config(env={k: v for k, v in settings.items() if k.startswith("UNICACHE_")})
+    assert (cfg.first_token_timeout_s, cfg.tenant_max_concurrent, cfg.tenant_max_prompt_tokens, cfg.tenant_tokens_per_minute) == (
+        20.0, 16, 32768, 0)
+    assert cfg.tenant_limits == "acme.max_concurrent=4,beta.tokens_per_minute=900"
+    from router.limits import parse_tenant_limits
+
+    assert parse_tenant_limits(cfg.tenant_limits) == {"acme": {"max_concurrent": 4}, "beta": {"tokens_per_minute": 900}}
+
+
 def test_every_unicache_variable_the_chart_sets_is_a_real_setting(rendered):
     """UNICACHE_* names in the ConfigMap and container env are fields of RouterConfig or
     ReplicaSettings, or `unicache replicas` options (replica/cli.py): no typo is silently
