@@ -98,16 +98,20 @@ def hash_token_blocks(
 
 
 def hash_id_blocks(
-    hash_ids: Sequence[int], cache_salt: bytes | None = None, parent: BlockHash = ROOT_HASH
+    hash_ids: Sequence[int],
+    cache_salt: bytes | None = None,
+    parent: BlockHash = ROOT_HASH,
+    start_index: int = 0,
 ) -> list[BlockHash]:
     """Chained hashes for a trace's ``hash_ids`` (one id stands for one block's tokens).
 
     Traces already give prefix identities; chaining them through ``hash_block`` keeps one
     hash space for traces and real tokens, and lets the tenant salt separate tenants.
+    ``parent``/``start_index`` continue a chain, as in ``hash_token_blocks``.
     """
     hashes: list[BlockHash] = []
     for i, hid in enumerate(hash_ids):
-        parent = hash_block(parent, (hid,), (cache_salt,) if (i == 0 and cache_salt and parent == ROOT_HASH) else ())
+        parent = hash_block(parent, (hid,), block_extra_keys(start_index + i, cache_salt, None))
         hashes.append(parent)
     return hashes
 

@@ -100,7 +100,7 @@ def prepare(
     for i, r in enumerate(trace):
         salt = _salt(r.tenant)
         prompt = hash_id_blocks(r.hash_ids, cache_salt=salt)
-        output = hash_id_blocks(r.output_hash_ids, parent=prompt[-1]) if r.output_hash_ids else []
+        output = hash_id_blocks(r.output_hash_ids, parent=prompt[-1], start_index=len(prompt)) if r.output_hash_ids else []
         seen.update(prompt)
         seen.update(output)
         accesses += len(prompt)
