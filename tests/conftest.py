@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.redis_proc import RedisProcess
+from unicache.redis_server import EmbeddedRedis
 
 
 @pytest.fixture
@@ -14,7 +14,7 @@ def redis_server():
     Tests may call ``redis_server.stop()`` / ``redis_server.start()`` to simulate an
     outage (the port stays the same).
     """
-    proc = RedisProcess()
+    proc = EmbeddedRedis()
     proc.start()
     try:
         yield proc

@@ -24,7 +24,7 @@ from tests.support.cluster_harness import (
     stop_ray,
     wait_for,
 )
-from tests.support.redis_proc import RedisProcess
+from unicache.redis_server import EmbeddedRedis
 from unicache.redis_keys import HEARTBEAT_TTL_S
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ BS = 8
 
 @pytest.fixture(scope="module")
 def cluster():
-    redis = RedisProcess()
+    redis = EmbeddedRedis()
     redis.start()
     tmp = start_ray(num_cpus=4)
     replicas = ReplicaSet(redis.url, PREFIX, num=3)

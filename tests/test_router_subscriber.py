@@ -258,9 +258,9 @@ async def test_block_size_mismatch_is_logged_once(setup, caplog):
 
 
 async def test_password_protected_redis():
-    from tests.support.redis_proc import RedisProcess
+    from unicache.redis_server import EmbeddedRedis
 
-    server = RedisProcess(password="pw-123")
+    server = EmbeddedRedis(password="pw-123")
     server.start()
     try:
         cluster = ClusterView(RecordingPolicy(), LocalityIndex())

@@ -20,7 +20,7 @@ from replica.settings import ReplicaSettings, add_settings_arguments
 from tests.support.store_source import StoreCacheSource
 from router.app import RouterApp
 from router.config import build_config
-from tests.support.redis_proc import RedisProcess
+from unicache.redis_server import EmbeddedRedis
 from unicache.cli import main
 from unicache.redis_keys import RedisKeys
 from unicache.redis_server import free_port
@@ -43,7 +43,7 @@ def assert_clean(text: str, where: str) -> None:
 
 @pytest.fixture
 def protected_redis():
-    proc = RedisProcess(password=REDIS_PW)
+    proc = EmbeddedRedis(password=REDIS_PW)
     proc.start()
     try:
         yield proc

@@ -1,6 +1,6 @@
 """A whole UniCache cluster on loopback, for fault tests and ``bench/faults.py``.
 
-Real processes: a private ``redis-server`` (the caller owns it: the tests' ``RedisProcess``),
+Real processes: a private ``redis-server`` (the caller owns it: an ``EmbeddedRedis``),
 Ray in-process (``ray.init`` bound to 127.0.0.1, a short private temp dir), N replica
 actors through ``ReplicaLauncher`` with a tiny model, and a ``RouterApp`` in-process on
 port 0 whose Redis subscriber polls fast. Nothing here is a fake: the faults act on
