@@ -232,10 +232,8 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = settings_mod.build(ClusterSettings, args, secrets=SECRETS)
     cluster = LocalCluster(cfg)
-    stop = {"requested": False}
-
     def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
-        stop["requested"] = True
+        # SIGTERM while backends start interrupts the start like Ctrl-C; cleanup follows.
         raise KeyboardInterrupt
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
