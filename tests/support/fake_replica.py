@@ -1,6 +1,6 @@
 """A small in-process ``unicache.v1.Replica`` servicer for router tests.
 
-Deterministic: it echoes the prompt's token ids back (one token per message, ``max_tokens``
+Deterministic: it echoes the prompt's token ids (or a text prompt's UTF-8 bytes) back (one token per message, ``max_tokens``
 of them, default 4) and keeps a real prefix cache of chained block hashes (the shared
 ``hash_token_blocks`` with the forwarded ``cache_salt``), so ``usage.cached_tokens`` is what
 a real replica would report. It records every request, can fail the next calls with a
@@ -49,7 +49,9 @@ class FakeReplica(replica_pb2_grpc.ReplicaServicer):
         if self.fail_next > 0:
             self.fail_next -= 1
             await context.abort(self.fail_code, "injected failure")
-        ids = list(request.token_ids.ids)
+        # NOTE: a text prompt (a client calling the replica directly) is echoed as its
+        # UTF-8 bytes, the router's default byte tokenizer's ids.
+        ids = list(request.token_ids.ids) or list(request.text.encode())
         hashes = hash_token_blocks(ids, self.block_size, cache_salt=request.cache_salt or None)
         hit = 0
         for h in hashes:

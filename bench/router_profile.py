@@ -1,0 +1,255 @@
+"""Router CPU per request: bursts of concurrent streams against cheap fake replicas, with
+the router in its own process (optionally under cProfile), so the router's event loop is
+the bottleneck and its cost is what the ratio shows.
+
+Processes: the fake replicas (``tests.support.fake_replica.FakeReplica``: echo, one token
+per message, no model) share one process; the router (round robin, no auth, no Redis, as
+in ``bench/load_test.py``) has its own; this process is the client. Rounds alternate a
+burst sent straight to the replicas with the same burst through the router, so load from
+other jobs on the host hits both alike. Reports req/s of each path, the router/direct
+ratio per round and its median, and (``--profile``) the router's top functions by own
+time and by cumulative time, from cProfile over the router bursts only.
+
+    .venv/bin/python bench/router_profile.py [--requests 1000] [--max-tokens 8] [--rounds 3]
+        [--profile] [--top 40] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.load_test import burst  # noqa: E402
+
+
+def replicas_main(n: int, ports, stop) -> None:
+    async def run() -> None:
+        from tests.support.fake_replica import FakeReplica
+
+        fakes = [FakeReplica(f"r{i}") for i in range(n)]
+        for f in fakes:
+            await f.start()
+        ports.put(("replicas", [f.port for f in fakes], os.getpid()))
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        for f in fakes:
+            await f.stop()
+
+    asyncio.run(run())
+
+
+async def start_bare_proxy(addresses: list[str]):
+    """The floor: a grpc.aio ``Router.Generate`` that only forwards (round robin, the
+    prompt's UTF-8 bytes as token ids, replica messages passed on as bytes; no auth, no
+    hashing, no classification, no metrics). Returns (server, port, channels)."""
+    import itertools
+
+    import grpc
+
+    from unicache.v1 import replica_pb2, router_pb2
+
+    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    calls = itertools.cycle([
+        c.unary_stream("/unicache.v1.Replica/Generate", request_serializer=replica_pb2.GenerateRequest.SerializeToString,
+                       response_deserializer=None)
+        for c in channels
+    ])
+
+    async def generate(request, context):
+        fwd = replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=request.text.encode()), sampling=request.sampling)
+        async for raw in next(calls)(fwd, timeout=300):
+            yield raw
+
+    handler = grpc.unary_stream_rpc_method_handler(
+        generate, request_deserializer=router_pb2.RouterGenerateRequest.FromString, response_serializer=None
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("unicache.v1.Router", {"Generate": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port, channels
+
+
+def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bool = False) -> None:
+    """The router (``bare``: the bare proxy); with ``profile_path``, cProfile runs while
+    the client says "on"."""
+
+    async def run() -> None:
+        import cProfile
+
+        from router.app import RouterApp
+        from router.config import build_config
+
+        cfg = build_config(env={}, overrides={
+            "grpc_port": 0, "http_port": 0, "use_redis": False, "auth_enabled": False,
+            "routing_policy": "round_robin", "replicas": spec,
+        })
+        if bare:
+            server, port, channels = await start_bare_proxy([a.split("=", 1)[1] for a in spec.split(",")])
+        else:
+            app = RouterApp(cfg)
+            await app.start()
+            port = app.grpc_port
+        prof = cProfile.Profile() if profile_path else None
+        ports.put(("router", port, os.getpid()))
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd = await loop.run_in_executor(None, cmds.get)
+            if cmd == "stop":
+                break
+            if prof is not None:
+                prof.enable() if cmd == "on" else prof.disable()
+            ports.put(("ack", cmd))
+        if prof is not None:
+            prof.dump_stats(profile_path)
+        if bare:
+            await server.stop(0)
+            for c in channels:
+                await c.close()
+        else:
+            await app.stop()
+
+    asyncio.run(run())
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (grpc's too)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], rep_pid: int, ports, cmds) -> dict:
+    """Rounds of: the burst direct, then through each front door (``front``: name ->
+    (port, pid)); cProfile (if on) is enabled only around the "router" bursts."""
+    import grpc
+
+    from unicache.v1 import replica_pb2_grpc, router_pb2_grpc
+
+    loop = asyncio.get_running_loop()
+
+    async def say(cmd: str) -> None:
+        cmds.put(cmd)
+        await loop.run_in_executor(None, ports.get)
+
+    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in rep_ports]
+    fchans = {name: grpc.aio.insecure_channel(f"127.0.0.1:{port}") for name, (port, _) in front.items()}
+    direct = [replica_pb2_grpc.ReplicaStub(c) for c in chans]
+    stubs = {name: [router_pb2_grpc.RouterStub(c)] for name, c in fchans.items()}
+    await burst(direct, 100, args.max_tokens, True)  # warm up every path
+    for stub in stubs.values():
+        await burst(stub, 100, args.max_tokens, False)
+    rounds = []
+    for _ in range(args.rounds):
+        # CPU per request: the replicas' process serving the direct burst (one gRPC server
+        # side per stream) is the baseline; a front door serves a stream and calls a replica.
+        c0 = cpu_s(rep_pid)
+        d = await burst(direct, args.requests, args.max_tokens, True)
+        d["cpu_ms_per_request"] = round(1e3 * (cpu_s(rep_pid) - c0) / args.requests, 3)
+        rnd = {"direct": d}
+        for name, stub in stubs.items():
+            if name == "router":
+                await say("on")
+            c0 = cpu_s(front[name][1])
+            r = await burst(stub, args.requests, args.max_tokens, False)
+            r["cpu_ms_per_request"] = round(1e3 * (cpu_s(front[name][1]) - c0) / args.requests, 3)
+            if name == "router":
+                await say("off")
+            r["ratio_req_per_s"] = round(r["requests_per_s"] / d["requests_per_s"], 3)
+            r["ratio_cpu_per_request"] = round(r["cpu_ms_per_request"] / d["cpu_ms_per_request"], 3)
+            rnd[name] = r
+        for phase in rnd.values():
+            assert phase["ok"] == args.requests and not phase["malformed_answers"], phase
+        rounds.append(rnd)
+    for c in [*chans, *fchans.values()]:
+        await c.close()
+    med = lambda name, key: statistics.median(x[name][key] for x in rounds)  # noqa: E731
+    return {
+        "config": {"requests": args.requests, "max_tokens": args.max_tokens, "replicas": args.replicas, "rounds": args.rounds,
+                   "cpus": os.cpu_count()},
+        "rounds": rounds,
+        "median": {
+            name: {k: med(name, k) for k in ("cpu_ms_per_request", "ratio_cpu_per_request", "ratio_req_per_s", "requests_per_s")}
+            for name in front
+        },
+    }
+
+
+def profile_report(path: str, top: int) -> str:
+    import pstats
+
+    out = io.StringIO()
+    st = pstats.Stats(path, stream=out)
+    st.strip_dirs()
+    for key in ("tottime", "cumulative"):
+        out.write(f"\n=== router, by {key} ===\n")
+        st.sort_stats(key).print_stats(top)
+    return out.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="run the router under cProfile (slows it; ratios then mean less)")
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--bare", action="store_true", help="also measure a bare forwarding proxy (the grpc.aio floor)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    cmds = {"router": ctx.Queue(), "bare_proxy": ctx.Queue()}  # each front door's own commands
+    prof_path = os.path.join(tempfile.mkdtemp(), "router.prof") if args.profile else None
+    reps = ctx.Process(target=replicas_main, args=(args.replicas, ports, stop))
+    reps.start()
+    children = [reps]
+    front: dict[str, tuple[int, int]] = {}
+    try:
+        _, rep_ports, rep_pid = ports.get(timeout=60)
+        spec = ",".join(f"r{i}=127.0.0.1:{p}" for i, p in enumerate(rep_ports))
+        for name in ("router", "bare_proxy") if args.bare else ("router",):
+            bare = name == "bare_proxy"
+            proc = ctx.Process(target=router_main, args=(spec, None if bare else prof_path, ports, cmds[name], stop, bare))
+            proc.start()
+            children.append(proc)
+            _, port, pid = ports.get(timeout=60)
+            front[name] = (port, pid)
+        result = asyncio.run(drive(args, rep_ports, front, rep_pid, ports, cmds["router"]))
+    finally:
+        stop.set()
+        for q in cmds.values():
+            q.put("stop")
+        for c in children:
+            c.join(timeout=30)
+            if c.is_alive():
+                c.terminate()
+    for i, rnd in enumerate(result["rounds"]):
+        d = rnd["direct"]
+        line = f"round {i}: direct {d['requests_per_s']} req/s, replicas CPU {d['cpu_ms_per_request']} ms/req"
+        for name in front:
+            r = rnd[name]
+            line += (f" | {name} {r['requests_per_s']} req/s ({r['ratio_req_per_s']}x), "
+                     f"CPU {r['cpu_ms_per_request']} ms/req ({r['ratio_cpu_per_request']}x)")
+        print(line)
+    for name, m in result["median"].items():
+        print(f"median {name}: CPU {m['cpu_ms_per_request']} ms/req = {m['ratio_cpu_per_request']}x the replicas' CPU per "
+              f"direct request; req/s {m['requests_per_s']} = {m['ratio_req_per_s']}x direct")
+    if prof_path:
+        print(profile_report(prof_path, args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
