@@ -72,7 +72,7 @@ from collections import OrderedDict
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
 from replica.eviction.base import EvictionPolicy, ReleaseInfo
-from replica.eviction.lognormal import OnlineLogNormal
+from replica.eviction.lognormal import _SQRT2, OnlineLogNormal
 from replica.eviction.registry import register_policy
 
 EVICT_FIRST, CHAT, AGENT, STRUCTURAL = 0, 1, 2, 3
@@ -89,6 +89,7 @@ TAIL_LANE = NUM_LANES - 1
 
 
 _ALL_LANES = range(NUM_QUEUES * NUM_LANES)
+_LANE_QUEUE = tuple(lane // NUM_LANES for lane in _ALL_LANES)
 _LN2 = math.log(2.0)
 
 
@@ -185,6 +186,7 @@ class UniCachePolicy(EvictionPolicy):
         if weighting not in _WEIGHTINGS:
             raise ValueError(f"weighting must be one of {', '.join(_WEIGHTINGS)}")
         self.weighting = weighting
+        self._ghosting = weighting == "reuse"  # evicted hashes are remembered as ghosts
         self.ghost_factor = ghost_factor
         self.reuse_decay = reuse_decay
         self.strict_evict_first = strict_evict_first
@@ -376,32 +378,36 @@ class UniCachePolicy(EvictionPolicy):
             self._update_alpha()
 
     def pop_victim(self) -> int | None:
-        if not self._live:
+        live = self._live
+        if not live:
             return None
+        dirty = self._dirty
         if self.strict_evict_first and self._head(EVICT_FIRST * NUM_LANES) is not None:
             best = EVICT_FIRST * NUM_LANES
         else:
             scores = self._scores
             if self._all_dirty:
-                lanes = range(NUM_QUEUES * NUM_LANES)
                 self._all_dirty = False
-            else:
-                lanes = self._dirty
-            for lane in lanes:
-                scores[lane] = self._score(lane)
-            self._dirty.clear()
-            best = min(_ALL_LANES, key=scores.__getitem__)
+                self._rescore(_ALL_LANES)
+            elif dirty:
+                self._rescore(dirty)
+            dirty.clear()
+            # NOTE: list.index(min(...)) is the first lowest lane, as min(key=...) was,
+            # with the comparisons done in C.
+            best = scores.index(min(scores))
         key, _, block_id, _ = heapq.heappop(self._heaps[best])
         self._victims += 1
-        self._victim_age_sum += max(0.0, self._now - key)
-        del self._live[block_id]
-        self._sizes[best // NUM_LANES] -= 1
+        age = self._now - key
+        if age > 0.0:
+            self._victim_age_sum += age
+        del live[block_id]
+        self._sizes[_LANE_QUEUE[best]] -= 1
         self._lane_sizes[best] -= 1
-        self._dirty.add(best)
+        dirty.add(best)
         self._uses.pop(block_id, None)
         self._crf.pop(block_id, None)
         h = self._hash.pop(block_id, None)
-        if h is not None and self.weighting == "reuse":
+        if h is not None and self._ghosting:
             ghosts = self._ghosts
             ghosts[h] = (best, key)
             if len(ghosts) > self.ghost_factor * self._peak:
@@ -435,26 +441,48 @@ class UniCachePolicy(EvictionPolicy):
         return self.alpha[lane]
 
     # ------------------------------------------------------------ internals
-    def _score(self, lane: int) -> float:
-        """alpha_lane * s_q of the lane's head; inf for an empty lane."""
-        if not self._lane_sizes[lane]:
-            return math.inf
-        head = self._head(lane)
-        assert head is not None
-        age = self._now - head[0]
-        fit, p = self.fits[lane // NUM_LANES], self.alpha[lane]
-        if self.rate_halflife and lane // NUM_LANES == STRUCTURAL:
-            # Poisson reuse at the decayed-count rate estimate r = crf * ln2 / h (a
-            # Poisson stream of rate r has E[crf] = r h / ln 2): P(reuse within tau).
-            h = self.rate_halflife
-            rate = math.exp(-age * _LN2 / h) * _LN2 / h
-            tau = self.horizon_scale * self._horizon
-            return p * -math.expm1(-rate * tau)
-        s_now = fit.survival(age)
-        if self._horizon_on:
-            tau = self.horizon_scale * self._horizon
-            return p * (s_now - fit.survival(age + tau)) / (1.0 - p + p * s_now + 1e-12)
-        return p * s_now
+    def _rescore(self, lanes) -> None:
+        """Set ``_scores[lane]`` to alpha_lane * s_q of the lane's head (inf when empty).
+
+        One pass over ``lanes`` with the clock, tau and the tables bound once; the
+        arithmetic is ``OnlineLogNormal.survival``'s, written out, so scores are the
+        same floats bit for bit.
+        """
+        scores, lane_sizes, heaps, live = self._scores, self._lane_sizes, self._heaps, self._live
+        alpha, fits = self.alpha, self.fits
+        now = self._now
+        tau = self.horizon_scale * self._horizon
+        horizon_on = self._horizon_on
+        h = self.rate_halflife
+        heappop, log, erfc = heapq.heappop, math.log, math.erfc
+        for lane in lanes:
+            if not lane_sizes[lane]:
+                scores[lane] = math.inf
+                continue
+            # The lane's live head: a non-empty lane has one, so the heap cannot run dry.
+            heap = heaps[lane]
+            entry = heap[0]
+            while live.get(entry[2]) is not entry:
+                heappop(heap)
+                entry = heap[0]
+            age = now - entry[0]
+            q = _LANE_QUEUE[lane]
+            p = alpha[lane]
+            if h and q == STRUCTURAL:
+                # Poisson reuse at the decayed-count rate estimate r = crf * ln2 / h (a
+                # Poisson stream of rate r has E[crf] = r h / ln 2): P(reuse within tau).
+                rate = math.exp(-age * _LN2 / h) * _LN2 / h
+                scores[lane] = p * -math.expm1(-rate * tau)
+                continue
+            fit = fits[q]
+            mu, sd = fit.mu, fit.sigma * _SQRT2
+            s_now = 0.5 * erfc((log(age) - mu) / sd) if age > 0 else 1.0
+            if horizon_on:
+                later = age + tau
+                s_later = 0.5 * erfc((log(later) - mu) / sd) if later > 0 else 1.0
+                scores[lane] = p * (s_now - s_later) / (1.0 - p + p * s_now + 1e-12)
+            else:
+                scores[lane] = p * s_now
 
     def _combine(self, e: float, t: float) -> float:
         """Effective time after one more access at ``t``: h log2(2^(e/h) + 2^(t/h))."""

@@ -1,0 +1,102 @@
+"""Simulator speed of each eviction policy, as a ratio to lru in the same run, plus an
+outcome fingerprint to prove that a speed-up changed no result.
+
+Replays the Mooncake conversation trace (block size 512, classes inferred) and the
+generated mix (seed 0, block size 16, labelled) at 2/5/10/25% of unique blocks, like
+``bench/eviction_report.py``, and prints accesses per CPU second for each policy, the
+minimum over capacities and repeats, and each policy's ratio to lru. CPU seconds still
+vary with other jobs on the machine; the ratio to lru, measured in the same run, varies
+less.
+
+``--save PATH`` writes every result field except timings; ``--check PATH`` compares a new
+run against such a file and exits 1 on any difference (hit ratios, evictions and TTFTs
+must be bit-identical after a pure speed change).
+
+Run (from the repository root):
+    .venv/bin/python bench/sim_speed.py [--repeat 3] [--save ref.json | --check ref.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from unicache.sim.prepare import prepare  # noqa: E402
+from unicache.sim.replay import ReplayConfig  # noqa: E402
+from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
+from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
+from unicache.trace import read_trace, write_trace  # noqa: E402
+
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
+FRACS = [0.02, 0.05, 0.10, 0.25]
+TIMING_FIELDS = {"elapsed_s", "cpu_s", "accesses_per_s"}
+
+
+def replay(path: Path, block_size: int, policies: list[str], repeat: int) -> tuple[list[dict], dict[str, float]]:
+    """Outcome records of the first repeat, and the min accesses/s of each policy."""
+    trace = prepare(read_trace(path), block_size)
+    caps = capacities_from_fracs(FRACS, trace.unique_blocks)
+    outcomes: list[dict] = []
+    speeds: dict[str, float] = {}
+    for rep in range(repeat):
+        for r in run_grid(trace, policies, caps, ReplayConfig(policies[0], caps[0])):
+            p = r["policy"]
+            speeds[p] = min(speeds.get(p, float("inf")), r["accesses_per_s"])
+            if rep == 0:
+                outcomes.append({k: v for k, v in r.items() if k not in TIMING_FIELDS})
+    return outcomes, speeds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--policies", default="lru,unicache")
+    ap.add_argument("--repeat", type=int, default=1, help="replays per (trace, policy, capacity)")
+    ap.add_argument("--skip", default="", help="comma list of runs to skip: mooncake, mix")
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--save", type=Path, help="write the outcome fingerprint here")
+    group.add_argument("--check", type=Path, help="compare outcomes with this fingerprint")
+    args = ap.parse_args()
+    policies = args.policies.split(",")
+    skip = set(filter(None, args.skip.split(",")))
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        mix_path = Path(tmp) / "mix_seed0.jsonl"
+        write_trace(mix_path, generate(WorkloadConfig(seed=0, duration=1200.0, block_size=16)))
+        for name, path, bs in (("mooncake", args.trace, 512), ("mix", mix_path, 16)):
+            if name in skip:
+                continue
+            outcomes, speeds = replay(path, bs, policies, args.repeat)
+            runs[name] = outcomes
+            line = "  ".join(f"{p} {s:,.0f}/s" for p, s in speeds.items())
+            if "lru" in speeds:
+                line += "  " + "  ".join(f"{p}/lru {s / speeds['lru']:.3f}" for p, s in speeds.items() if p != "lru")
+            print(f"{name:<9} min accesses per CPU s: {line}")
+    if args.save:
+        args.save.write_text(json.dumps(runs, indent=1, sort_keys=True))
+        print(f"wrote {args.save}")
+    if args.check:
+        ref = json.loads(args.check.read_text())
+        # Each new record must equal the reference's record for its (policy, capacity).
+        ref_by = {(name, r["policy"], r["capacity_blocks"]): r for name, recs in ref.items() for r in recs}
+        bad = [
+            key
+            for name, recs in runs.items()
+            for r in recs
+            if ref_by.get(key := (name, r["policy"], r["capacity_blocks"])) != r
+        ]
+        if bad:
+            print(f"outcomes differ from {args.check}: {bad}")
+            return 1
+        print(f"outcomes identical to {args.check}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
