@@ -186,7 +186,7 @@ class RouterCore:
         try:
             self.limits.check_prompt(tenant, len(token_ids))
         except LimitExceeded as exc:
-            self.metrics.limit_rejections.labels(exc.limit).inc()
+            self.metrics.labelled(self.metrics.limit_rejections, exc.limit).inc()
             raise RouterError(exc.kind, str(exc)) from None
         if labels.session_id and len(labels.session_id) > self.max_session_id_chars:
             raise RouterError("invalid", f"session_id is longer than {self.max_session_id_chars} characters")
@@ -239,7 +239,7 @@ class RouterCore:
         try:
             lease = self.limits.acquire(prep.tenant, len(prep.token_ids))
         except LimitExceeded as exc:
-            self.metrics.limit_rejections.labels(exc.limit).inc()
+            self.metrics.labelled(self.metrics.limit_rejections, exc.limit).inc()
             raise RouterError(exc.kind, str(exc)) from None
         inner = self._forward(prep, sampling)
         try:
@@ -272,7 +272,7 @@ class RouterCore:
             rec = self.cluster.replicas[rid]
             self.cluster.started(rid)
             self.policy.on_request_routed(prep.routing, decision)
-            self.metrics.decisions.labels(decision.reason, rid).inc()
+            self.metrics.labelled(self.metrics.decisions, decision.reason, rid).inc()
             stream = self.clients.generate(rec.address, request)
             try:
                 try:
@@ -316,5 +316,6 @@ class RouterCore:
     def _count_usage(self, rid: str, msg: replica_pb2.GenerateResponse) -> None:
         if msg.HasField("usage") and msg.index == 0:
             u = msg.usage
-            self.metrics.cached_tokens.labels(rid).inc(u.cached_tokens)
-            self.metrics.computed_tokens.labels(rid).inc(max(0, u.prompt_tokens - u.cached_tokens))
+            m = self.metrics
+            m.labelled(m.cached_tokens, rid).inc(u.cached_tokens)
+            m.labelled(m.computed_tokens, rid).inc(max(0, u.prompt_tokens - u.cached_tokens))

@@ -71,6 +71,18 @@ class RouterMetrics:
         )
         self.replicas = Gauge("unicache_router_replicas", "Live replicas", registry=r)
         self.redis_connected = Gauge("unicache_router_redis_connected", "1 when the Redis subscriber is connected", registry=r)
+        self._children: dict[tuple, object] = {}
+
+    def labelled(self, metric, *values: str):
+        """``metric.labels(*values)``, remembered: the request path labels the same few
+        children on every request, and ``labels()`` validates and takes a lock each time.
+        Only for metrics whose children are never removed (the counters; ``refresh``
+        clears the per-replica gauges, so those are labelled afresh)."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def refresh(self, cluster: ClusterView) -> None:
         """Set the per-replica gauges from the cluster view."""

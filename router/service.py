@@ -105,7 +105,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 outcome = exc.kind
                 await context.abort(exc.grpc_code, str(exc))
         finally:
-            core.metrics.requests.labels("grpc", outcome).inc()
+            core.metrics.labelled(core.metrics.requests, "grpc", outcome).inc()
 
     async def ListReplicas(self, request, context):
         cluster = self.core.cluster
