@@ -217,13 +217,17 @@ class RouterCore:
         self.metrics.routing_latency.observe(time.perf_counter() - t0 + extra_s)
         return decision
 
-    def route_info(self, prep: Prepared, decision: RouteDecision) -> router_pb2.RouteInfo:
+    def route_info(
+        self, prep: Prepared, decision: RouteDecision, request_class: common_pb2.RequestClass | None = None
+    ) -> router_pb2.RouteInfo:
+        """The RouteInfo of ``decision``; ``request_class``: ``prep.cls`` as proto, if the
+        caller already has it."""
         return router_pb2.RouteInfo(
             replica_id=decision.replica_id,
             reason=decision.reason,
             matched_tokens=decision.matched_blocks * self.block_size,
             score=decision.score,
-            request_class=request_class_to_proto(prep.cls),
+            request_class=request_class if request_class is not None else request_class_to_proto(prep.cls),
         )
 
     async def forward(
@@ -234,6 +238,8 @@ class RouterCore:
         Raises RouterError before the first message (no replica, all failed, bad input,
         a tenant limit) or later ("upstream") when the replica stream breaks mid-way.
         """
+        # NOTE: one generator, no inner ones: every streamed message passes each generator
+        # layer once, and the front door's own layers already cost per token.
         if self.cluster.total_in_flight() >= self.max_in_flight:
             raise RouterError("overloaded", f"router has {self.max_in_flight} requests in flight; retry later")
         try:
@@ -241,77 +247,70 @@ class RouterCore:
         except LimitExceeded as exc:
             self.metrics.labelled(self.metrics.limit_rejections, exc.limit).inc()
             raise RouterError(exc.kind, str(exc)) from None
-        inner = self._forward(prep, sampling)
         try:
-            async for item in inner:
-                yield item
+            request_class = request_class_to_proto(prep.cls)
+            request = replica_pb2.GenerateRequest(
+                request_id=prep.request_id,
+                token_ids=replica_pb2.TokenIds(ids=prep.token_ids),
+                sampling=sampling,
+                request_class=request_class,
+                cache_salt=prep.salt,
+            )
+            tried: set[str] = set()
+            last_error: RouterError | None = None
+            while True:
+                try:
+                    decision = self.choose(prep.routing, tried, 0.0 if tried else prep.prepare_s)
+                except RouterError:
+                    if last_error is not None:
+                        raise last_error from None  # no other replica to retry on
+                    raise
+                rid = decision.replica_id
+                rec = self.cluster.replicas[rid]
+                self.cluster.started(rid)
+                self.policy.on_request_routed(prep.routing, decision)
+                self.metrics.labelled(self.metrics.decisions, decision.reason, rid).inc()
+                stream = self.clients.generate(rec.address, request)
+                try:
+                    try:
+                        first = await stream.first(self.first_token_timeout_s)
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code()
+                        if code in _SKIP_AFTER:
+                            self.cluster.mark_down(rid)
+                        error = RouterError(_replica_error_kind(exc), f"replica {rid}: {exc.details() or code.name}")
+                        if code in RETRYABLE and not tried:
+                            tried.add(rid)
+                            last_error = error
+                            self.metrics.retries.inc()
+                            continue
+                        raise error from None
+                    self.metrics.ttft.observe(time.perf_counter() - prep.arrival)
+                    self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
+                    if first is None:
+                        return
+                    yield self.route_info(prep, decision, request_class), first
+                    self._count_usage(rid, first)
+                    try:
+                        while (msg := await stream.next()) is not None:
+                            self._count_usage(rid, msg)
+                            yield None, msg
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code()
+                        if code == grpc.StatusCode.UNAVAILABLE:
+                            self.cluster.mark_down(rid)
+                        raise RouterError(
+                            _MID_STREAM.get(code, "upstream"),
+                            f"replica {rid} failed after the response started ({code.name}: {exc.details() or 'no details'}); "
+                            "the response is incomplete, retry the request",
+                        ) from None
+                    return
+                finally:
+                    stream.close()
+                    self.cluster.finished(rid)
+                    self.policy.on_request_finished(prep.routing, rid)
         finally:
             lease.release()
-            await inner.aclose()
-
-    async def _forward(
-        self, prep: Prepared, sampling: common_pb2.SamplingParams
-    ) -> AsyncIterator[tuple[router_pb2.RouteInfo | None, replica_pb2.GenerateResponse]]:
-        request = replica_pb2.GenerateRequest(
-            request_id=prep.request_id,
-            token_ids=replica_pb2.TokenIds(ids=prep.token_ids),
-            sampling=sampling,
-            request_class=request_class_to_proto(prep.cls),
-            cache_salt=prep.salt,
-        )
-        tried: set[str] = set()
-        last_error: RouterError | None = None
-        while True:
-            try:
-                decision = self.choose(prep.routing, tried, 0.0 if tried else prep.prepare_s)
-            except RouterError:
-                if last_error is not None:
-                    raise last_error from None  # no other replica to retry on
-                raise
-            rid = decision.replica_id
-            rec = self.cluster.replicas[rid]
-            self.cluster.started(rid)
-            self.policy.on_request_routed(prep.routing, decision)
-            self.metrics.labelled(self.metrics.decisions, decision.reason, rid).inc()
-            stream = self.clients.generate(rec.address, request)
-            try:
-                try:
-                    first = await stream.first(self.first_token_timeout_s)
-                except grpc.aio.AioRpcError as exc:
-                    code = exc.code()
-                    if code in _SKIP_AFTER:
-                        self.cluster.mark_down(rid)
-                    error = RouterError(_replica_error_kind(exc), f"replica {rid}: {exc.details() or code.name}")
-                    if code in RETRYABLE and not tried:
-                        tried.add(rid)
-                        last_error = error
-                        self.metrics.retries.inc()
-                        continue
-                    raise error from None
-                self.metrics.ttft.observe(time.perf_counter() - prep.arrival)
-                self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
-                if first is None:
-                    return
-                yield self.route_info(prep, decision), first
-                self._count_usage(rid, first)
-                try:
-                    async for msg in stream.rest():
-                        self._count_usage(rid, msg)
-                        yield None, msg
-                except grpc.aio.AioRpcError as exc:
-                    code = exc.code()
-                    if code == grpc.StatusCode.UNAVAILABLE:
-                        self.cluster.mark_down(rid)
-                    raise RouterError(
-                        _MID_STREAM.get(code, "upstream"),
-                        f"replica {rid} failed after the response started ({code.name}: {exc.details() or 'no details'}); "
-                        "the response is incomplete, retry the request",
-                    ) from None
-                return
-            finally:
-                stream.close()
-                self.cluster.finished(rid)
-                self.policy.on_request_finished(prep.routing, rid)
 
     def _count_usage(self, rid: str, msg: replica_pb2.GenerateResponse) -> None:
         if msg.HasField("usage") and msg.index == 0:
