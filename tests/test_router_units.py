@@ -19,7 +19,8 @@ from router.core import Labelled, Prepared
 from router.status import format_table
 from unicache.cli import main
 from unicache.errors import UsageError
-from unicache.v1 import common_pb2, router_pb2
+from router.service import router_response
+from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -128,6 +129,30 @@ def test_status_table_exact():
 def test_hot_path_records_use_slots():
     for cls in (Prepared, Labelled, ReplicaRecord):
         assert "__slots__" in vars(cls), cls
+
+
+def test_replica_response_fields_are_the_router_responses_first_fields():
+    """``router_response`` re-parses the replica's bytes as a RouterGenerateResponse: that
+    is a field-by-field copy only while every replica field has the same number, name and
+    type there, and none lands on a router-only field such as ``route``."""
+    def shape(msg) -> dict:
+        return {
+            f.number: (f.name, f.type, f.is_repeated, (f.message_type or f.enum_type) and (f.message_type or f.enum_type).full_name)
+            for f in msg.DESCRIPTOR.fields
+        }
+
+    replica, router = shape(replica_pb2.GenerateResponse), shape(router_pb2.RouterGenerateResponse)
+    assert {n: router[n] for n in replica} == replica
+    assert set(router) - set(replica) == {router_pb2.RouterGenerateResponse.DESCRIPTOR.fields_by_name["route"].number}
+
+
+def test_router_response_copies_every_field():
+    usage = common_pb2.Usage(prompt_tokens=20, cached_tokens=16, completion_tokens=3)
+    msg = replica_pb2.GenerateResponse(index=1, token_ids=[7, 300], text="hé", finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage)
+    assert router_response(msg) == router_pb2.RouterGenerateResponse(
+        index=1, token_ids=[7, 300], text="hé", finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage
+    )
+    assert router_response(replica_pb2.GenerateResponse(token_ids=[5])) == router_pb2.RouterGenerateResponse(token_ids=[5])
 
 
 def test_cli_status_unreachable_is_one_line(capsys):
