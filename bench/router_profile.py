@@ -1,17 +1,22 @@
 """Router CPU per request: bursts of concurrent streams against cheap fake replicas, with
-the router in its own process (optionally under cProfile), so the router's event loop is
-the bottleneck and its cost is what the ratio shows.
+the router in its own process (optionally under cProfile), so the router's own cost is
+what the figures show.
 
 Processes: the fake replicas (``tests.support.fake_replica.FakeReplica``: echo, one token
 per message, no model) share one process; the router (round robin, no auth, no Redis, as
-in ``bench/load_test.py``) has its own; this process is the client. Rounds alternate a
-burst sent straight to the replicas with the same burst through the router, so load from
-other jobs on the host hits both alike. Reports req/s of each path, the router/direct
-ratio per round and its median, and (``--profile``) the router's top functions by own
-time and by cumulative time, from cProfile over the router bursts only.
+in ``bench/load_test.py``) has its own; this process is the client. Each round sends the
+burst straight to the replicas, then through each front door: the router; with
+``--baseline-tree DIR`` the router code of another checkout (A/B in the same run); with
+``--bare`` a bare grpc.aio forwarding proxy (the floor any grpc.aio router pays).
+
+The figure to compare is CPU seconds per request of each front door's process (all
+threads, from /proc), as a ratio to the replicas' CPU per direct request and, per round,
+router / baseline and router / bare proxy. req/s ratios are reported too but swing with
+other jobs on a shared host. ``--profile`` adds the router's top functions (cProfile of
+its event-loop thread over the router bursts only).
 
     .venv/bin/python bench/router_profile.py [--requests 1000] [--max-tokens 8] [--rounds 3]
-        [--profile] [--top 40] [--json OUT]
+        [--bare] [--baseline-tree DIR] [--profile] [--top 40] [--json OUT]
 """
 
 from __future__ import annotations
@@ -80,9 +85,11 @@ async def start_bare_proxy(addresses: list[str]):
     return server, port, channels
 
 
-def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bool = False) -> None:
-    """The router (``bare``: the bare proxy); with ``profile_path``, cProfile runs while
-    the client says "on"."""
+def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bool = False, tree: str | None = None) -> None:
+    """The router (``bare``: the bare proxy; ``tree``: the router code of another checkout);
+    with ``profile_path``, cProfile runs while the client says "on"."""
+    if tree:
+        sys.path.insert(0, tree)  # NOTE: before anything imports router or unicache
 
     async def run() -> None:
         import cProfile
@@ -156,7 +163,11 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
         d = await burst(direct, args.requests, args.max_tokens, True)
         d["cpu_ms_per_request"] = round(1e3 * (cpu_s(rep_pid) - c0) / args.requests, 3)
         rnd = {"direct": d}
-        for name, stub in stubs.items():
+        # NOTE: the order turns every round, so no front door always follows the same one.
+        names = list(stubs)
+        names = names[len(rounds) % len(names):] + names[: len(rounds) % len(names)]
+        for name in names:
+            stub = stubs[name]
             if name == "router":
                 await say("on")
             c0 = cpu_s(front[name][1])
@@ -169,18 +180,23 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
             rnd[name] = r
         for phase in rnd.values():
             assert phase["ok"] == args.requests and not phase["malformed_answers"], phase
+        for ref in ("router_baseline", "bare_proxy"):
+            if ref in rnd:
+                rnd["router"][f"ratio_cpu_vs_{ref}"] = round(rnd["router"]["cpu_ms_per_request"] / rnd[ref]["cpu_ms_per_request"], 3)
         rounds.append(rnd)
     for c in [*chans, *fchans.values()]:
         await c.close()
     med = lambda name, key: statistics.median(x[name][key] for x in rounds)  # noqa: E731
+    keys = ("cpu_ms_per_request", "ratio_cpu_per_request", "ratio_req_per_s", "requests_per_s")
+    median = {name: {k: med(name, k) for k in keys} for name in front}
+    for ref in ("router_baseline", "bare_proxy"):
+        if ref in front:
+            median["router"][f"ratio_cpu_vs_{ref}"] = med("router", f"ratio_cpu_vs_{ref}")
     return {
         "config": {"requests": args.requests, "max_tokens": args.max_tokens, "replicas": args.replicas, "rounds": args.rounds,
-                   "cpus": os.cpu_count()},
+                   "cpus": os.cpu_count(), "baseline_tree": args.baseline_tree},
         "rounds": rounds,
-        "median": {
-            name: {k: med(name, k) for k in ("cpu_ms_per_request", "ratio_cpu_per_request", "ratio_req_per_s", "requests_per_s")}
-            for name in front
-        },
+        "median": median,
     }
 
 
@@ -205,11 +221,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="run the router under cProfile (slows it; ratios then mean less)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--bare", action="store_true", help="also measure a bare forwarding proxy (the grpc.aio floor)")
+    ap.add_argument("--baseline-tree", help="also measure the router code of this checkout (e.g. a git worktree of an older commit)")
     ap.add_argument("--json")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
-    cmds = {"router": ctx.Queue(), "bare_proxy": ctx.Queue()}  # each front door's own commands
+    cmds = {name: ctx.Queue() for name in ("router", "router_baseline", "bare_proxy")}  # each front door's own
     prof_path = os.path.join(tempfile.mkdtemp(), "router.prof") if args.profile else None
     reps = ctx.Process(target=replicas_main, args=(args.replicas, ports, stop))
     reps.start()
@@ -218,9 +235,12 @@ def main() -> None:
     try:
         _, rep_ports, rep_pid = ports.get(timeout=60)
         spec = ",".join(f"r{i}=127.0.0.1:{p}" for i, p in enumerate(rep_ports))
-        for name in ("router", "bare_proxy") if args.bare else ("router",):
+        names = ["router"] + ["router_baseline"] * bool(args.baseline_tree) + ["bare_proxy"] * args.bare
+        for name in names:
             bare = name == "bare_proxy"
-            proc = ctx.Process(target=router_main, args=(spec, None if bare else prof_path, ports, cmds[name], stop, bare))
+            tree = args.baseline_tree if name == "router_baseline" else None
+            prof = prof_path if name == "router" else None
+            proc = ctx.Process(target=router_main, args=(spec, prof, ports, cmds[name], stop, bare, tree))
             proc.start()
             children.append(proc)
             _, port, pid = ports.get(timeout=60)
@@ -245,6 +265,10 @@ def main() -> None:
     for name, m in result["median"].items():
         print(f"median {name}: CPU {m['cpu_ms_per_request']} ms/req = {m['ratio_cpu_per_request']}x the replicas' CPU per "
               f"direct request; req/s {m['requests_per_s']} = {m['ratio_req_per_s']}x direct")
+    for ref in ("router_baseline", "bare_proxy"):
+        if ref in front:
+            print(f"median per-round router CPU / {ref} CPU: {result['median']['router'][f'ratio_cpu_vs_{ref}']} "
+                  f"(rounds: {[r['router'][f'ratio_cpu_vs_{ref}'] for r in result['rounds']]})")
     if prof_path:
         print(profile_report(prof_path, args.top))
     if args.json:
