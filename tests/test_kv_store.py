@@ -133,6 +133,25 @@ def test_events_are_collected_until_taken():
     store.check_invariants()
 
 
+def test_collect_events_off_queues_nothing_and_changes_no_outcome():
+    stores = [make_store(3), KVStore(3, BS, make_policy("lru"), collect_events=False)]
+    outcomes = []
+    for store in stores:
+        a = admit(store, "a", toks(1, 2), now=1.0)
+        store.free("a", 2.0)
+        b = admit(store, "b", toks(5, 6), now=3.0)  # evicts
+        store.free("b", 4.0)
+        c = admit(store, "c", toks(5, 6), now=5.0)  # hits
+        store.free("c", 6.0)
+        dropped = store.reset_cache(7.0)
+        outcomes.append((a, b, c, dropped, store.stats))
+        store.check_invariants()
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][1].block_ids == (2, 1)  # the free block, then the evicted tail
+    assert stores[0].take_events() != []
+    assert stores[1].take_events() == []
+
+
 def test_salt_keeps_tenants_apart():
     store = make_store()
     admit(store, "a", toks(1, 2, 3), salt=b"tenant-a")

@@ -1,7 +1,8 @@
 """The paged KV store: block tables, reference counts, prefix cache, copy-on-write.
 
 One code path for the engine (with ``TorchKVStorage``) and the simulator (metadata only).
-The store never does I/O: cache events queue up until ``take_events``.
+The store never does I/O: cache events queue up until ``take_events`` (unless built with
+``collect_events=False``, for a caller that has no subscriber).
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class KVStore:
           free queue (ref_cnt 0, no hash), the policy's candidates (ref_cnt 0, hash);
         * ``_cached[h].block_hash == h`` and every hashed block is in ``_cached``;
         * ref_cnt equals the number of request tables holding the block.
+
+    Args:
+        collect_events: queue cache events for ``take_events`` (default). Off, nothing is
+            queued and ``take_events`` returns ``[]``: for callers without a subscriber
+            (the single-replica simulator), where building the event records cost as
+            much as the eviction itself.
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class KVStore:
         policy: EvictionPolicy,
         storage: KVStorage | None = None,
         enable_prefix_caching: bool = True,
+        collect_events: bool = True,
     ):
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
@@ -89,6 +97,7 @@ class KVStore:
         self._cached: dict[BlockHash, KVBlock] = {}
         self._requests: dict[str, RequestBlocks] = {}
         self._events: list[KVEvent] = []
+        self.collect_events = collect_events
         self.stats = CacheStats()
 
     # ---------------------------------------------------------------- queries
@@ -177,13 +186,13 @@ class KVStore:
         self.stats.hit_blocks += hits
         self.policy.on_request(cls, now)
         table: list[KVBlock] = []
+        cached, on_access = self._cached, self.policy.on_access
         for h in hit_hashes:
-            block = self._cached[h]
-            self.policy.on_access(block.block_id, cls, now)
+            block = cached[h]
+            on_access(block.block_id, cls, now)
             block.ref_cnt += 1
             table.append(block)
-        for _ in range(total - hits):
-            table.append(self._take_free_block(now))
+        self._take_free_blocks(total - hits, now, table)
         prompt_tokens = num_tokens if num_prompt_tokens is None else num_prompt_tokens
         self._requests[request_id] = RequestBlocks(
             request_id=request_id,
@@ -197,18 +206,39 @@ class KVStore:
         return Allocation(tuple(b.block_id for b in table), hits, hits * self.block_size)
 
     def _take_free_block(self, now: float) -> KVBlock:
-        if self._free.size:
-            block = self._free.popleft()
-        else:
-            victim = self.policy.pop_victim()
+        taken: list[KVBlock] = []
+        self._take_free_blocks(1, now, taken)
+        return taken[0]
+
+    def _take_free_blocks(self, n: int, now: float, out: list[KVBlock]) -> None:
+        """Append ``n`` blocks with ref_cnt 1 to ``out``: uncached free blocks first,
+        then the policy's victims (nothing refills the free queue meanwhile)."""
+        free = self._free
+        from_free = min(n, free.size)
+        for _ in range(from_free):
+            block = free.popleft()
+            block.ref_cnt = 1
+            out.append(block)
+        if from_free == n:
+            return
+        pop_victim, blocks, cached, stats = self.policy.pop_victim, self.blocks, self._cached, self.stats
+        events = self._events if self.collect_events else None
+        for _ in range(n - from_free):
+            victim = pop_victim()
             if victim is None:
                 raise OutOfBlocks("no evictable block")
-            block = self.blocks[victim]
-            assert block.ref_cnt == 0 and block.block_hash is not None, f"policy returned busy block {victim}"
-            self._uncache(block, now)
-            self.stats.evictions += 1
-        block.ref_cnt = 1
-        return block
+            block = blocks[victim]
+            h = block.block_hash
+            assert block.ref_cnt == 0 and h is not None, f"policy returned busy block {victim}"
+            # _uncache, written out: this loop is the simulator's hottest.
+            del cached[h]
+            block.block_hash = None
+            block.parent_id = -1
+            if events is not None:
+                events.append(BlockRemoved(h, now))
+            stats.evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
 
     def _uncache(self, block: KVBlock, now: float) -> None:
         h = block.block_hash
@@ -216,7 +246,8 @@ class KVStore:
         del self._cached[h]
         block.block_hash = None
         block.parent_id = -1
-        self._events.append(BlockRemoved(h, now))
+        if self.collect_events:
+            self._events.append(BlockRemoved(h, now))
 
     def append_tokens(self, request_id: str, num_new_tokens: int, now: float) -> list[int]:
         """Grow a request by ``num_new_tokens`` slots (decode). Returns new block ids.
@@ -263,16 +294,20 @@ class KVStore:
         if upto is not None:
             limit = min(limit, upto)
         joined = 0
+        blocks, hashes, cached, on_cached = req.blocks, req.hashes, self._cached, self.policy.on_cached
+        events = self._events if self.collect_events else None
         for i in range(req.num_cached, limit):
-            block = req.blocks[i]
-            h = req.hashes[i]
-            if block.block_hash is None and h not in self._cached:
-                parent = self._cached.get(req.hashes[i - 1]) if i else None
+            block = blocks[i]
+            h = hashes[i]
+            if block.block_hash is None and h not in cached:
+                parent_hash = hashes[i - 1] if i else None
+                parent = cached.get(parent_hash) if i else None
                 block.block_hash = h
-                block.parent_id = parent.block_id if parent is not None else -1
-                self._cached[h] = block
-                self.policy.on_cached(block.block_id, h, block.parent_id, now)
-                self._events.append(BlockStored(h, req.hashes[i - 1] if i else None, now))
+                block.parent_id = parent_id = parent.block_id if parent is not None else -1
+                cached[h] = block
+                on_cached(block.block_id, h, parent_id, now)
+                if events is not None:
+                    events.append(BlockStored(h, parent_hash, now))
                 joined += 1
         req.num_cached = max(req.num_cached, limit)
         return joined
@@ -297,19 +332,20 @@ class KVStore:
     def free(self, request_id: str, now: float) -> None:
         """Drop a request's references, tail block first (vLLM's order for LRU)."""
         req = self._requests.pop(request_id)
-        n = len(req.blocks)
+        blocks, cls, num_prompt_blocks = req.blocks, req.cls, req.num_prompt_blocks
+        on_release, free_append = self.policy.on_release, self._free.append
+        n = len(blocks)
         for pos in range(n - 1, -1, -1):
-            block = req.blocks[pos]
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {block.block_id} ref_cnt < 0"
-            if block.ref_cnt:
+            block = blocks[pos]
+            ref_cnt = block.ref_cnt - 1
+            block.ref_cnt = ref_cnt
+            assert ref_cnt >= 0, f"block {block.block_id} ref_cnt < 0"
+            if ref_cnt:
                 continue
             if block.block_hash is None:
-                self._free.append(block)
+                free_append(block)
             else:
-                self.policy.on_release(
-                    block.block_id, ReleaseInfo(req.cls, pos, n, pos >= req.num_prompt_blocks, now)
-                )
+                on_release(block.block_id, ReleaseInfo(cls, pos, n, pos >= num_prompt_blocks, now))
 
     def reset_cache(self, now: float) -> int:
         """Evict every evictable cached block. Returns how many were dropped."""
@@ -320,7 +356,7 @@ class KVStore:
                 self._uncache(block, now)
                 self._free.append(block)
                 dropped += 1
-        if not self._cached:
+        if not self._cached and self.collect_events:
             self._events.append(AllBlocksCleared(now))
         return dropped
 
