@@ -38,7 +38,7 @@ predictors that get every advantage (fitted on the whole trace, c tuned after th
     5. Writes ``mooncake_bound.json`` and ``mooncake_bound.md`` to ``--out-dir``, with the
        conclusion read off the numbers (``--rewrite`` redoes the .md from the JSON).
 
-Run (from the repository root; about 8 minutes of CPU, 163 replays; longer in wall time when
+Run (from the repository root; about 8 minutes of CPU, 198 replays; longer in wall time when
 other jobs share the cores):
     .venv/bin/python bench/mooncake_bound.py [--trace PATH] [--out-dir bench/results]
 """
