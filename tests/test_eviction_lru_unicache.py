@@ -260,3 +260,36 @@ def test_last_prompt_block_gets_its_own_lane_and_reuse_estimate():
     p.on_request(SINGLE, 2.0)
     assert p.alpha[tail] == pytest.approx(0.5 / 4.0)
     assert drain(p)[:2] == [2, 6]
+
+
+def _mixed_history(p):
+    """Blocks of every queue, released at different times, some hit again."""
+    release(p, [0, 1, 2, 3], SINGLE, 1.0, num_prompt_blocks=3)
+    release(p, [4, 5, 6], CHAT_CLS, 2.0)
+    release(p, [7, 8], AGENT_CLS, 3.0)
+    for b in (9, 10, 11):
+        p.on_cached(b, hash_id_blocks([b], 1)[0], -1, 4.0)
+    release(p, [9, 10, 11], TEMPLATE, 4.0)
+    p.on_access(5, CHAT_CLS, 5.0)
+    p.on_request(CHAT_CLS, 6.0)
+    release(p, [12, 13], CHAT_CLS, 7.0)
+
+
+@pytest.mark.parametrize(
+    "kw, order",
+    [
+        ({}, [10, 9, 4, 12, 6, 13, 3, 1, 0, 2, 11, 7, 8]),
+        ({"strict_evict_first": True}, [3, 1, 0, 10, 9, 4, 12, 6, 13, 2, 11, 7, 8]),
+        ({"weighting": "efficiency"}, [10, 9, 7, 8, 3, 1, 0, 2, 4, 6, 11, 12, 13]),
+    ],
+)
+def test_pop_victims_is_pop_victim_n_times(kw, order):
+    one, batch = UniCachePolicy(**kw), UniCachePolicy(**kw)
+    _mixed_history(one)
+    _mixed_history(batch)
+    singles = drain(one)
+    assert singles == order
+    assert batch.pop_victims(3) + batch.pop_victims(100) == order
+    assert batch.pop_victims(1) == [] and batch.pop_victim() is None
+    assert (batch._victims, batch._victim_age_sum) == (one._victims, one._victim_age_sum)
+    assert list(batch._ghosts.items()) == list(one._ghosts.items())

@@ -8,6 +8,9 @@ and answers ``pop_victim``. The store calls, in order of a block's life:
     on_access(id, cls, now)              -- a new request hit the cached block (ref_cnt
                                             goes up); if it was a candidate it stops being one
     pop_victim() -> id                   -- remove and return the best candidate
+    pop_victims(n) -> [id, ...]          -- the same, n times over (one allocation's
+                                            victims); a policy may override it to
+                                            keep its state in locals across pops
     on_removed(id)                       -- the block left the cache by any route other
                                             than pop_victim (e.g. reset)
 
@@ -59,6 +62,17 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def pop_victim(self) -> int | None:
         """Remove and return the id of the block to evict, or None if none is evictable."""
+
+    def pop_victims(self, n: int) -> list[int]:
+        """Up to ``n`` victims, exactly as ``n`` calls of ``pop_victim`` would return them
+        (fewer only when candidates run out)."""
+        victims = []
+        for _ in range(n):
+            victim = self.pop_victim()
+            if victim is None:
+                break
+            victims.append(victim)
+        return victims
 
     @abstractmethod
     def on_removed(self, block_id: int) -> None: ...

@@ -59,7 +59,8 @@ Invariants:
       among blocks past the gap distribution's mode (the hazard of a log-normal falls
       after it), which is where victims come from.
     * Every operation is O(log n) amortised; ``pop_victim`` rescores only the lanes that
-      changed since the last call (all 24 when the clock moved) and takes the minimum.
+      changed since the last call (all 28 when the clock, a fit or the weights moved) and
+      takes the minimum; ``pop_victims(n)`` is n of them in one loop.
 """
 
 from __future__ import annotations
@@ -378,41 +379,54 @@ class UniCachePolicy(EvictionPolicy):
             self._update_alpha()
 
     def pop_victim(self) -> int | None:
-        live = self._live
-        if not live:
-            return None
-        dirty = self._dirty
-        if self.strict_evict_first and self._head(EVICT_FIRST * NUM_LANES) is not None:
-            best = EVICT_FIRST * NUM_LANES
-        else:
-            scores = self._scores
-            if self._all_dirty:
-                self._all_dirty = False
-                self._rescore(_ALL_LANES)
-            elif dirty:
-                self._rescore(dirty)
-            dirty.clear()
-            # NOTE: list.index(min(...)) is the first lowest lane, as min(key=...) was,
-            # with the comparisons done in C.
-            best = scores.index(min(scores))
-        key, _, block_id, _ = heapq.heappop(self._heaps[best])
-        self._victims += 1
-        age = self._now - key
-        if age > 0.0:
-            self._victim_age_sum += age
-        del live[block_id]
-        self._sizes[_LANE_QUEUE[best]] -= 1
-        self._lane_sizes[best] -= 1
-        dirty.add(best)
-        self._uses.pop(block_id, None)
-        self._crf.pop(block_id, None)
-        h = self._hash.pop(block_id, None)
-        if h is not None and self._ghosting:
-            ghosts = self._ghosts
-            ghosts[h] = (best, key)
-            if len(ghosts) > self.ghost_factor * self._peak:
-                ghosts.popitem(last=False)
-        return block_id
+        victims = self.pop_victims(1)
+        return victims[0] if victims else None
+
+    def pop_victims(self, n: int) -> list[int]:
+        # NOTE: one allocation's victims in one loop, its state in locals: the clock does
+        # not move between them, so after the first only the popped lane is rescored.
+        live, dirty, scores, heaps = self._live, self._dirty, self._scores, self._heaps
+        sizes, lane_sizes = self._sizes, self._lane_sizes
+        uses, crf, hashes, ghosts = self._uses, self._crf, self._hash, self._ghosts
+        ghosting, ghost_limit = self._ghosting, self.ghost_factor * self._peak
+        strict = self.strict_evict_first
+        now, age_sum = self._now, self._victim_age_sum
+        heappop = heapq.heappop
+        victims: list[int] = []
+        for _ in range(n):
+            if not live:
+                break
+            if strict and self._head(EVICT_FIRST * NUM_LANES) is not None:
+                best = EVICT_FIRST * NUM_LANES
+            else:
+                if self._all_dirty:
+                    self._all_dirty = False
+                    self._rescore(_ALL_LANES)
+                elif dirty:
+                    self._rescore(dirty)
+                dirty.clear()
+                # NOTE: list.index(min(...)) is the first lowest lane, as min(key=...)
+                # was, with the comparisons done in C.
+                best = scores.index(min(scores))
+            key, _, block_id, _ = heappop(heaps[best])
+            age = now - key
+            if age > 0.0:
+                age_sum += age
+            del live[block_id]
+            sizes[_LANE_QUEUE[best]] -= 1
+            lane_sizes[best] -= 1
+            dirty.add(best)
+            uses.pop(block_id, None)
+            crf.pop(block_id, None)
+            h = hashes.pop(block_id, None)
+            if h is not None and ghosting:
+                ghosts[h] = (best, key)
+                if len(ghosts) > ghost_limit:
+                    ghosts.popitem(last=False)
+            victims.append(block_id)
+        self._victims += len(victims)
+        self._victim_age_sum = age_sum
+        return victims
 
     def on_removed(self, block_id: int) -> None:
         self._hash.pop(block_id, None)

@@ -221,12 +221,12 @@ class KVStore:
             out.append(block)
         if from_free == n:
             return
-        pop_victim, blocks, cached, stats = self.policy.pop_victim, self.blocks, self._cached, self.stats
+        # NOTE: the policy pops every victim before any is uncached; it never looks at
+        # the store, so this is the order one pop_victim per block gave.
+        victims = self.policy.pop_victims(n - from_free)
+        blocks, cached, stats = self.blocks, self._cached, self.stats
         events = self._events if self.collect_events else None
-        for _ in range(n - from_free):
-            victim = pop_victim()
-            if victim is None:
-                raise OutOfBlocks("no evictable block")
+        for victim in victims:
             block = blocks[victim]
             h = block.block_hash
             assert block.ref_cnt == 0 and h is not None, f"policy returned busy block {victim}"
@@ -239,6 +239,8 @@ class KVStore:
             stats.evictions += 1
             block.ref_cnt = 1
             out.append(block)
+        if len(victims) < n - from_free:
+            raise OutOfBlocks("no evictable block")
 
     def _uncache(self, block: KVBlock, now: float) -> None:
         h = block.block_hash
