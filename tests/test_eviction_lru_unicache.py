@@ -293,3 +293,25 @@ def test_pop_victims_is_pop_victim_n_times(kw, order):
     assert batch.pop_victims(1) == [] and batch.pop_victim() is None
     assert (batch._victims, batch._victim_age_sum) == (one._victims, one._victim_age_sum)
     assert list(batch._ghosts.items()) == list(one._ghosts.items())
+
+
+def test_lane_scores_are_the_horizon_formula_over_lognormal_survival():
+    p = UniCachePolicy()
+    _mixed_history(p)
+    p.on_request(SINGLE, 40.0)
+    heads = {lane: min(e[0] for e in heap if p._live.get(e[2]) is e) for lane, heap in enumerate(p._heaps) if heap}
+    victim = p.pop_victims(1)
+    tau = p.horizon_scale * p._horizon
+    want = [math.inf] * len(p._scores)
+    for lane, key in heads.items():
+        a, alpha = 40.0 - key, p.alpha[lane]
+        if lane // NUM_LANES == STRUCTURAL:
+            h = p.rate_halflife
+            rate = math.exp(-a * math.log(2.0) / h) * math.log(2.0) / h
+            want[lane] = alpha * -math.expm1(-rate * tau)
+        else:
+            fit = p.fits[lane // NUM_LANES]
+            s = fit.survival(a)
+            want[lane] = alpha * (s - fit.survival(a + tau)) / (1.0 - alpha + alpha * s + 1e-12)
+    assert p._scores == want  # exactly: the written-out arithmetic is survival()'s
+    assert victim == [10]

@@ -290,20 +290,20 @@ class UniCachePolicy(EvictionPolicy):
             self._all_dirty = True
         q = self.queue_of(info)
         key = now
-        if q == STRUCTURAL and self.rate_halflife:
-            # Only structural blocks carry a decayed count (from their first release,
-            # which follows their caching within one request).
-            key = self._crf.setdefault(block_id, now)
-        if q == STRUCTURAL and self.depth_bonus_s:
-            key += self.depth_bonus_s * (1.0 - info.position / info.cls.template_blocks)
+        if q == STRUCTURAL:
+            if self.rate_halflife:
+                # Only structural blocks carry a decayed count (from their first release,
+                # which follows their caching within one request).
+                key = self._crf.setdefault(block_id, now)
+            if self.depth_bonus_s:
+                key += self.depth_bonus_s * (1.0 - info.position / info.cls.template_blocks)
         # NOTE: the store releases a request's blocks tail first (positions falling), so
         # the first prompt block of a release burst is the request's last cached prompt
         # block. A heuristic: a burst that starts below the previous burst's last position
         # is missed, and a tail still shared by another request marks its predecessor.
-        pos, is_tail = info.position, False
-        if not info.is_decode:
-            is_tail = pos >= self._last_pos or self._last_decode
-        self._last_pos, self._last_decode = pos, info.is_decode
+        pos, is_decode = info.position, info.is_decode
+        is_tail = not is_decode and (pos >= self._last_pos or self._last_decode)
+        self._last_pos, self._last_decode = pos, is_decode
         lane = q * NUM_LANES
         if is_tail and self.tail_lane:
             lane += TAIL_LANE
@@ -311,7 +311,8 @@ class UniCachePolicy(EvictionPolicy):
             if self.turn_lanes:
                 lane += turn_lane(info.cls.turn)
         elif self.freq_lanes:
-            lane += min(TAIL_LANE - 1, self._uses.get(block_id, 0).bit_length())
+            hot = self._uses.get(block_id, 0).bit_length()
+            lane += hot if hot < TAIL_LANE - 1 else TAIL_LANE - 1
         entry = (key, next(self._tokens), block_id, lane)
         self._released[lane] += 1.0
         live = self._live
@@ -319,11 +320,12 @@ class UniCachePolicy(EvictionPolicy):
         if len(live) > self._peak:
             self._peak = len(live)
         self._sizes[q] += 1
-        self._lane_sizes[lane] += 1
+        lane_sizes = self._lane_sizes
+        lane_sizes[lane] += 1
         self._dirty.add(lane)
         heap = self._heaps[lane]
         heapq.heappush(heap, entry)
-        if len(heap) > 2 * self._lane_sizes[lane] + 64:
+        if len(heap) > 2 * lane_sizes[lane] + 64:
             self._compact(lane)
 
     def on_access(self, block_id: int, cls: RequestClass, now: float) -> None:
@@ -383,15 +385,24 @@ class UniCachePolicy(EvictionPolicy):
         return victims[0] if victims else None
 
     def pop_victims(self, n: int) -> list[int]:
-        # NOTE: one allocation's victims in one loop, its state in locals: the clock does
-        # not move between them, so after the first only the popped lane is rescored.
+        """Up to ``n`` victims, as ``n`` calls of ``pop_victim`` would pick them.
+
+        Scores the dirty lanes (all of them after the clock, a fit or the weights moved)
+        and evicts the head of the lowest. One allocation's victims come in one loop
+        with the policy's state bound to locals: the clock does not move between them,
+        so after the first pop only the popped lane is rescored. A lane's score is
+        alpha_lane * s_q of its head (inf when empty); the survival arithmetic is
+        ``OnlineLogNormal.survival``'s, written out, so scores are the same floats.
+        """
         live, dirty, scores, heaps = self._live, self._dirty, self._scores, self._heaps
-        sizes, lane_sizes = self._sizes, self._lane_sizes
+        sizes, lane_sizes, alpha, fits = self._sizes, self._lane_sizes, self.alpha, self.fits
         uses, crf, hashes, ghosts = self._uses, self._crf, self._hash, self._ghosts
         ghosting, ghost_limit = self._ghosting, self.ghost_factor * self._peak
         strict = self.strict_evict_first
         now, age_sum = self._now, self._victim_age_sum
-        heappop = heapq.heappop
+        tau = self.horizon_scale * self._horizon
+        horizon_on, h = self._horizon_on, self.rate_halflife
+        heappop, log, erfc, inf = heapq.heappop, math.log, math.erfc, math.inf
         victims: list[int] = []
         for _ in range(n):
             if not live:
@@ -401,9 +412,37 @@ class UniCachePolicy(EvictionPolicy):
             else:
                 if self._all_dirty:
                     self._all_dirty = False
-                    self._rescore(_ALL_LANES)
-                elif dirty:
-                    self._rescore(dirty)
+                    lanes = _ALL_LANES
+                else:
+                    lanes = dirty
+                for lane in lanes:
+                    if not lane_sizes[lane]:
+                        scores[lane] = inf
+                        continue
+                    # The live head: a non-empty lane has one, so the heap cannot run dry.
+                    heap = heaps[lane]
+                    entry = heap[0]
+                    while live.get(entry[2]) is not entry:
+                        heappop(heap)
+                        entry = heap[0]
+                    age = now - entry[0]
+                    q = _LANE_QUEUE[lane]
+                    p = alpha[lane]
+                    if h and q == STRUCTURAL:
+                        # Poisson reuse at the decayed-count rate estimate r = crf ln2 / h
+                        # (a stream of rate r has E[crf] = r h / ln 2): P(reuse within tau).
+                        rate = math.exp(-age * _LN2 / h) * _LN2 / h
+                        scores[lane] = p * -math.expm1(-rate * tau)
+                        continue
+                    fit = fits[q]
+                    mu, sd = fit.mu, fit.sigma * _SQRT2
+                    s_now = 0.5 * erfc((log(age) - mu) / sd) if age > 0 else 1.0
+                    if horizon_on:
+                        later = age + tau
+                        s_later = 0.5 * erfc((log(later) - mu) / sd) if later > 0 else 1.0
+                        scores[lane] = p * (s_now - s_later) / (1.0 - p + p * s_now + 1e-12)
+                    else:
+                        scores[lane] = p * s_now
                 dirty.clear()
                 # NOTE: list.index(min(...)) is the first lowest lane, as min(key=...)
                 # was, with the comparisons done in C.
@@ -418,9 +457,9 @@ class UniCachePolicy(EvictionPolicy):
             dirty.add(best)
             uses.pop(block_id, None)
             crf.pop(block_id, None)
-            h = hashes.pop(block_id, None)
-            if h is not None and ghosting:
-                ghosts[h] = (best, key)
+            hash_ = hashes.pop(block_id, None)
+            if hash_ is not None and ghosting:
+                ghosts[hash_] = (best, key)
                 if len(ghosts) > ghost_limit:
                     ghosts.popitem(last=False)
             victims.append(block_id)
@@ -455,49 +494,6 @@ class UniCachePolicy(EvictionPolicy):
         return self.alpha[lane]
 
     # ------------------------------------------------------------ internals
-    def _rescore(self, lanes) -> None:
-        """Set ``_scores[lane]`` to alpha_lane * s_q of the lane's head (inf when empty).
-
-        One pass over ``lanes`` with the clock, tau and the tables bound once; the
-        arithmetic is ``OnlineLogNormal.survival``'s, written out, so scores are the
-        same floats bit for bit.
-        """
-        scores, lane_sizes, heaps, live = self._scores, self._lane_sizes, self._heaps, self._live
-        alpha, fits = self.alpha, self.fits
-        now = self._now
-        tau = self.horizon_scale * self._horizon
-        horizon_on = self._horizon_on
-        h = self.rate_halflife
-        heappop, log, erfc = heapq.heappop, math.log, math.erfc
-        for lane in lanes:
-            if not lane_sizes[lane]:
-                scores[lane] = math.inf
-                continue
-            # The lane's live head: a non-empty lane has one, so the heap cannot run dry.
-            heap = heaps[lane]
-            entry = heap[0]
-            while live.get(entry[2]) is not entry:
-                heappop(heap)
-                entry = heap[0]
-            age = now - entry[0]
-            q = _LANE_QUEUE[lane]
-            p = alpha[lane]
-            if h and q == STRUCTURAL:
-                # Poisson reuse at the decayed-count rate estimate r = crf * ln2 / h (a
-                # Poisson stream of rate r has E[crf] = r h / ln 2): P(reuse within tau).
-                rate = math.exp(-age * _LN2 / h) * _LN2 / h
-                scores[lane] = p * -math.expm1(-rate * tau)
-                continue
-            fit = fits[q]
-            mu, sd = fit.mu, fit.sigma * _SQRT2
-            s_now = 0.5 * erfc((log(age) - mu) / sd) if age > 0 else 1.0
-            if horizon_on:
-                later = age + tau
-                s_later = 0.5 * erfc((log(later) - mu) / sd) if later > 0 else 1.0
-                scores[lane] = p * (s_now - s_later) / (1.0 - p + p * s_now + 1e-12)
-            else:
-                scores[lane] = p * s_now
-
     def _combine(self, e: float, t: float) -> float:
         """Effective time after one more access at ``t``: h log2(2^(e/h) + 2^(t/h))."""
         h = self.rate_halflife
