@@ -186,7 +186,7 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
         rounds.append(rnd)
     for c in [*chans, *fchans.values()]:
         await c.close()
-    med = lambda name, key: statistics.median(x[name][key] for x in rounds)  # noqa: E731
+    med = lambda name, key: round(statistics.median(x[name][key] for x in rounds), 3)  # noqa: E731
     keys = ("cpu_ms_per_request", "ratio_cpu_per_request", "ratio_req_per_s", "requests_per_s")
     median = {name: {k: med(name, k) for k in keys} for name in front}
     for ref in ("router_baseline", "bare_proxy"):
