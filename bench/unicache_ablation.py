@@ -36,6 +36,7 @@ VARIANTS: dict[str, dict] = {
     "- hit-count lanes": {"freq_lanes": False},
     "- last-prompt-block lane": {"tail_lane": False},
     "- online gap fit (priors)": {"online_fit": False},
+    "gaps arrival to arrival (not from release)": {"gap_from_release": False},
     "- global weights (alpha=1)": {"weighting": "none"},
     "paper weights (efficiency, T=0.2)": {"weighting": "efficiency"},
     "- horizon (score p*S(age))": {"horizon_scoring": False},

@@ -184,13 +184,32 @@ def test_horizon_scoring_ranks_by_reuse_within_the_residence_time():
     assert run(horizon=False) == [0, 1]
 
 
-def test_session_gaps_are_fitted_from_arrivals():
+def test_session_gaps_run_from_the_previous_turns_release_to_the_next_arrival():
     p = UniCachePolicy(fit_prior_weight=20.0)
     p.on_request(CHAT_CLS, 0.0)
+    release(p, [0, 1], CHAT_CLS, 40.0)  # the turn finished (decoded) at 40 s
     p.on_request(CHAT_CLS, 100.0)
-    assert p.fits[CHAT].mu == pytest.approx((4.77 * 20 + math.log(100.0)) / 21)
+    assert p.fits[CHAT].mu == pytest.approx((4.77 * 20 + math.log(60.0)) / 21)
     assert p.fits[AGENT].mu == pytest.approx(1.81)
     assert p.fits[EVICT_FIRST] is p.fits[CHAT]
+    # A turn arriving before its predecessor released anything observes no gap.
+    p.on_request(CHAT_CLS, 130.0)
+    assert p.fits[CHAT].weight == pytest.approx(21.0)
+
+
+def test_session_gaps_from_arrivals_when_gap_from_release_is_off():
+    p = UniCachePolicy(fit_prior_weight=20.0, gap_from_release=False)
+    p.on_request(CHAT_CLS, 0.0)
+    release(p, [0, 1], CHAT_CLS, 40.0)
+    p.on_request(CHAT_CLS, 100.0)
+    assert p.fits[CHAT].mu == pytest.approx((4.77 * 20 + math.log(100.0)) / 21)
+
+
+def test_session_memory_is_bounded_oldest_first():
+    p = UniCachePolicy(max_sessions=2)
+    for i, sid in enumerate("abc"):
+        release(p, [i], RequestClass(session_id=sid, turn=1, task=Task.CHAT), float(i))
+    assert list(p._session_seen) == [("default", "b"), ("default", "c")]
 
 
 def test_accessed_and_removed_blocks_leave_and_stale_entries_are_compacted():
@@ -278,9 +297,13 @@ def _mixed_history(p):
 @pytest.mark.parametrize(
     "kw, order",
     [
-        ({}, [10, 9, 4, 12, 6, 13, 3, 1, 0, 2, 11, 7, 8]),
-        ({"strict_evict_first": True}, [3, 1, 0, 10, 9, 4, 12, 6, 13, 2, 11, 7, 8]),
-        ({"weighting": "efficiency"}, [10, 9, 7, 8, 3, 1, 0, 2, 4, 6, 11, 12, 13]),
+        # Arrival-to-arrival gaps: the orders the code had before pop_victims existed.
+        ({"gap_from_release": False}, [10, 9, 4, 12, 6, 13, 3, 1, 0, 2, 11, 7, 8]),
+        ({"gap_from_release": False, "strict_evict_first": True}, [3, 1, 0, 10, 9, 4, 12, 6, 13, 2, 11, 7, 8]),
+        ({"gap_from_release": False, "weighting": "efficiency"}, [10, 9, 7, 8, 3, 1, 0, 2, 4, 6, 11, 12, 13]),
+        # Release-to-arrival gaps (default): chat's 4 s gap (released at 2, back at 6)
+        # makes its blocks likelier to return soon, so they now outlast evict-first.
+        ({}, [10, 9, 3, 1, 0, 2, 11, 4, 12, 6, 13, 7, 8]),
     ],
 )
 def test_pop_victims_is_pop_victim_n_times(kw, order):
