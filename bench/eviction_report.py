@@ -19,7 +19,6 @@ Run (from the repository root):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -35,6 +34,7 @@ from unicache.sim.replay import ReplayConfig  # noqa: E402
 from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
 from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
 from unicache.trace import read_trace, write_trace  # noqa: E402
+from report_files import write_report  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 POLICIES = ["lru", "radix-lru", "unicache", "opt"]
@@ -187,10 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, run in runs.items():
         plot_hit_ratio(run["results"], run["unique_blocks"], str(out_dir / f"eviction_{name}.png"),
                        title=f"{name}: block hit ratio vs capacity (block size {run['block_size']})")
-    (out_dir / "eviction_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = markdown(report)
-    (out_dir / "eviction_report.md").write_text(md)
-    print(md)
+    write_report(out_dir, "eviction_report", report, markdown(report))
     return 0
 
 

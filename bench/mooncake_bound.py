@@ -74,6 +74,7 @@ from unicache.sim.prepare import PreparedTrace, SimRequest, prepare  # noqa: E40
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
 from unicache.trace import read_trace  # noqa: E402
+from report_files import write_report  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 FRACS = [0.05, 0.10]
@@ -625,10 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         rep["elapsed_s"] = time.perf_counter() - t0
         log(f"measured in {rep['elapsed_s']:.0f}s")
     rep["conclusion"] = conclusion(rep, args.fracs)
-    (out_dir / "mooncake_bound.json").write_text(json.dumps(rep, indent=2) + "\n")
-    md = markdown(rep, args.fracs)
-    (out_dir / "mooncake_bound.md").write_text(md)
-    print(md)
+    write_report(out_dir, "mooncake_bound", rep, markdown(rep, args.fracs))
     return 0
 
 

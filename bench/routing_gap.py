@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import os
 import platform
 import sys
@@ -53,6 +52,7 @@ from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from unicache.sim.runner import capacities_from_fracs  # noqa: E402
 from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
 from unicache.trace import read_trace, write_trace  # noqa: E402
+from report_files import write_report  # noqa: E402
 
 PLACEMENTS = ("pooled", "cache_aware", "tenant_partition")
 EVICTIONS = ("lru", "unicache", "opt")
@@ -247,11 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "composition": comp,
     }
-    (out_dir / "routing_gap.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = markdown(report)
-    (out_dir / "routing_gap.md").write_text(md)
-    plot(report, out_dir / "routing_gap.png")
-    print(md)
+    write_report(out_dir, "routing_gap", report, markdown(report), plot)
     return 0
 
 

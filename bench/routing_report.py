@@ -46,6 +46,7 @@ from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
 from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
 from unicache.trace import read_trace, write_trace  # noqa: E402
+from report_files import write_report  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 OURS = "cache_aware"
@@ -271,11 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": _git_commit(),
         "runs": runs, "mix_seed_summary": seed_summary(runs),
     }
-    (out_dir / "routing_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = markdown(report)
-    (out_dir / "routing_report.md").write_text(md)
-    plot(report, out_dir / "routing_report.png")
-    print(md)
+    write_report(out_dir, "routing_report", report, markdown(report), plot)
     return 0
 
 

@@ -1,0 +1,22 @@
+"""The files a bench report leaves behind: one definition for every report script.
+
+Run as ``python bench/<script>.py``, a script has ``bench/`` on ``sys.path`` and imports
+this module by its bare name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_report(out_dir: Path, stem: str, report: dict, markdown: str,
+                 plot: Callable[[dict, Path], None] | None = None) -> None:
+    """Write ``<stem>.json`` (the report), ``<stem>.md`` (``markdown``) and, given ``plot``,
+    ``<stem>.png`` under ``out_dir``; then print the markdown."""
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown)
+    if plot is not None:
+        plot(report, out_dir / f"{stem}.png")
+    print(markdown)
