@@ -28,8 +28,8 @@ lowest, victim = argmin alpha_lane * s_q, as in the paper, with these measured c
       are censored by eviction): that is the age a session block has when it is reused,
       the age s_q is evaluated at. Arrival-to-arrival gaps (``gap_from_release=False``)
       also count the previous turn's decode time, which a block's age does not (mix,
-      4 replicas x 1%, seeds 0-2: 49.96 -> 50.44% token hits; pooled 53.06 -> 53.34;
-      seeds 3-5: 46.59 -> 46.70, pooled 53.42 -> 53.70); evict-first
+      4 replicas x 1%, seeds 0-2, bench/routing_report.py before and after: 49.96 ->
+      50.44% token hits; pooled 53.06 -> 53.34); evict-first
       shares the chat fit (its blocks are reused only if the request opens a session);
       the structural queue keeps its prior unless ``structural_fit``.
     * ``horizon_scoring`` (default): the score is the probability of reuse within the
