@@ -5,6 +5,14 @@ and answers ``pop_victim``. The store calls, in order of a block's life:
 
     on_cached(id, hash, parent_id, now)  -- the block's hash entered the cache (ref_cnt > 0)
     on_release(id, info)                 -- ref_cnt dropped to 0: now a victim candidate
+    on_release_many(ids, positions, cls, num_blocks, num_prompt_blocks, now)
+                                         -- the same for all of one request's blocks that
+                                            reached ref_cnt 0 when it was freed, in release
+                                            order (tail first); the store's only release
+                                            call. The default is on_release per block, with
+                                            the same ReleaseInfo in the same order; a policy
+                                            may override it to do per-request work once,
+                                            but its outcome must equal that loop's
     on_access(id, cls, now)              -- a new request hit the cached block (ref_cnt
                                             goes up); if it was a candidate it stops being one
     pop_victim() -> id                   -- remove and return the best candidate
@@ -55,6 +63,31 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def on_release(self, block_id: int, info: ReleaseInfo) -> None: ...
+
+    def on_release_many(
+        self,
+        block_ids: list[int],
+        positions: list[int],
+        cls: RequestClass,
+        num_blocks: int,
+        num_prompt_blocks: int,
+        now: float,
+    ) -> None:
+        """Release one request's blocks at once: ``on_release`` for each, in order.
+
+        Args:
+            block_ids: the released blocks, in release order (tail first).
+            positions: ``positions[i]`` is ``block_ids[i]``'s index in the request's
+                block table.
+            cls: class of the request that released them.
+            num_blocks: length of that request's block table.
+            num_prompt_blocks: blocks holding the prompt; a block at a position at or
+                past it was filled during decode.
+            now: release time in seconds.
+        """
+        on_release = self.on_release
+        for block_id, pos in zip(block_ids, positions):
+            on_release(block_id, ReleaseInfo(cls, pos, num_blocks, pos >= num_prompt_blocks, now))
 
     @abstractmethod
     def on_access(self, block_id: int, cls: RequestClass, now: float) -> None: ...

@@ -27,6 +27,22 @@ class LRUPolicy(EvictionPolicy):
     def on_release(self, block_id: int, info: ReleaseInfo) -> None:
         self._queue[block_id] = None
 
+    def on_release_many(
+        self,
+        block_ids: list[int],
+        positions: list[int],
+        cls: RequestClass,
+        num_blocks: int,
+        num_prompt_blocks: int,
+        now: float,
+    ) -> None:
+        if type(self).on_release is not LRUPolicy.on_release:
+            # NOTE: a subclass that changes on_release gets it per block.
+            super().on_release_many(block_ids, positions, cls, num_blocks, num_prompt_blocks, now)
+            return
+        # The same appends as on_release per block, in order, done in C.
+        self._queue.update(dict.fromkeys(block_ids))
+
     def on_access(self, block_id: int, cls: RequestClass, now: float) -> None:
         self._queue.pop(block_id, None)
 

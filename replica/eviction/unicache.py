@@ -74,6 +74,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
@@ -270,12 +271,18 @@ class UniCachePolicy(EvictionPolicy):
     # ------------------------------------------------------------ placement
     def queue_of(self, info: ReleaseInfo) -> int:
         """The queue a released block joins (public for tests and the ablation)."""
-        cls = info.cls
+        q, template_blocks = self._placement(info.cls)
+        if q >= 0:
+            return q
+        return STRUCTURAL if not info.is_decode and info.position < template_blocks else EVICT_FIRST
+
+    def _placement(self, cls: RequestClass) -> tuple[int, int]:
+        """Where a ``cls`` request's blocks go: (the queue of all of them, or -1 when it
+        depends on the block; how many leading prompt blocks join the structural queue,
+        the others joining evict-first)."""
         if cls.session_id is not None and self.session_queues:
-            return AGENT if (self.split_agent and cls.agentic) else CHAT
-        if self.structural and cls.template and not info.is_decode and info.position < cls.template_blocks:
-            return STRUCTURAL
-        return EVICT_FIRST
+            return (AGENT if (self.split_agent and cls.agentic) else CHAT), 0
+        return -1, (cls.template_blocks if self.structural and cls.template else 0)
 
     # ---------------------------------------------------------------- hooks
     def on_cached(self, block_id: int, block_hash: BlockHash, parent_id: int, now: float) -> None:
@@ -296,52 +303,99 @@ class UniCachePolicy(EvictionPolicy):
                 self.fits[STRUCTURAL].observe(now - key)
 
     def on_release(self, block_id: int, info: ReleaseInfo) -> None:
-        now = info.now
+        # A batch of one (a block at or past num_prompt_blocks is a decode block).
+        pos = info.position
+        self._release((block_id,), (pos,), info.cls, pos if info.is_decode else pos + 1, info.now)
+
+    def on_release_many(
+        self,
+        block_ids: list[int],
+        positions: list[int],
+        cls: RequestClass,
+        num_blocks: int,
+        num_prompt_blocks: int,
+        now: float,
+    ) -> None:
+        if type(self).on_release is not UniCachePolicy.on_release:
+            # NOTE: a subclass that changes on_release gets it per block, as the store
+            # used to call it.
+            super().on_release_many(block_ids, positions, cls, num_blocks, num_prompt_blocks, now)
+            return
+        self._release(block_ids, positions, cls, num_prompt_blocks, now)
+
+    def _release(
+        self,
+        block_ids: Sequence[int],
+        positions: Sequence[int],
+        cls: RequestClass,
+        num_prompt_blocks: int,
+        now: float,
+    ) -> None:
+        """Make one request's released blocks candidates, in release order.
+
+        The same outcome as one release per block; what does not depend on the block
+        (the clock, the session's release time, its queue and turn lane) is done once.
+        """
+        if not block_ids:
+            return
         if now > self._now:
             self._now = now
             self._all_dirty = True
-        cls = info.cls
         if cls.session_id is not None and self.gap_from_release:
+            # Once: noting the same session at the same time again changes nothing.
             self._note_session(cls, now)
-        q = self.queue_of(info)
-        key = now
-        if q == STRUCTURAL:
-            if self.rate_halflife:
-                # Only structural blocks carry a decayed count (from their first release,
-                # which follows their caching within one request).
-                key = self._crf.setdefault(block_id, now)
-            if self.depth_bonus_s:
-                key += self.depth_bonus_s * (1.0 - info.position / info.cls.template_blocks)
+        fixed_q, template_blocks = self._placement(cls)
+        structural_below = min(template_blocks, num_prompt_blocks)  # prompt blocks only
+        turn_offset = turn_lane(cls.turn) if self.turn_lanes else 0
+        h, depth_bonus = self.rate_halflife, self.depth_bonus_s
+        tail_lane, freq_lanes = self.tail_lane, self.freq_lanes
+        crf, uses, tokens, heaps = self._crf, self._uses, self._tokens, self._heaps
+        live, released, sizes, lane_sizes = self._live, self._released, self._sizes, self._lane_sizes
+        mark_dirty, heappush = self._dirty.add, heapq.heappush
         # NOTE: the store releases a request's blocks tail first (positions falling), so
         # the first prompt block of a release burst is the request's last cached prompt
         # block. A heuristic: a burst that starts below the previous burst's last position
         # is missed, and a tail still shared by another request marks its predecessor.
-        pos, is_decode = info.position, info.is_decode
-        is_tail = not is_decode and (pos >= self._last_pos or self._last_decode)
-        self._last_pos, self._last_decode = pos, is_decode
-        lane = q * NUM_LANES
-        if is_tail and self.tail_lane:
-            lane += TAIL_LANE
-        elif q == CHAT or q == AGENT:
-            if self.turn_lanes:
-                lane += turn_lane(info.cls.turn)
-        elif self.freq_lanes:
-            hot = self._uses.get(block_id, 0).bit_length()
-            lane += hot if hot < TAIL_LANE - 1 else TAIL_LANE - 1
-        entry = (key, next(self._tokens), block_id, lane)
-        self._released[lane] += 1.0
-        live = self._live
-        live[block_id] = entry
+        last_pos, last_decode = self._last_pos, self._last_decode
+        for block_id, pos in zip(block_ids, positions):
+            key = now
+            if fixed_q >= 0:
+                q = fixed_q
+            elif pos < structural_below:
+                q = STRUCTURAL
+                if h:
+                    # Only structural blocks carry a decayed count (from their first
+                    # release, which follows their caching within one request).
+                    key = crf.setdefault(block_id, now)
+                if depth_bonus:
+                    key += depth_bonus * (1.0 - pos / template_blocks)
+            else:
+                q = EVICT_FIRST
+            is_decode = pos >= num_prompt_blocks
+            is_tail = not is_decode and (pos >= last_pos or last_decode)
+            last_pos, last_decode = pos, is_decode
+            lane = q * NUM_LANES
+            if is_tail and tail_lane:
+                lane += TAIL_LANE
+            elif q == CHAT or q == AGENT:
+                lane += turn_offset
+            elif freq_lanes:
+                hot = uses.get(block_id, 0).bit_length()
+                lane += hot if hot < TAIL_LANE - 1 else TAIL_LANE - 1
+            entry = (key, next(tokens), block_id, lane)
+            released[lane] += 1.0
+            live[block_id] = entry
+            sizes[q] += 1
+            lane_sizes[lane] += 1
+            mark_dirty(lane)
+            heap = heaps[lane]
+            heappush(heap, entry)
+            if len(heap) > 2 * lane_sizes[lane] + 64:
+                self._compact(lane)  # replaces heaps[lane]
+        self._last_pos, self._last_decode = last_pos, last_decode
+        # Keys were only added to _live above, so its peak is its size now.
         if len(live) > self._peak:
             self._peak = len(live)
-        self._sizes[q] += 1
-        lane_sizes = self._lane_sizes
-        lane_sizes[lane] += 1
-        self._dirty.add(lane)
-        heap = self._heaps[lane]
-        heapq.heappush(heap, entry)
-        if len(heap) > 2 * lane_sizes[lane] + 64:
-            self._compact(lane)
 
     def on_access(self, block_id: int, cls: RequestClass, now: float) -> None:
         if now > self._now:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
-from replica.eviction.base import EvictionPolicy, ReleaseInfo
+from replica.eviction.base import EvictionPolicy
 from replica.kv.block import FreeBlockQueue, KVBlock
 from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from replica.kv.storage import KVStorage, MetadataOnlyStorage
@@ -332,10 +332,18 @@ class KVStore:
         )
 
     def free(self, request_id: str, now: float) -> None:
-        """Drop a request's references, tail block first (vLLM's order for LRU)."""
+        """Drop a request's references, tail block first (vLLM's order for LRU).
+
+        Blocks that reach ref_cnt 0 go to the uncached free queue (no hash) or, in one
+        ``on_release_many`` call after the loop, to the policy (hashed), each in tail-first
+        order. NOTE: the two never look at each other, so doing the policy's part after
+        the loop rather than interleaved changes nothing.
+        """
         req = self._requests.pop(request_id)
-        blocks, cls, num_prompt_blocks = req.blocks, req.cls, req.num_prompt_blocks
-        on_release, free_append = self.policy.on_release, self._free.append
+        blocks = req.blocks
+        free_append = self._free.append
+        released: list[int] = []
+        positions: list[int] = []
         n = len(blocks)
         for pos in range(n - 1, -1, -1):
             block = blocks[pos]
@@ -347,7 +355,10 @@ class KVStore:
             if block.block_hash is None:
                 free_append(block)
             else:
-                on_release(block.block_id, ReleaseInfo(cls, pos, n, pos >= num_prompt_blocks, now))
+                released.append(block.block_id)
+                positions.append(pos)
+        if released:
+            self.policy.on_release_many(released, positions, req.cls, n, req.num_prompt_blocks, now)
 
     def reset_cache(self, now: float) -> int:
         """Evict every evictable cached block. Returns how many were dropped."""
