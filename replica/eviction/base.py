@@ -58,6 +58,14 @@ class EvictionPolicy(ABC):
 
     name: str = "base"
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # NOTE: a subclass that redefines on_release but inherits a batched
+        # on_release_many gets the per-block loop back, so its on_release sees every
+        # block (the batched overrides bypass on_release).
+        if "on_release" in cls.__dict__ and "on_release_many" not in cls.__dict__:
+            cls.on_release_many = EvictionPolicy.on_release_many
+
     @abstractmethod
     def on_cached(self, block_id: int, block_hash: BlockHash, parent_id: int, now: float) -> None: ...
 

@@ -36,10 +36,6 @@ class LRUPolicy(EvictionPolicy):
         num_prompt_blocks: int,
         now: float,
     ) -> None:
-        if type(self).on_release is not LRUPolicy.on_release:
-            # NOTE: a subclass that changes on_release gets it per block.
-            super().on_release_many(block_ids, positions, cls, num_blocks, num_prompt_blocks, now)
-            return
         # The same appends as on_release per block, in order, done in C.
         self._queue.update(dict.fromkeys(block_ids))
 

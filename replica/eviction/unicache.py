@@ -316,11 +316,6 @@ class UniCachePolicy(EvictionPolicy):
         num_prompt_blocks: int,
         now: float,
     ) -> None:
-        if type(self).on_release is not UniCachePolicy.on_release:
-            # NOTE: a subclass that changes on_release gets it per block, as the store
-            # used to call it.
-            super().on_release_many(block_ids, positions, cls, num_blocks, num_prompt_blocks, now)
-            return
         self._release(block_ids, positions, cls, num_prompt_blocks, now)
 
     def _release(
