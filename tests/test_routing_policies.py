@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.index import LocalityIndex
-from router.routing.base import ReplicaLoad, RoutingRequest
+from router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
 from router.routing.cache_aware import CacheAwarePolicy, common_prefix_blocks
 from router.routing.registry import make_routing_policy, routing_policy_names
 from router.routing.session_affinity import HashRing, SessionAffinityPolicy, ring_hash, session_key
@@ -388,6 +388,45 @@ def test_cache_aware_template_key_blocks_sets_the_ring_key():
         want = reference_owner(ids, grown.block_hashes[tb - 1].hex(), 160)
         d = p0.choose(make_request(f"u{tb}", [600, 601, 602, 603, 9], template_blocks=tb), reps, EMPTY)
         assert (d.replica_id, d.reason) == (want, "template_home")
+
+
+def test_cache_aware_session_footprint_steers_other_work_away():
+    p = CacheAwarePolicy(churn_weight=0.0)  # footprint_weight 0.5, window 96
+    reps = [load("r0", cap=100), load("r1", cap=100)]
+    s0 = make_request("s0", range(40), session="s")
+    d0 = p.choose(s0, reps, EMPTY)
+    assert d0.replica_id == "r0"  # no footprint yet: tie -> id
+    p.on_request_routed(s0, d0)
+    assert p._footprint == {"r0": 40.0}
+    # Unrelated 10-block prompt: r0 costs 160 + 0.5 * 160 * 40/100 = 192, r1 160.
+    b = make_request("b", range(100, 110))
+    assert (p.choose(b, reps, EMPTY).replica_id, p.choose(b, reps, EMPTY).score) == ("r1", 160.0)
+    assert CacheAwarePolicy(churn_weight=0.0, footprint_weight=0.0).choose(b, reps, EMPTY).replica_id == "r0"
+    # Unknown capacity (0): no footprint term.
+    assert p.choose(b, [load("r0", cap=0), load("r1", cap=0)], EMPTY).replica_id == "r0"
+    # The session's own footprint does not count against its next turn: 720 - 640 = 80.
+    idx = make_index({"r0": list(range(40))})
+    s1 = make_request("s1", range(45), session="s")
+    d1 = p.choose(s1, reps, idx)
+    assert (d1.replica_id, d1.score) == ("r0", 80.0)
+    # Every routed request decays the footprint by 1 - 1/96.
+    p.on_request_routed(b, RouteDecision("r1", "load"))
+    assert p._footprint["r0"] == pytest.approx(40 * 95 / 96)
+    # The next turn replaces the session's share (here on r1: r0 drops to 0).
+    p.on_request_routed(s1, RouteDecision("r1", "load"))
+    assert p._footprint["r0"] == pytest.approx(0.0, abs=1e-9)
+    assert p._footprint["r1"] == pytest.approx(45.0)
+
+
+def test_cache_aware_forgotten_sessions_leave_the_footprint():
+    p = CacheAwarePolicy(max_sessions=1)
+    p.on_request_routed(make_request("a", range(10), session="a"), RouteDecision("r0", "load"))
+    p.on_request_routed(make_request("b", range(100, 105), session="b"), RouteDecision("r0", "load"))
+    # Session a was dropped by the bound: only b's 5 blocks remain on r0.
+    assert list(p._sessions) == [session_key("default", "b")]
+    assert p._footprint["r0"] == pytest.approx(5.0)
+    p.on_replica_died("r0")
+    assert p._footprint == {} and not p._sessions
 
 
 def test_cache_aware_update_replicas_drops_state_of_departed():

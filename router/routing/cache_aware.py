@@ -26,17 +26,30 @@ every live replica r:
                tokens routed to r, decayed by (1 - 1/churn_window) per routed request
                (new blocks per replica: what evicts cached blocks there, and the prefill
                work the load-imbalance figure counts)
+    foot_r   = N * F_r / capacity_blocks_r, F_r = the prompt blocks of each session's
+               latest turn routed to r, decayed by (1 - 1/footprint_window) per routed
+               request, leaving out the request's own session (the share of r's cache
+               that live sessions will read again soon: a request placed there competes
+               with them for it; 0 when the capacity is unknown)
     cost_r   = (N - hit_r) + load_weight * load_r + churn_weight * churn_r
+               + footprint_weight * foot_r
 
 The request goes to argmin cost_r over the *admissible* replicas, those with
 ``outstanding_r <= max(min_outstanding + balance_slack, balance_ratio * mean_outstanding)``
 (a hard guard so locality never piles requests on one replica); ties go to the less
 loaded replica (``load_key``). Defaults: load_weight 1.0, request_cost_tokens 128,
 evict_weight 0.5, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
-churn_window 256, track_inflight off, balance_ratio 1.25, balance_slack 4,
-template_key_blocks 1 (chosen by
+churn_window 256, footprint_weight 0.5, footprint_window 96, track_inflight off,
+balance_ratio 1.25, balance_slack 4, template_key_blocks 1 (chosen by
 replaying three seeds of the generated mix and the Mooncake trace at 4 replicas; see
-``bench/routing_report.py`` for the figures and an ablation of each term).
+``bench/routing_report.py`` for the figures and an ablation of each term; the footprint
+term's weight and window by seeds 0-8 of the mix, checked on seeds 9-17 with
+``bench/routing_footprint.py``).
+
+The footprint term is what the churn term cannot see: churn is a flow (new blocks per
+request), a live session's context is a stock that stays cached between its turns. Long
+agent sessions grow to most of one replica's cache; without the term, unrelated work
+keeps landing beside them and the two evict each other.
 
 Task and template locality come mostly from chained hashes: requests of one template
 (or one agent system prompt) share leading hashes, so ``m_r`` steers them to where those
@@ -54,7 +67,11 @@ Where every template shares a first block (a common system prompt), raise it.
 Invariants:
     * Router-side state is bounded: at most ``max_sessions`` sessions and
       ``max_inflight`` tracked requests (oldest dropped first).
-    * A replica that died or left holds no pending blocks, sessions, inflow or ring points.
+    * ``_footprint[r]`` is the decayed sum, over the remembered sessions whose latest
+      turn went to r, of that turn's prompt blocks (a forgotten session's share is
+      taken out; it never goes below 0).
+    * A replica that died or left holds no pending blocks, sessions, inflow, footprint
+      or ring points.
 """
 
 from __future__ import annotations
@@ -86,6 +103,15 @@ def common_prefix_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
 
 
 @dataclass(slots=True)
+class _Session:
+    """A session's latest turn: where it went, its prompt hashes, and when (``_routed``)."""
+
+    replica_id: str
+    hashes: list[BlockHash]
+    routed_at: int
+
+
+@dataclass(slots=True)
 class _InFlight:
     replica_id: str
     hashes: list[BlockHash]
@@ -107,6 +133,10 @@ class CacheAwarePolicy(RoutingPolicy):
         churn_weight: weight of the churn term, in units of the request's tokens per unit
             of relative excess inflow (default 0.5; 0 turns it off).
         churn_window: inflow decays by 1 - 1/churn_window per routed request (256).
+        footprint_weight: weight of the session footprint term, in units of the
+            request's tokens per replica cache share (default 0.5; 0 turns it off).
+        footprint_window: a session's footprint decays by 1 - 1/footprint_window per
+            routed request (default 96).
         track_inflight: count blocks of unfinished requests as held (default False: in the
             simulator, whose index never lags, it cost hit ratio and TTFT; turn it on where
             replica events lag behind bursts of one new prefix).
@@ -129,6 +159,8 @@ class CacheAwarePolicy(RoutingPolicy):
         template_trust: float = 0.1,
         churn_weight: float = 0.5,
         churn_window: int = 256,
+        footprint_weight: float = 0.5,
+        footprint_window: int = 96,
         track_inflight: bool = False,
         balance_ratio: float = 1.25,
         balance_slack: int = 4,
@@ -137,8 +169,8 @@ class CacheAwarePolicy(RoutingPolicy):
         max_sessions: int = 100_000,
         max_inflight: int = 100_000,
     ):
-        if churn_window <= 0:
-            raise ValueError("churn_window must be positive")
+        if churn_window <= 0 or footprint_window <= 0:
+            raise ValueError("churn_window and footprint_window must be positive")
         if template_key_blocks < 0:
             raise ValueError("template_key_blocks must be >= 0")
         self.load_weight = load_weight
@@ -156,7 +188,12 @@ class CacheAwarePolicy(RoutingPolicy):
         self.template_key_blocks = template_key_blocks
         self._decay = 1.0 - 1.0 / churn_window
         self._inflow: dict[str, float] = {}
-        self._sessions: OrderedDict[str, tuple[str, list[BlockHash]]] = OrderedDict()
+        self.footprint_weight = footprint_weight
+        self.footprint_window = footprint_window
+        self._foot_decay = 1.0 - 1.0 / footprint_window
+        self._footprint: dict[str, float] = {}
+        self._routed = 0  # requests routed so far: the footprint decay's clock
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._inflight: OrderedDict[str, _InFlight] = OrderedDict()
         self._pending: dict[str, dict[BlockHash, int]] = {}
 
@@ -184,12 +221,13 @@ class CacheAwarePolicy(RoutingPolicy):
         n_tokens = request.num_prompt_tokens
         cls = request.cls
 
+        prev = self._sessions.get(session_key(cls.tenant, cls.session_id)) if cls.session_id is not None else None
         sticky_id, sticky_blocks = None, 0.0
-        if cls.session_id is not None and self.sticky_trust:
-            prev = self._sessions.get(session_key(cls.tenant, cls.session_id))
-            if prev is not None:
-                sticky_id = prev[0]
-                sticky_blocks = self.sticky_trust * common_prefix_blocks(hashes, prev[1])
+        if prev is not None and self.sticky_trust:
+            sticky_id = prev.replica_id
+            sticky_blocks = self.sticky_trust * common_prefix_blocks(hashes, prev.hashes)
+        foot_scale = self.footprint_weight * n_tokens if self._footprint else 0.0
+        own_id, own_share = (prev.replica_id, self._session_share(prev)) if prev is not None else (None, 0.0)
         home_id, home_blocks = self._template_home(request, replicas)
         churn_scale, mean_inflow = 0.0, 0.0
         if self.churn_weight and self._inflow:
@@ -223,6 +261,9 @@ class CacheAwarePolicy(RoutingPolicy):
             cost = (n_tokens - hit) + self.load_weight * load
             if churn_scale:
                 cost += churn_scale * max(0.0, self._inflow.get(rid, 0.0) / mean_inflow - 1.0)
+            if foot_scale and r.capacity_blocks:
+                foot = self._footprint.get(rid, 0.0) - (own_share if rid == own_id else 0.0)
+                cost += foot_scale * max(0.0, foot) / r.capacity_blocks
             key = (cost, load_key(r))
             if best is None or key < best:
                 best, best_r, best_m, best_reason = key, r, m, reason
@@ -231,15 +272,33 @@ class CacheAwarePolicy(RoutingPolicy):
 
     # -- lifecycle ------------------------------------------------------------------
 
+    def _session_share(self, s: _Session) -> float:
+        """What session ``s`` still adds to its replica's footprint (its turn's prompt
+        blocks, decayed since it was routed)."""
+        return len(s.hashes) * self._foot_decay ** (self._routed - s.routed_at)
+
+    def _drop_footprint(self, s: _Session) -> None:
+        fp = self._footprint
+        if s.replica_id in fp:
+            fp[s.replica_id] = max(0.0, fp[s.replica_id] - self._session_share(s))
+
     def on_request_routed(self, request: RoutingRequest, decision: RouteDecision) -> None:
         rid = decision.replica_id
         cls = request.cls
+        self._routed += 1
+        fp, fdecay = self._footprint, self._foot_decay
+        for r in fp:
+            fp[r] *= fdecay
         if cls.session_id is not None:
             key = session_key(cls.tenant, cls.session_id)
-            self._sessions[key] = (rid, request.block_hashes)
-            self._sessions.move_to_end(key)
-            while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+            sessions = self._sessions
+            prev = sessions.pop(key, None)
+            if prev is not None:
+                self._drop_footprint(prev)
+            sessions[key] = _Session(rid, request.block_hashes, self._routed)
+            fp[rid] = fp.get(rid, 0.0) + len(request.block_hashes)
+            while len(sessions) > self.max_sessions:
+                self._drop_footprint(sessions.popitem(last=False)[1])
         inflow = self._inflow
         decay = self._decay
         for r in inflow:
@@ -275,7 +334,7 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def update_replicas(self, replica_ids: Sequence[str]) -> None:
         live = set(replica_ids)
-        known = set(self._pending) | set(self._inflow) | set(self.ring.members)
+        known = set(self._pending) | set(self._inflow) | set(self._footprint) | set(self.ring.members)
         known |= {f.replica_id for f in self._inflight.values()}
         for rid in known - live:
             self.on_replica_died(rid)
@@ -285,8 +344,9 @@ class CacheAwarePolicy(RoutingPolicy):
     def on_replica_died(self, replica_id: str) -> None:
         self._pending.pop(replica_id, None)
         self._inflow.pop(replica_id, None)
+        self._footprint.pop(replica_id, None)
         self.ring.remove(replica_id)
         for rid in [k for k, f in self._inflight.items() if f.replica_id == replica_id]:
             del self._inflight[rid]
-        for key in [k for k, (r, _) in self._sessions.items() if r == replica_id]:
+        for key in [k for k, s in self._sessions.items() if s.replica_id == replica_id]:
             del self._sessions[key]
