@@ -36,7 +36,6 @@ import bisect
 import os
 import platform
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -47,11 +46,9 @@ sys.path.insert(0, str(REPO))
 
 from router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest  # noqa: E402
 from replica.eviction.opt import FutureAccesses  # noqa: E402
-from unicache.sim.prepare import PreparedTrace, prepare  # noqa: E402
+from unicache.sim.prepare import PreparedTrace  # noqa: E402
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
-from unicache.sim.runner import capacities_from_fracs  # noqa: E402
-from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
-from unicache.trace import read_trace, write_trace  # noqa: E402
+from mix_traces import prepared_mix  # noqa: E402
 from report_files import write_report  # noqa: E402
 
 PLACEMENTS = ("pooled", "cache_aware", "tenant_partition")
@@ -213,20 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs, comp = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for k, seed in enumerate(seeds):
-            t0 = time.perf_counter()
-            # NOTE: written and read back, as routing_report.py does, so both replay the
-            # trace exactly as `unicache sim` reads it.
-            path = Path(tmp) / f"mix{seed}.jsonl"
-            write_trace(path, generate(WorkloadConfig(seed=seed, duration=args.duration, block_size=args.block_size)))
-            trace = prepare(read_trace(path), args.block_size)
-            cap = capacities_from_fracs([args.capacity_frac], trace.unique_blocks)[0]
-            print(f"[seed {seed}] {len(trace.requests)} requests, {cap} blocks per replica", file=sys.stderr)
-            runs.append(grid(trace, cap, args.replicas))
-            if k == 0:
-                comp = {ev: composition(trace, cap, args.replicas, ev) for ev in ("unicache", "opt")}
-            print(f"[seed {seed}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    for k, seed in enumerate(seeds):
+        t0 = time.perf_counter()
+        trace, cap = prepared_mix(seed, args.duration, args.block_size, args.capacity_frac)
+        print(f"[seed {seed}] {len(trace.requests)} requests, {cap} blocks per replica", file=sys.stderr)
+        runs.append(grid(trace, cap, args.replicas))
+        if k == 0:
+            comp = {ev: composition(trace, cap, args.replicas, ev) for ev in ("unicache", "opt")}
+        print(f"[seed {seed}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     m = mean_over(runs)
     base, limit = m["sglang+lru"], m["pooled+opt"]
     whole = 100 * (limit - base)

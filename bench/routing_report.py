@@ -53,6 +53,7 @@ OURS = "cache_aware"
 ABLATION = {
     "cache_aware (all terms)": {},
     "- churn term": {"churn_weight": 0.0},
+    "- session footprint": {"footprint_weight": 0.0},
     "- eviction pressure": {"evict_weight": 0.0},
     "- in-flight prefixes": {"track_inflight": False},
     "- template home": {"template_trust": 0.0},

@@ -1,0 +1,28 @@
+"""Generated-mix traces for the bench scripts: one definition of "seed -> prepared trace".
+
+The trace is written with ``write_trace`` and read back with ``read_trace``, so a script
+replays it exactly as ``unicache sim`` reads a ``unicache gen-workload`` file. Run as
+``python bench/<script>.py``, a script has ``bench/`` on ``sys.path`` and imports this
+module by its bare name.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from unicache.sim.prepare import PreparedTrace, prepare
+from unicache.sim.runner import capacities_from_fracs
+from unicache.sim.workload import WorkloadConfig, generate
+from unicache.trace import read_trace, write_trace
+
+
+def prepared_mix(seed: int, duration: float = 1200.0, block_size: int = 16,
+                 capacity_frac: float = 0.01) -> tuple[PreparedTrace, int]:
+    """The mix of ``seed`` (``gen-workload`` defaults otherwise), hashed and classified,
+    and ``capacity_frac`` of its unique blocks (the per-replica capacity)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"mix{seed}.jsonl"
+        write_trace(path, generate(WorkloadConfig(seed=seed, duration=duration, block_size=block_size)))
+        trace = prepare(read_trace(path), block_size)
+    return trace, capacities_from_fracs([capacity_frac], trace.unique_blocks)[0]

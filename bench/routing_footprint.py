@@ -1,0 +1,187 @@
+"""The session footprint term of ``cache_aware``: chosen on some mix seeds, checked on others.
+
+``cache_aware`` charges a replica for the share of its cache that live sessions will read
+again soon (``footprint_weight`` x N x F_r / capacity; ``router/routing/cache_aware.py``).
+Its weight and window were picked on one set of generated-mix seeds; this script replays
+each variant on that set and on a second, held-out set, so the figures show whether the
+gain carries over to traces the choice never saw. Routing chaos is large here (a change
+that moves one early request reshuffles everything after it), so single seeds swing by
+several points: the paired per-seed difference against the term switched off, averaged
+over many seeds, is the figure to read.
+
+Every run: ``cache_aware`` routing, ``unicache`` eviction, 4 replicas x 1% of the seed's
+unique blocks each (the routing target's setting), the same ``Replay`` as ``unicache sim``.
+
+Writes ``routing_footprint.json``, ``.md`` and ``.png`` to ``--out-dir``.
+
+Run (from the repository root; about 4 minutes on 2 CPUs):
+    .venv/bin/python bench/routing_footprint.py [--select-seeds 0-8] [--holdout-seeds 9-17]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from router.routing.cache_aware import CacheAwarePolicy  # noqa: E402
+from router.routing.registry import make_routing_policy  # noqa: E402
+from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
+from mix_traces import prepared_mix  # noqa: E402
+from report_files import write_report  # noqa: E402
+
+OFF = "footprint off"
+DEFAULT = "default (weight 0.5, window 96)"
+VARIANTS: dict[str, dict] = {
+    OFF: {"footprint_weight": 0.0},
+    DEFAULT: {},
+    "weight 0.25": {"footprint_weight": 0.25},
+    "weight 1.0": {"footprint_weight": 1.0},
+    "window 64": {"footprint_window": 64},
+    "window 128": {"footprint_window": 128},
+}
+
+
+def seed_list(text: str) -> list[int]:
+    """``"0-8"`` or ``"0,3,5"`` (or a mix) -> seeds."""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def run_seed(job: tuple[int, int, float]) -> dict:
+    """Every variant on one seed: {variant: {token_hit_ratio, load_imbalance, ttft...}}."""
+    seed, replicas, frac = job
+    t0 = time.perf_counter()
+    trace, cap = prepared_mix(seed, capacity_frac=frac)
+    out = {}
+    for name, kwargs in VARIANTS.items():
+        rp = Replay(trace, ReplayConfig("unicache", cap, replicas=replicas, router="cache_aware"))
+        # NOTE: the sim builds its router with default arguments; swap in the variant.
+        rp.router = make_routing_policy("cache_aware", **kwargs)
+        rp.router.update_replicas([r.replica_id for r in rp.replicas])
+        rec = rp.run()
+        out[name] = {k: rec[k] for k in ("token_hit_ratio", "load_imbalance", "ttft_mean_s", "ttft_p99_s", "rejected")}
+    print(f"[seed {seed}] {time.perf_counter() - t0:.0f} s: " + ", ".join(
+        f"{n} {100 * r['token_hit_ratio']:.2f}" for n, r in out.items()), file=sys.stderr, flush=True)
+    return {"seed": seed, "capacity_blocks": cap, "variants": out}
+
+
+def summarise(runs: list[dict]) -> dict[str, dict]:
+    """Per variant: mean token hit %, mean paired difference against OFF, seeds improved."""
+    summary = {}
+    for name in VARIANTS:
+        hits = [100 * r["variants"][name]["token_hit_ratio"] for r in runs]
+        diffs = [h - 100 * r["variants"][OFF]["token_hit_ratio"] for h, r in zip(hits, runs)]
+        summary[name] = {
+            "mean_token_hit_pct": statistics.mean(hits),
+            "mean_diff_vs_off_pts": statistics.mean(diffs),
+            "stdev_diff_pts": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+            "seeds_improved": sum(d > 0 for d in diffs),
+            "seeds": len(runs),
+            "max_load_imbalance": max(r["variants"][name]["load_imbalance"] for r in runs),
+            "mean_ttft_s": statistics.mean(r["variants"][name]["ttft_mean_s"] for r in runs),
+        }
+    return summary
+
+
+def _span(seeds: list[int]) -> str:
+    return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# cache_aware's session footprint term, selection and held-out seeds",
+        "",
+        f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs). Generated mix, "
+        f"{report['replicas']} replicas x {100 * report['capacity_frac']:g}% of unique blocks each, "
+        "cache_aware routing, unicache eviction. Differences are paired per seed against the term switched off.",
+        "",
+    ]
+    for part in ("select", "holdout"):
+        seeds = report["seeds"][part]
+        lines += [f"## {'Selection' if part == 'select' else 'Held-out'} seeds {_span(seeds)}", "",
+                  "| variant | token hit % | diff vs off (pts) | sd of diff | seeds improved | max imbalance | TTFT mean s |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, s in report["summary"][part].items():
+            lines.append(f"| {name} | {s['mean_token_hit_pct']:.2f} | {s['mean_diff_vs_off_pts']:+.2f} | "
+                         f"{s['stdev_diff_pts']:.2f} | {s['seeds_improved']}/{s['seeds']} | "
+                         f"{s['max_load_imbalance']:.3f} | {s['mean_ttft_s']:.4f} |")
+        lines.append("")
+    lines += ["## Per seed, token hit %", "", "| seed | " + " | ".join(VARIANTS) + " |",
+              "|---|" + "---|" * len(VARIANTS)]
+    for r in report["runs"]:
+        lines.append(f"| {r['seed']} | " + " | ".join(
+            f"{100 * r['variants'][n]['token_hit_ratio']:.2f}" for n in VARIANTS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    names = list(VARIANTS)
+    width = 0.38
+    for i, part in enumerate(("select", "holdout")):
+        s = report["summary"][part]
+        ax.bar([x + i * width for x in range(len(names))], [s[n]["mean_diff_vs_off_pts"] for n in names], width,
+               yerr=[s[n]["stdev_diff_pts"] / max(1, s[n]["seeds"]) ** 0.5 for n in names], capsize=3,
+               label=f"{part} seeds {_span(report['seeds'][part])}")
+    ax.axhline(0, color="grey", lw=1)
+    ax.set_xticks([x + width / 2 for x in range(len(names))], names, rotation=15, fontsize=8)
+    ax.set_ylabel("token hit points vs footprint off\n(mean of paired diffs, ± s.e.)")
+    ax.set_title("cache_aware session footprint term, generated mix, 4 replicas x 1%")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--select-seeds", default="0-8", help="seeds the defaults were chosen on (default 0-8)")
+    ap.add_argument("--holdout-seeds", default="9-17", help="seeds the choice never saw (default 9-17)")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--capacity-frac", type=float, default=0.01, help="per replica, of unique blocks")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes (one seed each)")
+    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    args = ap.parse_args(argv)
+    seeds = {"select": seed_list(args.select_seeds), "holdout": seed_list(args.holdout_seeds)}
+    if not seeds["select"] or not seeds["holdout"]:
+        ap.error("both seed sets must be non-empty")
+    defaults = CacheAwarePolicy()
+    if (defaults.footprint_weight, defaults.footprint_window) != (0.5, 96):
+        ap.error("the DEFAULT label no longer names cache_aware's defaults: update VARIANTS")
+    jobs = [(s, args.replicas, args.capacity_frac) for s in seeds["select"] + seeds["holdout"]]
+    with multiprocessing.get_context("fork").Pool(max(1, args.workers)) as pool:
+        runs = pool.map(run_seed, jobs, chunksize=1)
+    by_seed = {r["seed"]: r for r in runs}
+    report = {
+        "command": "python bench/routing_footprint.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "host": platform.node() or "unknown", "cpus": os.cpu_count(), "python": platform.python_version(),
+        "replicas": args.replicas, "capacity_frac": args.capacity_frac, "seeds": seeds, "variants": VARIANTS,
+        "summary": {part: summarise([by_seed[s] for s in ss]) for part, ss in seeds.items()},
+        "runs": runs,
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_report(out_dir, "routing_footprint", report, markdown(report), plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
