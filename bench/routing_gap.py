@@ -154,7 +154,7 @@ def markdown(report: dict) -> str:
     d = report["decomposition"]
     lines += ["Gap of the routing target, sglang+lru to pooled opt, in token-hit points:\n",
               f"- whole gap: {d['whole_gap']:.2f}; cache_aware+unicache closes {d['closed']:.2f} "
-              f"({d['closed_share']:.2f} of it; target 0.5).",
+              f"({d['closed_share']:.3f} of it; target 0.5).",
               f"- placement alone (pooled opt - cache_aware opt): {d['placement_loss']:.2f}.",
               f"- eviction on that placement (cache_aware opt - cache_aware unicache): {d['eviction_loss']:.2f}.",
               f"- eviction without placement (pooled opt - pooled unicache): {d['pooled_eviction_loss']:.2f}.",
