@@ -20,3 +20,12 @@ def write_report(out_dir: Path, stem: str, report: dict, markdown: str,
     if plot is not None:
         plot(report, out_dir / f"{stem}.png")
     print(markdown)
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (110 dpi, the size every bench figure uses) and close ``fig``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

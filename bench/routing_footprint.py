@@ -36,7 +36,7 @@ from router.routing.cache_aware import CacheAwarePolicy  # noqa: E402
 from router.routing.registry import make_routing_policy  # noqa: E402
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from mix_traces import prepared_mix  # noqa: E402
-from report_files import write_report  # noqa: E402
+from report_files import save_figure, write_report  # noqa: E402
 
 OFF = "footprint off"
 DEFAULT = "default (weight 0.5, window 96)"
@@ -146,9 +146,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_title("cache_aware session footprint term, generated mix, 4 replicas x 1%")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ from replica.eviction.opt import FutureAccesses  # noqa: E402
 from unicache.sim.prepare import PreparedTrace  # noqa: E402
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from mix_traces import prepared_mix  # noqa: E402
-from report_files import write_report  # noqa: E402
+from report_files import save_figure, write_report  # noqa: E402
 
 PLACEMENTS = ("pooled", "cache_aware", "tenant_partition")
 EVICTIONS = ("lru", "unicache", "opt")
@@ -192,9 +192,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_title(f"generated mix, {report['replicas']} replicas x {100 * report['capacity_frac']:g}%, mean of seeds")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
 from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
 from unicache.trace import read_trace, write_trace  # noqa: E402
-from report_files import write_report  # noqa: E402
+from report_files import save_figure, write_report  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 OURS = "cache_aware"
@@ -228,9 +228,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(True, axis="x", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
