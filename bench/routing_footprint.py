@@ -33,7 +33,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from router.routing.cache_aware import CacheAwarePolicy  # noqa: E402
-from router.routing.registry import make_routing_policy  # noqa: E402
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from mix_traces import prepared_mix  # noqa: E402
 from report_files import save_figure, write_report  # noqa: E402
@@ -66,11 +65,8 @@ def run_seed(job: tuple[int, int, float]) -> dict:
     trace, cap = prepared_mix(seed, capacity_frac=frac)
     out = {}
     for name, kwargs in VARIANTS.items():
-        rp = Replay(trace, ReplayConfig("unicache", cap, replicas=replicas, router="cache_aware"))
-        # NOTE: the sim builds its router with default arguments; swap in the variant.
-        rp.router = make_routing_policy("cache_aware", **kwargs)
-        rp.router.update_replicas([r.replica_id for r in rp.replicas])
-        rec = rp.run()
+        rec = Replay(trace, ReplayConfig("unicache", cap, replicas=replicas, router="cache_aware",
+                                         router_kwargs=kwargs)).run()
         out[name] = {k: rec[k] for k in ("token_hit_ratio", "load_imbalance", "ttft_mean_s", "ttft_p99_s", "rejected")}
     print(f"[seed {seed}] {time.perf_counter() - t0:.0f} s: " + ", ".join(
         f"{n} {100 * r['token_hit_ratio']:.2f}" for n, r in out.items()), file=sys.stderr, flush=True)

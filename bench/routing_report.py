@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from router.routing.registry import make_routing_policy, routing_policy_names  # noqa: E402
+from router.routing.registry import routing_policy_names  # noqa: E402
 from unicache.sim.prepare import PreparedTrace, prepare  # noqa: E402
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
@@ -76,12 +76,7 @@ def _slim(r: dict) -> dict:
 def run_ablation(trace: PreparedTrace, base: ReplayConfig) -> list[dict]:
     rows = []
     for name, kwargs in ABLATION.items():
-        rp = Replay(trace, replace(base, policy="unicache", router=OURS, pooled=False))
-        # NOTE: the sim builds its policy with default arguments; swap in the variant
-        # before the run (same object type, same hooks).
-        rp.router = make_routing_policy(OURS, **kwargs)
-        rp.router.update_replicas([r.replica_id for r in rp.replicas])
-        rec = _slim(rp.run())
+        rec = _slim(Replay(trace, replace(base, policy="unicache", router=OURS, pooled=False, router_kwargs=kwargs)).run())
         rec["variant"], rec["kwargs"] = name, kwargs
         rows.append(rec)
         print(f"    ablation {name:28s} tok hit {rec['token_hit_ratio']:.4f}", file=sys.stderr)

@@ -172,3 +172,13 @@ def test_hot_path_records_are_slotted():
 def test_label_names_a_variant():
     res, _ = run([req(0, [1])], policy="radix-lru", label="radix-variant")
     assert res["policy"] == "radix-variant"
+
+
+def test_router_kwargs_build_the_routing_policy():
+    prepared = prepare([req(0, [1])], BS)
+    sim = Replay(prepared, ReplayConfig("lru", 4, replicas=2, router="cache_aware",
+                                        router_kwargs={"footprint_weight": 0.0, "churn_window": 64}))
+    assert (sim.router.footprint_weight, sim.router._decay) == (0.0, 1 - 1 / 64)
+    assert sim.router.ring.members == {"r0", "r1"}
+    with pytest.raises(TypeError, match="no_such_knob"):
+        Replay(prepared, ReplayConfig("lru", 4, replicas=2, router="cache_aware", router_kwargs={"no_such_knob": 1}))

@@ -63,6 +63,7 @@ class ReplayConfig:
             (default 16384; the first request always fits).
         timing: the prefill/decode time model.
         policy_kwargs: extra constructor arguments of the eviction policy.
+        router_kwargs: extra constructor arguments of the routing policy (ablations).
         label: the name reported as ``policy`` (default: ``policy``), e.g. to tell
             ablation variants of one policy apart.
     """
@@ -77,6 +78,7 @@ class ReplayConfig:
     max_batch_tokens: int = 16384
     timing: TimingModel = field(default_factory=TimingModel)
     policy_kwargs: dict = field(default_factory=dict)
+    router_kwargs: dict = field(default_factory=dict)
     label: str | None = None
 
 
@@ -133,7 +135,7 @@ class Replay:
         if n_stores > 1:
             if not config.router:
                 raise ValueError("several replicas need a router")
-            self.router = make_routing_policy(config.router)
+            self.router = make_routing_policy(config.router, **config.router_kwargs)
             self.router.update_replicas([r.replica_id for r in self.replicas])
             self.index = LocalityIndex()
         self.counters = ReplayCounters()
