@@ -26,11 +26,11 @@ import redis.asyncio as aioredis
 from unicache.redis_keys import EVENT_FLUSH_INTERVAL_S, RedisKeys
 from unicache.redis_server import EmbeddedRedis
 from unicache.v1 import cache_pb2
-from replica.engine.api import EngineRequest, SamplingParams
-from replica.engine.async_engine import AsyncEngine
-from replica.engine.config import EngineConfig
-from replica.kv.events import BlockStored
-from replica.publisher import CachePublisher
+from unicache.replica.engine.api import EngineRequest, SamplingParams
+from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engine.config import EngineConfig
+from unicache.replica.kv.events import BlockStored
+from unicache.replica.publisher import CachePublisher
 
 KEYS = RedisKeys("bench")
 

@@ -37,11 +37,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from replica.engine.async_engine import AsyncEngine
-from replica.engine.config import EngineConfig
-from replica.server import ReplicaServer
-from router.app import RouterApp
-from router.config import build_config
+from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engine.config import EngineConfig
+from unicache.replica.server import ReplicaServer
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 KEYS = {"victim": "sk-victim", "attacker": "sk-attacker"}

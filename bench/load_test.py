@@ -42,10 +42,10 @@ def rss_kib(pid: int) -> dict[str, int]:
 
 def replica_main(rid: str, ports, stop) -> None:
     async def run() -> None:
-        from replica.engine.async_engine import AsyncEngine
-        from replica.engine.config import EngineConfig
-        from replica.engine.model import ModelConfig
-        from replica.server import ReplicaServer
+        from unicache.replica.engine.async_engine import AsyncEngine
+        from unicache.replica.engine.config import EngineConfig
+        from unicache.replica.engine.model import ModelConfig
+        from unicache.replica.server import ReplicaServer
 
         cfg = EngineConfig(
             model=ModelConfig(**FAST_MODEL), num_blocks=2048, block_size=16, eviction_policy="lru", device="cpu",
@@ -64,8 +64,8 @@ def replica_main(rid: str, ports, stop) -> None:
 
 def router_main(name: str, replicas: str, max_in_flight: int, ports, stop) -> None:
     async def run() -> None:
-        from router.app import RouterApp
-        from router.config import build_config
+        from unicache.router.app import RouterApp
+        from unicache.router.config import build_config
 
         cfg = build_config(env={}, overrides={
             "grpc_port": 0, "http_port": 0, "use_redis": False, "auth_enabled": False,

@@ -66,8 +66,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from replica.eviction.base import EvictionPolicy, ReleaseInfo  # noqa: E402
-from replica.eviction.registry import policy_names, register_policy  # noqa: E402
+from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo  # noqa: E402
+from unicache.replica.eviction.registry import policy_names, register_policy  # noqa: E402
 from unicache.block_hash import BlockHash  # noqa: E402
 from unicache.request_class import RequestClass  # noqa: E402
 from unicache.sim.prepare import PreparedTrace, SimRequest, prepare  # noqa: E402

@@ -17,9 +17,9 @@ import os
 import random
 import time
 
-from router.app import RouterApp
-from router.config import build_config
-from router.core import Labelled
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
+from unicache.router.core import Labelled
 from unicache.block_hash import BlockHash, hash_token_blocks
 
 

@@ -25,12 +25,12 @@ import time
 import grpc
 import httpx
 
-from replica.engine.async_engine import AsyncEngine
-from replica.engine.config import EngineConfig
-from replica.engine.model import ModelConfig
-from replica.server import ReplicaServer
-from router.app import RouterApp
-from router.config import build_config
+from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engine.config import EngineConfig
+from unicache.replica.engine.model import ModelConfig
+from unicache.replica.server import ReplicaServer
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 
 
@@ -49,7 +49,7 @@ async def run(args) -> dict:
     redis = publisher = None
     overrides = {"grpc_port": 0, "http_port": 0, "use_redis": False, "replicas": f"r0={addr}", "routing_policy": args.policy}
     if args.with_redis:
-        from replica.publisher import CachePublisher
+        from unicache.replica.publisher import CachePublisher
         from unicache.redis_server import EmbeddedRedis
 
         redis = EmbeddedRedis()

@@ -94,8 +94,8 @@ def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bo
     async def run() -> None:
         import cProfile
 
-        from router.app import RouterApp
-        from router.config import build_config
+        from unicache.router.app import RouterApp
+        from unicache.router.config import build_config
 
         cfg = build_config(env={}, overrides={
             "grpc_port": 0, "http_port": 0, "use_redis": False, "auth_enabled": False,

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from router.routing.cache_aware import CacheAwarePolicy  # noqa: E402
+from unicache.router.routing.cache_aware import CacheAwarePolicy  # noqa: E402
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from mix_traces import prepared_mix  # noqa: E402
 from report_files import save_figure, write_report  # noqa: E402

@@ -44,8 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest  # noqa: E402
-from replica.eviction.opt import FutureAccesses  # noqa: E402
+from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest  # noqa: E402
+from unicache.replica.eviction.opt import FutureAccesses  # noqa: E402
 from unicache.sim.prepare import PreparedTrace  # noqa: E402
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from mix_traces import prepared_mix  # noqa: E402

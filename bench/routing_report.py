@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from router.routing.registry import routing_policy_names  # noqa: E402
+from unicache.router.routing.registry import routing_policy_names  # noqa: E402
 from unicache.sim.prepare import PreparedTrace, prepare  # noqa: E402
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402

@@ -22,7 +22,7 @@ from unicache.sim.prepare import prepare  # noqa: E402
 from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
 from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
 from unicache.trace import read_trace, write_trace  # noqa: E402
-from replica.eviction.opt import FutureAccesses  # noqa: E402
+from unicache.replica.eviction.opt import FutureAccesses  # noqa: E402
 
 MOONCAKE = Path(__file__).resolve().parent.parent.parent / "shared/traces/mooncake-fast25/conversation_trace.jsonl"
 

@@ -39,7 +39,7 @@ COPY unicache unicache
 COPY router router
 COPY replica replica
 RUN pip install --no-cache-dir . \
-    && python -c "import ray, torch, replica, router, unicache.cli"
+    && python -c "import ray, torch, unicache.replica, unicache.router, unicache.cli"
 
 # ---- runtime: the virtualenv on a clean CUDA runtime base, as an unprivileged user ----
 FROM ${CUDA_IMAGE} AS runtime

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from replica.runtime import ReplicaRuntime
-from replica.settings import ReplicaSettings
+from unicache.replica.runtime import ReplicaRuntime
+from unicache.replica.settings import ReplicaSettings
 
 ACTOR_NAMESPACE = "unicache"
 
@@ -67,7 +67,7 @@ class ReplicaActor:
     async def set_faults(self, first_token_delay_s: float = 0.0, token_delay_s: float = 0.0) -> None:
         """Change the fault-injection delays (replica/faults.py) of the running server; a
         restarted actor starts again from its settings."""
-        from replica.faults import FaultInjection
+        from unicache.replica.faults import FaultInjection
 
         self.runtime.server.servicer.faults = FaultInjection(first_token_delay_s, token_delay_s)
 

@@ -14,8 +14,8 @@ import signal
 import threading
 
 from unicache.errors import UsageError
-from replica.engine.cpu_env import prefer_passive_omp_wait
-from replica.settings import add_settings_arguments, env_name, settings_from_args
+from unicache.replica.engine.cpu_env import prefer_passive_omp_wait
+from unicache.replica.settings import add_settings_arguments, env_name, settings_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,7 +52,7 @@ def _wait_for_signal() -> None:
 
 def run_replica(args: argparse.Namespace) -> int:
     prefer_passive_omp_wait()
-    from replica.runtime import ReplicaRuntime
+    from unicache.replica.runtime import ReplicaRuntime
 
     settings = settings_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -79,7 +79,7 @@ def run_replicas(args: argparse.Namespace) -> int:
     prefer_passive_omp_wait()  # inherited by in-process Ray's workers
     import ray
 
-    from replica.launcher import ReplicaLauncher
+    from unicache.replica.launcher import ReplicaLauncher
 
     try:
         num = int(_flag_or_env(args, "num", "1"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from unicache import wire
 from unicache.request_class import RequestClass
 from unicache.v1 import common_pb2, replica_pb2
-from replica.engine.api import CacheStateInfo, EngineInputError, EngineOutput, SamplingParams, Usage
+from unicache.replica.engine.api import CacheStateInfo, EngineInputError, EngineOutput, SamplingParams, Usage
 
 FINISH_REASONS: dict[str | None, int] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
 from unicache.v1 import cache_pb2
-from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True)

@@ -49,10 +49,10 @@ from unicache.redis_keys import (
     RedisKeys,
 )
 from unicache.v1 import cache_pb2
-from replica.convert import cache_state_to_proto
-from replica.engine.api import CacheStateInfo, EngineLoad
-from replica.event_batch import PendingBatch
-from replica.kv.events import KVEvent
+from unicache.replica.convert import cache_state_to_proto
+from unicache.replica.engine.api import CacheStateInfo, EngineLoad
+from unicache.replica.event_batch import PendingBatch
+from unicache.replica.kv.events import KVEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,10 +13,10 @@ import logging
 
 from unicache.aio import cancel_and_wait
 from unicache.redis_keys import RedisKeys
-from replica.engine.async_engine import AsyncEngine
-from replica.publisher import CachePublisher
-from replica.server import ReplicaServer
-from replica.settings import ReplicaSettings
+from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.publisher import CachePublisher
+from unicache.replica.server import ReplicaServer
+from unicache.replica.settings import ReplicaSettings
 
 log = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ from grpc_health.v1.health import aio as health_aio
 from unicache.grpc_decode import add_servicer
 from unicache.wire import REFUSAL_METADATA
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
-from replica.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
-from replica.engine.api import EngineInputError, EngineRequest
-from replica.faults import FaultInjection
+from unicache.replica.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
+from unicache.replica.engine.api import EngineInputError, EngineRequest
+from unicache.replica.faults import FaultInjection
 
 if TYPE_CHECKING:
-    from replica.engine.async_engine import AsyncEngine
+    from unicache.replica.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from unicache import settings
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
-from replica.engine.config import EngineConfig
-from replica.engine.model_config import model_preset
-from replica.faults import FaultInjection
+from unicache.replica.engine.config import EngineConfig
+from unicache.replica.engine.model_config import model_preset
+from unicache.replica.faults import FaultInjection
 
 
 def _help(text: str) -> dict:

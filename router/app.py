@@ -17,20 +17,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from replica.engine.tokenizer import load_tokenizer
-from router.auth import Authenticator, load_api_keys_file, parse_api_keys
-from router.cluster import ClusterView
-from router.config import RouterConfig, resolve_tokenizer_path
-from router.core import RouterCore
-from router.http_api import HttpFrontDoor
-from router.index import LocalityIndex
-from router.limits import limiter_from_config
-from router.metrics import RouterMetrics
-from router.replica_client import ReplicaClients
-from router.routing.base import RoutingPolicy
-from router.routing.registry import make_routing_policy
-from router.service import RouterServicer
-from router.subscriber import RedisSubscriber
+from unicache.tokenizer import load_tokenizer
+from unicache.router.auth import Authenticator, load_api_keys_file, parse_api_keys
+from unicache.router.cluster import ClusterView
+from unicache.router.config import RouterConfig, resolve_tokenizer_path
+from unicache.router.core import RouterCore
+from unicache.router.http_api import HttpFrontDoor
+from unicache.router.index import LocalityIndex
+from unicache.router.limits import limiter_from_config
+from unicache.router.metrics import RouterMetrics
+from unicache.router.replica_client import ReplicaClients
+from unicache.router.routing.base import RoutingPolicy
+from unicache.router.routing.registry import make_routing_policy
+from unicache.router.service import RouterServicer
+from unicache.router.subscriber import RedisSubscriber
 from unicache.classifier import RequestClassifier
 from unicache.aio import cancel_and_wait
 from unicache.errors import UsageError
@@ -68,7 +68,7 @@ class RouterApp:
     """The router process.
 
     Args:
-        config: settings (``router.config``).
+        config: settings (``unicache.router.config``).
         policy: a routing policy object (default: built from ``config.routing_policy``).
         subscriber_kwargs: extra ``RedisSubscriber`` tunables (tests shorten intervals).
     """

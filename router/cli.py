@@ -7,7 +7,7 @@ import asyncio
 import logging
 import signal
 
-from router.config import add_config_arguments, build_config
+from unicache.router.config import add_config_arguments, build_config
 from unicache.errors import UsageError
 
 
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from router.app import RouterApp
+    from unicache.router.app import RouterApp
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = build_config(args)
@@ -50,7 +50,7 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from router.status import fetch_cluster_state, format_table
+    from unicache.router.status import fetch_cluster_state, format_table
 
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.index import LocalityIndex
-from router.routing.base import LocalityView, ReplicaLoad, RoutingPolicy
+from unicache.router.index import LocalityIndex
+from unicache.router.routing.base import LocalityView, ReplicaLoad, RoutingPolicy
 from unicache.v1 import cache_pb2
 
 

@@ -10,7 +10,7 @@ Invariants:
       message nothing is retried (tokens were already sent to the client).
     * Every routed request is matched by exactly one ``cluster.finished`` and one
       ``policy.on_request_finished`` (in a finally), including cancellation.
-    * Every request admitted by the tenant limiter (``router.limits``) releases its lease
+    * Every request admitted by the tenant limiter (``unicache.router.limits``) releases its lease
       exactly once, whatever ends it (finish, error, client cancel).
 """
 
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from router.auth import Authenticator
-from router.cluster import ClusterView
-from router.limits import LimitExceeded, TenantLimiter
-from router.metrics import RouterMetrics
-from router.replica_client import RETRYABLE, ReplicaClients
-from router.routing.base import RouteDecision, RoutingRequest
+from unicache.router.auth import Authenticator
+from unicache.router.cluster import ClusterView
+from unicache.router.limits import LimitExceeded, TenantLimiter
+from unicache.router.metrics import RouterMetrics
+from unicache.router.replica_client import RETRYABLE, ReplicaClients
+from unicache.router.routing.base import RouteDecision, RoutingRequest
 from unicache.block_hash import hash_token_blocks
 from unicache.classifier import Labels, RequestClassifier
 from unicache.request_class import RequestClass, Task
@@ -129,7 +129,7 @@ class RouterCore:
     Args:
         cluster: replicas, loads and the locality index (with the routing policy).
         auth: API keys and tenant salts.
-        tokenizer: same tokenizer as the replicas (``replica.engine.tokenizer``).
+        tokenizer: same tokenizer as the replicas (``unicache.tokenizer``).
         classifier: ``unicache.classifier.RequestClassifier``.
         clients: replica gRPC channels.
         metrics: Prometheus metrics.

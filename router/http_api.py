@@ -28,11 +28,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from router.auth import AuthError, api_key_from_headers
-from router.chat_template import ChatFormatError, render_chat
-from router.core import Labelled, RouterCore, RouterError
-from router.dashboard import DASHBOARD_HTML
-from router.service import cluster_state
+from unicache.router.auth import AuthError, api_key_from_headers
+from unicache.router.chat_template import ChatFormatError, render_chat
+from unicache.router.core import Labelled, RouterCore, RouterError
+from unicache.router.dashboard import DASHBOARD_HTML
+from unicache.router.cluster_state import cluster_state
 from unicache.v1 import common_pb2
 
 FINISH = {

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
-from router.routing.base import LocalityView
+from unicache.router.routing.base import LocalityView
 
 
 @dataclass(slots=True)

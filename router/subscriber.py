@@ -31,7 +31,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from router.cluster import ClusterView
+from unicache.router.cluster import ClusterView
 from unicache.block_hash import BlockHash
 from unicache.redis_keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, RedisKeys
 from unicache.v1 import cache_pb2

@@ -3,7 +3,6 @@ set (no torch, no ray, yet everything the router imports), and the build context
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import subprocess
@@ -19,10 +18,12 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from tests.support.source_tree import imported_modules, module_file, module_name
+
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = {"router": REPO / "docker" / "router.Dockerfile", "replica": REPO / "docker" / "replica.Dockerfile"}
 ROUTER_REQUIREMENTS = REPO / "docker" / "requirements-router.txt"
-FIRST_PARTY = {"router", "unicache", "replica"}
+FIRST_PARTY = {"unicache"}
 # Not in pyproject.toml's dependencies, needed by the router image (see the file's comments).
 ROUTER_ONLY_REQUIREMENTS = {"pyyaml"}
 
@@ -167,52 +168,22 @@ def test_router_requirements_are_a_torch_free_subset_of_pyproject():
         assert req.specifier == pyproject[name].specifier, f"{name}: {req.specifier} != {pyproject[name].specifier}"
 
 
-def _module_file(module: str) -> Path | None:
-    base = REPO.joinpath(*module.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def _imports(path: Path) -> set[str]:
-    """Every module imported anywhere in ``path`` (functions included: a lazy import still
-    runs in the router), except optional ones guarded by ``except ImportError``."""
-    tree = ast.parse(path.read_text())
-    optional: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Try) and any(
-            isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError") for h in node.handlers
-        ):
-            optional |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in optional:
-            continue
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}
-    return found
-
-
 def router_import_closure() -> tuple[set[str], set[str]]:
     """(first-party modules, third-party top-level names) reachable from router/."""
-    todo = [".".join(p.relative_to(REPO).with_suffix("").parts) for p in (REPO / "router").rglob("*.py")]
+    todo = [module_name(p) for p in (REPO / "router").rglob("*.py")]
     todo.append("unicache.cli")
     seen, third = set(), set()
     while todo:
         module = todo.pop().removesuffix(".__init__")
         if module in seen:
             continue
-        path = _module_file(module)
+        path = module_file(module)
         if path is None:
-            continue  # e.g. "router.x.Name": a name imported from a module, not a module
+            continue  # e.g. "unicache.router.x.Name": a name imported from a module, not a module
         seen.add(module)
         parts = module.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages run too
-        for imported in _imports(path):
+        for imported in imported_modules(path, skip_optional=True):
             top = imported.split(".")[0]
             if top in FIRST_PARTY:
                 todo.append(imported)
@@ -223,7 +194,7 @@ def router_import_closure() -> tuple[set[str], set[str]]:
 
 def test_router_requirements_cover_everything_the_router_imports():
     seen, third = router_import_closure()
-    assert {"router.app", "router.cli", "unicache.cli", "replica.engine.tokenizer"} <= seen
+    assert {"unicache.router.app", "unicache.router.cli", "unicache.cli", "unicache.tokenizer"} <= seen
     dists = packages_distributions()
     provided = set(router_requirements())
     missing = {top: dists.get(top) for top in third if not {canonicalize_name(d) for d in dists.get(top, [])} & provided}
@@ -249,7 +220,7 @@ ROUTER_IMAGE_PROBE = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, RouterImage())
-    import router.app, router.cli, unicache.cli
+    import unicache.router.app, unicache.router.cli, unicache.cli
     parser = unicache.cli.build_parser()
     try:
         parser.parse_args(["router", "--help"])

@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from replica.engine.attention import build_metadata
-from replica.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from replica.engine.model import LlamaForCausalLM, ModelConfig
-from replica.kv.torch_storage import TorchKVStorage
+from unicache.replica.engine.attention import build_metadata
+from unicache.replica.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from unicache.replica.engine.model import LlamaForCausalLM, ModelConfig
+from unicache.replica.kv.torch_storage import TorchKVStorage
 from tests.support.engine_factory import TINY_MODEL, make_request, run_one, tiny_config
-from replica.engine.engine import LLMEngine
+from unicache.replica.engine.engine import LLMEngine
 
 BS = 4
 

@@ -8,10 +8,10 @@ import pytest
 
 from unicache.block_hash import hash_id_blocks
 from unicache.request_class import RequestClass, Task
-from replica.eviction.base import ReleaseInfo
-from replica.eviction.lognormal import OnlineLogNormal
-from replica.eviction.registry import make_policy
-from replica.eviction.unicache import AGENT, CHAT, EVICT_FIRST, NUM_LANES, STRUCTURAL, TAIL_LANE, UniCachePolicy
+from unicache.replica.eviction.base import ReleaseInfo
+from unicache.replica.eviction.lognormal import OnlineLogNormal
+from unicache.replica.eviction.registry import make_policy
+from unicache.replica.eviction.unicache import AGENT, CHAT, EVICT_FIRST, NUM_LANES, STRUCTURAL, TAIL_LANE, UniCachePolicy
 
 SINGLE = RequestClass()
 CHAT_CLS = RequestClass(session_id="c", turn=1, task=Task.CHAT)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from replica.eviction.base import ReleaseInfo
-from replica.eviction.opt import NEVER, FutureAccesses, OptPolicy
-from replica.eviction.radix_lru import RadixLRUPolicy
-from replica.eviction.registry import make_policy, policy_names
-from replica.kv.store import KVStore
+from unicache.replica.eviction.base import ReleaseInfo
+from unicache.replica.eviction.opt import NEVER, FutureAccesses, OptPolicy
+from unicache.replica.eviction.radix_lru import RadixLRUPolicy
+from unicache.replica.eviction.registry import make_policy, policy_names
+from unicache.replica.kv.store import KVStore
 from unicache.block_hash import BlockHash, hash_id_blocks
 from unicache.request_class import SINGLE_TURN
 
@@ -187,7 +187,7 @@ def test_opt_access_removes_candidate():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from replica.kv.store import OutOfBlocks  # noqa: E402
+from unicache.replica.kv.store import OutOfBlocks  # noqa: E402
 
 
 class CheckedRadix(RadixLRUPolicy):

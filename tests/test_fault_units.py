@@ -12,17 +12,17 @@ import grpc
 import httpx
 import pytest
 
-from replica.engine.async_engine import AsyncEngine
-from replica.engine.model_config import model_preset
-from replica.faults import FaultInjection
-from replica.server import ReplicaServer
-from replica.settings import ReplicaSettings
-from router.app import RouterApp
-from router.cluster import ClusterView, EmptyView
-from router.config import build_config
-from router.index import LocalityIndex
-from router.routing.base import RoutingRequest
-from router.routing.cache_aware import CacheAwarePolicy
+from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engine.model_config import model_preset
+from unicache.replica.faults import FaultInjection
+from unicache.replica.server import ReplicaServer
+from unicache.replica.settings import ReplicaSettings
+from unicache.router.app import RouterApp
+from unicache.router.cluster import ClusterView, EmptyView
+from unicache.router.config import build_config
+from unicache.router.index import LocalityIndex
+from unicache.router.routing.base import RoutingRequest
+from unicache.router.routing.cache_aware import CacheAwarePolicy
 from tests.support.engine_factory import tiny_config
 from tests.support.fake_replica import FakeReplica
 from unicache.block_hash import hash_token_blocks

@@ -352,13 +352,13 @@ def test_router_limits_from_values_reach_the_router_config():
     docs = documents(render({"router": {"firstTokenTimeoutSeconds": 20, "tenantLimits": {"maxConcurrent": 16},
                                         "tenantOverrides": ["acme.max_concurrent=4", "beta.tokens_per_minute=900"]}}))
     settings = one(docs, "ConfigMap", "settings")["data"]
-    from router.config import build_config
+    from unicache.router.config import build_config
 
     cfg = build_config(env={k: v for k, v in settings.items() if k.startswith("UNICACHE_")})
     assert (cfg.first_token_timeout_s, cfg.tenant_max_concurrent, cfg.tenant_max_prompt_tokens, cfg.tenant_tokens_per_minute) == (
         20.0, 16, 32768, 0)
     assert cfg.tenant_limits == "acme.max_concurrent=4,beta.tokens_per_minute=900"
-    from router.limits import parse_tenant_limits
+    from unicache.router.limits import parse_tenant_limits
 
     assert parse_tenant_limits(cfg.tenant_limits) == {"acme": {"max_concurrent": 4}, "beta": {"tokens_per_minute": 900}}
 
@@ -369,8 +369,8 @@ def test_every_unicache_variable_the_chart_sets_is_a_real_setting(rendered):
     ignored by the programs."""
     from dataclasses import fields
 
-    from replica.settings import ReplicaSettings
-    from router.config import RouterConfig
+    from unicache.replica.settings import ReplicaSettings
+    from unicache.router.config import RouterConfig
 
     cli_options = re.findall(r"env_name\(['\"](\w+)['\"]\)", (REPO / "replica" / "cli.py").read_text())
     known = {"UNICACHE_" + n.upper() for n in [f.name for f in fields(RouterConfig)] + [f.name for f in fields(ReplicaSettings)] + cli_options}
@@ -496,7 +496,7 @@ def test_committed_dashboard_matches_its_generator():
 
 def test_router_exports_every_metric_the_dashboard_queries():
     """The dashboard's contract with router/metrics.py: each queried series exists."""
-    from router.metrics import RouterMetrics
+    from unicache.router.metrics import RouterMetrics
 
     suffix = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     exported = {

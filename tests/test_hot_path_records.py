@@ -8,11 +8,11 @@ import pytest
 
 from unicache.classifier import Labels, _BlockUse, _Session
 from unicache.request_class import RequestClass
-from replica.eviction.base import ReleaseInfo
-from replica.eviction.lognormal import OnlineLogNormal
-from replica.kv.block import KVBlock
-from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from replica.kv.store import Allocation, CacheStats, RequestBlocks
+from unicache.replica.eviction.base import ReleaseInfo
+from unicache.replica.eviction.lognormal import OnlineLogNormal
+from unicache.replica.kv.block import KVBlock
+from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.replica.kv.store import Allocation, CacheStats, RequestBlocks
 
 RECORDS = [
     KVBlock, ReleaseInfo, RequestBlocks, Allocation, CacheStats, BlockStored, BlockRemoved,

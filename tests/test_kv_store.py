@@ -6,9 +6,9 @@ import pytest
 
 from unicache.block_hash import hash_token_blocks
 from unicache.request_class import SINGLE_TURN
-from replica.eviction.registry import make_policy
-from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from replica.kv.store import Allocation, KVStore, OutOfBlocks
+from unicache.replica.eviction.registry import make_policy
+from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.replica.kv.store import Allocation, KVStore, OutOfBlocks
 
 BS = 4
 

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from unicache.block_hash import hash_token_blocks
 from unicache.request_class import RequestClass, Task
-from replica.eviction.opt import FutureAccesses
-from replica.eviction.registry import make_policy, policy_names
-from replica.kv.store import KVStore, OutOfBlocks
+from unicache.replica.eviction.opt import FutureAccesses
+from unicache.replica.eviction.registry import make_policy, policy_names
+from unicache.replica.kv.store import KVStore, OutOfBlocks
 
 BS = 2
 NUM_BLOCKS = 12

@@ -133,7 +133,7 @@ async def test_router_passes_replica_overload_on_as_resource_exhausted_and_429()
 def test_replica_max_waiting_is_a_flag_and_an_environment_variable(monkeypatch):
     import argparse
 
-    from replica.settings import add_settings_arguments, settings_from_args
+    from unicache.replica.settings import add_settings_arguments, settings_from_args
 
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser)

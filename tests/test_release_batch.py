@@ -10,10 +10,10 @@ import pytest
 
 from unicache.block_hash import hash_token_blocks
 from unicache.request_class import SINGLE_TURN, RequestClass, Task
-from replica.eviction.base import EvictionPolicy
-from replica.eviction.lru import LRUPolicy
-from replica.eviction.registry import make_policy
-from replica.kv.store import KVStore, OutOfBlocks
+from unicache.replica.eviction.base import EvictionPolicy
+from unicache.replica.eviction.lru import LRUPolicy
+from unicache.replica.eviction.registry import make_policy
+from unicache.replica.kv.store import KVStore, OutOfBlocks
 
 BS = 4
 

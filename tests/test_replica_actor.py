@@ -15,9 +15,9 @@ import redis
 
 from unicache.redis_keys import RedisKeys
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
-from replica.actor import ACTOR_NAMESPACE, actor_name, actor_options
-from replica.launcher import ReplicaLauncher, wait_healthy
-from replica.settings import ReplicaSettings
+from unicache.replica.actor import ACTOR_NAMESPACE, actor_name, actor_options
+from unicache.replica.launcher import ReplicaLauncher, wait_healthy
+from unicache.replica.settings import ReplicaSettings
 
 pytestmark = pytest.mark.slow
 KEYS = RedisKeys("actortest")

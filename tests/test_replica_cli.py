@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from unicache.errors import UsageError
 from unicache.redis_keys import RedisKeys
-from replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
+from unicache.replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,13 +17,13 @@ from unicache.block_hash import hash_token_blocks
 from unicache.redis_keys import RedisKeys
 from unicache.request_class import SINGLE_TURN
 from unicache.v1 import cache_pb2
-from replica.eviction.registry import make_policy
-from replica.event_batch import PendingBatch
-from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from replica.kv.store import KVStore
-from replica.publisher import CachePublisher
+from unicache.replica.eviction.registry import make_policy
+from unicache.replica.event_batch import PendingBatch
+from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.replica.kv.store import KVStore
+from unicache.replica.publisher import CachePublisher
 from tests.support.store_source import StoreCacheSource
-from router.index import LocalityIndex
+from unicache.router.index import LocalityIndex
 from tests.support.polling import eventually
 
 BS = 4
@@ -214,7 +214,7 @@ async def test_redis_outage_then_fresh_epoch_with_exact_summary(redis_server, re
 
 
 def test_hot_path_records_use_slots():
-    from replica.publisher import PublisherStats
+    from unicache.replica.publisher import PublisherStats
 
     for obj in (PendingBatch(), PublisherStats()):
         assert not hasattr(obj, "__dict__"), type(obj).__name__

@@ -12,8 +12,8 @@ import redis.asyncio as aioredis
 from unicache.block_hash import hash_token_blocks
 from unicache.redis_keys import RedisKeys
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
-from replica.runtime import ReplicaRuntime
-from replica.settings import ReplicaSettings
+from unicache.replica.runtime import ReplicaRuntime
+from unicache.replica.settings import ReplicaSettings
 from tests.support.polling import eventually
 
 BS = 8

@@ -9,9 +9,9 @@ import grpc
 import httpx
 import pytest
 
-from router.app import RouterApp
-from router.config import build_config
-from router.routing.registry import make_routing_policy
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
+from unicache.router.routing.registry import make_routing_policy
 from tests.support.fake_replica import FakeReplica
 from unicache.block_hash import hash_token_blocks
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc

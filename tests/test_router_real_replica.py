@@ -12,13 +12,13 @@ import grpc
 import httpx
 import pytest
 
-from replica.engine.async_engine import AsyncEngine
-from replica.engine.config import EngineConfig
-from replica.engine.model import ModelConfig
-from replica.publisher import CachePublisher
-from replica.server import ReplicaServer
-from router.app import RouterApp
-from router.config import build_config
+from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engine.config import EngineConfig
+from unicache.replica.engine.model import ModelConfig
+from unicache.replica.publisher import CachePublisher
+from unicache.replica.server import ReplicaServer
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
 from unicache.redis_keys import RedisKeys
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.support.polling import eventually

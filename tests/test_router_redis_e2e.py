@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import redis
 
-from router.app import RouterApp
-from router.config import build_config
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
 from tests.support.fake_replica import FakeReplica
 from tests.test_router_subscriber import KEYS
 from unicache.block_hash import hash_token_blocks

@@ -9,10 +9,10 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.cluster import ClusterView, EmptyView
-from router.index import LocalityIndex
-from router.routing.base import RoutingPolicy
-from router.subscriber import REDIS_ERRORS, RedisSubscriber
+from unicache.router.cluster import ClusterView, EmptyView
+from unicache.router.index import LocalityIndex
+from unicache.router.routing.base import RoutingPolicy
+from unicache.router.subscriber import REDIS_ERRORS, RedisSubscriber
 from unicache.block_hash import BlockHash
 from unicache.redis_keys import RedisKeys
 from unicache.v1 import cache_pb2, common_pb2
@@ -250,7 +250,7 @@ async def test_block_size_mismatch_is_logged_once(setup, caplog):
     sub.expected_block_size = 16
     hb = cache_pb2.Heartbeat(replica_id="a", address="h:1", cache=common_pb2.CacheState(block_size=32))
     r.set(KEYS.heartbeat("a"), hb.SerializeToString())
-    with caplog.at_level("WARNING", logger="router.subscriber"):
+    with caplog.at_level("WARNING", logger="unicache.router.subscriber"):
         await sub.scan_heartbeats()
         await sub.scan_heartbeats()
     msgs = [rec.getMessage() for rec in caplog.records if "block size" in rec.getMessage()]

@@ -11,15 +11,15 @@ import json
 
 import pytest
 
-from router.auth import AuthError, Authenticator, api_key_from_headers, load_api_keys_file, parse_api_keys
-from router.chat_template import ChatFormatError, render_chat, render_chat_json
-from router.cluster import ReplicaRecord
-from router.config import RouterConfig, add_config_arguments, build_config
-from router.core import Labelled, Prepared
-from router.status import format_table
+from unicache.router.auth import AuthError, Authenticator, api_key_from_headers, load_api_keys_file, parse_api_keys
+from unicache.router.chat_template import ChatFormatError, render_chat, render_chat_json
+from unicache.router.cluster import ReplicaRecord
+from unicache.router.config import RouterConfig, add_config_arguments, build_config
+from unicache.router.core import Labelled, Prepared
+from unicache.router.status import format_table
 from unicache.cli import main
 from unicache.errors import UsageError
-from router.service import router_response
+from unicache.router.service import router_response
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 
@@ -170,9 +170,9 @@ def test_redis_url_password_masked_in_describe():
 def test_router_tokenizes_like_the_replicas(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from replica.engine.config import EngineConfig
-    from replica.engine.tokenizer import load_tokenizer
-    from router.app import RouterApp
+    from unicache.replica.engine.config import EngineConfig
+    from unicache.tokenizer import load_tokenizer
+    from unicache.router.app import RouterApp
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -195,10 +195,10 @@ def test_router_tokenizes_like_the_replicas(tmp_path):
 
 
 def test_metrics_per_replica_gauges_follow_membership():
-    from router.cluster import ClusterView
-    from router.index import LocalityIndex
-    from router.metrics import RouterMetrics
-    from router.routing.registry import make_routing_policy
+    from unicache.router.cluster import ClusterView
+    from unicache.router.index import LocalityIndex
+    from unicache.router.metrics import RouterMetrics
+    from unicache.router.routing.registry import make_routing_policy
     from unicache.v1 import cache_pb2
 
     cluster = ClusterView(make_routing_policy("round_robin"), LocalityIndex())

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index import LocalityIndex
-from router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
-from router.routing.cache_aware import CacheAwarePolicy, common_prefix_blocks
-from router.routing.registry import make_routing_policy, routing_policy_names
-from router.routing.session_affinity import HashRing, SessionAffinityPolicy, ring_hash, session_key
-from router.routing.sglang import SGLangPolicy
+from unicache.router.index import LocalityIndex
+from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
+from unicache.router.routing.cache_aware import CacheAwarePolicy, common_prefix_blocks
+from unicache.router.routing.registry import make_routing_policy, routing_policy_names
+from unicache.router.routing.session_affinity import HashRing, SessionAffinityPolicy, ring_hash, session_key
+from unicache.router.routing.sglang import SGLangPolicy
 from unicache.block_hash import hash_id_blocks
 from unicache.request_class import RequestClass, Task
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from router.config import RouterConfig
+from unicache.router.config import RouterConfig
 from unicache.cli import main
 from unicache.local_cluster import ClusterSettings, LocalCluster
 

@@ -11,9 +11,9 @@ import grpc
 import httpx
 import pytest
 
-from router.app import RouterApp
-from router.config import build_config
-from router.limits import LimitExceeded, TenantLimiter, TenantLimits, parse_tenant_limits
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
+from unicache.router.limits import LimitExceeded, TenantLimiter, TenantLimits, parse_tenant_limits
 from tests.support.fake_replica import FakeReplica
 from unicache.errors import UsageError
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc

@@ -13,13 +13,13 @@ import grpc
 import httpx
 import pytest
 
-from replica.eviction.registry import make_policy
-from replica.kv.store import KVStore
-from replica.publisher import CachePublisher
-from replica.settings import ReplicaSettings, add_settings_arguments
+from unicache.replica.eviction.registry import make_policy
+from unicache.replica.kv.store import KVStore
+from unicache.replica.publisher import CachePublisher
+from unicache.replica.settings import ReplicaSettings, add_settings_arguments
 from tests.support.store_source import StoreCacheSource
-from router.app import RouterApp
-from router.config import build_config
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
 from unicache.redis_server import EmbeddedRedis
 from unicache.cli import main
 from unicache.redis_keys import RedisKeys

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.routing.registry import routing_policy_names
+from unicache.router.routing.registry import routing_policy_names
 from unicache.block_hash import hash_id_blocks
 from unicache.request_class import Task
 from unicache.sim.prepare import prepare

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from replica.eviction.opt import FutureAccesses
+from unicache.replica.eviction.opt import FutureAccesses
 from unicache.sim.metrics import percentile
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig

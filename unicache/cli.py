@@ -18,8 +18,8 @@ from unicache.errors import UsageError
 
 SUBCOMMAND_MODULES: list[str] = [
     "unicache.sim.cli",  # unicache sim, unicache gen-workload
-    "router.cli",  # unicache router, unicache status
-    "replica.cli",  # unicache replica, unicache replicas
+    "unicache.router.cli",  # unicache router, unicache status
+    "unicache.replica.cli",  # unicache replica, unicache replicas
     "unicache.local_cluster",  # unicache up
     "unicache.demo",  # unicache demo
 ]

@@ -77,7 +77,7 @@ def _send(stub: router_pb2_grpc.RouterStub, req: DemoRequest, max_tokens: int, m
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from router.status import fetch_cluster_state, format_table
+    from unicache.router.status import fetch_cluster_state, format_table
 
     workload = build_workload(args.seed, args.sessions, args.turns, args.templated, args.single)
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None

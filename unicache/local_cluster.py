@@ -86,13 +86,13 @@ class LocalCluster:
 
     def start_backends(self) -> list[tuple[str, str, str]]:
         """Redis, Ray and the replicas (synchronous; call before the event loop runs)."""
-        from replica.engine.cpu_env import prefer_passive_omp_wait
+        from unicache.replica.engine.cpu_env import prefer_passive_omp_wait
 
         prefer_passive_omp_wait()
         import ray
 
-        from replica.launcher import ReplicaLauncher
-        from replica.settings import ReplicaSettings
+        from unicache.replica.launcher import ReplicaLauncher
+        from unicache.replica.settings import ReplicaSettings
         from unicache.redis_server import EmbeddedRedis
 
         cfg = self.cfg
@@ -127,8 +127,8 @@ class LocalCluster:
         return [(r.replica_id, r.address, r.device) for r in self.launcher.start()]
 
     async def start_router(self) -> tuple[str, str]:
-        from router.app import RouterApp
-        from router.config import RouterConfig
+        from unicache.router.app import RouterApp
+        from unicache.router.config import RouterConfig
 
         cfg = self.cfg
         rcfg = RouterConfig(
@@ -197,7 +197,7 @@ class LocalCluster:
 
 
 def print_ready(ep: Endpoints, api_key: str | None) -> None:
-    from router.config import mask_url_password
+    from unicache.router.config import mask_url_password
 
     # NOTE: the banner is often captured into logs, so it shows a placeholder, never a key.
     auth = ' -H "Authorization: Bearer $API_KEY"' if api_key else ""

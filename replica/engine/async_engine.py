@@ -21,11 +21,11 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from replica.engine.api import CacheStateInfo, EngineInputError, EngineLoad, EngineOutput, EngineRequest
-from replica.engine.config import EngineConfig
-from replica.engine.engine import LLMEngine, resolve_device
-from replica.engine.tokenizer import load_tokenizer
-from replica.kv.events import KVEvent
+from unicache.replica.engine.api import CacheStateInfo, EngineInputError, EngineLoad, EngineOutput, EngineRequest
+from unicache.replica.engine.config import EngineConfig
+from unicache.replica.engine.engine import LLMEngine, resolve_device
+from unicache.tokenizer import load_tokenizer
+from unicache.replica.kv.events import KVEvent
 from unicache.block_hash import BlockHash
 
 

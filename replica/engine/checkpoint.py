@@ -14,7 +14,7 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from replica.engine.model import LlamaForCausalLM, ModelConfig
+from unicache.replica.engine.model import LlamaForCausalLM, ModelConfig
 
 
 class CheckpointError(ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from replica.engine.model_config import ModelConfig
+from unicache.replica.engine.model_config import ModelConfig
 
 
 @dataclass(slots=True)

@@ -17,24 +17,24 @@ from collections.abc import Callable
 
 import torch
 
-from replica.engine.api import (
+from unicache.replica.engine.api import (
     CacheStateInfo,
     EngineInputError,
     EngineLoad,
     EngineOutput,
     EngineRequest,
 )
-from replica.engine.attention import build_metadata
-from replica.engine.config import EngineConfig
-from replica.engine.model import LlamaForCausalLM, ModelConfig
-from replica.engine.sampling import make_generator, sample
-from replica.engine.scheduler import ScheduledChunk, Scheduler
-from replica.engine.sequence import RequestGroup, Sequence
-from replica.engine.tokenizer import load_tokenizer
-from replica.eviction.registry import make_policy, policy_names
-from replica.kv.events import KVEvent
-from replica.kv.store import KVStore
-from replica.kv.torch_storage import TorchKVStorage
+from unicache.replica.engine.attention import build_metadata
+from unicache.replica.engine.config import EngineConfig
+from unicache.replica.engine.model import LlamaForCausalLM, ModelConfig
+from unicache.replica.engine.sampling import make_generator, sample
+from unicache.replica.engine.scheduler import ScheduledChunk, Scheduler
+from unicache.replica.engine.sequence import RequestGroup, Sequence
+from unicache.tokenizer import load_tokenizer
+from unicache.replica.eviction.registry import make_policy, policy_names
+from unicache.replica.kv.events import KVEvent
+from unicache.replica.kv.store import KVStore
+from unicache.replica.kv.torch_storage import TorchKVStorage
 from unicache.block_hash import BlockHash
 
 MAX_SALT_BYTES = 64
@@ -80,7 +80,7 @@ class LLMEngine:
             torch.set_num_threads(config.cpu_threads)
         self.tokenizer = load_tokenizer(config.tokenizer_path())
         if config.checkpoint is not None:
-            from replica.engine.checkpoint import load_checkpoint
+            from unicache.replica.engine.checkpoint import load_checkpoint
 
             self.model = load_checkpoint(config.checkpoint)
         else:

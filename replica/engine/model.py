@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replica.engine.attention import AttentionMetadata, paged_attention
-from replica.engine.model_config import ModelConfig  # noqa: F401 - part of this module's API
+from unicache.replica.engine.attention import AttentionMetadata, paged_attention
+from unicache.replica.engine.model_config import ModelConfig  # noqa: F401 - part of this module's API
 
 
 class RMSNorm(nn.Module):

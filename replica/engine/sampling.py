@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from replica.engine.api import SamplingParams
+from unicache.replica.engine.api import SamplingParams
 
 
 def make_generator(params: SamplingParams, index: int, fallback_seed: int) -> torch.Generator | None:

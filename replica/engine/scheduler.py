@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from replica.engine.sequence import RequestGroup, SeqStatus, Sequence
-from replica.kv.store import KVStore, OutOfBlocks
+from unicache.replica.engine.sequence import RequestGroup, SeqStatus, Sequence
+from unicache.replica.kv.store import KVStore, OutOfBlocks
 
 
 @dataclass(slots=True)

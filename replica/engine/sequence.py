@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from unicache.block_hash import ROOT_HASH, BlockHash, hash_token_blocks
-from replica.engine.api import EngineOutput, EngineRequest, Usage
-from replica.engine.tokenizer import IncrementalDetokenizer
+from unicache.replica.engine.api import EngineOutput, EngineRequest, Usage
+from unicache.tokenizer import IncrementalDetokenizer
 
 
 class SeqStatus(enum.Enum):

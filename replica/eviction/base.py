@@ -54,7 +54,7 @@ class ReleaseInfo:
 
 
 class EvictionPolicy(ABC):
-    """Orders evictable blocks. Subclasses register themselves in ``replica.eviction.registry``."""
+    """Orders evictable blocks. Subclasses register themselves in ``unicache.replica.eviction.registry``."""
 
     name: str = "base"
 

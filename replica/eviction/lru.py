@@ -10,8 +10,8 @@ from collections import OrderedDict
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
-from replica.eviction.base import EvictionPolicy, ReleaseInfo
-from replica.eviction.registry import register_policy
+from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
+from unicache.replica.eviction.registry import register_policy
 
 
 @register_policy("lru")

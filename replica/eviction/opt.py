@@ -25,8 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
-from replica.eviction.base import EvictionPolicy, ReleaseInfo
-from replica.eviction.registry import register_policy
+from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
+from unicache.replica.eviction.registry import register_policy
 
 NEVER = float("inf")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from replica.eviction.base import EvictionPolicy
+from unicache.replica.eviction.base import EvictionPolicy
 
 _POLICIES: dict[str, type[EvictionPolicy]] = {}
 P = TypeVar("P", bound=type[EvictionPolicy])
@@ -24,14 +24,14 @@ def register_policy(name: str) -> Callable[[P], P]:
 
 def _load_builtin() -> None:
     # Importing the modules registers the built-in policies.
-    from replica.eviction import lru  # noqa: F401
+    from unicache.replica.eviction import lru  # noqa: F401
     import importlib
 
     for mod in ("radix_lru", "unicache", "opt"):
         try:
-            importlib.import_module(f"replica.eviction.{mod}")
+            importlib.import_module(f"unicache.replica.eviction.{mod}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"replica.eviction.{mod}":
+            if exc.name != f"unicache.replica.eviction.{mod}":
                 raise
 
 

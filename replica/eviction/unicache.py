@@ -78,9 +78,9 @@ from collections.abc import Sequence
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
-from replica.eviction.base import EvictionPolicy, ReleaseInfo
-from replica.eviction.lognormal import _SQRT2, OnlineLogNormal
-from replica.eviction.registry import register_policy
+from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
+from unicache.replica.eviction.lognormal import _SQRT2, OnlineLogNormal
+from unicache.replica.eviction.registry import register_policy
 
 EVICT_FIRST, CHAT, AGENT, STRUCTURAL = 0, 1, 2, 3
 QUEUE_NAMES = ("evict_first", "chat", "agent", "structural")

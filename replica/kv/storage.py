@@ -1,7 +1,7 @@
 """Where block contents live. The store calls ``copy_block`` for copy-on-write and nothing else.
 
 ``MetadataOnlyStorage`` keeps no tensors (the simulator and the router's tests);
-``replica.kv.torch_storage.TorchKVStorage`` holds real K/V tensors. Keeping the torch
+``unicache.replica.kv.torch_storage.TorchKVStorage`` holds real K/V tensors. Keeping the torch
 import in its own module lets the store import without torch.
 """
 

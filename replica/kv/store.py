@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
-from replica.eviction.base import EvictionPolicy
-from replica.kv.block import FreeBlockQueue, KVBlock
-from replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from replica.kv.storage import KVStorage, MetadataOnlyStorage
+from unicache.replica.eviction.base import EvictionPolicy
+from unicache.replica.kv.block import FreeBlockQueue, KVBlock
+from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from unicache.replica.kv.storage import KVStorage, MetadataOnlyStorage
 
 
 class OutOfBlocks(RuntimeError):

@@ -66,7 +66,7 @@ class RouteDecision:
 
 
 class LocalityView(ABC):
-    """Read-only view of which prefix blocks each replica holds (``router.index``)."""
+    """Read-only view of which prefix blocks each replica holds (``unicache.router.index``)."""
 
     @abstractmethod
     def match(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> int:

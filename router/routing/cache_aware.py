@@ -81,10 +81,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unicache.block_hash import BlockHash
-from router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
-from router.routing.least_loaded import load_key
-from router.routing.registry import register_routing_policy
-from router.routing.session_affinity import HashRing, session_key
+from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from unicache.router.routing.least_loaded import load_key
+from unicache.router.routing.registry import register_routing_policy
+from unicache.router.routing.session_affinity import HashRing, session_key
 
 
 def common_prefix_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:

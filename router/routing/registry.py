@@ -6,18 +6,18 @@ import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from router.routing.base import RoutingPolicy
+from unicache.router.routing.base import RoutingPolicy
 
 _POLICIES: dict[str, type[RoutingPolicy]] = {}
 P = TypeVar("P", bound=type[RoutingPolicy])
 
 # Modules whose import registers the built-in policies.
 BUILTIN_MODULES = [
-    "router.routing.round_robin",
-    "router.routing.least_loaded",
-    "router.routing.session_affinity",
-    "router.routing.sglang",
-    "router.routing.cache_aware",
+    "unicache.router.routing.round_robin",
+    "unicache.router.routing.least_loaded",
+    "unicache.router.routing.session_affinity",
+    "unicache.router.routing.sglang",
+    "unicache.router.routing.cache_aware",
 ]
 
 

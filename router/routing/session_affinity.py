@@ -20,9 +20,9 @@ from collections.abc import Iterable, Sequence
 
 import xxhash
 
-from router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
-from router.routing.least_loaded import pick_least_loaded
-from router.routing.registry import register_routing_policy
+from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from unicache.router.routing.least_loaded import pick_least_loaded
+from unicache.router.routing.registry import register_routing_policy
 
 
 def ring_hash(key: str) -> int:

@@ -32,9 +32,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from unicache.block_hash import BlockHash
-from router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
-from router.routing.least_loaded import load_key
-from router.routing.registry import register_routing_policy
+from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from unicache.router.routing.least_loaded import load_key
+from unicache.router.routing.registry import register_routing_policy
 
 
 class ApproxTree:

@@ -62,7 +62,7 @@ FAST_SUBSCRIBER = dict(
 def start_ray(num_cpus: int) -> str:
     """``ray.init`` in-process on loopback with a short private temp dir (AF_UNIX paths are
     capped at 107 bytes). Returns the temp dir; ``stop_ray`` removes it."""
-    from replica.engine.cpu_env import prefer_passive_omp_wait
+    from unicache.replica.engine.cpu_env import prefer_passive_omp_wait
 
     prefer_passive_omp_wait()  # inherited by the replica workers
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
@@ -100,8 +100,8 @@ class ReplicaSet:
     """
 
     def __init__(self, redis_url: str, prefix: str, num: int = 3, id_prefix: str = "f", **overrides: Any):
-        from replica.launcher import ReplicaLauncher
-        from replica.settings import ReplicaSettings
+        from unicache.replica.launcher import ReplicaLauncher
+        from unicache.replica.settings import ReplicaSettings
 
         settings = ReplicaSettings(redis_url=redis_url, redis_prefix=prefix, **{**FAST_REPLICA, **overrides})
         self.settings = settings
@@ -182,7 +182,7 @@ class RouterHandle:
         policy_factory: Callable[[], Any] | None = None,
         **config: Any,
     ):
-        from router.config import build_config
+        from unicache.router.config import build_config
 
         self.cfg = build_config(
             env={"UNICACHE_API_KEYS": f"{API_KEY}:{TENANT}", "UNICACHE_SALT_SECRET": "fault-salt"},
@@ -204,7 +204,7 @@ class RouterHandle:
         self.stub: router_pb2_grpc.RouterStub | None = None
 
     async def start(self) -> None:
-        from router.app import RouterApp
+        from unicache.router.app import RouterApp
 
         policy = self.policy_factory() if self.policy_factory else None
         self.app = RouterApp(self.cfg, policy=policy, subscriber_kwargs=dict(self.subscriber_kwargs))
@@ -295,7 +295,7 @@ def prompt_text(tag: str, n: int) -> str:
 def locality_first():
     """cache_aware without its churn term, for scenarios that need a request to land where
     its prefix is cached (the fault handling under test does not depend on the policy)."""
-    from router.routing.cache_aware import CacheAwarePolicy
+    from unicache.router.routing.cache_aware import CacheAwarePolicy
 
     return CacheAwarePolicy(churn_weight=0.0)
 

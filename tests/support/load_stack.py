@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from replica.engine.async_engine import AsyncEngine
-from replica.engine.config import EngineConfig
-from replica.engine.model import ModelConfig
-from replica.server import ReplicaServer, ReplicaServicer
-from router.app import RouterApp
-from router.config import build_config
+from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engine.config import EngineConfig
+from unicache.replica.engine.model import ModelConfig
+from unicache.replica.server import ReplicaServer, ReplicaServicer
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
 from unicache.v1 import router_pb2_grpc
 
 FAST_MODEL = dict(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=512)

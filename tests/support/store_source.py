@@ -7,9 +7,9 @@ from __future__ import annotations
 import threading
 
 from unicache.block_hash import BlockHash
-from replica.engine.api import CacheStateInfo, EngineLoad
-from replica.kv.events import KVEvent
-from replica.kv.store import KVStore
+from unicache.replica.engine.api import CacheStateInfo, EngineLoad
+from unicache.replica.kv.events import KVEvent
+from unicache.replica.kv.store import KVStore
 
 
 class StoreCacheSource:

@@ -7,8 +7,8 @@ import json
 import math
 from dataclasses import asdict, fields
 
-from replica.eviction.registry import policy_names
-from router.routing.registry import routing_policy_names
+from unicache.replica.eviction.registry import policy_names
+from unicache.router.routing.registry import routing_policy_names
 from unicache.errors import UsageError
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import ReplayConfig

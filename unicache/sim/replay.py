@@ -6,7 +6,7 @@ the ``TimingModel`` gives, then decodes for ``output_length`` tokens. Prompt blo
 the prefix cache when prefill ends, decode blocks when the request finishes; then the
 request's blocks are released to the eviction policy with its class.
 
-With several replicas a routing policy (``router.routing``) picks one per request from
+With several replicas a routing policy (``unicache.router.routing``) picks one per request from
 load snapshots and a ``LocalityIndex`` fed by the replicas' own store events: the same
 policy objects the live router runs.
 
@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from replica.eviction.opt import FutureAccesses
-from replica.eviction.registry import make_policy
-from replica.kv.events import BlockRemoved, BlockStored
-from replica.kv.store import KVStore, OutOfBlocks
-from router.index import LocalityIndex
-from router.routing.base import ReplicaLoad, RoutingRequest
-from router.routing.registry import make_routing_policy
+from unicache.replica.eviction.opt import FutureAccesses
+from unicache.replica.eviction.registry import make_policy
+from unicache.replica.kv.events import BlockRemoved, BlockStored
+from unicache.replica.kv.store import KVStore, OutOfBlocks
+from unicache.router.index import LocalityIndex
+from unicache.router.routing.base import ReplicaLoad, RoutingRequest
+from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import ReplayCounters, result_record
 from unicache.sim.prepare import PreparedTrace, SimRequest
 from unicache.sim.replica import SimReplica
@@ -50,7 +50,7 @@ class ReplayConfig:
     """One replay run.
 
     Attributes:
-        policy: eviction policy name (``replica.eviction.registry``).
+        policy: eviction policy name (``unicache.replica.eviction.registry``).
         capacity_blocks: KV blocks per replica.
         replicas: number of replicas (1: no router).
         router: routing policy name, required when ``replicas > 1`` and not pooled.

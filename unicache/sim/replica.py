@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from replica.kv.store import KVStore
+from unicache.replica.kv.store import KVStore
 from unicache.sim.prepare import SimRequest
 
 

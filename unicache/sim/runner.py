@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from replica.eviction.opt import FutureAccesses
+from unicache.replica.eviction.opt import FutureAccesses
 from unicache.sim.prepare import PreparedTrace
 from unicache.sim.replay import Replay, ReplayConfig
 
