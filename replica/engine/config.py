@@ -20,8 +20,8 @@ class EngineConfig:
             tokenizer.json and no explicit path, that file is used.
         num_blocks: KV blocks in the cache (``num_gpu_blocks`` is an alias that wins when set).
         block_size: tokens per KV block.
-        eviction_policy: registered eviction policy name; "unicache" falls back to "lru"
-            while no "unicache" policy is registered.
+        eviction_policy: registered eviction policy name (an unknown name fails at start,
+            listing the registered ones).
         enable_prefix_caching: False gives a cold cache on every request (for comparisons).
         device: "auto" (CUDA if available, else CPU), "cpu", "cuda" or "cuda:N".
         dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float64",

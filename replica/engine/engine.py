@@ -31,7 +31,7 @@ from unicache.replica.engine.sampling import make_generator, sample
 from unicache.replica.engine.scheduler import ScheduledChunk, Scheduler
 from unicache.replica.engine.sequence import RequestGroup, Sequence
 from unicache.tokenizer import load_tokenizer
-from unicache.replica.eviction.registry import make_policy, policy_names
+from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.events import KVEvent
 from unicache.replica.kv.store import KVStore
 from unicache.replica.kv.torch_storage import TorchKVStorage
@@ -62,13 +62,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} (choose from auto, {', '.join(_DTYPES)})") from None
 
 
-def resolve_policy(name: str) -> str:
-    """The configured eviction policy, or "lru" while "unicache" is not registered yet."""
-    if name == "unicache" and "unicache" not in policy_names():
-        return "lru"
-    return name
-
-
 class LLMEngine:
     """Model + paged KV store + scheduler. See the module docstring for threading rules."""
 
@@ -91,7 +84,7 @@ class LLMEngine:
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
         self.vocab_size = mcfg.vocab_size
-        self.policy_name = resolve_policy(config.eviction_policy)
+        self.policy_name = config.eviction_policy
         self.storage = TorchKVStorage(
             mcfg.num_layers,
             config.total_blocks,
