@@ -5,7 +5,8 @@ Invariants:
     * Block hashes are computed only with ``unicache.block_hash.hash_token_blocks`` and
       the tenant's salt, exactly as the replica computes them from the forwarded token
       ids and ``cache_salt``; so the index's matches are the replica's cache hits.
-    * A request that fails before its first streamed message with a retryable status is
+    * ``forward`` is two steps: ``_first_message`` (attempts, each ``_attempt``) and a
+      streaming loop. A request that fails before its first streamed message with a retryable status is
       retried once on the policy's choice among the *other* replicas; after the first
       message nothing is retried (tokens were already sent to the client).
     * Every routed request is matched by exactly one ``cluster.finished`` and one
@@ -27,7 +28,7 @@ from unicache.router.auth import Authenticator
 from unicache.router.cluster import ClusterView
 from unicache.router.limits import LimitExceeded, TenantLimiter
 from unicache.router.metrics import RouterMetrics
-from unicache.router.replica_client import RETRYABLE, ReplicaClients
+from unicache.router.replica_client import RETRYABLE, ReplicaClients, ReplicaStream
 from unicache.router.routing.base import RouteDecision, RoutingRequest
 from unicache.block_hash import hash_token_blocks
 from unicache.classifier import Labels, RequestClassifier
@@ -112,6 +113,24 @@ class Prepared:
     routing: RoutingRequest
     prepare_s: float = 0.0  # time spent hashing and classifying
     arrival: float = 0.0  # perf_counter when preparation began (TTFT origin)
+
+
+@dataclass(slots=True)
+class Attempt:
+    """A replica call that sent its first message (``first``; None: it ended empty)."""
+
+    decision: RouteDecision
+    stream: ReplicaStream
+    first: replica_pb2.GenerateResponse | None
+
+
+class AttemptFailed(Exception):
+    """One attempt failed before its first message; ``retryable``: worth another replica."""
+
+    def __init__(self, error: RouterError, retryable: bool):
+        super().__init__(str(error))
+        self.error = error
+        self.retryable = retryable
 
 
 @dataclass(slots=True)
@@ -235,18 +254,15 @@ class RouterCore:
     ) -> AsyncIterator[tuple[router_pb2.RouteInfo | None, replica_pb2.GenerateResponse]]:
         """Route and stream the replica's messages; the first pair carries the RouteInfo.
 
+        Two steps: ``_first_message`` (choose, call, retry elsewhere until a replica sends
+        its first message) and the streaming loop below (relay; never retried).
+
         Raises RouterError before the first message (no replica, all failed, bad input,
-        a tenant limit) or later ("upstream") when the replica stream breaks mid-way.
+        a tenant limit) or later when the replica stream breaks mid-way.
         """
         # NOTE: one generator, no inner ones: every streamed message passes each generator
         # layer once, and the front door's own layers already cost per token.
-        if self.cluster.total_in_flight() >= self.max_in_flight:
-            raise RouterError("overloaded", f"router has {self.max_in_flight} requests in flight; retry later")
-        try:
-            lease = self.limits.acquire(prep.tenant, len(prep.token_ids))
-        except LimitExceeded as exc:
-            self.metrics.labelled(self.metrics.limit_rejections, exc.limit).inc()
-            raise RouterError(exc.kind, str(exc)) from None
+        lease = self._admit(prep)
         try:
             request_class = request_class_to_proto(prep.cls)
             request = replica_pb2.GenerateRequest(
@@ -256,61 +272,105 @@ class RouterCore:
                 request_class=request_class,
                 cache_salt=prep.salt,
             )
-            tried: set[str] = set()
-            last_error: RouterError | None = None
-            while True:
-                try:
-                    decision = self.choose(prep.routing, tried, 0.0 if tried else prep.prepare_s)
-                except RouterError:
-                    if last_error is not None:
-                        raise last_error from None  # no other replica to retry on
-                    raise
-                rid = decision.replica_id
-                rec = self.cluster.replicas[rid]
-                self.cluster.started(rid)
-                self.policy.on_request_routed(prep.routing, decision)
-                self.metrics.labelled(self.metrics.decisions, decision.reason, rid).inc()
-                stream = self.clients.generate(rec.address, request)
-                try:
-                    try:
-                        first = await stream.first(self.first_token_timeout_s)
-                    except grpc.aio.AioRpcError as exc:
-                        code = exc.code()
-                        if code in _SKIP_AFTER:
-                            self.cluster.mark_down(rid)
-                        error = RouterError(_replica_error_kind(exc), f"replica {rid}: {exc.details() or code.name}")
-                        if code in RETRYABLE and not tried:
-                            tried.add(rid)
-                            last_error = error
-                            self.metrics.retries.inc()
-                            continue
-                        raise error from None
-                    self.metrics.ttft.observe(time.perf_counter() - prep.arrival)
-                    self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
-                    if first is None:
-                        return
-                    yield self.route_info(prep, decision, request_class), first
-                    self._count_usage(rid, first)
-                    try:
-                        while (msg := await stream.next()) is not None:
-                            self._count_usage(rid, msg)
-                            yield None, msg
-                    except grpc.aio.AioRpcError as exc:
-                        code = exc.code()
-                        if code == grpc.StatusCode.UNAVAILABLE:
-                            self.cluster.mark_down(rid)
-                        raise RouterError(
-                            _MID_STREAM.get(code, "upstream"),
-                            f"replica {rid} failed after the response started ({code.name}: {exc.details() or 'no details'}); "
-                            "the response is incomplete, retry the request",
-                        ) from None
+            attempt = await self._first_message(prep, request)
+            rid = attempt.decision.replica_id
+            try:
+                if attempt.first is None:
                     return
-                finally:
-                    stream.close()
-                    self.cluster.finished(rid)
-                    self.policy.on_request_finished(prep.routing, rid)
+                yield self.route_info(prep, attempt.decision, request_class), attempt.first
+                self._count_usage(rid, attempt.first)
+                stream = attempt.stream
+                try:
+                    while (msg := await stream.next()) is not None:
+                        self._count_usage(rid, msg)
+                        yield None, msg
+                except grpc.aio.AioRpcError as exc:
+                    raise self._broken_stream(rid, exc) from None
+            finally:
+                self._end_attempt(prep, rid, attempt.stream)
         finally:
             lease.release()
+
+    def _admit(self, prep: Prepared):
+        """The router-wide in-flight cap, then the tenant's lease (released by the caller)."""
+        if self.cluster.total_in_flight() >= self.max_in_flight:
+            raise RouterError("overloaded", f"router has {self.max_in_flight} requests in flight; retry later")
+        try:
+            return self.limits.acquire(prep.tenant, len(prep.token_ids))
+        except LimitExceeded as exc:
+            self.metrics.labelled(self.metrics.limit_rejections, exc.limit).inc()
+            raise RouterError(exc.kind, str(exc)) from None
+
+    async def _first_message(self, prep: Prepared, request: replica_pb2.GenerateRequest) -> Attempt:
+        """Attempts on distinct replicas until one sends its first message (or ends its
+        stream empty); the returned attempt is open and counted in flight.
+
+        Raises the last attempt's RouterError when it is not retryable or no other
+        replica is left, and RouterError("unavailable") when none was available at all.
+        """
+        tried: set[str] = set()
+        last_error: RouterError | None = None
+        while True:
+            try:
+                decision = self.choose(prep.routing, tried, 0.0 if tried else prep.prepare_s)
+            except RouterError:
+                if last_error is not None:
+                    raise last_error from None  # no other replica to retry on
+                raise
+            try:
+                return await self._attempt(prep, request, decision)
+            except AttemptFailed as failed:
+                if not failed.retryable or tried:
+                    raise failed.error from None
+                tried.add(decision.replica_id)
+                last_error = failed.error
+                self.metrics.retries.inc()
+
+    async def _attempt(self, prep: Prepared, request: replica_pb2.GenerateRequest, decision: RouteDecision) -> Attempt:
+        """Call ``decision``'s replica and wait for its first message.
+
+        On success the call stays open and counted (the caller ends it with
+        ``_end_attempt``); on any failure, cancellation included, it is ended here.
+        Raises AttemptFailed for a replica error.
+        """
+        rid = decision.replica_id
+        rec = self.cluster.replicas[rid]
+        self.cluster.started(rid)
+        self.policy.on_request_routed(prep.routing, decision)
+        self.metrics.labelled(self.metrics.decisions, decision.reason, rid).inc()
+        stream = self.clients.generate(rec.address, request)
+        try:
+            first = await stream.first(self.first_token_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._end_attempt(prep, rid, stream)
+            code = exc.code()
+            if code in _SKIP_AFTER:
+                self.cluster.mark_down(rid)
+            error = RouterError(_replica_error_kind(exc), f"replica {rid}: {exc.details() or code.name}")
+            raise AttemptFailed(error, code in RETRYABLE) from None
+        except BaseException:
+            self._end_attempt(prep, rid, stream)
+            raise
+        self.metrics.ttft.observe(time.perf_counter() - prep.arrival)
+        self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
+        return Attempt(decision, stream, first)
+
+    def _end_attempt(self, prep: Prepared, rid: str, stream: ReplicaStream) -> None:
+        """Close the call (cancelling it at the replica if unfinished) and uncount it."""
+        stream.close()
+        self.cluster.finished(rid)
+        self.policy.on_request_finished(prep.routing, rid)
+
+    def _broken_stream(self, rid: str, exc: grpc.aio.AioRpcError) -> RouterError:
+        """The client's error for a replica stream that broke after its first message."""
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self.cluster.mark_down(rid)
+        return RouterError(
+            _MID_STREAM.get(code, "upstream"),
+            f"replica {rid} failed after the response started ({code.name}: {exc.details() or 'no details'}); "
+            "the response is incomplete, retry the request",
+        )
 
     def _count_usage(self, rid: str, msg: replica_pb2.GenerateResponse) -> None:
         if msg.HasField("usage") and msg.index == 0:
