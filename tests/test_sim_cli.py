@@ -126,3 +126,75 @@ def test_gen_workload_then_sim(tmp_path, capsys):
 def test_gen_workload_bad_knob(tmp_path, capsys):
     assert main(["gen-workload", "--duration", "-1", "--out", str(tmp_path / "x.jsonl")]) == 2
     assert capsys.readouterr().err == "unicache gen-workload: error: --duration must be positive, got -1.0\n"
+
+
+# Four 8-token requests (2 blocks each, nothing shared) one second apart; one lane, one
+# request per batch, prefill 0.125 s per uncached token, no decode: alone each takes 1 s.
+RATE_TRACE = [{"timestamp": 1000 * i, "input_length": 8, "output_length": 0, "hash_ids": [10 * i, 10 * i + 1]}
+              for i in range(4)]
+LINEAR_FLAGS = ["--prefill-coef", "0.125", "--batch-exp", "1", "--token-exp", "1", "--decode-s-per-token", "0",
+                "--lanes", "1", "--max-batch-requests", "1", "--capacity-blocks", "64", "--policies", "lru"]
+
+
+def _rate_run(tmp_path, *extra):
+    path, out = tmp_path / "rate.jsonl", tmp_path / "rate.json"
+    write_trace(path, RATE_TRACE)
+    assert sim("--trace", path, *LINEAR_FLAGS, "--json", out, *extra) == 0
+    return json.loads(out.read_text())
+
+
+def test_rate_scale_divides_arrival_times_and_reports_ttft_percentiles(tmp_path, capsys):
+    png = tmp_path / "ttft.png"
+    report = _rate_run(tmp_path, "--rate-scale", "0.5,1,2,4", "--goodput-slo-s", "auto", "--plot-ttft", png)
+    got = [(r["rate_scale"], r["ttft_p50_s"], r["ttft_p90_s"], r["ttft_p99_s"], r["ttft_mean_s"]) for r in report["results"]]
+    # x2: arrivals 0, .5, 1, 1.5 -> first tokens at 1, 2, 3, 4 (TTFT 1, 1.5, 2, 2.5);
+    # x4: arrivals 0, .25, .5, .75 -> TTFT 1, 1.75, 2.5, 3.25 (nearest-rank percentiles)
+    assert got == [
+        (0.5, 1.0, 1.0, 1.0, 1.0),
+        (1.0, 1.0, 1.0, 1.0, 1.0),
+        (2.0, 1.5, 2.5, 2.5, 1.75),
+        (4.0, 1.75, 3.25, 3.25, 2.125),
+    ]
+    # SLO = 3 x the unloaded TTFT of the median (8-token) request = 3 x 1 s; p90 crosses
+    # 3 s between x2 (2.5) and x4 (3.25): 2/3 of the way in log scale -> 2 ** (5/3)
+    assert report["unloaded_median_ttft_s"] == pytest.approx(1.0)
+    assert report["goodput_slo_s"] == pytest.approx(3.0)
+    assert report["goodput"] == [{"policy": "lru", "capacity_blocks": 64, "goodput_rate_scale": pytest.approx(2 ** (5 / 3)),
+                                  "goodput_saturated": False, "slo_s": pytest.approx(3.0)}]
+    assert [r["goodput_rate_scale"] for r in report["results"]] == [pytest.approx(2 ** (5 / 3))] * 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "goodput lru @ 64 blocks: rate scale 3.175 (TTFT p90 SLO 3.0000 s)" in out
+
+
+@pytest.mark.parametrize("slo, expected, saturated", [("2.5", 2.0, False), ("0.5", 0.0, False), ("10", 4.0, True)])
+def test_goodput_edges_exact_pass_first_fails_all_pass(tmp_path, slo, expected, saturated):
+    report = _rate_run(tmp_path, "--rate-scale", "4,1,2", "--goodput-slo-s", slo)
+    assert [r["rate_scale"] for r in report["results"]] == [4.0, 1.0, 2.0]  # the order given
+    (g,) = report["goodput"]
+    assert (g["goodput_rate_scale"], g["goodput_saturated"]) == (expected, saturated)
+
+
+def test_goodput_per_router_with_replicas(tmp_path):
+    report = _rate_run(tmp_path, "--replicas", "2", "--router", "round_robin,least_loaded", "--rate-scale", "1,4",
+                       "--goodput-slo-s", "1.2")
+    rows = [(r["router"], r["rate_scale"], r["ttft_p90_s"]) for r in report["results"]]
+    # x4 on two replicas: requests 2 and 3 wait 0.5 s behind 0 and 1 (TTFT 1.5)
+    assert rows == [("round_robin", 1.0, 1.0), ("round_robin", 4.0, 1.5),
+                    ("least_loaded", 1.0, 1.0), ("least_loaded", 4.0, 1.5)]
+    got = [(g["router"], round(g["goodput_rate_scale"], 6)) for g in report["goodput"]]
+    # p90 1.0 -> 1.5 crosses 1.2 at 0.4 of log(1)..log(4): 4 ** 0.4
+    assert got == [("round_robin", round(4 ** 0.4, 6)), ("least_loaded", round(4 ** 0.4, 6))]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--rate-scale", "0"], "--rate-scale: rate scale must be positive, got 0"),
+    (["--rate-scale", "1,x"], "--rate-scale: 'x' is not a number"),
+    (["--rate-scale", "1,1"], "--rate-scale: repeated value in '1,1'"),
+    (["--goodput-slo-s", "-1"], "--goodput-slo-s: SLO must be positive, got -1"),
+    (["--goodput-slo-s", "1,2"], "--goodput-slo-s: one value (seconds) or 'auto'"),
+])
+def test_rate_and_slo_usage_errors(trace_path, capsys, flags, expected):
+    assert sim("--trace", trace_path, *flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err

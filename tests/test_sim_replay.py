@@ -153,6 +153,8 @@ def test_config_errors():
         Replay(prepared, ReplayConfig("opt", 4))
     with pytest.raises(ValueError, match="router"):
         Replay(prepared, ReplayConfig("lru", 4, replicas=2))
+    with pytest.raises(ValueError, match="rate_scale must be positive"):
+        Replay(prepared, ReplayConfig("lru", 4, rate_scale=0.0))
 
 
 def test_percentile_nearest_rank():

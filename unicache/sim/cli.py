@@ -10,6 +10,7 @@ from dataclasses import asdict, fields
 from unicache.replica.eviction.registry import policy_names
 from unicache.router.routing.registry import routing_policy_names
 from unicache.errors import UsageError
+from unicache.sim.goodput import add_goodput, default_slo_s, unloaded_median_ttft_s
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.runner import capacities_from_fracs, run_grid
@@ -31,6 +32,12 @@ def register(subparsers) -> None:
     sim.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma list of eviction policies (default {DEFAULT_POLICIES})")
     sim.add_argument("--json", dest="json_out", help="write the results here")
     sim.add_argument("--plot", help="draw hit ratio against capacity into this PNG")
+    sim.add_argument("--rate-scale", default="1",
+                     help="comma list of arrival-rate factors; each replays the trace with arrival times divided by it (default 1)")
+    sim.add_argument("--goodput-slo-s",
+                     help="TTFT p90 SLO in seconds, or 'auto' (3 x the unloaded TTFT of the median request): adds "
+                          "goodput_rate_scale per (router, policy, capacity) over the --rate-scale points")
+    sim.add_argument("--plot-ttft", help="draw TTFT p90 against rate scale, one line per router and policy, into this PNG")
     sim.add_argument("--ignore-labels", action="store_true", help="infer classes even where the trace has labels, and score the inference")
     sim.add_argument("--replicas", type=int, default=1, help="simulated replicas (default 1)")
     sim.add_argument("--router", default="round_robin", help="comma list of routing policies used with --replicas > 1")
@@ -63,7 +70,7 @@ def _split(text: str, what: str) -> list[str]:
     return items
 
 
-def _numbers(text: str, what: str, kind: type) -> list:
+def _numbers(text: str, what: str, kind: type, noun: str = "capacity") -> list:
     out = []
     for item in _split(text, what):
         try:
@@ -71,7 +78,7 @@ def _numbers(text: str, what: str, kind: type) -> list:
         except ValueError:
             raise UsageError(f"{what}: {item!r} is not a number") from None
         if not value > 0 or (kind is float and not math.isfinite(value)):
-            raise UsageError(f"{what}: capacity must be positive, got {item}")
+            raise UsageError(f"{what}: {noun} must be positive, got {item}")
         out.append(value)
     return out
 
@@ -100,6 +107,15 @@ def run_sim(args: argparse.Namespace) -> int:
         blocks = _numbers(args.capacity_blocks, "--capacity-blocks", int)
     else:
         fracs = _numbers(args.capacity_frac or DEFAULT_FRACS, "--capacity-frac", float)
+    rate_scales = _numbers(args.rate_scale, "--rate-scale", float, noun="rate scale")
+    if len(set(rate_scales)) != len(rate_scales):
+        raise UsageError(f"--rate-scale: repeated value in {args.rate_scale!r}")
+    slo_s = None
+    if args.goodput_slo_s is not None and args.goodput_slo_s != "auto":
+        slo_s = _numbers(args.goodput_slo_s, "--goodput-slo-s", float, noun="SLO")
+        if len(slo_s) != 1:
+            raise UsageError("--goodput-slo-s: one value (seconds) or 'auto'")
+        slo_s = slo_s[0]
     try:
         timing = TimingModel(args.prefill_coef, args.batch_exp, args.token_exp, args.decode_s_per_token)
     except ValueError as exc:
@@ -126,7 +142,18 @@ def run_sim(args: argparse.Namespace) -> int:
     results = run_grid(
         trace, policies, capacities, base, routers=routers, pooled=args.pooled and multi,
         progress=not args.no_progress, on_result=lambda r: print(_row(r, trace.unique_blocks, multi), flush=True),
+        rate_scales=rate_scales,
     )
+    goodput_rows = None
+    if args.goodput_slo_s is not None:
+        if slo_s is None:
+            slo_s = default_slo_s(trace, timing)
+        goodput_rows = add_goodput(results, slo_s)
+        for g in goodput_rows:
+            who = g["policy"] + (f" / {g['router']}" if "router" in g else "")
+            print(f"goodput {who} @ {g['capacity_blocks']} blocks: rate scale {g['goodput_rate_scale']:.3f}"
+                  + (" (every scale passed: a lower bound)" if g["goodput_saturated"] else "")
+                  + f" (TTFT p90 SLO {slo_s:.4f} s)")
     if fracs is not None:
         for r in results:
             r["capacity_frac"] = fracs[capacities.index(r["capacity_blocks"])]
@@ -143,8 +170,13 @@ def run_sim(args: argparse.Namespace) -> int:
         "ignore_labels": args.ignore_labels,
         "timing": asdict(timing),
         "lanes": args.lanes,
+        "rate_scales": rate_scales,
+        "unloaded_median_ttft_s": unloaded_median_ttft_s(trace, timing),
         "results": results,
     }
+    if goodput_rows is not None:
+        report["goodput_slo_s"] = slo_s
+        report["goodput"] = goodput_rows
     if trace.classifier_accuracy is not None:
         report["classifier_accuracy"] = trace.classifier_accuracy
     if args.json_out:
@@ -156,6 +188,13 @@ def run_sim(args: argparse.Namespace) -> int:
             plot_hit_ratio(results, trace.unique_blocks, args.plot, title=str(args.trace))
         except OSError as exc:
             raise UsageError(f"--plot: cannot write {args.plot} ({exc.strerror})") from None
+    if args.plot_ttft:
+        from unicache.sim.plot import plot_ttft_vs_rate
+
+        try:
+            plot_ttft_vs_rate(results, args.plot_ttft, slo_s=slo_s, title=str(args.trace))
+        except OSError as exc:
+            raise UsageError(f"--plot-ttft: cannot write {args.plot_ttft} ({exc.strerror})") from None
     return 0
 
 
@@ -171,7 +210,8 @@ def _header(multi: bool) -> str:
     cols = f"{'policy':<10} {'capacity':>9} {'cap%':>6}"
     if multi:
         cols += f" {'router':<16} {'imbal':>6}"
-    return cols + f" {'hit%':>6} {'tok%':>6} {'ttft_mean':>9} {'ttft_p99':>9} {'evictions':>9} {'acc/s':>9}"
+    return cols + (f" {'hit%':>6} {'tok%':>6} {'ttft_mean':>9} {'ttft_p90':>9} {'ttft_p99':>9}"
+                   f" {'evictions':>9} {'acc/s':>9} {'rate':>5}")
 
 
 def _row(r: dict, unique_blocks: int, multi: bool) -> str:
@@ -179,8 +219,9 @@ def _row(r: dict, unique_blocks: int, multi: bool) -> str:
     if multi:
         row += f" {r.get('router', '-'):<16} {r.get('load_imbalance', 1.0):>6.2f}"
     return row + (
-        f" {100 * r['block_hit_ratio']:>6.2f} {100 * r['token_hit_ratio']:>6.2f} {r['ttft_mean_s']:>9.3f}"
-        f" {r['ttft_p99_s']:>9.3f} {r['evictions']:>9} {r['accesses_per_s']:>9.0f}"
+        f" {100 * r['block_hit_ratio']:>6.2f} {100 * r['token_hit_ratio']:>6.2f}"
+        f" {r['ttft_mean_s']:>9.3f} {r['ttft_p90_s']:>9.3f} {r['ttft_p99_s']:>9.3f} {r['evictions']:>9}"
+        f" {r['accesses_per_s']:>9.0f} {r['rate_scale']:>5g}"
     )
 
 

@@ -42,12 +42,15 @@ def result_record(
     evictions: int,
     elapsed_s: float,
     cpu_s: float,
+    rate_scale: float = 1.0,
 ) -> dict:
     """The per-(policy, capacity) entry of the ``results`` list (see the CLI contract).
 
     ``accesses_per_s`` divides the trace's block accesses by the replay's *CPU* seconds
     (the replay is single-threaded, so this is per core and does not drop when other
-    jobs share the machine); ``elapsed_s`` is wall time.
+    jobs share the machine); ``elapsed_s`` is wall time. ``rate_scale`` is the factor the
+    trace's arrival times were divided by (1: as recorded). TTFT percentiles are nearest
+    rank over every admitted request (rejected requests have no first token).
     """
     ttfts = counters.ttfts
     return {
@@ -56,7 +59,10 @@ def result_record(
         "block_hit_ratio": counters.hit_blocks / block_accesses if block_accesses else 0.0,
         "token_hit_ratio": counters.hit_tokens / counters.input_tokens if counters.input_tokens else 0.0,
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        "ttft_p50_s": percentile(ttfts, 50.0),
+        "ttft_p90_s": percentile(ttfts, 90.0),
         "ttft_p99_s": percentile(ttfts, 99.0),
+        "rate_scale": rate_scale,
         "per_task": {
             task: counters.task_hits.get(task, 0) / n
             for task, n in sorted(counters.task_accesses.items())

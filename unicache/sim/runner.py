@@ -33,8 +33,11 @@ def run_grid(
     pooled: bool = False,
     progress: bool = False,
     on_result: Callable[[dict], None] | None = None,
+    rate_scales: Sequence[float] = (1.0,),
 ) -> list[dict]:
-    """One result record per (policy, capacity[, router]); ``pooled`` adds a pooled run.
+    """One result record per (policy, capacity[, router], rate scale); ``pooled`` adds a
+    pooled run. Rate scales vary fastest, so one (policy, capacity, router)'s goodput
+    points are adjacent.
 
     The opt oracle is built once here (outside the per-policy loop).
     """
@@ -44,9 +47,11 @@ def run_grid(
     for policy in policies:
         for cap in capacities:
             for router in routers:
-                variants.append(replace(base, policy=policy, capacity_blocks=cap, router=router, pooled=False))
+                variants += [replace(base, policy=policy, capacity_blocks=cap, router=router, pooled=False,
+                                     rate_scale=s) for s in rate_scales]
             if pooled and base.replicas > 1:
-                variants.append(replace(base, policy=policy, capacity_blocks=cap, router=None, pooled=True))
+                variants += [replace(base, policy=policy, capacity_blocks=cap, router=None, pooled=True,
+                                     rate_scale=s) for s in rate_scales]
     for cfg in variants:
         rec = Replay(trace, cfg, future=future, progress=progress).run()
         results.append(rec)
