@@ -77,10 +77,15 @@ async def test_redis_outage_serves_on_session_and_load_then_rebuilds(cluster, ro
     failed = [(s.phase, s.session, s.reply.code, s.reply.details) for s in log if not s.reply.ok]
     assert failed == []  # zero failed client requests, through the kill and the restart
     reasons = {ph: {s.reply.reason for s in log if s.phase == ph} for ph in ("up", "down", "after")}
-    assert "index_prefix" in reasons["up"]
+    # Redis up: later turns go home, where the index shows their prefix (matched > 0).
+    def home_matched(phase: str) -> bool:
+        return any(s.reply.reason == "session_home" and s.reply.matched_tokens > 0 for s in log if s.phase == phase)
+
+    assert home_matched("up") and reasons["up"] <= {"session_home", "index_prefix", "load"}
     # Redis down: the index is unusable, sessions stick to their replica, the rest by load.
     assert "session_sticky" in reasons["down"] and reasons["down"] <= {"session_sticky", "load"}
-    assert "index_prefix" in reasons["after"]
+    # Rebuilt: the index vouches for the sessions again.
+    assert home_matched("after") and "session_sticky" not in reasons["after"]
     previous: dict[str, str] = {}
     for s in log:
         if s.phase == "down" and s.reply.reason == "session_sticky":

@@ -12,47 +12,20 @@ import grpc
 import httpx
 import pytest
 
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.engine.config import EngineConfig
-from unicache.replica.engine.model import ModelConfig
-from unicache.replica.publisher import CachePublisher
-from unicache.replica.server import ReplicaServer
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.redis_keys import RedisKeys
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.support.polling import eventually
+from tests.support.real_stack import RealReplica
 
 BS = 16
 PREFIX = "e2e"
 PROMPT = "System: you are terse.\nUser: name three primes please.\n"  # 55 bytes: 3 full blocks
 
 
-class Replica:
-    def __init__(self, rid: str, redis_url: str):
-        model = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=512)
-        self.engine = AsyncEngine(EngineConfig(model=model, num_blocks=64, block_size=BS, eviction_policy="lru", device="cpu"))
-        self.rid, self.redis_url = rid, redis_url
-
-    async def start(self) -> None:
-        await self.engine.start()
-        self.server = ReplicaServer(self.engine, self.rid)
-        port = await self.server.start()
-        self.publisher = CachePublisher(
-            self.engine, self.rid, self.redis_url, f"127.0.0.1:{port}", RedisKeys(PREFIX),
-            flush_interval_s=0.02, heartbeat_interval_s=0.1,
-        )
-        await self.publisher.start()
-
-    async def stop(self) -> None:
-        await self.publisher.stop()
-        await self.server.stop()
-        await self.engine.stop()
-
-
 @pytest.fixture
 async def stack(redis_server):
-    reps = [Replica("r0", redis_server.url), Replica("r1", redis_server.url)]
+    reps = [RealReplica("r0", redis_server.url, PREFIX, block_size=BS), RealReplica("r1", redis_server.url, PREFIX, block_size=BS)]
     for r in reps:
         await r.start()
     cfg = build_config(

@@ -318,8 +318,9 @@ def test_cache_aware_churn_spreads_new_prefixes():
     assert CacheAwarePolicy(churn_weight=0.0).choose(make_request("b", range(100, 110)), reps, EMPTY).replica_id == "r0"
 
 
-def test_cache_aware_session_sticks_while_the_index_is_stale():
-    p = CacheAwarePolicy(churn_weight=0.0)
+def test_cache_aware_sticky_credit_while_the_index_is_stale():
+    # The cost path's sticky credit (what decides when session_sticky is off).
+    p = CacheAwarePolicy(churn_weight=0.0, session_sticky=False)
     t0 = make_request("t0", range(10), session="s")
     d0 = p.choose(t0, [load("r0", out=1), load("r1"), load("r2", out=1)], EMPTY)
     assert d0.replica_id == "r1"
@@ -343,7 +344,7 @@ def test_cache_aware_session_sticks_while_the_index_is_stale():
 
 
 def test_cache_aware_index_beats_stale_sticky_credit():
-    p = CacheAwarePolicy(churn_weight=0.0)
+    p = CacheAwarePolicy(churn_weight=0.0, session_sticky=False)
     t0 = make_request("t0", range(10), session="s")
     p.on_request_routed(t0, p.choose(t0, [load("r0"), load("r1", out=1)], EMPTY))  # -> r0
     p.on_request_finished(t0, "r0")
@@ -351,6 +352,71 @@ def test_cache_aware_index_beats_stale_sticky_credit():
     idx = make_index({"r1": list(range(9))})
     d = p.choose(make_request("t1", range(12), session="s"), [load("r0"), load("r1")], idx)
     assert (d.replica_id, d.matched_blocks) == ("r1", 9)
+
+
+def _routed(p, req, replicas, index):
+    d = p.choose(req, replicas, index)
+    p.on_request_routed(req, d)
+    p.on_request_finished(req, d.replica_id)
+    return d
+
+
+def test_cache_aware_session_goes_home_through_lag_load_and_churn():
+    p = CacheAwarePolicy()  # session_sticky on, hold frac 0.5, churn on
+    t0 = make_request("t0", range(10), session="s")
+    assert _routed(p, t0, [load("r0", out=1), load("r1")], EMPTY).replica_id == "r1"
+    # The index is fresh but lags (nothing of the session published yet), r1 is busier
+    # and carries all the churn: the session still goes home, unconfirmed.
+    lagging = make_index({"r0": [], "r1": []})
+    t1 = make_request("t1", range(14), session="s")
+    d1 = _routed(p, t1, [load("r0"), load("r1", out=3)], lagging)
+    assert (d1.replica_id, d1.reason, d1.matched_blocks) == ("r1", "session_home", 0)
+    assert p._sessions[session_key("default", "s")].confirmed is False
+    # The index shows 12 of the 14 shared blocks on r1 (>= 0.5 * 14): confirmed.
+    idx = make_index({"r0": [], "r1": list(range(12))})
+    t2 = make_request("t2", range(18), session="s")
+    d2 = _routed(p, t2, [load("r0"), load("r1", out=4)], idx)
+    assert (d2.replica_id, d2.reason, d2.matched_blocks) == ("r1", "session_home", 12)
+    assert p._sessions[session_key("default", "s")].confirmed is True
+    # Another tenant's "s" is another session (no home yet: the cost picks idle r0).
+    assert p.choose(make_request("o", range(18), session="s", tenant="t2"), [load("r0"), load("r1", out=4)],
+                    idx).replica_id == "r0"
+
+
+def test_cache_aware_session_leaves_a_dead_overloaded_or_evicted_home():
+    def confirmed_on_r1():
+        p = CacheAwarePolicy(churn_weight=0.0)
+        _routed(p, make_request("t0", range(10), session="s"), [load("r0", out=1), load("r1")], EMPTY)
+        _routed(p, make_request("t1", range(12), session="s"), [load("r0"), load("r1")], make_index({"r1": list(range(10))}))
+        return p
+
+    t2 = make_request("t2", range(14), session="s")
+    # Overloaded beyond the balance rule: outstanding 9 > max(0 + 4, 1.25 * 4.5).
+    p = confirmed_on_r1()
+    d = p.choose(t2, [load("r0"), load("r1", out=9)], make_index({"r1": list(range(12))}))
+    assert (d.replica_id, d.reason) == ("r0", "load")
+    # Within the balance rule (outstanding 4 <= 0 + 4) it stays.
+    assert p.choose(t2, [load("r0"), load("r1", out=4)], make_index({"r1": list(range(12))})).reason == "session_home"
+    # Evicted: the confirmed session's blocks are gone from a fresh view (5 < 0.5 * 12).
+    p = confirmed_on_r1()
+    d = p.choose(t2, [load("r0"), load("r1")], make_index({"r0": list(range(12)), "r1": list(range(5))}))
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r0", "index_prefix", 12)
+    # 6 of 12 (= 0.5 * 12) still counts as holding the session.
+    d = p.choose(t2, [load("r0"), load("r1")], make_index({"r0": list(range(12)), "r1": list(range(6))}))
+    assert (d.replica_id, d.reason) == ("r1", "session_home")
+    # A stale view cannot tell: home, credited with sticky_trust (0.5) of the shared prefix.
+    d = p.choose(t2, [load("r0"), load("r1")], EMPTY)
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r1", "session_sticky", 6)
+    # Dead: not among the live replicas, and forgotten once reported dead.
+    assert p.choose(t2, [load("r0"), load("r2")], EMPTY).replica_id == "r0"
+    p.on_replica_died("r1")
+    assert not p._sessions
+    # A session that moved is unconfirmed on its new replica.
+    p = confirmed_on_r1()
+    p.on_request_routed(t2, RouteDecision("r0", "load"))
+    assert p._sessions[session_key("default", "s")].confirmed is False
+    with pytest.raises(ValueError, match="session_hold_frac"):
+        CacheAwarePolicy(session_hold_frac=1.5)
 
 
 def test_cache_aware_template_home_is_the_ring_owner():
@@ -391,7 +457,7 @@ def test_cache_aware_template_key_blocks_sets_the_ring_key():
 
 
 def test_cache_aware_session_footprint_steers_other_work_away():
-    p = CacheAwarePolicy(churn_weight=0.0)  # footprint_weight 0.5, window 96
+    p = CacheAwarePolicy(churn_weight=0.0, session_sticky=False)  # footprint_weight 0.5, window 96
     reps = [load("r0", cap=100), load("r1", cap=100)]
     s0 = make_request("s0", range(40), session="s")
     d0 = p.choose(s0, reps, EMPTY)

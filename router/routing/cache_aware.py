@@ -34,6 +34,16 @@ every live replica r:
     cost_r   = (N - hit_r) + load_weight * load_r + churn_weight * churn_r
                + footprint_weight * foot_r
 
+Explicit sessions first: a request whose session has a remembered previous turn goes to
+that turn's replica (reason ``session_home``) unless the replica is dead (not among the
+live replicas), overloaded (not admissible under the balance rule below), or no longer
+holds the session's blocks (reason ``session_sticky`` while the view is stale for it): the view is fresh for it, it once showed at least
+``session_hold_frac`` of the session's prefix there (the session is *confirmed*), and now
+shows less. An unconfirmed session stays home on a miss, because a fresh-looking index
+can lag the replica by one event flush: the previous turn's blocks may simply not be
+published yet (live, that lag moved later turns of sequential sessions before). Otherwise
+(``session_sticky`` off, or one of the three exceptions) the cost below decides.
+
 The request goes to argmin cost_r over the *admissible* replicas, those with
 ``outstanding_r <= max(min_outstanding + balance_slack, balance_ratio * mean_outstanding)``
 (a hard guard so locality never piles requests on one replica); ties go to the less
@@ -104,11 +114,13 @@ def common_prefix_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
 
 @dataclass(slots=True)
 class _Session:
-    """A session's latest turn: where it went, its prompt hashes, and when (``_routed``)."""
+    """A session's latest turn: where it went, its prompt hashes, and when (``_routed``);
+    ``confirmed``: the index has shown the session's prefix on that replica."""
 
     replica_id: str
     hashes: list[BlockHash]
     routed_at: int
+    confirmed: bool = False
 
 
 @dataclass(slots=True)
@@ -142,6 +154,12 @@ class CacheAwarePolicy(RoutingPolicy):
             replica events lag behind bursts of one new prefix).
         balance_ratio: admissible if outstanding <= balance_ratio * mean (default 1.25)
         balance_slack: ... or <= min outstanding + balance_slack (default 4).
+        session_sticky: a session's next turn goes to its previous turn's replica unless
+            that replica is dead, not admissible or lost the session's blocks (default
+            True; False leaves sessions to the cost, as before).
+        session_hold_frac: the share of the session's prefix (common prefix with its
+            previous turn) the index must show on the home replica for it to count as
+            holding the session (default 0.5).
         virtual_nodes: points per replica on the template ring (default 160).
         template_key_blocks: the home is the ring owner of the hash of block
             min(template_blocks, template_key_blocks) - 1 (default 1: the first block, a
@@ -164,6 +182,8 @@ class CacheAwarePolicy(RoutingPolicy):
         track_inflight: bool = False,
         balance_ratio: float = 1.25,
         balance_slack: int = 4,
+        session_sticky: bool = True,
+        session_hold_frac: float = 0.5,
         virtual_nodes: int = 160,
         template_key_blocks: int = 1,
         max_sessions: int = 100_000,
@@ -173,6 +193,10 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ValueError("churn_window and footprint_window must be positive")
         if template_key_blocks < 0:
             raise ValueError("template_key_blocks must be >= 0")
+        if not 0.0 <= session_hold_frac <= 1.0:
+            raise ValueError("session_hold_frac must be in [0, 1]")
+        self.session_sticky = session_sticky
+        self.session_hold_frac = session_hold_frac
         self.load_weight = load_weight
         self.request_cost_tokens = request_cost_tokens
         self.evict_weight = evict_weight
@@ -222,6 +246,11 @@ class CacheAwarePolicy(RoutingPolicy):
         cls = request.cls
 
         prev = self._sessions.get(session_key(cls.tenant, cls.session_id)) if cls.session_id is not None else None
+        admissible = self._admissible(replicas)
+        if prev is not None and self.session_sticky:
+            home = self._session_home(prev, hashes, admissible, index)
+            if home is not None:
+                return home
         sticky_id, sticky_blocks = None, 0.0
         if prev is not None and self.sticky_trust:
             sticky_id = prev.replica_id
@@ -238,7 +267,7 @@ class CacheAwarePolicy(RoutingPolicy):
         best: tuple[float, tuple[int, int, str]] | None = None
         best_r, best_m, best_reason = replicas[0], 0.0, ""
         n_hashes = len(hashes)
-        for r in self._admissible(replicas):
+        for r in admissible:
             rid = r.replica_id
             m_index = index.match(rid, hashes)
             m, reason = float(m_index), ("index_prefix" if m_index else "load")
@@ -270,6 +299,25 @@ class CacheAwarePolicy(RoutingPolicy):
         assert best is not None  # the least loaded replica is always admissible
         return RouteDecision(best_r.replica_id, best_reason, matched_blocks=int(best_m), score=best[0])
 
+    def _session_home(self, prev: _Session, hashes: Sequence[BlockHash], admissible: Sequence[ReplicaLoad],
+                      index: LocalityView) -> RouteDecision | None:
+        """The decision that keeps the session on its replica, or None when the replica is
+        dead or overloaded (not in ``admissible``) or lost the session's blocks."""
+        rid = prev.replica_id
+        if not any(r.replica_id == rid for r in admissible):
+            return None
+        shared = common_prefix_blocks(hashes, prev.hashes)
+        if index.is_stale(rid):
+            # NOTE: the reason and the credited blocks are the cost path's for a stale view
+            # (``sticky_trust`` of the shared prefix), so metrics read the same either way.
+            return RouteDecision(rid, "session_sticky", matched_blocks=int(self.sticky_trust * shared))
+        m = index.match(rid, hashes)
+        if m >= max(1.0, self.session_hold_frac * shared):
+            prev.confirmed = True
+        elif prev.confirmed:
+            return None  # the index showed the session here and no longer does: evicted
+        return RouteDecision(rid, "session_home", matched_blocks=m)
+
     # -- lifecycle ------------------------------------------------------------------
 
     def _session_share(self, s: _Session) -> float:
@@ -293,9 +341,11 @@ class CacheAwarePolicy(RoutingPolicy):
             key = session_key(cls.tenant, cls.session_id)
             sessions = self._sessions
             prev = sessions.pop(key, None)
+            confirmed = False
             if prev is not None:
                 self._drop_footprint(prev)
-            sessions[key] = _Session(rid, request.block_hashes, self._routed)
+                confirmed = prev.confirmed and prev.replica_id == rid
+            sessions[key] = _Session(rid, request.block_hashes, self._routed, confirmed)
             fp[rid] = fp.get(rid, 0.0) + len(request.block_hashes)
             while len(sessions) > self.max_sessions:
                 self._drop_footprint(sessions.popitem(last=False)[1])

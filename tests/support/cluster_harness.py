@@ -150,6 +150,7 @@ class Reply:
     details: str = ""
     replica: str = ""
     reason: str = ""
+    matched_tokens: int = 0
     tokens: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -246,6 +247,7 @@ class RouterHandle:
                 reply.tokens.extend(msg.token_ids)
                 if msg.HasField("route"):
                     reply.replica, reply.reason = msg.route.replica_id, msg.route.reason
+                    reply.matched_tokens = msg.route.matched_tokens
                 if msg.HasField("usage"):
                     reply.prompt_tokens, reply.cached_tokens = msg.usage.prompt_tokens, msg.usage.cached_tokens
         except grpc.aio.AioRpcError as exc:
