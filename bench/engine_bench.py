@@ -8,7 +8,7 @@ the same process; the headline is the ratio warm / cold (target <= 0.2).
 Decode: B requests (distinct 64-token prompts) decode ``--decode-tokens`` tokens together;
 tokens/s counts only steps in which every scheduled token is a decode token.
 
-Run: .venv/bin/python bench/engine_bench.py [--device auto] [--threads N] [--json bench/results/engine_bench.json]
+Run: .venv/bin/python -m bench.engine_bench [--device auto] [--threads N] [--json bench/results/engine_bench.json]
 
 NOTE: OMP_WAIT_POLICY defaults to PASSIVE here (set before torch loads). On a shared,
 oversubscribed CPU host, spinning OpenMP workers wait on peers that are descheduled and

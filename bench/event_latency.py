@@ -7,7 +7,7 @@ hash when its batch arrives. Latency = arrival - stored. As a floor, the same ru
 one XADD -> XREAD round trip without batching; the batching period (50 ms) is the other
 reference. Target: p99 <= 100 ms.
 
-Run: .venv/bin/python bench/event_latency.py [--requests 200] [--concurrency 8]
+Run: .venv/bin/python -m bench.event_latency [--requests 200] [--concurrency 8]
          [--json bench/results/event_latency.json]
 """
 

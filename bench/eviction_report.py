@@ -13,7 +13,7 @@ targets:
     * accesses/s >= 200,000 for lru and >= 100,000 for unicache (one core).
 
 Run (from the repository root):
-    .venv/bin/python bench/eviction_report.py [--trace PATH] [--out-dir bench/results]
+    .venv/bin/python -m bench.eviction_report [--trace PATH] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -25,18 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from unicache.sim.plot import plot_hit_ratio
+from unicache.sim.prepare import prepare
+from unicache.sim.replay import ReplayConfig
+from unicache.sim.runner import capacities_from_fracs, run_grid
+from unicache.sim.workload import WorkloadConfig, generate
+from unicache.trace import read_trace, write_trace
+from bench.paths import RESULTS, mooncake_trace
+from bench.report_files import write_report
 
-from unicache.sim.plot import plot_hit_ratio  # noqa: E402
-from unicache.sim.prepare import prepare  # noqa: E402
-from unicache.sim.replay import ReplayConfig  # noqa: E402
-from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
-from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
-from unicache.trace import read_trace, write_trace  # noqa: E402
-from report_files import write_report  # noqa: E402
-
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 POLICIES = ["lru", "radix-lru", "unicache", "opt"]
 FRACS = [0.02, 0.05, 0.10, 0.25]
 SPEED_TARGETS = {"lru": 200_000, "unicache": 100_000}
@@ -145,7 +142,7 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake trace (default: ../shared beside the repo)")
+    ap.add_argument("--trace", default=str(mooncake_trace()), help="Mooncake trace (default: shared/traces at or above the checkout)")
     ap.add_argument("--trace-block-size", type=int, default=512)
     ap.add_argument("--mix-seed", type=int, default=0)
     ap.add_argument("--mix-duration", type=float, default=1200.0)
@@ -153,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--fracs", default=",".join(str(f) for f in FRACS))
     ap.add_argument("--skip", default="", help="comma list of runs to skip: mooncake, mix, mix-inferred")
-    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
     policies = args.policies.split(",")
@@ -177,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         mix_path.unlink()  # reproducible from the seed; keep the results directory small
 
     report = {
-        "command": "python bench/eviction_report.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.eviction_report " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown",
         "cpus": os.cpu_count(),
         "python": platform.python_version(),

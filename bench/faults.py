@@ -1,7 +1,7 @@
 """Fault figures on a real loopback cluster: what each fault costs, measured.
 
 A private redis-server, Ray in-process with three replica actors (tiny model, 8-token
-blocks) and the router in-process, all from tests/support/cluster_harness.py, but with
+blocks) and the router in-process, all from unicache/testing/cluster_harness.py, but with
 the router's *production* Redis subscriber settings (1 s heartbeat scans, 0.1-5 s
 reconnect backoff) and the replicas' production publisher settings (1 s heartbeats, 3 s
 TTL, 50 ms event flushes). Each scenario runs ``--repeats`` times; the tables give the
@@ -19,7 +19,7 @@ median and the range. Scenarios and figures (docs/reliability.md):
     slow    a replica that stops answering (first-token delay 60 s) with a 2 s forward
             deadline: latency of the request that hit it and of the ones after it.
 
-Run: ``.venv/bin/python bench/faults.py [--repeats 3]``; writes bench/results/faults.json
+Run: ``.venv/bin/python -m bench.faults [--repeats 3]``; writes bench/results/faults.json
 and bench/results/faults.md.
 """
 
@@ -34,12 +34,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # NOTE: the harness lives in tests/support (not an installed package)
-
-from tests.support import fault_scenarios as fs  # noqa: E402
-from tests.support.cluster_harness import ReplicaSet, RouterHandle, locality_first, start_ray, stop_ray  # noqa: E402
-from unicache.redis_server import EmbeddedRedis  # noqa: E402
+from unicache.testing import fault_scenarios as fs
+from unicache.testing.cluster_harness import ReplicaSet, RouterHandle, locality_first, start_ray, stop_ray
+from unicache.redis_server import EmbeddedRedis
+from bench.paths import REPO, RESULTS
 
 PREFIX = "faultbench"
 BS = 8
@@ -220,7 +218,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scenarios", default="redis,replica,router,slow")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "faults"))
+    ap.add_argument("--out", default=str(RESULTS / "faults"))
     args = ap.parse_args()
     names = [n for n in args.scenarios.split(",") if n]
     redis = EmbeddedRedis()
@@ -246,8 +244,8 @@ def main() -> None:
             stop_ray(tmp)
             redis.close()
     out["repeats"] = args.repeats
-    out["command"] = "python bench/faults.py " + " ".join(sys.argv[1:])
-    out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out["command"] = "python -m bench.faults " + " ".join(sys.argv[1:])
+    out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     Path(args.out + ".json").write_text(json.dumps(out, indent=1) + "\n")
     Path(args.out + ".md").write_text(markdown(out))
     print(markdown(out))

@@ -3,7 +3,7 @@
 Hashes the same random token stream in 16-token blocks with each function through the
 same chaining code and reports blocks/s and the ratio to sha256 measured in the same run.
 
-Run: .venv/bin/python bench/hash_bench.py [--blocks 200000] [--json OUT]
+Run: .venv/bin/python -m bench.hash_bench [--blocks 200000] [--json OUT]
 """
 
 from __future__ import annotations

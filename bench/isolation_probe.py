@@ -17,7 +17,7 @@ Expected: own_cached vs own_fresh differs (p tiny, auc near 0: the control shows
 can see a cache hit); cross_cached vs cross_fresh does not (p large, auc near 0.5), since
 the attacker's salt makes every block hash differ from the victim's.
 
-Run: .venv/bin/python bench/isolation_probe.py [--trials 40] [--prompt-tokens 1024]
+Run: .venv/bin/python -m bench.isolation_probe [--trials 40] [--prompt-tokens 1024]
      [--device cpu] [--out bench/results/isolation_probe]
 """
 
@@ -175,7 +175,7 @@ def markdown(r: dict) -> str:
     lines = [
         "# Cross-tenant cache timing probe",
         "",
-        f"`.venv/bin/python bench/isolation_probe.py --trials {r['trials']} --prompt-tokens {r['prompt_tokens']} "
+        f"`.venv/bin/python -m bench.isolation_probe --trials {r['trials']} --prompt-tokens {r['prompt_tokens']} "
         f"--device {r['device']}` (commit {r['commit']}; one real replica behind the real router, default seeded model, "
         "TTFT measured by the client through router gRPC, max_tokens 1).",
         "",

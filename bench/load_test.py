@@ -10,7 +10,7 @@ Checks: every request answered exactly once with the expected token count; repor
 throughput, p50/p99 latency (and as ratios to the baseline of the same run), and RSS
 (before, after each burst, peak VmHWM) of every process.
 
-    .venv/bin/python bench/load_test.py [--requests 1000] [--max-tokens 8]
+    .venv/bin/python -m bench.load_test [--requests 1000] [--max-tokens 8]
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
+from bench.paths import RESULTS
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 FAST_MODEL = dict(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=512)
@@ -172,7 +170,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--shed-max-in-flight", type=int, default=50)
     ap.add_argument("--shed-max-tokens", type=int, default=32, help="longer streams in the overload phase, so requests overlap")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "load_test"))
+    ap.add_argument("--out", default=str(RESULTS / "load_test"))
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()

@@ -1,9 +1,7 @@
 """Generated-mix traces for the bench scripts: one definition of "seed -> prepared trace".
 
 The trace is written with ``write_trace`` and read back with ``read_trace``, so a script
-replays it exactly as ``unicache sim`` reads a ``unicache gen-workload`` file. Run as
-``python bench/<script>.py``, a script has ``bench/`` on ``sys.path`` and imports this
-module by its bare name.
+replays it exactly as ``unicache sim`` reads a ``unicache gen-workload`` file.
 """
 
 from __future__ import annotations

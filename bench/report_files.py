@@ -1,7 +1,4 @@
 """The files a bench report leaves behind: one definition for every report script.
-
-Run as ``python bench/<script>.py``, a script has ``bench/`` on ``sys.path`` and imports
-this module by its bare name.
 """
 
 from __future__ import annotations

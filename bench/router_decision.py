@@ -6,7 +6,7 @@ Replica i holds the first (i + 1) / 8 of the prompt's blocks plus random filler,
 index lookups scan long matches. Each iteration uses a fresh prompt suffix so the
 classifier sees new requests. Reports p50/p99 per stage and in total (ms).
 
-Run: .venv/bin/python bench/router_decision.py [--iters 300] [--policy cache_aware] [--json OUT]
+Run: .venv/bin/python -m bench.router_decision [--iters 300] [--policy cache_aware] [--json OUT]
 """
 
 from __future__ import annotations

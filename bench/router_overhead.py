@@ -8,7 +8,7 @@ gRPC, router HTTP non-streaming) so drift hits all alike; every request has a fr
 prompt so none is a cache hit. Reports p50/p99 per path and the router's added latency
 (router minus direct) at p50 and p99, and the ratio to the direct call.
 
-Run: .venv/bin/python bench/router_overhead.py [--requests 200] [--prompt-tokens 256]
+Run: .venv/bin/python -m bench.router_overhead [--requests 200] [--prompt-tokens 256]
      [--max-tokens 1] [--with-redis] [--json OUT]
 """
 

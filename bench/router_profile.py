@@ -2,11 +2,13 @@
 the router in its own process (optionally under cProfile), so the router's own cost is
 what the figures show.
 
-Processes: the fake replicas (``tests.support.fake_replica.FakeReplica``: echo, one token
+Processes: the fake replicas (``unicache.testing.fake_replica.FakeReplica``: echo, one token
 per message, no model) share one process; the router (round robin, no auth, no Redis, as
 in ``bench/load_test.py``) has its own; this process is the client. Each round sends the
 burst straight to the replicas, then through each front door: the router; with
-``--baseline-tree DIR`` the router code of another checkout (A/B in the same run); with
+``--baseline-unicache EXE`` the ``unicache router`` command of another checkout's venv
+(A/B in the same run: e.g. ``git worktree add /tmp/base <commit>``, a venv there with
+that checkout installed, and ``--baseline-unicache /tmp/base/.venv/bin/unicache``); with
 ``--bare`` a bare grpc.aio forwarding proxy (the floor any grpc.aio router pays).
 
 The figure to compare is CPU seconds per request of each front door's process (all
@@ -15,8 +17,8 @@ router / baseline and router / bare proxy. req/s ratios are reported too but swi
 other jobs on a shared host. ``--profile`` adds the router's top functions (cProfile of
 its event-loop thread over the router bursts only).
 
-    .venv/bin/python bench/router_profile.py [--requests 1000] [--max-tokens 8] [--rounds 3]
-        [--bare] [--baseline-tree DIR] [--profile] [--top 40] [--json OUT]
+    .venv/bin/python -m bench.router_profile [--requests 1000] [--max-tokens 8] [--rounds 3]
+        [--bare] [--baseline-unicache EXE] [--profile] [--top 40] [--json OUT]
 """
 
 from __future__ import annotations
@@ -28,19 +30,15 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
+import subprocess
 import tempfile
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.load_test import burst  # noqa: E402
+from bench.load_test import burst
 
 
 def replicas_main(n: int, ports, stop) -> None:
     async def run() -> None:
-        from tests.support.fake_replica import FakeReplica
+        from unicache.testing.fake_replica import FakeReplica
 
         fakes = [FakeReplica(f"r{i}") for i in range(n)]
         for f in fakes:
@@ -85,11 +83,9 @@ async def start_bare_proxy(addresses: list[str]):
     return server, port, channels
 
 
-def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bool = False, tree: str | None = None) -> None:
-    """The router (``bare``: the bare proxy; ``tree``: the router code of another checkout);
-    with ``profile_path``, cProfile runs while the client says "on"."""
-    if tree:
-        sys.path.insert(0, tree)  # NOTE: before anything imports router or unicache
+def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bool = False) -> None:
+    """The router (``bare``: the bare proxy); with ``profile_path``, cProfile runs while
+    the client says "on"."""
 
     async def run() -> None:
         import cProfile
@@ -127,6 +123,35 @@ def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bo
             await app.stop()
 
     asyncio.run(run())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_baseline(exe: str, spec: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, int]:
+    """``EXE router`` (another checkout's ``unicache`` command) with this bench's router
+    settings, as environment variables (the settings interface every checkout shares),
+    run from an empty folder so nothing in this tree shadows that checkout's package.
+    Returns the process and its gRPC port once the port accepts a channel."""
+    import grpc
+
+    port = free_port()
+    env = dict(os.environ, UNICACHE_GRPC_PORT=str(port), UNICACHE_HTTP_PORT=str(free_port()), UNICACHE_USE_REDIS="false",
+               UNICACHE_AUTH_ENABLED="false", UNICACHE_ROUTING_POLICY="round_robin", UNICACHE_REPLICAS=spec)
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.Popen([exe, "router", "--log-level", "warning"], env=env, cwd=tempfile.mkdtemp())
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            proc.kill()
+            raise RuntimeError(f"{exe} router did not listen on port {port} within {timeout_s:g} s") from None
+    return proc, port
 
 
 def cpu_s(pid: int) -> float:
@@ -194,7 +219,7 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
             median["router"][f"ratio_cpu_vs_{ref}"] = med("router", f"ratio_cpu_vs_{ref}")
     return {
         "config": {"requests": args.requests, "max_tokens": args.max_tokens, "replicas": args.replicas, "rounds": args.rounds,
-                   "cpus": os.cpu_count(), "baseline_tree": args.baseline_tree},
+                   "cpus": os.cpu_count(), "baseline_unicache": args.baseline_unicache},
         "rounds": rounds,
         "median": median,
     }
@@ -221,35 +246,40 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="run the router under cProfile (slows it; ratios then mean less)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--bare", action="store_true", help="also measure a bare forwarding proxy (the grpc.aio floor)")
-    ap.add_argument("--baseline-tree", help="also measure the router code of this checkout (e.g. a git worktree of an older commit)")
+    ap.add_argument("--baseline-unicache", metavar="EXE",
+                    help="also measure `EXE router`: the unicache command of another checkout's venv")
     ap.add_argument("--json")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
-    cmds = {name: ctx.Queue() for name in ("router", "router_baseline", "bare_proxy")}  # each front door's own
+    cmds = {name: ctx.Queue() for name in ("router", "bare_proxy")}  # each in-process front door's own
     prof_path = os.path.join(tempfile.mkdtemp(), "router.prof") if args.profile else None
     reps = ctx.Process(target=replicas_main, args=(args.replicas, ports, stop))
     reps.start()
     children = [reps]
+    baseline: subprocess.Popen | None = None
     front: dict[str, tuple[int, int]] = {}
     try:
         _, rep_ports, rep_pid = ports.get(timeout=60)
         spec = ",".join(f"r{i}=127.0.0.1:{p}" for i, p in enumerate(rep_ports))
-        names = ["router"] + ["router_baseline"] * bool(args.baseline_tree) + ["bare_proxy"] * args.bare
-        for name in names:
-            bare = name == "bare_proxy"
-            tree = args.baseline_tree if name == "router_baseline" else None
+        for name in ["router"] + ["bare_proxy"] * args.bare:
             prof = prof_path if name == "router" else None
-            proc = ctx.Process(target=router_main, args=(spec, prof, ports, cmds[name], stop, bare, tree))
+            proc = ctx.Process(target=router_main, args=(spec, prof, ports, cmds[name], stop, name == "bare_proxy"))
             proc.start()
             children.append(proc)
             _, port, pid = ports.get(timeout=60)
             front[name] = (port, pid)
+        if args.baseline_unicache:
+            baseline, port = start_baseline(args.baseline_unicache, spec)
+            front["router_baseline"] = (port, baseline.pid)
         result = asyncio.run(drive(args, rep_ports, front, rep_pid, ports, cmds["router"]))
     finally:
         stop.set()
         for q in cmds.values():
             q.put("stop")
+        if baseline is not None:
+            baseline.terminate()
+            baseline.wait(timeout=30)
         for c in children:
             c.join(timeout=30)
             if c.is_alive():

@@ -7,7 +7,7 @@ Times ``policy.choose`` (and the lifecycle hooks the router calls per request) f
 registered policy and reports p50/p99 in microseconds, plus the ratio to ``round_robin``
 measured in the same run. Target: p99 <= 1 ms for every policy.
 
-Run: .venv/bin/python bench/routing_latency.py [--iters 2000] [--json OUT]
+Run: .venv/bin/python -m bench.routing_latency [--iters 2000] [--json OUT]
 """
 
 from __future__ import annotations

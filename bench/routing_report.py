@@ -21,7 +21,7 @@ Checks the issue's targets on the mix at 4 replicas (and reports them on Mooncak
 Writes ``routing_report.json`` and ``routing_report.md`` to ``--out-dir``.
 
 Run (from the repository root):
-    .venv/bin/python bench/routing_report.py [--mix-seeds 0,1,2] [--out-dir bench/results]
+    .venv/bin/python -m bench.routing_report [--mix-seeds 0,1,2] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -37,18 +37,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from unicache.router.routing.registry import routing_policy_names
+from unicache.sim.prepare import PreparedTrace, prepare
+from unicache.sim.replay import Replay, ReplayConfig
+from unicache.sim.runner import capacities_from_fracs, run_grid
+from unicache.sim.workload import WorkloadConfig, generate
+from unicache.trace import read_trace, write_trace
+from bench.paths import REPO, RESULTS, mooncake_trace
+from bench.report_files import save_figure, write_report
 
-from unicache.router.routing.registry import routing_policy_names  # noqa: E402
-from unicache.sim.prepare import PreparedTrace, prepare  # noqa: E402
-from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
-from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
-from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
-from unicache.trace import read_trace, write_trace  # noqa: E402
-from report_files import save_figure, write_report  # noqa: E402
-
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 OURS = "cache_aware"
 ABLATION = {
     "cache_aware (all terms)": {},
@@ -228,7 +225,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake trace (default: ../shared beside the repo)")
+    ap.add_argument("--trace", default=str(mooncake_trace()), help="Mooncake trace (default: shared/traces at or above the checkout)")
     ap.add_argument("--trace-block-size", type=int, default=512)
     ap.add_argument("--mix-seeds", default="0", help="comma list of gen-workload seeds (default 0)")
     ap.add_argument("--mix-duration", type=float, default=1200.0)
@@ -236,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", default="4,8")
     ap.add_argument("--capacity-frac", type=float, default=0.01, help="per replica, of unique blocks (default 0.01)")
     ap.add_argument("--skip", default="", help="comma list of runs to skip: mooncake, mix")
-    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--replot", action="store_true", help="only redraw routing_report.png from routing_report.json")
     args = ap.parse_args(argv)
     if args.replot:
@@ -261,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 mix_path.unlink()  # reproducible from the seed
     report = {
-        "command": "python bench/routing_report.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.routing_report " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "python": platform.python_version(),
         "commit": _git_commit(),
         "runs": runs, "mix_seed_summary": seed_summary(runs),

@@ -13,7 +13,7 @@ run against such a file and exits 1 on any difference (hit ratios, evictions and
 must be bit-identical after a pure speed change).
 
 Run (from the repository root):
-    .venv/bin/python bench/sim_speed.py [--repeat 3] [--save ref.json | --check ref.json]
+    .venv/bin/python -m bench.sim_speed [--repeat 3] [--save ref.json | --check ref.json]
 """
 
 from __future__ import annotations
@@ -25,16 +25,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from unicache.sim.prepare import prepare
+from unicache.sim.replay import ReplayConfig
+from unicache.sim.runner import capacities_from_fracs, run_grid
+from unicache.sim.workload import WorkloadConfig, generate
+from unicache.trace import read_trace, write_trace
+from bench.paths import mooncake_trace
 
-from unicache.sim.prepare import prepare  # noqa: E402
-from unicache.sim.replay import ReplayConfig  # noqa: E402
-from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
-from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
-from unicache.trace import read_trace, write_trace  # noqa: E402
-
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 FRACS = [0.02, 0.05, 0.10, 0.25]
 TIMING_FIELDS = {"elapsed_s", "cpu_s", "accesses_per_s"}
 
@@ -55,7 +52,7 @@ def replay(path: Path, block_size: int, policies: list[str], repeat: int) -> tup
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--trace", type=Path, default=mooncake_trace())
     ap.add_argument("--policies", default="lru,unicache")
     ap.add_argument("--repeat", type=int, default=1, help="replays per (trace, policy, capacity)")
     ap.add_argument("--skip", default="", help="comma list of runs to skip: mooncake, mix")

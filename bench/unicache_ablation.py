@@ -5,7 +5,7 @@ classes inferred) and on a generated labelled mix (block size 16) at 5% and 10% 
 unique blocks, for lru, opt and every unicache variant. Writes JSON and a markdown table;
 also reports each variant's gap closure (unicache - lru) / (opt - lru).
 
-    .venv/bin/python bench/unicache_ablation.py --out bench/results/unicache_ablation
+    .venv/bin/python -m bench.unicache_ablation --out bench/results/unicache_ablation
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from unicache.sim.prepare import prepare  # noqa: E402
-from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
-from unicache.sim.workload import WorkloadConfig, generate  # noqa: E402
-from unicache.trace import read_trace, write_trace  # noqa: E402
-from unicache.replica.eviction.opt import FutureAccesses  # noqa: E402
-
-MOONCAKE = Path(__file__).resolve().parent.parent.parent / "shared/traces/mooncake-fast25/conversation_trace.jsonl"
+from unicache.sim.prepare import prepare
+from unicache.sim.replay import Replay, ReplayConfig
+from unicache.sim.workload import WorkloadConfig, generate
+from unicache.trace import read_trace, write_trace
+from unicache.replica.eviction.opt import FutureAccesses
+from bench.paths import RESULTS, mooncake_trace
 
 # name -> unicache constructor kwargs (the full policy is {}).
 VARIANTS: dict[str, dict] = {
@@ -90,9 +87,9 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/unicache_ablation", help="output path without extension")
+    ap.add_argument("--out", default=str(RESULTS / "unicache_ablation"), help="output path without extension")
     ap.add_argument("--fracs", default="0.05,0.1")
-    ap.add_argument("--mooncake", default=str(MOONCAKE))
+    ap.add_argument("--mooncake", default=str(mooncake_trace()))
     ap.add_argument("--mix-seed", type=int, default=0)
     ap.add_argument("--mix-duration", type=float, default=1200.0, help="seconds of generated mix (as bench/eviction_report.py)")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 """Faults against a real cluster on loopback: a private redis-server, three Ray replica
-actors (tiny model) and the router in-process (tests/support/cluster_harness.py). The
-scenarios themselves are tests/support/fault_scenarios.py (bench/faults.py runs the same
+actors (tiny model) and the router in-process (unicache/testing/cluster_harness.py). The
+scenarios themselves are unicache/testing/fault_scenarios.py (bench/faults.py runs the same
 drivers); these tests assert exact outcomes on the records they return.
 
 One Ray and one replica set for the whole module (starting them dominates the cost);
@@ -13,8 +13,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.support import fault_scenarios as fs
-from tests.support.cluster_harness import (
+from unicache.testing import fault_scenarios as fs
+from unicache.testing.cluster_harness import (
     FAST_SUBSCRIBER,
     ReplicaSet,
     RouterHandle,

@@ -24,7 +24,7 @@ from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import RoutingRequest
 from unicache.router.routing.cache_aware import CacheAwarePolicy
 from tests.support.engine_factory import tiny_config
-from tests.support.fake_replica import FakeReplica
+from unicache.testing.fake_replica import FakeReplica
 from unicache.block_hash import hash_token_blocks
 from unicache.request_class import RequestClass, Task
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.load_stack import LoadStack, start_replica
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2
-from tests.support.polling import eventually
+from unicache.testing.polling import eventually
 
 AUTH = [("authorization", "Bearer key-acme")]
 

@@ -24,7 +24,7 @@ from unicache.replica.kv.store import KVStore
 from unicache.replica.publisher import CachePublisher
 from tests.support.store_source import StoreCacheSource
 from unicache.router.index import LocalityIndex
-from tests.support.polling import eventually
+from unicache.testing.polling import eventually
 
 BS = 4
 KEYS = RedisKeys("t")

@@ -14,7 +14,7 @@ from unicache.redis_keys import RedisKeys
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.settings import ReplicaSettings
-from tests.support.polling import eventually
+from unicache.testing.polling import eventually
 
 BS = 8
 KEYS = RedisKeys("rt")

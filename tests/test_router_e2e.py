@@ -1,4 +1,4 @@
-"""The router end to end over gRPC and HTTP against in-process replicas (tests/support/fake_replica.py)."""
+"""The router end to end over gRPC and HTTP against in-process replicas (unicache/testing/fake_replica.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.routing.registry import make_routing_policy
-from tests.support.fake_replica import FakeReplica
+from unicache.testing.fake_replica import FakeReplica
 from unicache.block_hash import hash_token_blocks
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 

@@ -10,11 +10,11 @@ import redis
 
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from tests.support.fake_replica import FakeReplica
+from unicache.testing.fake_replica import FakeReplica
 from tests.test_router_subscriber import KEYS
 from unicache.block_hash import hash_token_blocks
 from unicache.v1 import cache_pb2
-from tests.support.polling import eventually
+from unicache.testing.polling import eventually
 
 PROMPT = "A shared system prompt that is long enough for three blocks."
 

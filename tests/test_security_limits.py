@@ -14,10 +14,10 @@ import pytest
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.limits import LimitExceeded, TenantLimiter, TenantLimits, parse_tenant_limits
-from tests.support.fake_replica import FakeReplica
+from unicache.testing.fake_replica import FakeReplica
 from unicache.errors import UsageError
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.support.polling import eventually
+from unicache.testing.polling import eventually
 
 KEYS = "key-a:tenantA,key-b:tenantB"
 PROMPT = "The quick brown fox jumps."  # 26 bytes: under tenantA's 40-token limit

@@ -25,7 +25,7 @@ from unicache.cli import main
 from unicache.redis_keys import RedisKeys
 from unicache.redis_server import free_port
 from unicache.v1 import router_pb2, router_pb2_grpc
-from tests.support.polling import eventually
+from unicache.testing.polling import eventually
 
 API_KEY = "sk-live-KEY-4f1c9e"
 SALT = "salt-SECRET-77b2"

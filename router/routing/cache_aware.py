@@ -54,7 +54,7 @@ balance_ratio 1.25, balance_slack 4, template_key_blocks 1 (chosen by
 replaying three seeds of the generated mix and the Mooncake trace at 4 replicas; see
 ``bench/routing_report.py`` for the figures and an ablation of each term; the footprint
 term's weight and window by seeds 0-8 of the mix, checked on seeds 9-17 with
-``bench/routing_footprint.py``).
+``bench/studies/routing_footprint.py``).
 
 The footprint term is what the churn term cannot see: churn is a flow (new blocks per
 request), a live session's context is a stock that stays cached between its turns. Long

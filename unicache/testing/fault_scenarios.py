@@ -3,7 +3,7 @@
 ``tests/test_fault_cluster.py`` asserts exact outcomes on these records and
 ``bench/faults.py`` computes its figures from them, so the test and the benchmark
 exercise the very same sequence of requests and faults. The cluster pieces come from
-``tests/support/cluster_harness.py``.
+``unicache/testing/cluster_harness.py``.
 
 Scenarios (what each driver does, in order):
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tests.support.cluster_harness import (
+from unicache.testing.cluster_harness import (
     ReplicaSet,
     Reply,
     RouterHandle,

@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.support.polling import eventually
+from unicache.testing.polling import eventually
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ the trace), averaged over the samples. Blocks with no next use are dead weight.
 Writes ``routing_gap.json``, ``routing_gap.md`` and ``routing_gap.png`` to ``--out-dir``.
 
 Run (from the repository root):
-    .venv/bin/python bench/routing_gap.py [--seeds 0,1,2] [--out-dir bench/results]
+    .venv/bin/python -m bench.studies.routing_gap [--seeds 0,1,2] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -41,15 +41,13 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest  # noqa: E402
-from unicache.replica.eviction.opt import FutureAccesses  # noqa: E402
-from unicache.sim.prepare import PreparedTrace  # noqa: E402
-from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
-from mix_traces import prepared_mix  # noqa: E402
-from report_files import save_figure, write_report  # noqa: E402
+from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from unicache.replica.eviction.opt import FutureAccesses
+from unicache.sim.prepare import PreparedTrace
+from unicache.sim.replay import Replay, ReplayConfig
+from bench.paths import RESULTS
+from bench.mix_traces import prepared_mix
+from bench.report_files import save_figure, write_report
 
 PLACEMENTS = ("pooled", "cache_aware", "tenant_partition")
 EVICTIONS = ("lru", "unicache", "opt")
@@ -202,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--capacity-frac", type=float, default=0.01, help="per replica, of unique blocks")
-    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     out_dir = Path(args.out_dir)
@@ -220,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     base, limit = m["sglang+lru"], m["pooled+opt"]
     whole = 100 * (limit - base)
     report = {
-        "command": "python bench/routing_gap.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.studies.routing_gap " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(),
         "seeds": seeds, "replicas": args.replicas, "capacity_frac": args.capacity_frac,
         "per_seed": dict(zip(map(str, seeds), runs)),

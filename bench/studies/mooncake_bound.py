@@ -40,7 +40,7 @@ predictors that get every advantage (fitted on the whole trace, c tuned after th
 
 Run (from the repository root; about 8 minutes of CPU, 198 replays; longer in wall time when
 other jobs share the cores):
-    .venv/bin/python bench/mooncake_bound.py [--trace PATH] [--out-dir bench/results]
+    .venv/bin/python -m bench.studies.mooncake_bound [--trace PATH] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -63,20 +63,16 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
+from unicache.block_hash import BlockHash
+from unicache.request_class import RequestClass
+from unicache.sim.prepare import PreparedTrace, SimRequest, prepare
+from unicache.sim.replay import Replay, ReplayConfig
+from unicache.sim.runner import capacities_from_fracs, run_grid
+from unicache.trace import read_trace
+from bench.paths import RESULTS, mooncake_trace
+from bench.report_files import write_report
 
-from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo  # noqa: E402
-from unicache.replica.eviction.registry import policy_names, register_policy  # noqa: E402
-from unicache.block_hash import BlockHash  # noqa: E402
-from unicache.request_class import RequestClass  # noqa: E402
-from unicache.sim.prepare import PreparedTrace, SimRequest, prepare  # noqa: E402
-from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
-from unicache.sim.runner import capacities_from_fracs, run_grid  # noqa: E402
-from unicache.trace import read_trace  # noqa: E402
-from report_files import write_report  # noqa: E402
-
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 FRACS = [0.05, 0.10]
 C_VALUES = [30.0, 100.0, 300.0, 1000.0, 3000.0]
 SYNTHETIC_AUCS = [0.7, 0.8, 0.85, 0.9]
@@ -117,6 +113,8 @@ class ContinuationBonusPolicy(EvictionPolicy):
         bonus: seconds added to a released block's release time (larger: kept longer).
     """
 
+    name = POLICY
+
     def __init__(self, bonus: Callable[[ReleaseInfo], float]):
         self._bonus = bonus
         self._live: dict[int, int] = {}
@@ -154,8 +152,13 @@ class ContinuationBonusPolicy(EvictionPolicy):
         return len(self._live)
 
 
-if POLICY not in policy_names():
-    register_policy(POLICY)(ContinuationBonusPolicy)
+class BonusReplay(Replay):
+    """``Replay`` whose store evicts with ``ContinuationBonusPolicy`` (built from
+    ``policy_kwargs``): the study's policy stays in the study, and the production
+    eviction registry never learns its name."""
+
+    def _make_policy(self) -> EvictionPolicy:
+        return ContinuationBonusPolicy(**self.config.policy_kwargs)
 
 
 def tagged(trace: PreparedTrace) -> PreparedTrace:
@@ -401,7 +404,7 @@ def measure(args) -> dict:
         last = last_block if variant == DEMOTED else None
         bonus = bonus_by_request((c * lg).tolist(), last, c * demote_logit)
         cfg = ReplayConfig(POLICY, cap, policy_kwargs={"bonus": bonus}, label=label)
-        return Replay(tagged_trace, cfg).run()["block_hit_ratio"]
+        return BonusReplay(tagged_trace, cfg).run()["block_hit_ratio"]
 
     c0_equals_lru = all(replay(logits["constant"], 0.0, cap, AS_LRU, "c=0") == base[("lru", cap)] for cap in caps)
     log(f"bonus policy with c = 0 equals lru at every capacity: {c0_equals_lru}")
@@ -599,14 +602,14 @@ def log(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake trace (default: ../shared beside the repo)")
+    ap.add_argument("--trace", default=str(mooncake_trace()), help="Mooncake trace (default: shared/traces at or above the checkout)")
     ap.add_argument("--block-size", type=int, default=512)
     ap.add_argument("--fracs", default=",".join(f"{f:g}" for f in FRACS))
     ap.add_argument("--c-values", default=",".join(f"{c:g}" for c in C_VALUES), help="bonus scales c, seconds")
     ap.add_argument("--prior", type=float, default=2.0, help="pseudo-requests at the global rate per table cell")
     ap.add_argument("--folds", type=int, default=5, help="session folds of the cross-fitted tables")
     ap.add_argument("--seed", type=int, default=0, help="seed of the folds and of the synthetic predictors' noise")
-    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--rewrite", action="store_true", help="no replays: redo the conclusion and the .md from the JSON")
     args = ap.parse_args(argv)
     args.fracs = [float(f) for f in args.fracs.split(",")]
@@ -619,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         t0 = time.perf_counter()
         rep = {
-            "command": "python bench/mooncake_bound.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python -m bench.studies.mooncake_bound " + " ".join(argv if argv is not None else sys.argv[1:]),
             "host": platform.node() or "unknown", "cpus": os.cpu_count(), "python": platform.python_version(),
         }
         rep.update(measure(args))

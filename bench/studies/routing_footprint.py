@@ -15,7 +15,7 @@ unique blocks each (the routing target's setting), the same ``Replay`` as ``unic
 Writes ``routing_footprint.json``, ``.md`` and ``.png`` to ``--out-dir``.
 
 Run (from the repository root; about 4 minutes on 2 CPUs):
-    .venv/bin/python bench/routing_footprint.py [--select-seeds 0-8] [--holdout-seeds 9-17]
+    .venv/bin/python -m bench.studies.routing_footprint [--select-seeds 0-8] [--holdout-seeds 9-17]
 """
 
 from __future__ import annotations
@@ -29,13 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from unicache.router.routing.cache_aware import CacheAwarePolicy  # noqa: E402
-from unicache.sim.replay import Replay, ReplayConfig  # noqa: E402
-from mix_traces import prepared_mix  # noqa: E402
-from report_files import save_figure, write_report  # noqa: E402
+from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.sim.replay import Replay, ReplayConfig
+from bench.paths import RESULTS
+from bench.mix_traces import prepared_mix
+from bench.report_files import save_figure, write_report
 
 OFF = "footprint off"
 DEFAULT = "default (weight 0.5, window 96)"
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--capacity-frac", type=float, default=0.01, help="per replica, of unique blocks")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes (one seed each)")
-    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     seeds = {"select": seed_list(args.select_seeds), "holdout": seed_list(args.holdout_seeds)}
     if not seeds["select"] or not seeds["holdout"]:
@@ -165,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = pool.map(run_seed, jobs, chunksize=1)
     by_seed = {r["seed"]: r for r in runs}
     report = {
-        "command": "python bench/routing_footprint.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.studies.routing_footprint " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "python": platform.python_version(),
         "replicas": args.replicas, "capacity_frac": args.capacity_frac, "seeds": seeds, "variants": VARIANTS,
         "summary": {part: summarise([by_seed[s] for s in ss]) for part, ss in seeds.items()},

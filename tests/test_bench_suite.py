@@ -1,0 +1,104 @@
+"""bench/ as a suite: modules of one package that import the installed ``unicache``.
+
+No bench module edits ``sys.path`` or imports ``tests``; bench/README.md indexes every
+module; every ``python -m bench.*`` command in the docs names a module that exists; and a
+study's own policy never reaches the production eviction registry.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.source_tree import REPO
+
+BENCH = REPO / "bench"
+HELPERS = {"bench.paths", "bench.report_files", "bench.mix_traces"}
+
+
+def bench_modules() -> list[str]:
+    mods = []
+    for path in sorted(BENCH.rglob("*.py")):
+        rel = path.relative_to(REPO).with_suffix("")
+        if rel.name != "__init__":
+            mods.append(".".join(rel.parts))
+    return mods
+
+
+def module_path(module: str):
+    return REPO.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def imported_roots(module: str) -> set[str]:
+    tree = ast.parse(module_path(module).read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def edits_sys_path(module: str) -> bool:
+    tree = ast.parse(module_path(module).read_text())
+    return any(
+        isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) and node.value.id == "sys"
+        for node in ast.walk(tree)
+    )
+
+
+def test_the_suite_has_its_benchmarks_and_studies():
+    mods = bench_modules()
+    assert {"bench.eviction_report", "bench.routing_report", "bench.faults"} <= set(mods)
+    assert {"bench.studies.mooncake_bound", "bench.studies.routing_gap", "bench.studies.routing_footprint"} <= set(mods)
+    assert not {"bench.mooncake_bound", "bench.routing_gap", "bench.routing_footprint"} & set(mods)
+
+
+@pytest.mark.parametrize("module", bench_modules())
+def test_bench_modules_import_the_package_not_tests_and_leave_sys_path_alone(module):
+    assert "tests" not in imported_roots(module)
+    assert not edits_sys_path(module)
+
+
+def test_bench_readme_indexes_every_module():
+    index = (BENCH / "README.md").read_text()
+    missing = [m for m in bench_modules() if f"`{m}`" not in index]
+    assert missing == []
+
+
+def documented_commands() -> set[str]:
+    docs = [REPO / "README.md", BENCH / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    found = set()
+    for doc in docs:
+        found.update(re.findall(r"python -m (bench(?:\.\w+)+)", doc.read_text()))
+    return found
+
+
+def test_every_documented_bench_command_names_a_module():
+    commands = documented_commands()
+    assert "bench.eviction_report" in commands and "bench.studies.mooncake_bound" in commands
+    assert sorted(c for c in commands if c not in bench_modules()) == []
+    assert not re.search(r"python\s+bench/", (REPO / "README.md").read_text())
+
+
+def test_a_study_policy_stays_out_of_the_production_registry():
+    from unicache.replica.eviction.registry import policy_names
+
+    before = policy_names()
+    study = importlib.import_module("bench.studies.mooncake_bound")
+    assert study.ContinuationBonusPolicy.name == study.POLICY
+    assert policy_names() == before
+    assert study.POLICY not in policy_names()
+
+
+def test_a_bench_module_runs_as_a_module_from_the_repo_root():
+    out = subprocess.run([sys.executable, "-m", "bench.studies.routing_gap", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--seeds" in out.stdout
