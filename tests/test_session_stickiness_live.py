@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.polling import eventually
+from unicache.testing.polling import eventually
 from tests.support.real_stack import RealReplica
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
