@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+from unicache.replica.engine.cpu_env import prefer_passive_omp_wait
+
+# Before anything imports torch: spinning OpenMP threads made small CPU forwards ~100x
+# slower on the shared 2-core box (cpu_env.py).
+prefer_passive_omp_wait()
+
+import pytest  # noqa: E402
 
 from unicache.redis_server import EmbeddedRedis
 

@@ -1,8 +1,13 @@
-"""Load (and, for tests and tools, save) a Llama-format checkpoint from a local directory.
+"""Load (and, for tests and tools, save) a Llama-family checkpoint from a local directory.
 
-Format: Hugging Face's ``config.json`` plus one or more ``*.safetensors`` files with HF
+Format: Hugging Face's ``config.json`` (read by ``hf_config.config_from_hf``, which refuses
+what the engine cannot reproduce) plus one or more ``*.safetensors`` files with HF
 parameter names (``model.layers.0.self_attn.q_proj.weight`` ...). Our modules use the same
 names, so loading is ``load_state_dict`` after reading the tensors. Nothing is downloaded.
+
+Invariant: every parameter of the model comes from the files (no tensor left at its
+initial value, none ignored); with tied embeddings the head is the embedding matrix, and
+a checkpoint whose separate ``lm_head.weight`` differs from it is refused.
 """
 
 from __future__ import annotations
@@ -14,49 +19,10 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from unicache.replica.engine.model import LlamaForCausalLM, ModelConfig
+from unicache.replica.engine.hf_config import CheckpointError, config_from_hf, config_to_hf
+from unicache.replica.engine.model import LlamaForCausalLM
 
-
-class CheckpointError(ValueError):
-    """The directory is not a loadable Llama-format checkpoint."""
-
-
-def config_from_hf(cfg: dict) -> ModelConfig:
-    try:
-        return ModelConfig(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-            intermediate_size=cfg["intermediate_size"],
-            max_position=cfg.get("max_position_embeddings", 4096),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            head_dim=cfg.get("head_dim"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except KeyError as exc:
-        raise CheckpointError(f"config.json lacks {exc.args[0]!r}") from None
-
-
-def config_to_hf(cfg: ModelConfig) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "intermediate_size": cfg.intermediate_size,
-        "max_position_embeddings": cfg.max_position,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "head_dim": cfg.dim_per_head,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": "silu",
-    }
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
 
 def load_checkpoint(path: str) -> LlamaForCausalLM:
@@ -65,9 +31,10 @@ def load_checkpoint(path: str) -> LlamaForCausalLM:
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"no config.json in {path}")
     with open(cfg_path, encoding="utf-8") as f:
-        hf = json.load(f)
-    if hf.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"model_type {hf.get('model_type')!r} is not llama")
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"config.json is not valid JSON (line {exc.lineno})") from None
     cfg = config_from_hf(hf)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -78,9 +45,17 @@ def load_checkpoint(path: str) -> LlamaForCausalLM:
     # Rotary tables are computed, never loaded (some exports still carry inv_freq).
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
-        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+        head, embed = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
+        if head is not None and embed is not None and not torch.equal(head, embed):
+            raise CheckpointError("config.json tie_word_embeddings is true but lm_head.weight differs from the embeddings")
+        if embed is not None:
+            state["lm_head.weight"] = embed
     model = LlamaForCausalLM(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches: config.json and the tensors disagree
+        first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
+        raise CheckpointError(f"checkpoint does not match config.json: {first}") from None
     if missing or unexpected:
         raise CheckpointError(f"checkpoint mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     return model

@@ -83,6 +83,7 @@ class LLMEngine:
         self.model.place(self.device, self.dtype)
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
+        mcfg.check_context(self.max_model_len)
         self.vocab_size = mcfg.vocab_size
         self.policy_name = config.eviction_policy
         self.storage = TorchKVStorage(

@@ -1,7 +1,9 @@
 """A Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
 
 Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` so a Llama-format
-safetensors checkpoint loads with ``load_state_dict`` (see checkpoint.py).
+safetensors checkpoint loads with ``load_state_dict`` (see checkpoint.py). The same module
+serves the Llama family members that differ only in config (``hf_config.py``): Qwen2
+(q/k/v bias), Mistral, tied embeddings, explicit ``head_dim``, every rope type of ``rope.py``.
 
 Two forward paths share the weights:
     * ``forward(ids, positions, kv, meta)``: the serving path, K/V paged in ``TorchKVStorage``;
@@ -18,6 +20,7 @@ from torch import nn
 
 from unicache.replica.engine.attention import AttentionMetadata, paged_attention
 from unicache.replica.engine.model_config import ModelConfig  # noqa: F401 - part of this module's API
+from unicache.replica.engine.rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -32,15 +35,17 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary embedding with HF's rotate-half layout; cos/sin precomputed for max_position."""
+    """Rotary embedding with HF's rotate-half layout; cos/sin precomputed for max_position.
 
-    def __init__(self, head_dim: int, max_position: int, theta: float):
+    The tables are float32 (as transformers computes them, see rope.py) and are cast to
+    the activations' dtype per forward, as transformers does.
+    """
+
+    def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = rope_tables(cfg.rope, cfg.dim_per_head, cfg.max_position, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for ``positions``, shaped ``[T, 1, head_dim]`` (once per forward)."""
@@ -61,10 +66,10 @@ class LlamaAttention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.dim_per_head
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
     def _qkv(self, x: torch.Tensor, cos_sin):
         t = x.shape[0]
@@ -89,9 +94,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -125,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.dim_per_head, cfg.max_position, cfg.rope_theta)
+        self.rotary = Rotary(cfg)
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int) -> "LlamaForCausalLM":
@@ -141,10 +146,9 @@ class LlamaForCausalLM(nn.Module):
         return model
 
     def place(self, device: torch.device, dtype: torch.dtype) -> "LlamaForCausalLM":
-        """Move weights to ``device``/``dtype``; rotary tables stay float64 (exact at long positions)."""
+        """Move weights to ``device``/``dtype``; rotary tables stay float32 (as transformers keeps them)."""
         self.to(device=device, dtype=dtype).eval()
-        cfg = self.config
-        self.rotary = Rotary(cfg.dim_per_head, cfg.max_position, cfg.rope_theta).to(device)
+        self.rotary = Rotary(self.config, device)
         return self
 
     @torch.inference_mode()

@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the built-in engine cannot serve exactly (the message names the key)."""
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    """Rotary embedding parameters, as transformers' standardized ``rope_parameters``.
+
+    ``rope_type`` is one of ``rope.ROPE_TYPES``. The other fields are read only by the
+    types that use them (``factor``: linear, dynamic, llama3, yarn; ``low_freq_factor``,
+    ``high_freq_factor``: llama3; ``original_max_position``: llama3, yarn; the rest: yarn),
+    with transformers' defaults (yarn: ``beta_fast`` 32, ``beta_slow`` 1, ``truncate`` True,
+    ``attention_factor`` from ``factor``/``mscale``; a None yarn ``factor`` means
+    ``max_position / original_max_position``).
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Architecture. The defaults are a small model that prefills 2,000 tokens quickly on CPU."""
+    """Architecture. The defaults are a small model that prefills 2,000 tokens quickly on CPU.
+
+    ``qkv_bias``/``o_bias``/``mlp_bias`` put biases on those projections (Llama's
+    ``attention_bias`` sets the first two, Qwen2 has q/k/v bias only). ``sliding_window`` is
+    the window of the layers that have one (None: every layer attends to its whole
+    context); the engine has no windowed attention, so it serves such a model only up to
+    that many tokens (``check_context``). ``architecture`` is the HF ``model_type``.
+    """
 
     vocab_size: int = 259
     hidden_size: int = 256
@@ -16,15 +53,29 @@ class ModelConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 688
     max_position: int = 4096
-    rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     head_dim: int | None = None
     tie_word_embeddings: bool = False
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    architecture: str = "llama"
     init_std: float = 0.1  # large enough that greedy decoding of random weights does not collapse
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def check_context(self, max_model_len: int) -> None:
+        """CheckpointError when serving ``max_model_len`` tokens would need a sliding window."""
+        if self.sliding_window is not None and max_model_len > self.sliding_window:
+            raise CheckpointError(
+                f"config.json sliding_window={self.sliding_window} is shorter than the served context "
+                f"({max_model_len} tokens) and the built-in engine has no sliding-window attention: "
+                f"set max_model_len <= {self.sliding_window}"
+            )
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:

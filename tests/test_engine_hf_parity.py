@@ -1,0 +1,190 @@
+"""The built-in engine against transformers on checkpoints transformers itself wrote.
+
+Every case of ``tests/support/hf_models.CASES`` (rope default/linear/dynamic/llama3/yarn in
+both config layouts, Qwen2, Mistral, tied embeddings, explicit head_dim, biases): the
+dense forward, the paged path (prefill, cached suffix, decode) and the engine's greedy
+tokens equal transformers'. Configs the engine cannot reproduce fail at load, naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.support.engine_factory import make_request, run_one, tiny_config
+from tests.support.hf_models import CASES, edit_config, hf_greedy, hf_logits, load_hf, prompt, write_case
+from unicache.replica.engine.attention import build_metadata
+from unicache.replica.engine.checkpoint import CheckpointError, load_checkpoint
+from unicache.replica.engine.engine import LLMEngine
+from unicache.replica.engine.model import Rotary
+from unicache.replica.kv.torch_storage import TorchKVStorage
+
+BS = 4
+PROMPT = prompt(40)
+NEW_TOKENS = 12
+
+EXPECTED = {  # what config_from_hf must read: (architecture, rope_type, qkv_bias, o_bias, mlp_bias, tied, head_dim)
+    "llama-default": ("llama", "default", False, False, False, False, 16),
+    "llama-linear": ("llama", "linear", False, False, False, False, 16),
+    "llama-dynamic": ("llama", "dynamic", False, False, False, False, 16),
+    "llama-llama3": ("llama", "llama3", False, False, False, False, 16),
+    "llama-llama3-rope_scaling": ("llama", "llama3", False, False, False, False, 16),
+    "llama-yarn": ("llama", "yarn", False, False, False, False, 16),
+    "llama-yarn-mscale": ("llama", "yarn", False, False, False, False, 16),
+    "llama-tied": ("llama", "default", False, False, False, True, 16),
+    "llama-head_dim": ("llama", "default", False, False, False, False, 32),
+    "llama-bias": ("llama", "default", True, True, True, False, 16),
+    "qwen2": ("qwen2", "default", True, False, False, False, 16),
+    "qwen2-tied": ("qwen2", "default", True, False, False, True, 16),
+    "mistral": ("mistral", "default", False, False, False, False, 32),
+    "mistral-window-4096": ("mistral", "default", False, False, False, False, 16),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Every case written once per module: name -> directory."""
+    root = tmp_path_factory.mktemp("hf")
+    return {name: write_case(name, str(root / name)) for name in CASES}
+
+
+def _paged_logits(model, chunks):
+    """Run (start, end) chunks of PROMPT + continuation through the paged path in order."""
+    c = model.config
+    storage = TorchKVStorage(c.num_layers, 64, BS, c.num_kv_heads, c.dim_per_head)
+    table = [13, 2, 40, 7, 21, 9, 33, 0, 5, 18, 27, 11, 60, 3]  # scattered blocks
+    out = []
+    for toks, start, end in chunks:
+        meta = build_metadata([(table, start, end)], BS, torch.device("cpu"))
+        hidden = model(torch.tensor(toks[start:end]), torch.arange(start, end), storage, meta)
+        out.append(model.logits(hidden))
+    return torch.cat(out)
+
+
+def test_cases_are_all_checked():
+    assert set(EXPECTED) == set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_config_is_read_as_transformers_reads_it(checkpoints, name):
+    cfg = load_checkpoint(checkpoints[name]).config
+    got = (cfg.architecture, cfg.rope.rope_type, cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.tie_word_embeddings, cfg.dim_per_head)
+    assert got == EXPECTED[name]
+    hf = load_hf(checkpoints[name]).config
+    assert cfg.rms_norm_eps == hf.rms_norm_eps and cfg.max_position == hf.max_position_embeddings
+    assert cfg.rope.theta == hf.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logits_and_greedy_tokens_equal_transformers(checkpoints, name):
+    path = checkpoints[name]
+    hf = load_hf(path)
+    ours = load_checkpoint(path)
+    want_tokens = hf_greedy(hf, PROMPT, NEW_TOKENS)
+    full = PROMPT + want_tokens
+    want = hf_logits(hf, full)
+    torch.testing.assert_close(ours.forward_dense(torch.tensor(full)), want, atol=1e-5, rtol=0)
+    # Paged: prefill 0..29, the cached prefix's suffix 30..39, then decode one by one.
+    chunks = [(full, 0, 30), (full, 30, 40)] + [(full, p, p + 1) for p in range(40, len(full))]
+    torch.testing.assert_close(_paged_logits(ours, chunks), want, atol=1e-4, rtol=0)
+    engine = LLMEngine(tiny_config(checkpoint=path, block_size=BS))
+    got = run_one(engine, make_request("a", PROMPT, max_tokens=NEW_TOKENS))
+    assert got.tokens[0] == want_tokens
+
+
+@pytest.mark.parametrize("name", ["llama-linear", "llama-llama3", "llama-yarn", "llama-yarn-mscale"])
+def test_each_rope_type_changes_the_logits(checkpoints, name):
+    """The parity above would be vacuous if a rope type computed what default rope does."""
+    model = load_checkpoint(checkpoints[name])
+    ids = torch.tensor(PROMPT)
+    scaled = model.forward_dense(ids)
+    model.config.rope = dataclasses.replace(model.config.rope, rope_type="default")
+    model.rotary = Rotary(model.config)
+    assert float((scaled - model.forward_dense(ids)).abs().max()) > 1.0
+
+
+def test_rope_scaling_layout_reads_like_rope_parameters(checkpoints):
+    a = load_checkpoint(checkpoints["llama-llama3"])
+    b = load_checkpoint(checkpoints["llama-llama3-rope_scaling"])
+    assert a.config.rope == b.config.rope
+    ids = torch.tensor(PROMPT)
+    assert torch.equal(a.forward_dense(ids), b.forward_dense(ids))
+
+
+def test_top_level_original_max_position_wins_as_in_transformers(tmp_path):
+    path = write_case("llama-llama3", str(tmp_path))
+    edit_config(path, lambda c: c.update(original_max_position_embeddings=16))
+    assert load_checkpoint(path).config.rope.original_max_position == 16
+    assert load_hf(path).config.rope_parameters["original_max_position_embeddings"] == 16
+    torch.testing.assert_close(load_checkpoint(path).forward_dense(torch.tensor(PROMPT)), hf_logits(load_hf(path), PROMPT), atol=1e-5, rtol=0)
+
+
+def test_sliding_window_serves_only_within_the_window(tmp_path):
+    path = write_case("mistral", str(tmp_path), sliding_window=32)
+    with pytest.raises(CheckpointError, match=r"sliding_window=32 is shorter than the served context \(256 tokens\)"):
+        LLMEngine(tiny_config(checkpoint=path, block_size=BS))
+    engine = LLMEngine(tiny_config(checkpoint=path, block_size=BS, max_model_len=32))
+    short = PROMPT[:20]
+    got = run_one(engine, make_request("a", short, max_tokens=12))
+    assert got.tokens[0] == hf_greedy(load_hf(path), short, 12)
+
+
+@pytest.mark.parametrize(("max_window_layers", "refused"), [(1, True), (2, False)])
+def test_qwen2_window_applies_only_to_its_sliding_layers(tmp_path, max_window_layers, refused):
+    path = write_case("qwen2", str(tmp_path), use_sliding_window=True, sliding_window=32, max_window_layers=max_window_layers)
+    assert load_checkpoint(path).config.sliding_window == (32 if refused else None)
+    if refused:
+        with pytest.raises(CheckpointError, match="sliding_window=32"):
+            LLMEngine(tiny_config(checkpoint=path, block_size=BS))
+    else:
+        LLMEngine(tiny_config(checkpoint=path, block_size=BS))
+
+
+def _set(**kw):
+    return lambda c: c.update(kw)
+
+
+def _rope(**kw):
+    return lambda c: c["rope_parameters"].update(kw)
+
+
+REFUSED = {
+    "model_type": (_set(model_type="gpt2"), "config.json model_type 'gpt2' is not supported by the built-in engine (supported: llama, mistral, qwen2)"),
+    "architectures": (_set(architectures=["LlamaForSequenceClassification"]), "config.json architectures ['LlamaForSequenceClassification']"),
+    "hidden_act": (_set(hidden_act="gelu"), "config.json hidden_act 'gelu' is not supported"),
+    "rope_type": (_rope(rope_type="longrope"), "config.json rope_parameters.rope_type 'longrope' is not supported by the built-in engine (supported: default, linear, dynamic, llama3, yarn)"),
+    "rope_scaling": (_set(rope_scaling={"type": "su", "factor": 2.0}), "config.json rope_scaling.rope_type 'su' is not supported"),
+    "rope_key": (_rope(rope_type="llama3", factor=8.0, high_freq_factor=4.0), "config.json rope_parameters for rope_type 'llama3' lacks 'low_freq_factor'"),
+    "nested_rope": (_set(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}), "config.json rope_parameters is nested per layer type"),
+    "partial_rotary_factor": (_set(partial_rotary_factor=0.5), "config.json partial_rotary_factor=0.5"),
+    "quantization_config": (_set(quantization_config={"quant_method": "gptq"}), "config.json quantization_config is set"),
+    "num_key_value_heads": (_set(num_key_value_heads=3), "config.json num_key_value_heads=3 does not divide num_attention_heads=4"),
+    "shape": (_set(intermediate_size=96), "checkpoint does not match config.json: size mismatch for model.layers.0.mlp.gate_proj.weight"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_unsupported_config_fails_at_load_naming_the_key(checkpoints, tmp_path, key):
+    edit, message = REFUSED[key]
+    path = shutil.copytree(checkpoints["llama-default"], str(tmp_path / "ckpt"))
+    edit_config(path, edit)
+    with pytest.raises(CheckpointError) as info:
+        LLMEngine(tiny_config(checkpoint=path, block_size=BS))
+    text = str(info.value)
+    assert text.startswith(message) and "\n" not in text
+
+
+def test_tied_config_with_a_different_lm_head_is_refused(checkpoints, tmp_path):
+    path = shutil.copytree(checkpoints["llama-default"], str(tmp_path / "ckpt"))
+    state = load_file(f"{path}/model.safetensors")
+    assert "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    edit_config(path, _set(tie_word_embeddings=True))
+    with pytest.raises(CheckpointError, match="^config.json tie_word_embeddings is true but lm_head.weight differs"):
+        load_checkpoint(path)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, f"{path}/model.safetensors")
+    assert load_checkpoint(path).config.tie_word_embeddings
