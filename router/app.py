@@ -22,10 +22,12 @@ from unicache.router.auth import Authenticator, load_api_keys_file, parse_api_ke
 from unicache.router.cluster import ClusterView
 from unicache.router.config import RouterConfig, resolve_tokenizer_path
 from unicache.router.core import RouterCore
+from unicache.router.first_token import FirstTokenTimeout
 from unicache.router.http_api import HttpFrontDoor
 from unicache.router.index import LocalityIndex
 from unicache.router.limits import limiter_from_config
 from unicache.router.metrics import RouterMetrics
+from unicache.router.prober import QuarantineProber
 from unicache.router.replica_client import ReplicaClients
 from unicache.router.routing.base import RoutingPolicy
 from unicache.router.routing.registry import make_routing_policy
@@ -77,7 +79,9 @@ class RouterApp:
         self.config = config
         self.policy = policy or build_policy(config.routing_policy)
         self.index = LocalityIndex(config.max_index_blocks)
-        self.cluster = ClusterView(self.policy, self.index)
+        self.cluster = ClusterView(
+            self.policy, self.index, quarantine_initial_s=config.quarantine_initial_s, quarantine_max_s=config.quarantine_max_s
+        )
         self.auth = build_authenticator(config)
         path = resolve_tokenizer_path(config)
         try:
@@ -86,6 +90,11 @@ class RouterApp:
             raise UsageError(f"cannot load tokenizer {path}: {exc}") from None
         self.metrics = RouterMetrics()
         self.clients = ReplicaClients(config.forward_deadline_s)
+        first_token = None
+        if config.first_token_timeout_s > 0:
+            first_token = FirstTokenTimeout(
+                config.first_token_timeout_s, config.first_token_timeout_floor_s, config.first_token_timeout_multiplier
+            )
         self.core = RouterCore(
             self.cluster,
             self.auth,
@@ -95,10 +104,16 @@ class RouterApp:
             self.metrics,
             block_size=config.block_size,
             max_in_flight=config.max_in_flight,
-            first_token_timeout_s=config.first_token_timeout_s or None,
+            first_token_timeout=first_token,
+            retry_replicas=config.retry_replicas,
             limits=limiter_from_config(
                 config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits
             ),
+        )
+        # NOTE: without a first-token timeout a probe gets the forward deadline's share a
+        # request would wait for its first message at most.
+        self.prober = QuarantineProber(
+            self.cluster, self.clients, first_token.timeout_s if first_token else lambda _rid: min(config.forward_deadline_s, 10.0)
         )
         for rid, addr in config.static_replicas().items():
             self.cluster.upsert(rid, addr, static=True)
@@ -166,6 +181,7 @@ class RouterApp:
             if self._tasks[-1].done():
                 self._tasks[-1].result()
             await asyncio.sleep(0.01)
+        self._tasks.append(asyncio.create_task(self.prober.run(), name="router-prober"))
         if self.subscriber is not None:
             self._tasks.append(asyncio.create_task(self.subscriber.run(), name="router-redis"))
         log.info("router serving gRPC on %s:%d and HTTP on %s:%d", cfg.grpc_host, self.grpc_port, cfg.http_host, self.http_port)
@@ -173,9 +189,11 @@ class RouterApp:
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
-        # The Redis follower is cancelled; uvicorn exits by itself once should_exit is set.
-        await cancel_and_wait([t for t in self._tasks if t.get_name() == "router-redis"])
-        http = [t for t in self._tasks if t.get_name() != "router-redis"]
+        # The Redis follower and the prober are cancelled; uvicorn exits by itself once
+        # should_exit is set.
+        background = ("router-redis", "router-prober")
+        await cancel_and_wait([t for t in self._tasks if t.get_name() in background])
+        http = [t for t in self._tasks if t.get_name() not in background]
         if http:
             _, late = await asyncio.wait(http, timeout=grace_s + 5)
             await cancel_and_wait(late)

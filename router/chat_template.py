@@ -12,8 +12,9 @@ prompt and output, which is exactly what prefix caching and session routing expl
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from unicache.router.json_input import JsonInputError, loads_bounded
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -56,7 +57,7 @@ def render_chat(messages: Any) -> str:
 def render_chat_json(text: str) -> str:
     """``render_chat`` of a JSON-encoded messages array (the gRPC ``chat_json`` field)."""
     try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ChatFormatError(f"chat_json is not valid JSON (line {exc.lineno}, column {exc.colno})") from None
+        messages = loads_bounded(text, "chat_json")
+    except JsonInputError as exc:
+        raise ChatFormatError(str(exc)) from None
     return render_chat(messages)

@@ -8,10 +8,15 @@ Invariants:
       locality-index entry, so policy, index and membership never disagree for long.
     * ``in_flight[r]`` counts requests this router forwarded to r and not yet finished;
       it never goes negative.
-    * A replica that answered UNAVAILABLE, or missed the forward deadline before its
-      first message, is skipped for ``down_cooldown_s`` (not until its next heartbeat:
-      during a Redis outage there are none), then tried again, or at once when its
-      heartbeat announces a new address (it restarted).
+    * A quarantined replica (it refused a call, or stalled before its first message) is
+      never offered to routing while a healthy one is left; it leaves quarantine when a
+      probe succeeds (``probe_succeeded``, driven by ``unicache.router.prober``) or when
+      its heartbeat announces a new address (it restarted). Probes are due at
+      exponentially growing intervals, ``quarantine_initial_s`` doubling up to
+      ``quarantine_max_s``; not at its next heartbeat, since during a Redis outage there
+      are none.
+    * ``removal_hooks`` run once per replica that leaves (``remove``), so per-replica
+      state elsewhere (metric series, first-token estimates) goes with it.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ class ReplicaRecord:
     replica_id: str
     address: str
     heartbeat: cache_pb2.Heartbeat | None = None
-    down_until: float = 0.0  # clock time before which routing skips it (after UNAVAILABLE)
     static: bool = False
+    quarantined: bool = False
+    probe_at: float = 0.0  # clock time of the next probe while quarantined
+    probe_backoff_s: float = 0.0  # interval before that probe (doubles per failed probe)
     in_flight: int = 0
     routed: int = 0
 
@@ -55,7 +62,8 @@ class ClusterView:
         policy: the routing policy to keep informed of membership changes.
         index: the locality index (one per router).
         on_change: optional callback after membership changes (metrics).
-        down_cooldown_s: how long a replica that answered UNAVAILABLE is skipped (2 s).
+        quarantine_initial_s: first probe of a quarantined replica after this (0.5 s).
+        quarantine_max_s: bound of the probe interval, which doubles per failed probe (30 s).
         clock: monotonic clock.
     """
 
@@ -64,17 +72,22 @@ class ClusterView:
         policy: RoutingPolicy,
         index: LocalityIndex,
         on_change: Callable[[], None] | None = None,
-        down_cooldown_s: float = 2.0,
+        quarantine_initial_s: float = 0.5,
+        quarantine_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ):
+        if not 0 < quarantine_initial_s <= quarantine_max_s:
+            raise ValueError("need 0 < quarantine_initial_s <= quarantine_max_s")
         self.policy = policy
         self.index = index
-        self.down_cooldown_s = down_cooldown_s
+        self.quarantine_initial_s = quarantine_initial_s
+        self.quarantine_max_s = quarantine_max_s
         self.clock = clock
         self.replicas: dict[str, ReplicaRecord] = {}
         self.redis_connected = False
         self._on_change = on_change
         self._empty = EmptyView()
+        self.removal_hooks: list[Callable[[str], None]] = []
 
     # --- membership -------------------------------------------------------------------
     def upsert(self, replica_id: str, address: str, heartbeat: cache_pb2.Heartbeat | None = None, static: bool = False) -> bool:
@@ -84,9 +97,9 @@ class ClusterView:
         if new:
             rec = self.replicas[replica_id] = ReplicaRecord(replica_id, address, static=static)
         if address and address != rec.address:
-            # NOTE: a new address is a new process (a restarted replica): the skip earned
-            # by the old one's refusals does not apply to it.
-            rec.address, rec.down_until = address, 0.0
+            # NOTE: a new address is a new process (a restarted replica): the quarantine
+            # earned by the old one's refusals does not apply to it.
+            rec.address, rec.quarantined = address, False
         if heartbeat is not None:
             rec.heartbeat = heartbeat
         if new:
@@ -102,6 +115,8 @@ class ClusterView:
         self.index.drop_replica(replica_id)
         self.policy.on_replica_died(replica_id)
         self.policy.update_replicas(sorted(self.replicas))
+        for hook in self.removal_hooks:
+            hook(replica_id)
         if self._on_change:
             self._on_change()
 
@@ -110,41 +125,73 @@ class ClusterView:
         """The index, or an empty view when Redis is unreachable (session + load routing)."""
         return self.index if self.redis_connected else self._empty
 
-    def loads(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[ReplicaLoad]:
+    def loads(self, exclude: set[str] | frozenset[str] = frozenset(), quarantined: bool = False) -> list[ReplicaLoad]:
+        """Loads of the healthy replicas not in ``exclude``, by id; ``quarantined``: of
+        the quarantined ones instead (the last resort when no healthy one is left)."""
         out = []
         for rid in sorted(self.replicas):
-            if rid in exclude:
-                continue
             rec = self.replicas[rid]
-            if not self.healthy(rid):
+            if rid in exclude or rec.quarantined != quarantined:
                 continue
-            hb = rec.heartbeat
-            if hb is not None:
-                out.append(
-                    ReplicaLoad(
-                        rid,
-                        running=hb.running,
-                        waiting=hb.waiting,
-                        queued_prefill_tokens=hb.queued_prefill_tokens,
-                        free_blocks=hb.cache.free_blocks,
-                        capacity_blocks=hb.cache.capacity_blocks,
-                        in_flight=rec.in_flight,
-                    )
-                )
-            else:
-                out.append(ReplicaLoad(rid, in_flight=rec.in_flight))
+            out.append(self._load(rec))
         return out
+
+    def all_loads(self) -> list[ReplicaLoad]:
+        """Every replica's load, quarantined or not (for metrics and state pages)."""
+        return [self._load(self.replicas[rid]) for rid in sorted(self.replicas)]
+
+    @staticmethod
+    def _load(rec: ReplicaRecord) -> ReplicaLoad:
+        hb = rec.heartbeat
+        if hb is None:
+            return ReplicaLoad(rec.replica_id, in_flight=rec.in_flight)
+        return ReplicaLoad(
+            rec.replica_id,
+            running=hb.running,
+            waiting=hb.waiting,
+            queued_prefill_tokens=hb.queued_prefill_tokens,
+            free_blocks=hb.cache.free_blocks,
+            capacity_blocks=hb.cache.capacity_blocks,
+            in_flight=rec.in_flight,
+        )
 
     def healthy(self, replica_id: str) -> bool:
         rec = self.replicas.get(replica_id)
-        return rec is not None and self.clock() >= rec.down_until
+        return rec is not None and not rec.quarantined
 
-    def mark_down(self, replica_id: str) -> None:
-        """The replica refused a call (UNAVAILABLE) or timed out before answering: skip it
-        for ``down_cooldown_s``."""
+    # --- quarantine ---------------------------------------------------------------------
+    def quarantine(self, replica_id: str) -> bool:
+        """Stop routing to the replica until a probe succeeds; the first probe is due
+        ``quarantine_initial_s`` from now. Returns True when it was not quarantined yet
+        (a quarantined replica keeps its probe schedule)."""
+        rec = self.replicas.get(replica_id)
+        if rec is None or rec.quarantined:
+            return False
+        rec.quarantined = True
+        rec.probe_backoff_s = self.quarantine_initial_s
+        rec.probe_at = self.clock() + rec.probe_backoff_s
+        return True
+
+    def probes_due(self) -> list[tuple[str, str]]:
+        """(replica id, address) of every quarantined replica whose probe is due now."""
+        now = self.clock()
+        return [(r.replica_id, r.address) for r in self.replicas.values() if r.quarantined and r.probe_at <= now]
+
+    def next_probe_at(self) -> float | None:
+        """Clock time of the earliest scheduled probe (None: nothing is quarantined)."""
+        return min((r.probe_at for r in self.replicas.values() if r.quarantined), default=None)
+
+    def probe_succeeded(self, replica_id: str) -> None:
         rec = self.replicas.get(replica_id)
         if rec is not None:
-            rec.down_until = self.clock() + self.down_cooldown_s
+            rec.quarantined = False
+
+    def probe_failed(self, replica_id: str) -> None:
+        """Double the interval to the next probe, up to ``quarantine_max_s``."""
+        rec = self.replicas.get(replica_id)
+        if rec is not None and rec.quarantined:
+            rec.probe_backoff_s = min(rec.probe_backoff_s * 2, self.quarantine_max_s)
+            rec.probe_at = self.clock() + rec.probe_backoff_s
 
     def started(self, replica_id: str) -> None:
         rec = self.replicas.get(replica_id)

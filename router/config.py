@@ -44,10 +44,24 @@ class RouterConfig:
     api_keys: str = field(default="", metadata={"help": "API keys 'key1:tenantA,key2:tenantB' (secret)"})
     api_keys_file: str = field(default="", metadata={"help": "file of 'key:tenant' lines or a JSON object"})
     salt_secret: str = field(default="", metadata={"help": "server secret the tenant cache salts derive from"})
-    forward_deadline_s: float = field(default=300.0, metadata={"help": "deadline of one forwarded Generate"})
-    first_token_timeout_s: float = field(
-        default=60.0, metadata={"help": "retry elsewhere when a replica streams nothing this long (0: off)"}
+    forward_deadline_s: float = field(
+        default=300.0, metadata={"help": "deadline of a request at the router, retries included (a gRPC client's own deadline wins if earlier)"}
     )
+    first_token_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "ceiling of the first-token timeout derived from each replica's measured TTFT; a replica that streams nothing that long is quarantined and the request retried elsewhere (0: no first-token timeout)"},
+    )
+    first_token_timeout_floor_s: float = field(default=2.0, metadata={"help": "floor of the derived first-token timeout"})
+    first_token_timeout_multiplier: float = field(
+        default=3.0, metadata={"help": "derived first-token timeout = multiplier x (TTFT mean + 4 mean deviations), within floor and ceiling"}
+    )
+    retry_replicas: int = field(
+        default=2, metadata={"help": "failures before the first token are retried on up to this many other replicas (0: no retry)"}
+    )
+    quarantine_initial_s: float = field(
+        default=0.5, metadata={"help": "first re-probe of a quarantined replica (refused or stalled) after this; doubles per failed probe"}
+    )
+    quarantine_max_s: float = field(default=30.0, metadata={"help": "bound of the quarantine re-probe interval"})
     model_name: str = field(default="unicache-default", metadata={"help": "model name served under /v1/models"})
     block_size: int = field(default=16, metadata={"help": "KV block size in tokens (must match the replicas)"})
     tokenizer: str = field(

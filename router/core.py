@@ -6,9 +6,17 @@ Invariants:
       the tenant's salt, exactly as the replica computes them from the forwarded token
       ids and ``cache_salt``; so the index's matches are the replica's cache hits.
     * ``forward`` is two steps: ``_first_message`` (attempts, each ``_attempt``) and a
-      streaming loop. A request that fails before its first streamed message with a retryable status is
-      retried once on the policy's choice among the *other* replicas; after the first
-      message nothing is retried (tokens were already sent to the client).
+      streaming loop. A request that fails before its first streamed message with a
+      retryable status is retried on up to ``retry_replicas`` other replicas, each a
+      replica not tried before, while its deadline allows; after the first message
+      nothing is retried (tokens were already sent to the client).
+    * A replica that refuses a call (UNAVAILABLE) or sends nothing within its derived
+      first-token timeout (``unicache.router.first_token``) is quarantined at once (the
+      stalled call is cancelled); ``unicache.router.prober`` brings it back.
+    * Client-facing messages never carry a replica's address or transport details (gRPC
+      details of connection errors name addresses): those go to the log only. Messages
+      the replica wrote for the client (a refusal: INVALID_ARGUMENT, RESOURCE_EXHAUSTED)
+      are passed on.
     * Every routed request is matched by exactly one ``cluster.finished`` and one
       ``policy.on_request_finished`` (in a finally), including cancellation.
     * Every request admitted by the tenant limiter (``unicache.router.limits``) releases its lease
@@ -17,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +35,7 @@ import grpc
 
 from unicache.router.auth import Authenticator
 from unicache.router.cluster import ClusterView
+from unicache.router.first_token import FirstTokenTimeout
 from unicache.router.limits import LimitExceeded, TenantLimiter
 from unicache.router.metrics import RouterMetrics
 from unicache.router.replica_client import RETRYABLE, ReplicaClients, ReplicaStream
@@ -36,6 +46,7 @@ from unicache.request_class import RequestClass, Task
 from unicache.wire import REFUSAL_METADATA, request_class_to_proto
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
+log = logging.getLogger(__name__)
 
 class RouterError(Exception):
     """A request-level failure with the status both front doors map it to.
@@ -79,10 +90,15 @@ _FROM_REPLICA = {
 }
 
 
-# A replica that refused a call (down) or missed the forward deadline before its first
-# message (stuck or overloaded) is skipped for the cluster's cooldown, so the next
-# requests do not wait out the same deadline there.
-_SKIP_AFTER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Codes whose details the replica wrote for the client (why it refused the request);
+# every other code's details come from the transport or an internal failure and may name
+# addresses, so the client gets ``_GENERIC`` instead.
+_REPLICA_WORDS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
+_GENERIC = {
+    "unavailable": "replica unavailable",
+    "deadline": "replica did not answer in time",
+    "upstream": "replica failed",
+}
 
 # After the first message nothing is retried; a replica that went away mid-stream (its
 # process died) is UNAVAILABLE to the client too, so clients can tell it from a bug.
@@ -90,6 +106,13 @@ _MID_STREAM = {
     grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
 }
+
+
+def client_message(rid: str, exc: grpc.aio.AioRpcError, kind: str) -> str:
+    """What the client is told about replica ``rid``'s failure before its first message."""
+    if exc.code() in _REPLICA_WORDS and exc.details():
+        return f"replica {rid}: {exc.details()}"
+    return _GENERIC[kind] if kind in _GENERIC else f"replica failed ({exc.code().name})"
 
 
 def _replica_error_kind(exc: grpc.aio.AioRpcError) -> str:
@@ -158,9 +181,11 @@ class RouterCore:
             classifier and the policy remember session ids, so their size must be bounded.
         clock: seconds for the classifier's inter-turn gaps (default ``time.monotonic``).
         limits: per-tenant admission limits (default: none).
-        first_token_timeout_s: a replica that streams nothing for this long is cancelled,
-            skipped for its cooldown, and the request retried elsewhere (default 60 s;
-            None waits for the whole forward deadline).
+        first_token_timeout: derives each replica's first-token timeout from its measured
+            time to first token; a replica that streams nothing that long is cancelled,
+            quarantined, and the request retried elsewhere (None: wait for the deadline).
+        retry_replicas: failures before the first message are retried on up to this many
+            other replicas (default 2), each tried once, within the request's deadline.
     """
 
     def __init__(
@@ -176,8 +201,11 @@ class RouterCore:
         max_session_id_chars: int = 256,
         clock: Callable[[], float] = time.monotonic,
         limits: TenantLimiter | None = None,
-        first_token_timeout_s: float | None = 60.0,
+        first_token_timeout: FirstTokenTimeout | None = None,
+        retry_replicas: int = 2,
     ):
+        if retry_replicas < 0:
+            raise ValueError("retry_replicas must be >= 0")
         self.cluster = cluster
         self.auth = auth
         self.tokenizer = tokenizer
@@ -189,7 +217,15 @@ class RouterCore:
         self.max_session_id_chars = max_session_id_chars
         self.clock = clock
         self.limits = limits or TenantLimiter()
-        self.first_token_timeout_s = first_token_timeout_s
+        self.first_token_timeout = first_token_timeout
+        self.retry_replicas = retry_replicas
+        cluster.removal_hooks.append(self._forget_replica)
+
+    def _forget_replica(self, replica_id: str) -> None:
+        """The replica left the cluster: its metric series and estimates go with it."""
+        self.metrics.forget_replica(replica_id)
+        if self.first_token_timeout is not None:
+            self.first_token_timeout.forget(replica_id)
 
     @property
     def policy(self):
@@ -229,7 +265,9 @@ class RouterCore:
         """The policy's choice among live replicas not in ``exclude``; the routing-latency
         histogram gets the choice time plus ``extra_s`` (hashing and classifying)."""
         t0 = time.perf_counter()
-        loads = self.cluster.loads(exclude)
+        # NOTE: quarantined replicas are the last resort: with every replica quarantined
+        # (one replica that hiccuped), trying one beats failing for certain.
+        loads = self.cluster.loads(exclude) or self.cluster.loads(exclude, quarantined=True)
         if not loads:
             raise RouterError("unavailable", "no replicas available")
         decision = self.policy.choose(routing, loads, self.cluster.locality())
@@ -250,9 +288,12 @@ class RouterCore:
         )
 
     async def forward(
-        self, prep: Prepared, sampling: common_pb2.SamplingParams
+        self, prep: Prepared, sampling: common_pb2.SamplingParams, timeout_s: float | None = None
     ) -> AsyncIterator[tuple[router_pb2.RouteInfo | None, replica_pb2.GenerateResponse]]:
         """Route and stream the replica's messages; the first pair carries the RouteInfo.
+
+        ``timeout_s``: the client's own deadline, if it set one (gRPC); the request's
+        deadline is the earlier of it and the forward deadline, counted from arrival.
 
         Two steps: ``_first_message`` (choose, call, retry elsewhere until a replica sends
         its first message) and the streaming loop below (relay; never retried).
@@ -272,7 +313,8 @@ class RouterCore:
                 request_class=request_class,
                 cache_salt=prep.salt,
             )
-            attempt = await self._first_message(prep, request)
+            deadline = prep.arrival + min(self.clients.forward_deadline_s, timeout_s if timeout_s is not None else float("inf"))
+            attempt = await self._first_message(prep, request, deadline)
             rid = attempt.decision.replica_id
             try:
                 if attempt.first is None:
@@ -301,16 +343,21 @@ class RouterCore:
             self.metrics.labelled(self.metrics.limit_rejections, exc.limit).inc()
             raise RouterError(exc.kind, str(exc)) from None
 
-    async def _first_message(self, prep: Prepared, request: replica_pb2.GenerateRequest) -> Attempt:
+    async def _first_message(self, prep: Prepared, request: replica_pb2.GenerateRequest, deadline: float) -> Attempt:
         """Attempts on distinct replicas until one sends its first message (or ends its
         stream empty); the returned attempt is open and counted in flight.
 
-        Raises the last attempt's RouterError when it is not retryable or no other
-        replica is left, and RouterError("unavailable") when none was available at all.
+        At most ``1 + retry_replicas`` attempts, none started past ``deadline``
+        (``time.perf_counter`` seconds). Raises the last attempt's RouterError when it is
+        not retryable or no attempt is left, RouterError("unavailable") when no replica
+        was available at all, and RouterError("deadline") when the deadline passed first.
         """
         tried: set[str] = set()
         last_error: RouterError | None = None
         while True:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise RouterError("deadline", f"no replica answered within the request's deadline ({len(tried)} tried)")
             try:
                 decision = self.choose(prep.routing, tried, 0.0 if tried else prep.prepare_s)
             except RouterError:
@@ -318,42 +365,65 @@ class RouterCore:
                     raise last_error from None  # no other replica to retry on
                 raise
             try:
-                return await self._attempt(prep, request, decision)
+                return await self._attempt(prep, request, decision, remaining)
             except AttemptFailed as failed:
-                if not failed.retryable or tried:
-                    raise failed.error from None
                 tried.add(decision.replica_id)
+                if not failed.retryable or len(tried) > self.retry_replicas:
+                    raise failed.error from None
                 last_error = failed.error
                 self.metrics.retries.inc()
 
-    async def _attempt(self, prep: Prepared, request: replica_pb2.GenerateRequest, decision: RouteDecision) -> Attempt:
-        """Call ``decision``'s replica and wait for its first message.
+    async def _attempt(
+        self, prep: Prepared, request: replica_pb2.GenerateRequest, decision: RouteDecision, remaining_s: float
+    ) -> Attempt:
+        """Call ``decision``'s replica (deadline ``remaining_s``) and wait for its first
+        message, at most its first-token timeout.
 
         On success the call stays open and counted (the caller ends it with
         ``_end_attempt``); on any failure, cancellation included, it is ended here.
-        Raises AttemptFailed for a replica error.
+        Raises AttemptFailed for a replica error; a refusal or a stall quarantines it.
         """
         rid = decision.replica_id
         rec = self.cluster.replicas[rid]
         self.cluster.started(rid)
         self.policy.on_request_routed(prep.routing, decision)
         self.metrics.labelled(self.metrics.decisions, decision.reason, rid).inc()
-        stream = self.clients.generate(rec.address, request)
+        ftt = self.first_token_timeout
+        first_timeout = ftt.timeout_s(rid) if ftt is not None else None
+        use_timeout = first_timeout is not None and first_timeout < remaining_s
+        t0 = time.perf_counter()
+        stream = self.clients.generate(rec.address, request, remaining_s)
         try:
-            first = await stream.first(self.first_token_timeout_s)
+            first = await stream.first(first_timeout if use_timeout else None)
         except grpc.aio.AioRpcError as exc:
             self._end_attempt(prep, rid, stream)
-            code = exc.code()
-            if code in _SKIP_AFTER:
-                self.cluster.mark_down(rid)
-            error = RouterError(_replica_error_kind(exc), f"replica {rid}: {exc.details() or code.name}")
-            raise AttemptFailed(error, code in RETRYABLE) from None
+            raise self._failed_attempt(rid, rec.address, exc, stream.timed_out) from None
         except BaseException:
             self._end_attempt(prep, rid, stream)
             raise
-        self.metrics.ttft.observe(time.perf_counter() - prep.arrival)
+        now = time.perf_counter()
+        if ftt is not None:
+            ftt.observe(rid, now - t0)
+        self.metrics.ttft.observe(now - prep.arrival)
         self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
         return Attempt(decision, stream, first)
+
+    def _failed_attempt(self, rid: str, address: str, exc: grpc.aio.AioRpcError, timed_out: bool) -> AttemptFailed:
+        """Log the failure in full, quarantine the replica if it refused or stalled (its
+        first-token timeout or the call's deadline passed), and return what the client
+        may be told."""
+        code = exc.code()
+        log.info("replica %s at %s failed before its first message: %s %s", rid, address, code.name, exc.details())
+        stalled = timed_out or code == grpc.StatusCode.DEADLINE_EXCEEDED
+        if timed_out:
+            self.metrics.labelled(self.metrics.first_token_timeouts, rid).inc()
+            if self.first_token_timeout is not None:
+                self.first_token_timeout.timed_out(rid)
+        if (stalled or code == grpc.StatusCode.UNAVAILABLE) and self.cluster.quarantine(rid):
+            self.metrics.labelled(self.metrics.quarantines, rid).inc()
+            log.warning("replica %s quarantined (%s) until it answers a probe", rid, "stalled" if stalled else code.name)
+        kind = _replica_error_kind(exc)
+        return AttemptFailed(RouterError(kind, client_message(rid, exc, kind)), code in RETRYABLE)
 
     def _end_attempt(self, prep: Prepared, rid: str, stream: ReplicaStream) -> None:
         """Close the call (cancelling it at the replica if unfinished) and uncount it."""
@@ -364,12 +434,14 @@ class RouterCore:
     def _broken_stream(self, rid: str, exc: grpc.aio.AioRpcError) -> RouterError:
         """The client's error for a replica stream that broke after its first message."""
         code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            self.cluster.mark_down(rid)
+        rec = self.cluster.replicas.get(rid)
+        log.info("replica %s at %s failed mid-stream: %s %s", rid, rec.address if rec else "?", code.name, exc.details())
+        if code == grpc.StatusCode.UNAVAILABLE and self.cluster.quarantine(rid):
+            self.metrics.labelled(self.metrics.quarantines, rid).inc()
+            log.warning("replica %s quarantined (UNAVAILABLE mid-stream) until it answers a probe", rid)
         return RouterError(
             _MID_STREAM.get(code, "upstream"),
-            f"replica {rid} failed after the response started ({code.name}: {exc.details() or 'no details'}); "
-            "the response is incomplete, retry the request",
+            f"replica {rid} failed after the response started ({code.name}); the response is incomplete, retry the request",
         )
 
     def _count_usage(self, rid: str, msg: replica_pb2.GenerateResponse) -> None:

@@ -1,6 +1,7 @@
 """Prometheus metrics of one router (its own registry, so several routers can share a
 process, as tests do). Per-replica gauges are refreshed from the ``ClusterView`` at
-scrape time, so a dropped replica's series disappear.
+scrape time, and ``forget_replica`` removes a departed replica's counter series, so no
+series of a replica that left stays behind.
 
 No label ever carries a key, a salt or a prompt: labels are API name, outcome, routing
 reason and replica id only.
@@ -26,7 +27,16 @@ class RouterMetrics:
         self.decisions = Counter(
             "unicache_router_routing_decisions", "Routing decisions by reason and replica", ["reason", "replica"], registry=r
         )
-        self.retries = Counter("unicache_router_retries", "Requests retried on another replica", registry=r)
+        self.retries = Counter("unicache_router_retries", "Attempts retried on another replica before a first token", registry=r)
+        self.first_token_timeouts = Counter(
+            "unicache_router_first_token_timeouts",
+            "Attempts cancelled because the replica sent nothing within its derived first-token timeout",
+            ["replica"],
+            registry=r,
+        )
+        self.quarantines = Counter(
+            "unicache_router_quarantines", "Times a replica was quarantined (refused or stalled)", ["replica"], registry=r
+        )
         self.limit_rejections = Counter(
             "unicache_router_limit_rejections", "Requests refused by a per-tenant limit, by limit name", ["limit"], registry=r
         )
@@ -66,35 +76,54 @@ class RouterMetrics:
         self.replica_in_flight = Gauge(
             "unicache_router_replica_in_flight", "Requests this router has in flight per replica", ["replica"], registry=r
         )
+        self.replica_quarantined = Gauge(
+            "unicache_router_replica_quarantined", "1 while routing skips the replica until it answers a probe", ["replica"], registry=r
+        )
         self.indexed_blocks = Gauge(
             "unicache_router_indexed_blocks", "Blocks the locality index holds per replica", ["replica"], registry=r
         )
         self.replicas = Gauge("unicache_router_replicas", "Live replicas", registry=r)
         self.redis_connected = Gauge("unicache_router_redis_connected", "1 when the Redis subscriber is connected", registry=r)
         self._children: dict[tuple, object] = {}
+        # Position of the ``replica`` label in each counter that has one.
+        self._replica_label_at = {
+            self.decisions: 1, self.cached_tokens: 0, self.computed_tokens: 0, self.first_token_timeouts: 0, self.quarantines: 0,
+        }
 
     def labelled(self, metric, *values: str):
         """``metric.labels(*values)``, remembered: the request path labels the same few
         children on every request, and ``labels()`` validates and takes a lock each time.
-        Only for metrics whose children are never removed (the counters; ``refresh``
-        clears the per-replica gauges, so those are labelled afresh)."""
+        Only for the counters (``refresh`` clears the per-replica gauges, so those are
+        labelled afresh); every counter child with a replica label is made here, so
+        ``forget_replica`` finds it."""
         key = (metric, values)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*values)
         return child
 
+    def forget_replica(self, replica_id: str) -> None:
+        """Remove every counter series labelled with ``replica_id`` (it left the cluster);
+        a replica that comes back later starts its series from zero."""
+        for key in list(self._children):
+            metric, values = key
+            at = self._replica_label_at.get(metric)
+            if at is not None and values[at] == replica_id:
+                del self._children[key]
+                metric.remove(*values)
+
     def refresh(self, cluster: ClusterView) -> None:
         """Set the per-replica gauges from the cluster view."""
         per_replica = (
             self.replica_hit_ratio, self.replica_used_blocks, self.replica_free_blocks,
-            self.replica_load, self.replica_in_flight, self.indexed_blocks,
+            self.replica_load, self.replica_in_flight, self.indexed_blocks, self.replica_quarantined,
         )
         for g in per_replica:
             g.clear()
-        for load in cluster.loads():
+        for load in cluster.all_loads():
             rec = cluster.replicas[load.replica_id]
             rid = load.replica_id
+            self.replica_quarantined.labels(rid).set(1 if rec.quarantined else 0)
             self.replica_load.labels(rid).set(load.outstanding)
             self.replica_in_flight.labels(rid).set(rec.in_flight)
             self.indexed_blocks.labels(rid).set(cluster.index.num_blocks(rid))
@@ -109,3 +138,4 @@ class RouterMetrics:
     def render(self, cluster: ClusterView) -> bytes:
         self.refresh(cluster)
         return generate_latest(self.registry)
+

@@ -1,7 +1,8 @@
 """gRPC clients for the replicas: one ``grpc.aio`` channel per address, reused.
 
 Invariants:
-    * Every forwarded ``Generate`` carries a deadline (``forward_deadline_s``).
+    * Every forwarded ``Generate`` carries a deadline (the request's remaining time, at
+      most ``forward_deadline_s``); every probe has its own.
     * ``ReplicaStream`` cancels the replica call when it is closed before the replica
       finished (client went away, router shutting down), so the replica frees the
       request's blocks.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import grpc
 
-from unicache.v1 import replica_pb2, replica_pb2_grpc
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
 # Status codes that mean "this replica could not serve it", worth one retry elsewhere
 # when nothing was streamed yet. INVALID_ARGUMENT and RESOURCE_EXHAUSTED are the
@@ -29,15 +30,22 @@ RETRYABLE = frozenset(
 )
 
 
+PROBE_REQUEST_ID = "router-probe"
+_PROBE = replica_pb2.GenerateRequest(
+    request_id=PROBE_REQUEST_ID, token_ids=replica_pb2.TokenIds(ids=[0]), sampling=common_pb2.SamplingParams(max_tokens=1)
+)
+
+
 class ReplicaStream:
     """One forwarded Generate call: ``first()``, then ``next()`` until None; ``close()`` it
     in a finally."""
 
-    __slots__ = ("_call", "_done")
+    __slots__ = ("_call", "_done", "timed_out")
 
     def __init__(self, call: grpc.aio.UnaryStreamCall):
         self._call = call
         self._done = False
+        self.timed_out = False  # first() gave up waiting (the replica stalled)
 
     async def first(self, timeout_s: float | None = None) -> replica_pb2.GenerateResponse | None:
         """The first message (None if the stream ended empty); raises grpc.aio.AioRpcError.
@@ -51,6 +59,7 @@ class ReplicaStream:
             async with asyncio.timeout(timeout_s):
                 msg = await self._call.read()
         except TimeoutError:
+            self.timed_out = True
             self.close()
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -100,9 +109,20 @@ class ReplicaClients:
             entry = self._channels[address] = (channel, replica_pb2_grpc.ReplicaStub(channel))
         return entry[1]
 
-    def generate(self, address: str, request: replica_pb2.GenerateRequest) -> ReplicaStream:
-        call = self.stub(address).Generate(request, timeout=self.forward_deadline_s)
-        return ReplicaStream(call)
+    def generate(self, address: str, request: replica_pb2.GenerateRequest, timeout_s: float | None = None) -> ReplicaStream:
+        """Start a Generate with deadline ``timeout_s`` (default and bound ``forward_deadline_s``)."""
+        deadline = self.forward_deadline_s if timeout_s is None else min(timeout_s, self.forward_deadline_s)
+        return ReplicaStream(self.stub(address).Generate(request, timeout=deadline))
+
+    async def probe(self, address: str, timeout_s: float) -> None:
+        """A one-token Generate (one prompt token, no full block, so nothing is cached or
+        published) that must send its first message within ``timeout_s``: can the replica
+        serve now? Raises grpc.aio.AioRpcError when it cannot."""
+        stream = self.generate(address, _PROBE, timeout_s)
+        try:
+            await stream.first()
+        finally:
+            stream.close()
 
     async def cache_state(self, address: str, timeout_s: float):
         """The replica's ``GetCacheState`` (raises grpc.aio.AioRpcError after ``timeout_s``)."""

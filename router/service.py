@@ -6,14 +6,18 @@ response carries ``RouteInfo``. ``ListReplicas`` and ``GetClusterState`` expose 
 data and need no key (like ``/metrics``).
 
 Invariants:
-    * Errors surface as gRPC status codes from ``RouterError`` (never a traceback), and
-      their messages never contain keys or salts.
+    * Every error reaches the client through ``grpc_status``, the one table from
+      exception to status code; never a traceback or UNKNOWN, and messages never contain
+      keys, salts or replica addresses. ``chat_json`` is depth-checked before it is
+      parsed (``unicache.router.json_input``).
+    * The client's own deadline (if set) bounds the router's retries.
     * When the client cancels, grpc.aio cancels this handler; the ``forward`` generator's
       finally cancels the replica call.
 """
 
 from __future__ import annotations
 
+import logging
 
 import grpc
 
@@ -24,7 +28,26 @@ from unicache.router.core import Labelled, RouterCore, RouterError
 from unicache.v1 import replica_pb2, router_pb2, router_pb2_grpc
 
 
+log = logging.getLogger(__name__)
+
 _parse_router_response = router_pb2.RouterGenerateResponse.FromString
+
+
+def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str, str]:
+    """(status code, client message, outcome label) of an error on the Generate path.
+
+    AuthError -> UNAUTHENTICATED; ChatFormatError (bad or too deeply nested chat_json)
+    -> INVALID_ARGUMENT; RouterError -> its kind's code; anything else is a router bug:
+    INTERNAL with a fixed message (the exception goes to the log).
+    """
+    if isinstance(exc, RouterError):
+        return exc.grpc_code, str(exc), exc.kind
+    if isinstance(exc, AuthError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc), "unauthenticated"
+    if isinstance(exc, ChatFormatError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid"
+    log.error("Generate failed in the router", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, "internal router error", "error"
 
 
 def router_response(msg: replica_pb2.GenerateResponse) -> router_pb2.RouterGenerateResponse:
@@ -63,21 +86,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     template=request.template if request.HasField("template") else None,
                 )
                 prep = core.prepare(tenant, core.encode(text), labels)
-                async for route, msg in core.forward(prep, request.sampling):
+                async for route, msg in core.forward(prep, request.sampling, context.time_remaining()):
                     out = router_response(msg)
                     if route is not None:
                         out.route.CopyFrom(route)
                     yield out
                 outcome = "ok"
-            except AuthError as exc:
-                outcome = "unauthenticated"
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-            except ChatFormatError as exc:
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except RouterError as exc:
-                outcome = exc.kind
-                await context.abort(exc.grpc_code, str(exc))
+            except Exception as exc:  # noqa: BLE001 - every error gets a status (grpc_status)
+                code, message, outcome = grpc_status(exc)
+                await context.abort(code, message)
         finally:
             core.metrics.labelled(core.metrics.requests, "grpc", outcome).inc()
 

@@ -1,7 +1,8 @@
 """Fast, in-process checks of the fault handling the cluster tests exercise end to end
 (tests/test_fault_cluster.py): the fault-injection hook, a mid-stream replica failure
-surfacing as UNAVAILABLE, a missed deadline skipping the replica, and session routing
-while the index is unavailable."""
+surfacing as UNAVAILABLE, a missed deadline or a first-token stall quarantining the
+replica, and session routing while the index is unavailable. The retry, quarantine and
+timeout pieces one by one: tests/test_fault_retry.py."""
 
 from __future__ import annotations
 
@@ -78,11 +79,15 @@ class DiesMidStream(FakeReplica):
 
 
 class Stuck(FakeReplica):
-    """Accepts the call and never answers."""
+    """Accepts the call and never answers (sets ``cancelled`` when the caller gives up)."""
 
     async def Generate(self, request, context):
         self.requests.append(request)
-        await asyncio.sleep(3600)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
         yield replica_pb2.GenerateResponse()
 
 
@@ -114,11 +119,10 @@ async def test_replica_dying_mid_stream_is_unavailable_with_a_clear_message():
             await call.read()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert info.value.details() == (
-            "replica r0 failed after the response started (UNAVAILABLE: Socket closed); "
-            "the response is incomplete, retry the request"
+            "replica r0 failed after the response started (UNAVAILABLE); the response is incomplete, retry the request"
         )
-        assert not app.cluster.healthy("r0")  # skipped for the cooldown
-        assert len(rep.requests) == 1  # never retried after a token was sent
+        assert not app.cluster.healthy("r0")  # quarantined until it answers a probe
+        assert len(rep.served) == 1  # never retried after a token was sent
     finally:
         await channel.close()
         await app.stop()
@@ -137,8 +141,7 @@ async def test_replica_dying_mid_sse_stream_ends_with_an_unavailable_error_event
         assert len(events) == 3 and events[-1] == "[DONE]"
         assert json.loads(events[0])["choices"][0]["text"] == "A"
         assert json.loads(events[1])["error"] == {
-            "message": "replica r0 failed after the response started (UNAVAILABLE: Socket closed); "
-            "the response is incomplete, retry the request",
+            "message": "replica r0 failed after the response started (UNAVAILABLE); the response is incomplete, retry the request",
             "type": "service_unavailable",
             "param": None,
             "code": None,
@@ -149,20 +152,24 @@ async def test_replica_dying_mid_sse_stream_ends_with_an_unavailable_error_event
         await rep.stop()
 
 
-async def test_missed_deadline_retries_elsewhere_and_skips_the_stuck_replica():
+async def test_missed_deadline_ends_the_request_and_quarantines_the_stuck_replica():
     stuck, good = Stuck("r0"), FakeReplica("r1")
     for r in (stuck, good):
         await r.start()
-    app, stub, channel = await start_router([stuck, good], forward_deadline_s=0.3)
-    app.cluster.down_cooldown_s = 60.0
+    # No first-token timeout: only the request's deadline (0.3 s, retries included) cuts it.
+    app, stub, channel = await start_router([stuck, good], forward_deadline_s=0.3, first_token_timeout_s=0)
     try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [m async for m in stub.Generate(gen_request(), timeout=10)]
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert info.value.details() == "no replica answered within the request's deadline (1 tried)"
+        assert not app.cluster.healthy("r0") and app.cluster.healthy("r1")
         replies = []
-        for _ in range(3):
+        for _ in range(2):  # r0 is quarantined: the next requests go straight to r1
             msgs = [m async for m in stub.Generate(gen_request(), timeout=10)]
             replies.append((msgs[0].route.replica_id, "".join(m.text for m in msgs)))
-        assert replies == [("r1", "A pr")] * 3
-        assert (len(stuck.requests), len(good.requests)) == (1, 3)
-        assert not app.cluster.healthy("r0") and app.cluster.healthy("r1")
+        assert replies == [("r1", "A pr")] * 2
+        assert (len(stuck.served), len(good.served)) == (1, 2)
     finally:
         await channel.close()
         await app.stop()
@@ -170,18 +177,22 @@ async def test_missed_deadline_retries_elsewhere_and_skips_the_stuck_replica():
             await r.stop()
 
 
-async def test_no_first_token_in_time_retries_elsewhere_well_before_the_deadline():
+async def test_no_first_token_in_time_cancels_the_attempt_and_retries_elsewhere():
     stuck, good = Stuck("r0"), FakeReplica("r1")
     for r in (stuck, good):
         await r.start()
+    # Nothing measured yet: the first-token timeout is its ceiling, 0.3 s.
     app, stub, channel = await start_router([stuck, good], forward_deadline_s=300.0, first_token_timeout_s=0.3)
-    app.cluster.down_cooldown_s = 60.0
     try:
         msgs = [m async for m in stub.Generate(gen_request(), timeout=10)]
         assert (msgs[0].route.replica_id, "".join(m.text for m in msgs)) == ("r1", "A pr")
-        assert (len(stuck.requests), len(good.requests)) == (1, 1)
+        assert (len(stuck.served), len(good.served)) == (1, 1)
+        await asyncio.wait_for(stuck.cancelled.wait(), 10)  # the stalled call was cancelled at the replica
         assert not app.cluster.healthy("r0")
-        assert app.metrics.registry.get_sample_value("unicache_router_retries_total") == 1
+        sample = app.metrics.registry.get_sample_value
+        assert sample("unicache_router_retries_total") == 1
+        assert sample("unicache_router_first_token_timeouts_total", {"replica": "r0"}) == 1
+        assert sample("unicache_router_quarantines_total", {"replica": "r0"}) == 1
     finally:
         await channel.close()
         await app.stop()
@@ -189,11 +200,11 @@ async def test_no_first_token_in_time_retries_elsewhere_well_before_the_deadline
             await r.stop()
 
 
-def test_a_restarted_replica_is_not_skipped_for_its_predecessors_refusals():
+def test_a_restarted_replica_is_not_quarantined_for_its_predecessors_refusals():
     now = [100.0]
-    cluster = ClusterView(CacheAwarePolicy(), LocalityIndex(), down_cooldown_s=2.0, clock=lambda: now[0])
+    cluster = ClusterView(CacheAwarePolicy(), LocalityIndex(), clock=lambda: now[0])
     cluster.upsert("r0", "127.0.0.1:1000")
-    cluster.mark_down("r0")
+    assert cluster.quarantine("r0")
     cluster.upsert("r0", "127.0.0.1:1000")  # the old process's heartbeat, not yet expired
     assert not cluster.healthy("r0")
     cluster.upsert("r0", "127.0.0.1:2000")  # restarted on a new port

@@ -13,6 +13,7 @@ from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.routing.registry import make_routing_policy
 from unicache.testing.fake_replica import FakeReplica
+from unicache.testing.polling import eventually
 from unicache.block_hash import hash_token_blocks
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -87,29 +88,70 @@ async def test_grpc_rejects_missing_or_wrong_key(cluster2, metadata):
     assert r0.requests == [] and r1.requests == []
 
 
-async def test_grpc_retry_once_on_next_replica_before_first_token(cluster2):
-    app, (r0, r1), stub = cluster2
+@pytest.fixture
+async def cluster3():
+    reps = [FakeReplica("r0"), FakeReplica("r1"), FakeReplica("r2")]
+    for r in reps:
+        await r.start()
+    app = RouterApp(config(reps))
+    await app.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
+    try:
+        yield app, reps, router_pb2_grpc.RouterStub(channel)
+    finally:
+        await channel.close()
+        await app.stop()
+        for r in reps:
+            await r.stop()
+
+
+def served(reps: list[FakeReplica]) -> list[int]:
+    return [len(r.served) for r in reps]
+
+
+async def test_grpc_retries_on_distinct_replicas_then_quarantines_and_probes_back(cluster3):
+    app, reps, stub = cluster3
+    r0, r1, r2 = reps
     now = [100.0]
     app.cluster.clock = lambda: now[0]
-    r0.fail_next = 1
-    msgs = await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
+    gen = lambda: collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))  # noqa: E731
+    r0.fail_next = r2.fail_next = 1
+    msgs = await gen()
+    # Two refusals (UNAVAILABLE), two retries, each on a replica not tried before
+    # (round robin: r0, then r2 of {r1, r2}, then r1).
     assert msgs[0].route.replica_id == "r1"
-    assert (len(r0.requests), len(r1.requests)) == (1, 1)
-    assert app.metrics.retries._value.get() == 1
-    assert {r: rec.in_flight for r, rec in app.cluster.replicas.items()} == {"r0": 0, "r1": 0}
-    # r0 answered UNAVAILABLE: skipped for the cooldown, then tried again.
+    assert served(reps) == [1, 1, 1]
+    assert app.metrics.registry.get_sample_value("unicache_router_retries_total") == 2
+    assert {r: rec.in_flight for r, rec in app.cluster.replicas.items()} == {"r0": 0, "r1": 0, "r2": 0}
+    # Both refusers are quarantined at once: routing offers only r2 until they answer a probe.
     lst = await stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5)
-    assert [(r.replica_id, r.healthy) for r in lst.replicas] == [("r0", False), ("r1", True)]
-    msgs = await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
-    assert msgs[0].route.replica_id == "r1"
-    now[0] += app.cluster.down_cooldown_s
-    assert app.cluster.healthy("r0")
-    # Both fail: the client sees the replica's status, no third attempt.
-    r0.fail_next = r1.fail_next = 1
+    assert [(r.replica_id, r.healthy) for r in lst.replicas] == [("r0", False), ("r1", True), ("r2", False)]
+    assert [(await gen())[0].route.replica_id for _ in range(2)] == ["r1", "r1"]
+    assert served(reps) == [1, 3, 1]
+    assert [app.metrics.registry.get_sample_value("unicache_router_quarantines_total", {"replica": r}) for r in ("r0", "r2")] == [1, 1]
+    now[0] += app.cluster.quarantine_initial_s  # the first probe is due: both answer it
+    await eventually(lambda: app.cluster.healthy("r0") and app.cluster.healthy("r2"), "quarantined replicas probed back", 10)
+    # Every replica fails: three attempts (1 + retry_replicas), then the last error, naming no address.
+    for r in reps:
+        r.fail_next = 1
+    before = served(reps)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await gen()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.details() == "replica unavailable"
+    assert [a - b for a, b in zip(served(reps), before)] == [1, 1, 1]
+    assert app.metrics.registry.get_sample_value("unicache_router_retries_total") == 4
+
+
+async def test_retry_replicas_bounds_the_attempts(cluster3):
+    app, reps, stub = cluster3
+    app.core.retry_replicas = 1
+    for r in reps:
+        r.fail_next = 1
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert (len(r0.requests), len(r1.requests)) == (2, 3)
+    assert served(reps) == [1, 0, 1]  # round robin: r0, then r2 of {r1, r2}; no third attempt
 
 
 async def test_grpc_invalid_argument_is_not_retried(cluster2):
@@ -335,12 +377,13 @@ async def test_http_listener_is_tcp_so_asyncio_sets_nodelay(single):
     assert listener.proto == socket.IPPROTO_TCP
 
 
-async def test_http_only_replica_fails_reports_its_error(single):
+async def test_http_only_replica_fails_reports_unavailable_without_its_details(single):
     app, rep, client = single
     rep.fail_next = 1
     r = await client.post("/v1/completions", json={"prompt": PROMPT}, headers={"x-api-key": "key-a"})
     assert r.status_code == 503
-    assert r.json()["error"]["message"] == "replica solo: injected failure"
+    # The replica's transport-level details (which can name addresses) stay in the log.
+    assert r.json()["error"]["message"] == "replica unavailable"
     assert app.cluster.replicas["solo"].in_flight == 0
 
 

@@ -12,8 +12,9 @@ the test's event loop (``RouterHandle``, started and stopped inside an async tes
 
 Invariants:
     * Every helper that waits has a deadline and names what it waited for on timeout.
-    * ``RouterHandle.calls`` records every Generate the router sends to a replica
-      ((monotonic time, replica address)), so tests can tell when it stopped dialling one.
+    * ``RouterHandle.calls`` records every Generate the router forwards to a replica for
+      a client ((monotonic time, replica address)), so tests can tell when it stopped
+      dialling one; ``RouterHandle.probes`` records the quarantine probes the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from unicache.router.replica_client import PROBE_REQUEST_ID
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from unicache.testing.polling import eventually
 
@@ -201,6 +203,7 @@ class RouterHandle:
         self.policy_factory = policy_factory
         self.app = None
         self.calls: list[tuple[float, str]] = []
+        self.probes: list[tuple[float, str]] = []
         self._channel: grpc.aio.Channel | None = None
         self.stub: router_pb2_grpc.RouterStub | None = None
 
@@ -212,9 +215,10 @@ class RouterHandle:
         clients = self.app.clients
         original = clients.generate
 
-        def spy(address, request):
-            self.calls.append((time.monotonic(), address))
-            return original(address, request)
+        def spy(address, request, timeout_s=None):
+            log = self.probes if request.request_id == PROBE_REQUEST_ID else self.calls
+            log.append((time.monotonic(), address))
+            return original(address, request, timeout_s)
 
         clients.generate = spy  # type: ignore[method-assign]
         await self.app.start()
@@ -255,17 +259,17 @@ class RouterHandle:
         return reply
 
     async def probe(self, rid: str, text: str, max_tokens: int = 4) -> Reply:
-        """Send one request through the router while every other replica is skipped (as
-        after UNAVAILABLE), so it must go to ``rid``; the others are restored after."""
+        """Send one request through the router while every other replica is quarantined
+        (with no probe due), so it must go to ``rid``; the others are restored after."""
         others = [r for r in self.cluster.replicas.values() if r.replica_id != rid]
-        saved = [r.down_until for r in others]
+        saved = [(r.quarantined, r.probe_at) for r in others]
         for r in others:
-            r.down_until = float("inf")
+            r.quarantined, r.probe_at = True, float("inf")
         try:
             return await self.generate(text, max_tokens)
         finally:
-            for r, until in zip(others, saved):
-                r.down_until = until
+            for r, (quarantined, probe_at) in zip(others, saved):
+                r.quarantined, r.probe_at = quarantined, probe_at
 
     # ---------------------------------------------------------------- state
     @property

@@ -14,6 +14,7 @@ import asyncio
 import grpc
 
 from unicache.block_hash import hash_token_blocks
+from unicache.router.replica_client import PROBE_REQUEST_ID
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
 
@@ -29,6 +30,11 @@ class FakeReplica(replica_pb2_grpc.ReplicaServicer):
         self.cancelled = asyncio.Event()
         self.server: grpc.aio.Server | None = None
         self.port = 0
+
+    @property
+    def served(self) -> list[replica_pb2.GenerateRequest]:
+        """The requests clients sent through the router (its quarantine probes left out)."""
+        return [r for r in self.requests if r.request_id != PROBE_REQUEST_ID]
 
     @property
     def address(self) -> str:
