@@ -417,9 +417,11 @@ class RouterCore:
         stalled = timed_out or code == grpc.StatusCode.DEADLINE_EXCEEDED
         if timed_out:
             self.metrics.labelled(self.metrics.first_token_timeouts, rid).inc()
-            if self.first_token_timeout is not None:
-                self.first_token_timeout.timed_out(rid)
         if (stalled or code == grpc.StatusCode.UNAVAILABLE) and self.cluster.quarantine(rid):
+            # NOTE: once per quarantine, not per request: the requests a stall catches
+            # together are one event, and must not double the timeout once each.
+            if stalled and self.first_token_timeout is not None:
+                self.first_token_timeout.timed_out(rid)
             self.metrics.labelled(self.metrics.quarantines, rid).inc()
             log.warning("replica %s quarantined (%s) until it answers a probe", rid, "stalled" if stalled else code.name)
         kind = _replica_error_kind(exc)

@@ -11,8 +11,9 @@ time to first message (gain 1/8 and 1/4); the timeout is::
 
     clamp(multiplier * (m + 4 d) * backoff, floor_s, ceiling_s)
 
-``backoff`` doubles after each first-token timeout at the replica and returns to 1 with
-its next measured first token (Karn's rule: a timed-out attempt is never a sample, so a
+``backoff`` doubles each time a stall quarantines the replica (``timed_out``; once per
+stall, however many requests it caught) and returns to 1 with its next measured first
+token (Karn's rule: a timed-out attempt is never a sample, so a
 replica that is genuinely slower than its history still gets served, with longer waits).
 Until a replica has ``min_samples`` samples it uses the estimate over all replicas, and
 until that has ``min_samples`` the ceiling.
@@ -87,7 +88,7 @@ class FirstTokenTimeout:
         self._all.add(ttft_s)
 
     def timed_out(self, replica_id: str) -> None:
-        """An attempt at the replica hit its timeout: double the next one (bounded)."""
+        """A stall at the replica quarantined it: double its next timeout (bounded)."""
         est = self._per.get(replica_id)
         if est is None:
             est = self._per[replica_id] = TtftEstimate()

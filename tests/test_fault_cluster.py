@@ -20,6 +20,7 @@ from unicache.testing.cluster_harness import (
     RouterHandle,
     index_matches_caches,
     locality_first,
+    prompt_text,
     start_ray,
     stop_ray,
     wait_for,
@@ -111,18 +112,40 @@ async def test_router_restart_rebuilds_index_and_routes_with_locality_at_once(cl
 
 
 # ---------------------------------------------------------------------------------------
-async def test_slow_replica_deadline_fires_and_request_goes_elsewhere(cluster, router_factory):
+async def test_stalled_replica_costs_the_derived_timeout_then_is_quarantined(cluster, router_factory):
     _, replicas = cluster
-    router = await router_factory(forward_deadline_s=3.0, policy_factory=locality_first)
-    router.cluster.down_cooldown_s = 60.0  # keep "skipped" observable however slow the host is
-    rec = await fs.slow_replica(router, replicas, delay_s=120.0, baseline=0, faulted=2)
+    router = await router_factory(policy_factory=locality_first)
+    router.cluster.quarantine_initial_s = 60.0  # no probe while the test runs, however slow the host
+    rec = await fs.slow_replica(router, replicas, delay_s=120.0, baseline=5, faulted=2)
     first, second = (t.reply for t in rec.faulted)
     slow, t0 = rec.slow, rec.t_fault
     assert first.ok and second.ok
     assert first.replica != slow and second.replica != slow
-    assert len(router.calls_to(rec.slow_address, t0)) == 1  # tried once, deadline, then skipped
+    # The first faulted request waited out the derived timeout (its floor: the tiny
+    # model's first tokens take milliseconds), not the 60 s ceiling, then went elsewhere.
+    assert router.metrics_value("unicache_router_first_token_timeouts_total", replica=slow) == 1
+    assert router.app.core.first_token_timeout.floor_s == 2.0
+    assert len(router.calls_to(rec.slow_address, t0)) == 1  # tried once, timed out, then quarantined
     assert len([t for t, _ in router.calls if t >= t0]) == 3  # first: slow + retry; second: direct
+    assert not router.cluster.healthy(slow)
     assert first.tokens == rec.warm.tokens  # same seeded model everywhere, greedy
+
+
+# ---------------------------------------------------------------------------------------
+async def test_frozen_replica_moves_its_in_flight_requests_within_the_derived_timeout(cluster, router_factory):
+    _, replicas = cluster
+    router = await router_factory(policy_factory=locality_first)
+    rec = await fs.frozen_replica(router, replicas, in_flight=3, freeze_s=4.0, during=3)
+    frozen = rec.frozen
+    assert rec.timeout_s == 2.0  # the floor: measured first tokens take milliseconds
+    # Every request in flight on the frozen process was cancelled there and served elsewhere.
+    assert [(t.reply.code, t.reply.replica != frozen) for t in rec.in_flight] == [(grpc.StatusCode.OK, True)] * 3
+    assert [(t.reply.code, t.reply.replica != frozen) for t in rec.during] == [(grpc.StatusCode.OK, True)] * 3
+    assert rec.calls_while_frozen == []  # quarantined (then its heartbeat expired): never dialled again
+    assert rec.timeouts == 3
+    # Thawed: back in routing, and serving (a request the router must send to it).
+    probe = await router.probe(frozen, prompt_text("frozen-after", 64))
+    assert (probe.code, probe.replica) == (grpc.StatusCode.OK, frozen)
 
 
 # ---------------------------------------------------------------------------------------

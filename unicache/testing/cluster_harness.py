@@ -287,6 +287,10 @@ class RouterHandle:
             return False
         return epoch is None or index.holdings(rid).epoch == epoch
 
+    def metrics_value(self, name: str, **labels: str) -> float | None:
+        """A sample of the router's metrics registry (None if it has no such series)."""
+        return self.app.metrics.registry.get_sample_value(name, labels)
+
     def calls_to(self, address: str, since: float = 0.0) -> list[float]:
         return [t for t, a in self.calls if a == address and t >= since]
 

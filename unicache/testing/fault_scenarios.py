@@ -18,6 +18,10 @@ Scenarios (what each driver does, in order):
                     send the same prompts again.
     slow_replica    the replica that holds a prompt stops answering (first-token delay);
                     requests for that prompt go on.
+    frozen_replica  requests in flight on the replica that holds a prompt when its process
+                    is frozen (SIGSTOP); requests for the prompt go on during the freeze;
+                    the process resumes (SIGCONT) and the router takes it back.
+    concurrent      many streaming requests at once through the router.
 
 Invariants:
     * A driver never stops a router it was given; it stops every router it makes
@@ -31,6 +35,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -453,3 +459,127 @@ async def slow_replica(
     finally:
         await replicas.set_faults(slow)
     return SlowRecord(warm, slow, slow_address, before, t_fault, during)
+
+
+# ------------------------------------------------------------------------------ frozen
+@dataclass(slots=True)
+class FrozenRecord:
+    """What happened in ``frozen_replica``.
+
+    Attributes:
+        frozen / frozen_address: the replica whose process was stopped, and its address.
+        timeout_s: its derived first-token timeout when it froze.
+        in_flight: the requests at the frozen replica when it froze (latency from send).
+        timeouts: the router's first-token timeouts at it once those requests ended.
+        t_freeze: when SIGSTOP was sent.
+        during: requests for the prompt sent while it was frozen, in order.
+        calls_while_frozen: seconds after the freeze of each client Generate sent to it.
+        thawed_s: SIGCONT -> the router routes to it again (back in the index at its epoch).
+    """
+
+    frozen: str
+    frozen_address: str
+    timeout_s: float
+    in_flight: list[Timed]
+    timeouts: float
+    t_freeze: float
+    during: list[Timed]
+    calls_while_frozen: list[float]
+    thawed_s: float
+
+
+async def frozen_replica(
+    router: RouterHandle,
+    replicas: ReplicaSet,
+    *,
+    tag: str = "frozen",
+    n: int = 400,
+    warm: int = 6,
+    in_flight: int = 3,
+    hold_s: float = 1.0,
+    freeze_s: float = 4.0,
+    during: int = 4,
+    timeout_s: float = 30.0,
+) -> FrozenRecord:
+    """Freeze the process of the replica holding ``prompt_text(tag, n)`` with requests in flight.
+
+    ``warm`` requests first (the router measures time to first token), then ``in_flight``
+    concurrent requests that the replica holds ``hold_s`` before their first token (the
+    fault hook, so they are surely in flight there), SIGSTOP once all reached it, then
+    ``during`` sequential requests for the prompt; SIGCONT after ``freeze_s``. The router
+    should use ``locality_first``.
+    """
+    await synced(router, replicas, timeout_s)
+    prompt = prompt_text(tag, n)
+    victim = (await first_reply(router, prompt)).replica
+    address = router.cluster.replicas[victim].address
+    pid = (await replicas.info(victim))["pid"]
+    await indexed_on(router, victim, prompt, "prompt indexed on its replica", timeout_s)
+    for _ in range(warm):
+        await first_reply(router, prompt)
+    ftt = router.app.core.first_token_timeout
+    derived = ftt.timeout_s(victim) if ftt is not None else float("inf")
+
+    async def timed(text: str) -> Timed:
+        t = time.monotonic()
+        r = await router.generate(text)
+        return Timed(time.monotonic() - t, r)
+
+    await replicas.set_faults(victim, first_token_delay_s=hold_s)
+    n_before = len(router.calls_to(address))
+    pending = [asyncio.create_task(timed(prompt + f" in flight {i}")) for i in range(in_flight)]
+    try:
+        await wait_for(lambda: len(router.calls_to(address)) >= n_before + in_flight, "requests in flight at the victim", timeout_s, 0.005)
+        os.kill(pid, signal.SIGSTOP)
+        t_freeze = time.monotonic()
+        try:
+            stuck = list(await asyncio.gather(*pending))
+            timeouts = router.metrics_value("unicache_router_first_token_timeouts_total", replica=victim) or 0.0
+            later = [await timed(prompt) for _ in range(during)]
+            await asyncio.sleep(max(0.0, t_freeze + freeze_s - time.monotonic()))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        t_thaw = time.monotonic()
+        calls = [t - t_freeze for t in router.calls_to(address, t_freeze)]
+        await replicas.set_faults(victim)
+
+        async def back() -> bool:
+            rec = router.cluster.replicas.get(victim)
+            if rec is None or not router.cluster.healthy(victim):
+                return False
+            return router.in_sync(victim, (await replicas.info(victim))["epoch"])
+
+        await wait_for(back, "the thawed replica back in routing", timeout_s, 0.02)
+        thawed_s = time.monotonic() - t_thaw
+    finally:
+        for task in pending:
+            task.cancel()
+    return FrozenRecord(victim, address, derived, stuck, timeouts, t_freeze, later, calls, thawed_s)
+
+
+# -------------------------------------------------------------------------- concurrent
+@dataclass(slots=True)
+class ConcurrentRecord:
+    """What happened in ``concurrent_streams``: every reply (in send order), the wall
+    time from the first send to the last reply, and the router's retries meanwhile."""
+
+    replies: list[Timed]
+    wall_s: float
+    retries: float
+
+
+async def concurrent_streams(router: RouterHandle, *, tag: str = "concurrent", n: int = 1000, max_tokens: int = 4) -> ConcurrentRecord:
+    """``n`` streaming requests at once (distinct 64-byte prompts) through the router."""
+
+    def retries() -> float:
+        return router.app.metrics.registry.get_sample_value("unicache_router_retries_total") or 0.0
+
+    async def timed(i: int) -> Timed:
+        t = time.monotonic()
+        r = await router.generate(prompt_text(f"{tag}-{i}", 64), max_tokens=max_tokens, timeout_s=300.0)
+        return Timed(time.monotonic() - t, r)
+
+    r0 = retries()
+    t0 = time.monotonic()
+    replies = list(await asyncio.gather(*(timed(i) for i in range(n))))
+    return ConcurrentRecord(replies, time.monotonic() - t0, retries() - r0)
