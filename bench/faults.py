@@ -16,8 +16,16 @@ median and the range. Scenarios and figures (docs/reliability.md):
             the restarted replica is back in the index, until it serves again.
     router  stop the router and start a new one on a repeating workload: requests after
             restart until the hit ratio is back at its pre-restart level.
-    slow    a replica that stops answering (first-token delay 60 s) with a 2 s forward
-            deadline: latency of the request that hit it and of the ones after it.
+    slow    a replica that stops answering (first-token delay 60 s), default router
+            settings: latency of the request that hit it (the derived first-token
+            timeout, then a retry) and of the ones after it (it is quarantined).
+    frozen  the process of the replica holding a prompt is frozen (SIGSTOP) for 15 s with
+            requests in flight there: what they cost against the derived first-token
+            timeout, where the requests during the freeze went, SIGCONT -> back in routing.
+    streams 1,000 concurrent streaming requests: failures, retries, latency.
+
+Every scenario also reports the router's retries (attempts moved to another replica
+before a first token) and quarantines.
 
 Run: ``.venv/bin/python -m bench.faults [--repeats 3]``; writes bench/results/faults.json
 and bench/results/faults.md.
@@ -46,19 +54,26 @@ WAIT_S = 60.0  # deadline of each wait inside a scenario (production intervals a
 
 
 async def with_router(run, redis: EmbeddedRedis, **config):
-    """Start a router with production subscriber settings, ``await run(router)``, stop it."""
+    """Start a router with production subscriber settings, ``await run(router)``, stop it.
+    Returns (the run's record, the router's counters: retries, quarantines)."""
     router = RouterHandle(redis.url, PREFIX, BS, subscriber_kwargs=PRODUCTION, **config)
     await router.start()
     try:
-        return await run(router)
+        rec = await run(router)
+        return rec, counters(router)
     finally:
         await router.stop()
+
+
+def counters(router: RouterHandle) -> dict:
+    """The router's retries and quarantines so far (one router per scenario run)."""
+    return {"retries": router.metrics_value("unicache_router_retries_total") or 0.0, "quarantines": len(router.quarantines)}
 
 
 # ------------------------------------------------------------------------------- redis
 async def redis_outage(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int) -> dict:
     # NOTE: quiet restart, so "index == cache" is exact rather than racing new events.
-    rec = await with_router(
+    rec, count = await with_router(
         lambda router: fs.redis_outage(
             router, redis, replicas, tag=f"bench-outage-{rep}", session_prefix=f"r{rep}", quiet_restart=True, timeout_s=WAIT_S
         ),
@@ -75,12 +90,13 @@ async def redis_outage(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int) -> 
         "outage_noticed_s": rec.noticed_s,
         "reconnect_s": rec.reconnect_s,
         "index_rebuilt_s": rec.rebuilt_s,
+        **count,
     }
 
 
 # ----------------------------------------------------------------------------- replica
 async def replica_kill(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int) -> dict:
-    rec = await with_router(
+    rec, count = await with_router(
         lambda router: fs.replica_kill(
             router, replicas, tag=f"bench-kill-{rep}", timeout_s=WAIT_S, rejoin_timeout_s=180, rejoin_every_s=0.05
         ),
@@ -100,6 +116,7 @@ async def replica_kill(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int) -> 
         "rejoined_index_s": rec.rejoined_s,
         "probe_served_by_victim": rec.probe.ok and rec.probe.replica == rec.victim,
         "first_served_s": rec.served_s,
+        **count,
     }
 
 
@@ -133,39 +150,96 @@ async def router_restart(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, k
 
 
 # -------------------------------------------------------------------------------- slow
-async def slow_replica(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, deadline_s: float = 2.0) -> dict:
-    rec = await with_router(
+async def slow_replica(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int) -> dict:
+    rec, count = await with_router(
         lambda router: fs.slow_replica(
             router, replicas, tag=f"bench-slow-{rep}", delay_s=60.0, baseline=5, faulted=6, timeout_s=WAIT_S
         ),
         redis,
-        forward_deadline_s=deadline_s,
         policy_factory=locality_first,
     )
     hit, later = rec.faulted[0], rec.faulted[1:]
     base_med = statistics.median(t.latency_s for t in rec.baseline)
     later_med = statistics.median(t.latency_s for t in later)
     return {
-        "forward_deadline_s": deadline_s,
         "baseline_latency_s": base_med,
-        "deadline_hit_latency_s": hit.latency_s,
-        "deadline_hit_served_elsewhere": hit.reply.ok and hit.reply.replica != rec.slow,
+        "stall_hit_latency_s": hit.latency_s,
+        "stall_hit_served_elsewhere": hit.reply.ok and hit.reply.replica != rec.slow,
         "later_latency_s": later_med,
         "later_over_baseline": later_med / base_med,
         "later_served_elsewhere": sum(1 for t in later if t.reply.ok and t.reply.replica != rec.slow),
+        "later": len(later),
+        **count,
+    }
+
+
+# ------------------------------------------------------------------------------ frozen
+async def frozen_replica(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, freeze_s: float = 15.0) -> dict:
+    rec, count = await with_router(
+        lambda router: fs.frozen_replica(
+            router, replicas, tag=f"bench-frozen-{rep}", in_flight=4, freeze_s=freeze_s, during=6, timeout_s=WAIT_S
+        ),
+        redis,
+        policy_factory=locality_first,
+    )
+    costs = [t.latency_s for t in rec.in_flight]
+    return {
+        "freeze_s": freeze_s,
+        "derived_timeout_s": rec.timeout_s,
+        "in_flight": len(rec.in_flight),
+        "in_flight_ok_elsewhere": sum(1 for t in rec.in_flight if t.reply.ok and t.reply.replica != rec.frozen),
+        "in_flight_cost_s": costs,
+        "in_flight_cost_max_over_timeout": max(costs) / rec.timeout_s,
+        "during": len(rec.during),
+        "during_ok_elsewhere": sum(1 for t in rec.during if t.reply.ok and t.reply.replica != rec.frozen),
+        "during_latency_s": statistics.median(t.latency_s for t in rec.during),
+        "calls_while_frozen": len(rec.calls_while_frozen),
+        "thaw_to_routed_s": rec.thawed_s,
+        **count,
+    }
+
+
+# ----------------------------------------------------------------------------- streams
+async def concurrent_streams(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, n: int = 1000) -> dict:
+    async def run(router: RouterHandle):
+        await fs.synced(router, replicas, WAIT_S)
+        return await fs.concurrent_streams(router, tag=f"bench-streams-{rep}", n=n)
+
+    rec, count = await with_router(run, redis)
+    lat = sorted(t.latency_s for t in rec.replies)
+    return {
+        "streams": n,
+        "failed": sum(1 for t in rec.replies if not t.reply.ok),
+        "failures": dict(collections.Counter(t.reply.code.name for t in rec.replies if not t.reply.ok)),
+        "wall_s": rec.wall_s,
+        "latency_p50_s": lat[len(lat) // 2],
+        "latency_p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        **count,
     }
 
 
 # ------------------------------------------------------------------------------ report
-SCENARIOS = {"redis": redis_outage, "replica": replica_kill, "router": router_restart, "slow": slow_replica}
+SCENARIOS = {
+    "redis": redis_outage,
+    "replica": replica_kill,
+    "router": router_restart,
+    "slow": slow_replica,
+    "frozen": frozen_replica,
+    "streams": concurrent_streams,
+}
 
 
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def counts_row(xs: list[dict]) -> str:
+    """Retries and quarantines summed over the repeats."""
+    return f"| | router retries, quarantines (all repeats) | {sum(x['retries'] for x in xs):.0f}, {sum(x['quarantines'] for x in xs):.0f} |"
+
+
 def markdown(res: dict) -> str:
-    r, k, t, s = (res["scenarios"].get(x, []) for x in ("redis", "replica", "router", "slow"))
+    r, k, t, s, f, c = (res["scenarios"].get(x, []) for x in ("redis", "replica", "router", "slow", "frozen", "streams"))
     lines = [
         "# Fault figures",
         "",
@@ -185,17 +259,20 @@ def markdown(res: dict) -> str:
             f"| | outage noticed by the router, s | {spread([x['outage_noticed_s'] for x in r])} |",
             f"| | restart -> router reconnected, s | {spread([x['reconnect_s'] for x in r])} |",
             f"| | restart -> every replica's index == its cache, s | {spread([x['index_rebuilt_s'] for x in r])} |",
+            counts_row(r),
         ]
     if k:
-        ends = collections.Counter(c for x in k for c in x["stream_endings"])
+        ends = collections.Counter(e for x in k for e in x["stream_endings"])
         lines += [
-            f"| Replica actor killed | streams under way | {', '.join(f'{c} {v}' for c, v in sorted(ends.items()))} |",
+            f"| Replica actor killed | streams under way | {', '.join(f'{e} {v}' for e, v in sorted(ends.items()))} |",
             f"| | requests without a token, retried elsewhere and OK | {sum(x['pending_retried_ok'] for x in k)} of {2 * len(k)} |",
             f"| | failed background requests | {sum(x['background_failed'] for x in k)} of {sum(x['background_requests'] for x in k)} |",
+            f"| | client calls to the dead address after the kill | {', '.join(str(x['calls_to_dead_address_after_kill']) for x in k)} |",
             f"| | last call to the dead address after the kill, s | {spread([x['last_call_to_dead_address_s'] for x in k])} |",
             f"| | kill -> Ray restarted the actor, s | {spread([x['actor_restarted_s'] for x in k])} |",
             f"| | kill -> back in the router's index (new epoch), s | {spread([x['rejoined_index_s'] for x in k])} |",
             f"| | kill -> a request routed to it served (probe), s | {spread([x['first_served_s'] for x in k])} |",
+            counts_row(k),
         ]
     if t:
         lines += [
@@ -207,9 +284,35 @@ def markdown(res: dict) -> str:
         ]
     if s:
         lines += [
-            f"| Slow replica (deadline {s[0]['forward_deadline_s']:.0f} s) | request that hit it, s (served elsewhere: "
-            f"{sum(x['deadline_hit_served_elsewhere'] for x in s)} of {len(s)}) | {spread([x['deadline_hit_latency_s'] for x in s])} |",
+            f"| Replica stalls before its first token (60 s delay) | request that hit it, s (served elsewhere: "
+            f"{sum(x['stall_hit_served_elsewhere'] for x in s)} of {len(s)}) | {spread([x['stall_hit_latency_s'] for x in s])} |",
+            f"| | next requests served elsewhere | {sum(x['later_served_elsewhere'] for x in s)} of {sum(x['later'] for x in s)} |",
             f"| | next requests / before the fault (latency ratio) | {spread([x['later_over_baseline'] for x in s])} |",
+            counts_row(s),
+        ]
+    if f:
+        lines += [
+            f"| Replica frozen (SIGSTOP {f[0]['freeze_s']:.0f} s) with requests in flight | derived first-token timeout, s | "
+            f"{spread([x['derived_timeout_s'] for x in f])} |",
+            f"| | in-flight requests served elsewhere | {sum(x['in_flight_ok_elsewhere'] for x in f)} of {sum(x['in_flight'] for x in f)} |",
+            f"| | **in-flight cost (send -> reply), s** | {spread([v for x in f for v in x['in_flight_cost_s']])} |",
+            f"| | worst in-flight cost / derived timeout | {spread([x['in_flight_cost_max_over_timeout'] for x in f])} |",
+            f"| | requests during the freeze served elsewhere | {sum(x['during_ok_elsewhere'] for x in f)} of {sum(x['during'] for x in f)} |",
+            f"| | latency of requests during the freeze, s | {spread([x['during_latency_s'] for x in f])} |",
+            f"| | client calls to the frozen replica after the freeze | {', '.join(str(x['calls_while_frozen']) for x in f)} |",
+            f"| | SIGCONT -> routed to again, s | {spread([x['thaw_to_routed_s'] for x in f])} |",
+            counts_row(f),
+        ]
+    if c:
+        failures = collections.Counter()
+        for x in c:
+            failures.update(x["failures"])
+        lines += [
+            f"| {c[0]['streams']:,} concurrent streams | failed | {sum(x['failed'] for x in c)} of {sum(x['streams'] for x in c)}"
+            + (f" ({', '.join(f'{e} {v}' for e, v in sorted(failures.items()))})" if failures else "") + " |",
+            f"| | wall time, s | {spread([x['wall_s'] for x in c])} |",
+            f"| | latency p50 / p99, s | {spread([x['latency_p50_s'] for x in c])} / {spread([x['latency_p99_s'] for x in c])} |",
+            counts_row(c),
         ]
     return "\n".join(lines) + "\n"
 
@@ -217,7 +320,7 @@ def markdown(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--scenarios", default="redis,replica,router,slow")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--out", default=str(RESULTS / "faults"))
     args = ap.parse_args()
     names = [n for n in args.scenarios.split(",") if n]

@@ -39,6 +39,7 @@ class ReplicaRecord:
     quarantined: bool = False
     probe_at: float = 0.0  # clock time of the next probe while quarantined
     probe_backoff_s: float = 0.0  # interval before that probe (doubles per failed probe)
+    last_message: float = 0.0  # time.monotonic() of its last message to this router (any stream)
     in_flight: int = 0
     routed: int = 0
 

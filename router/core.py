@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import grpc
 
 from unicache.router.auth import Authenticator
-from unicache.router.cluster import ClusterView
+from unicache.router.cluster import ClusterView, ReplicaRecord
 from unicache.router.first_token import FirstTokenTimeout
 from unicache.router.limits import LimitExceeded, TenantLimiter
 from unicache.router.metrics import RouterMetrics
@@ -47,6 +47,7 @@ from unicache.wire import REFUSAL_METADATA, request_class_to_proto
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 log = logging.getLogger(__name__)
+_monotonic = time.monotonic
 
 class RouterError(Exception):
     """A request-level failure with the status both front doors map it to.
@@ -143,6 +144,7 @@ class Attempt:
     """A replica call that sent its first message (``first``; None: it ended empty)."""
 
     decision: RouteDecision
+    replica: ReplicaRecord
     stream: ReplicaStream
     first: replica_pb2.GenerateResponse | None
 
@@ -321,9 +323,10 @@ class RouterCore:
                     return
                 yield self.route_info(prep, attempt.decision, request_class), attempt.first
                 self._count_usage(rid, attempt.first)
-                stream = attempt.stream
+                stream, rec = attempt.stream, attempt.replica
                 try:
                     while (msg := await stream.next()) is not None:
+                        rec.last_message = _monotonic()  # progress: this replica is not stalled
                         self._count_usage(rid, msg)
                         yield None, msg
                 except grpc.aio.AioRpcError as exc:
@@ -394,7 +397,10 @@ class RouterCore:
         t0 = time.perf_counter()
         stream = self.clients.generate(rec.address, request, remaining_s)
         try:
-            first = await stream.first(first_timeout if use_timeout else None)
+            if use_timeout:
+                first = await stream.first(first_timeout, lambda: rec.last_message, ftt.ceiling_s)
+            else:
+                first = await stream.first()
         except grpc.aio.AioRpcError as exc:
             self._end_attempt(prep, rid, stream)
             raise self._failed_attempt(rid, rec.address, exc, stream.timed_out) from None
@@ -402,11 +408,12 @@ class RouterCore:
             self._end_attempt(prep, rid, stream)
             raise
         now = time.perf_counter()
+        rec.last_message = time.monotonic()
         if ftt is not None:
             ftt.observe(rid, now - t0)
         self.metrics.ttft.observe(now - prep.arrival)
         self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
-        return Attempt(decision, stream, first)
+        return Attempt(decision, rec, stream, first)
 
     def _failed_attempt(self, rid: str, address: str, exc: grpc.aio.AioRpcError, timed_out: bool) -> AttemptFailed:
         """Log the failure in full, quarantine the replica if it refused or stalled (its

@@ -18,6 +18,12 @@ replica that is genuinely slower than its history still gets served, with longer
 Until a replica has ``min_samples`` samples it uses the estimate over all replicas, and
 until that has ``min_samples`` the ceiling.
 
+A stall is *silence*: the router counts the timeout from the later of the attempt's
+start and the replica's last message on any stream (``ReplicaStream.first``), so a
+replica that is busy streaming to others (a burst queues requests behind each other) is
+not taken for stalled; a frozen one is silent on every stream. The ceiling bounds the
+wait in any case.
+
 Invariants:
     * ``timeout_s`` is always within [floor_s, ceiling_s] (floor_s is capped at ceiling_s).
     * Only successful first messages are samples; per-replica state is dropped by

@@ -11,6 +11,9 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
+
 import grpc
 
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
@@ -47,26 +50,50 @@ class ReplicaStream:
         self._done = False
         self.timed_out = False  # first() gave up waiting (the replica stalled)
 
-    async def first(self, timeout_s: float | None = None) -> replica_pb2.GenerateResponse | None:
+    async def first(
+        self, timeout_s: float | None = None, last_progress: Callable[[], float] | None = None, max_wait_s: float | None = None
+    ) -> replica_pb2.GenerateResponse | None:
         """The first message (None if the stream ended empty); raises grpc.aio.AioRpcError.
 
-        With ``timeout_s``, a replica that sends nothing in time is cancelled and the call
-        fails with DEADLINE_EXCEEDED, as if the whole call's deadline had passed.
+        With ``timeout_s``, a replica that stays silent that long is cancelled and the
+        call fails with DEADLINE_EXCEEDED (``timed_out`` set). Silence counts from the
+        later of this call's start and ``last_progress()`` (``time.monotonic`` of the
+        replica's last message on any stream): a replica streaming to others is busy,
+        not stalled. ``max_wait_s`` bounds the wait in any case.
         """
-        # NOTE: asyncio.timeout cancels this task at the deadline (grpc then cancels the
-        # call); unlike asyncio.wait_for it needs no extra task and loop turn per request.
-        try:
-            async with asyncio.timeout(timeout_s):
-                msg = await self._call.read()
-        except TimeoutError:
-            self.timed_out = True
-            self.close()
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                details=f"no first token within {timeout_s:g}s",
-            ) from None
+        if timeout_s is None:
+            msg = await self._call.read()
+        else:
+            # NOTE: the read runs as its own task: cancelling a grpc.aio read cancels the
+            # call, so the stall check must look at the clock beside it, not cancel it.
+            started = time.monotonic()
+            read = asyncio.ensure_future(self._call.read())
+            try:
+                while True:
+                    now = time.monotonic()
+                    quiet_since = max(started, last_progress()) if last_progress is not None else started
+                    wait = quiet_since + timeout_s - now
+                    if max_wait_s is not None:
+                        wait = min(wait, started + max_wait_s - now)
+                    if wait <= 0:
+                        break
+                    await asyncio.wait((read,), timeout=wait)
+                    if read.done():
+                        break
+            except BaseException:
+                read.cancel()
+                raise
+            if not read.done():
+                read.cancel()
+                self.timed_out = True
+                self.close()
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
+                    details=f"replica silent for {timeout_s:g}s before the first token",
+                )
+            msg = read.result()
         if msg is grpc.aio.EOF:
             self._done = True
             return None

@@ -5,8 +5,10 @@ real replicas: tests/test_fault_cluster.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import time
 
 import grpc
 import httpx
@@ -22,6 +24,7 @@ from unicache.router.first_token import FirstTokenTimeout
 from unicache.router.index import LocalityIndex
 from unicache.router.json_input import JsonInputError, json_depth_exceeds, loads_bounded
 from unicache.router.prober import QuarantineProber
+from unicache.router.replica_client import ReplicaStream
 from unicache.router.routing.round_robin import RoundRobinPolicy
 from unicache.router.service import grpc_status
 from unicache.testing.fake_replica import FakeReplica
@@ -253,3 +256,36 @@ async def test_a_departed_replicas_series_leave_metrics():
         await app.stop()
         for r in reps:
             await r.stop()
+
+
+# --- a stall is silence at the replica -----------------------------------------------------------
+class HeldCall:
+    """A stand-in for a grpc.aio call whose first read answers after ``after_s``."""
+
+    def __init__(self, after_s: float):
+        self.after_s = after_s
+        self.cancelled = False
+
+    async def read(self):
+        await asyncio.sleep(self.after_s)
+        return "first"
+
+    def cancel(self):
+        self.cancelled = True
+
+
+async def test_a_replica_streaming_to_others_is_busy_not_stalled():
+    # Silent replica: the first-token timeout (0.2 s) fires long before its answer (2 s).
+    silent = ReplicaStream(HeldCall(2.0))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await silent.first(0.2, lambda: 0.0)
+    assert (info.value.code(), silent.timed_out, silent._call.cancelled) == (grpc.StatusCode.DEADLINE_EXCEEDED, True, True)
+    # Same wait, but the replica keeps sending messages on other streams: it is waited for.
+    busy = ReplicaStream(HeldCall(2.0))
+    assert await busy.first(0.2, time.monotonic) == "first"
+    assert (busy.timed_out, busy._call.cancelled) == (False, False)
+    # ... up to the ceiling.
+    capped = ReplicaStream(HeldCall(2.0))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await capped.first(0.2, time.monotonic, max_wait_s=0.4)
+    assert capped.timed_out

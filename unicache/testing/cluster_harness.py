@@ -204,6 +204,7 @@ class RouterHandle:
         self.app = None
         self.calls: list[tuple[float, str]] = []
         self.probes: list[tuple[float, str]] = []
+        self.quarantines: list[tuple[float, str]] = []  # (monotonic time, replica id) of each quarantine
         self._channel: grpc.aio.Channel | None = None
         self.stub: router_pb2_grpc.RouterStub | None = None
 
@@ -221,6 +222,16 @@ class RouterHandle:
             return original(address, request, timeout_s)
 
         clients.generate = spy  # type: ignore[method-assign]
+        cluster = self.app.cluster
+        quarantine = cluster.quarantine
+
+        def counted(rid):
+            new = quarantine(rid)
+            if new:
+                self.quarantines.append((time.monotonic(), rid))
+            return new
+
+        cluster.quarantine = counted  # type: ignore[method-assign]
         await self.app.start()
         self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.app.grpc_port}")
         self.stub = router_pb2_grpc.RouterStub(self._channel)
