@@ -29,7 +29,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from unicache.router.auth import AuthError, api_key_from_headers
-from unicache.router.chat_template import ChatFormatError, render_chat
+from unicache.chat_template import ChatFormatError, render_chat
 from unicache.router.core import Labelled, RouterCore, RouterError
 from unicache.router.dashboard import DASHBOARD_HTML
 from unicache.router.cluster_state import cluster_state
@@ -252,7 +252,7 @@ class HttpFrontDoor:
             if not isinstance(body, dict):
                 raise BadRequest("request body must be a JSON object")
             if chat:
-                token_ids = core.encode(render_chat(body.get("messages")))
+                token_ids = core.encode(render_chat(body.get("messages"), core.tokenizer.chat_template))
             else:
                 token_ids = self._prompt_ids(body.get("prompt"))
             sampling = sampling_from_body(body, chat)

@@ -22,7 +22,8 @@ import logging
 import grpc
 
 from unicache.router.auth import AuthError, api_key_from_headers
-from unicache.router.chat_template import ChatFormatError, render_chat_json
+from unicache.chat_template import ChatFormatError
+from unicache.router.chat_template import render_chat_json
 from unicache.router.cluster_state import cluster_state
 from unicache.router.core import Labelled, RouterCore, RouterError
 from unicache.v1 import replica_pb2, router_pb2, router_pb2_grpc
@@ -79,7 +80,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 which = request.WhichOneof("prompt")
                 if which is None:
                     raise RouterError("invalid", "missing prompt: set text or chat_json")
-                text = request.text if which == "text" else render_chat_json(request.chat_json)
+                text = request.text if which == "text" else render_chat_json(request.chat_json, core.tokenizer.chat_template)
                 labels = Labelled(
                     session_id=request.session_id or None,
                     task=request.task or None,

@@ -16,7 +16,7 @@ import pytest
 
 from unicache.router.app import RouterApp
 from unicache.router.auth import AuthError
-from unicache.router.chat_template import ChatFormatError
+from unicache.chat_template import ChatFormatError
 from unicache.router.cluster import ClusterView
 from unicache.router.config import build_config
 from unicache.router.core import RouterError

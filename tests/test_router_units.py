@@ -12,7 +12,8 @@ import json
 import pytest
 
 from unicache.router.auth import AuthError, Authenticator, api_key_from_headers, load_api_keys_file, parse_api_keys
-from unicache.router.chat_template import ChatFormatError, render_chat, render_chat_json
+from unicache.chat_template import BYTE_CHAT_TEMPLATE, ChatFormatError, render_chat
+from unicache.router.chat_template import render_chat_json
 from unicache.router.cluster import ReplicaRecord
 from unicache.router.config import RouterConfig, add_config_arguments, build_config
 from unicache.router.core import Labelled, Prepared
@@ -99,17 +100,17 @@ def test_api_key_from_headers():
 
 def test_chat_template():
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
-    text = render_chat(msgs)
+    text = render_chat(msgs, BYTE_CHAT_TEMPLATE)
     assert text == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\nA\n<|assistant|>\n"
     # The next turn's rendering starts with this turn's prompt (minus its generation cue).
-    longer = render_chat(msgs + [{"role": "user", "content": "again"}])
+    longer = render_chat(msgs + [{"role": "user", "content": "again"}], BYTE_CHAT_TEMPLATE)
     assert longer.startswith(text[: -len("<|assistant|>\n")])
-    assert render_chat_json(json.dumps(msgs)) == text
+    assert render_chat_json(json.dumps(msgs), BYTE_CHAT_TEMPLATE) == text
     for bad in ([], [{"role": "x", "content": "a"}], ["hi"], [{"role": "user", "content": [{"type": "image"}]}]):
         with pytest.raises(ChatFormatError):
-            render_chat(bad)
+            render_chat(bad, BYTE_CHAT_TEMPLATE)
     with pytest.raises(ChatFormatError, match="not valid JSON"):
-        render_chat_json("[{")
+        render_chat_json("[{", BYTE_CHAT_TEMPLATE)
 
 
 def test_status_table_exact():

@@ -2,9 +2,15 @@
 
 ``ByteTokenizer`` (default, no files): ids 0..255 are bytes, then ``<bos>``, ``<eos>``,
 ``<pad>``. ``HFTokenizer`` wraps a Hugging Face ``tokenizer.json`` via ``tokenizers``.
-Both offer ``encode``, ``decode``, ``vocab_size``, ``eos_token_id``, ``bos_token_id`` and
-``detokenizer()``: an incremental decoder for streaming whose deltas never split a
-UTF-8 character (concatenated deltas equal ``decode`` of all ids).
+Both offer ``encode``, ``decode``, ``vocab_size``, ``eos_token_id``, ``bos_token_id``,
+``chat_template`` (``unicache.chat_template.ChatTemplate``: the byte-level template, or the
+one in the tokenizer's directory, or None) and ``detokenizer()``: an incremental decoder
+for streaming whose deltas never split a UTF-8 character (concatenated deltas equal
+``decode`` of all ids).
+
+``encode`` adds no special tokens but recognises them in the text (a rendered chat
+template's ``<|begin_of_text|>`` becomes its id), as transformers' ``apply_chat_template``
+tokenizes with ``add_special_tokens=False``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import codecs
 import json
 import os
 from typing import Protocol
+
+from unicache.chat_template import BYTE_CHAT_TEMPLATE, ChatTemplate
 
 
 class IncrementalDetokenizer(Protocol):
@@ -27,6 +35,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_token_id: int | None
     bos_token_id: int | None
+    chat_template: ChatTemplate | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -45,6 +54,7 @@ class ByteTokenizer:
         self.eos_token_id = 257
         self.pad_token_id = 258
         self.vocab_size = 259
+        self.chat_template = BYTE_CHAT_TEMPLATE
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -80,11 +90,13 @@ class HFTokenizer:
             path = os.path.join(path, "tokenizer.json")
         self._tok = _HF.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        cfg = _special_tokens(os.path.dirname(path))
+        directory = os.path.dirname(path)
+        cfg = special_tokens(directory)
         eos = eos_token or cfg.get("eos_token") or _first_present(self._tok, ("</s>", "<|endoftext|>", "<eos>"))
         bos = bos_token or cfg.get("bos_token") or _first_present(self._tok, ("<s>", "<|begin_of_text|>", "<bos>"))
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
         self.bos_token_id = self._tok.token_to_id(bos) if bos else None
+        self.chat_template = ChatTemplate.from_directory(directory, cfg)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -126,20 +138,36 @@ class _HFDetokenizer:
         return new_text[len(prefix_text) :]
 
 
-def _special_tokens(directory: str) -> dict[str, str]:
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def special_tokens(directory: str) -> dict[str, str]:
+    """The named special tokens transformers reads for a tokenizer directory, as strings.
+
+    From ``tokenizer_config.json`` (a token may be a string or an ``AddedToken`` dict with
+    ``content``); a legacy ``special_tokens_map.json`` overrides them when the config has no
+    ``added_tokens_decoder``, as transformers does.
+    """
+    cfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    merged = dict(cfg)
+    if "added_tokens_decoder" not in cfg:
+        merged.update(_read_json(os.path.join(directory, "special_tokens_map.json")))
     out = {}
-    for key in ("eos_token", "bos_token"):
-        val = cfg.get(key)
+    for key in SPECIAL_TOKEN_KEYS:
+        val = merged.get(key)
         if isinstance(val, dict):
             val = val.get("content")
         if isinstance(val, str):
             out[key] = val
     return out
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
 
 
 def _first_present(tok, candidates: tuple[str, ...]) -> str | None:
