@@ -16,11 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from unicache.sim.prepare import prepare
+from unicache.sim.prepare import future_accesses, prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.workload import WorkloadConfig, generate
 from unicache.trace import read_trace, write_trace
-from unicache.replica.eviction.opt import FutureAccesses
 from bench.paths import RESULTS, mooncake_trace
 
 # name -> unicache constructor kwargs (the full policy is {}).
@@ -45,7 +44,7 @@ VARIANTS: dict[str, dict] = {
 
 def run_trace(name: str, trace_path: str, block_size: int, fracs: list[float]) -> list[dict]:
     prepared = prepare(read_trace(trace_path), block_size)
-    future = FutureAccesses.from_prompts(r.prompt_hashes for r in prepared.requests)
+    future = future_accesses(prepared)
     rows = []
     for frac in fracs:
         cap = int(frac * prepared.unique_blocks)

@@ -14,7 +14,8 @@ TRACE = [
     REC,
     {**REC, "timestamp": 10_000, "input_length": 4, "hash_ids": [5]},
     {**REC, "timestamp": 20_000, "input_length": 4, "hash_ids": [6]},
-    {**REC, "timestamp": 30_000, "input_length": 8, "hash_ids": [1, 2]},
+    # NOTE: one token past [1, 2], so both blocks are reusable (the last token is computed)
+    {**REC, "timestamp": 30_000, "input_length": 9, "hash_ids": [1, 2, 3]},
 ]
 
 
@@ -34,7 +35,7 @@ def test_sim_writes_json_table_and_plot(trace_path, tmp_path, capsys):
     rc = sim("--trace", trace_path, "--capacity-blocks", "3,8", "--policies", "lru,opt", "--json", out, "--plot", png)
     assert rc == 0
     report = json.loads(out.read_text())
-    assert (report["unique_blocks"], report["block_accesses"], report["requests"]) == (4, 6, 4)
+    assert (report["unique_blocks"], report["block_accesses"], report["requests"]) == (5, 7, 4)
     got = {(r["policy"], r["capacity_blocks"]): r["hit_blocks"] for r in report["results"]}
     # capacity 3: for [6] lru evicts block 2 of [1, 2] (released before [5]); opt evicts
     # [5] (never used again), so the last request hits both blocks
@@ -43,10 +44,10 @@ def test_sim_writes_json_table_and_plot(trace_path, tmp_path, capsys):
     for key in ("policy", "capacity_blocks", "block_hit_ratio", "token_hit_ratio", "ttft_mean_s", "ttft_p99_s",
                 "per_task", "evictions", "elapsed_s", "accesses_per_s"):
         assert key in first
-    assert first["block_hit_ratio"] == pytest.approx(1 / 6)
+    assert first["block_hit_ratio"] == pytest.approx(1 / 7)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     stdout = capsys.readouterr().out.splitlines()
-    assert stdout[0].startswith(f"trace {trace_path}: 4 requests, 4 unique blocks, 6 block accesses")
+    assert stdout[0].startswith(f"trace {trace_path}: 4 requests, 5 unique blocks, 7 block accesses")
     assert stdout[1].split()[:3] == ["policy", "capacity", "cap%"]
     assert len(stdout) == 2 + 4
 
@@ -97,7 +98,7 @@ def _bad_line(tmp_path, line: str):
         (lambda p, t: ["--trace", p, "--replicas", "2", "--router", "nope"], "--router: unknown router 'nope'"),
         (lambda p, t: ["--trace", p, "--capacity-blocks", "0"], "--capacity-blocks: capacity must be positive, got 0"),
         (lambda p, t: ["--trace", p, "--capacity-frac", "0"], "--capacity-frac: capacity must be positive, got 0"),
-        (lambda p, t: ["--trace", p, "--capacity-frac", "0.01"], "--capacity-frac: capacity 0.01 of 4 unique blocks is 0 blocks"),
+        (lambda p, t: ["--trace", p, "--capacity-frac", "0.01"], "--capacity-frac: capacity 0.01 of 5 unique blocks is 0 blocks"),
         (lambda p, t: ["--trace", p, "--capacity-blocks", "x"], "--capacity-blocks: 'x' is not a number"),
         (lambda p, t: ["--trace", p, "--block-size", "0"], "--block-size must be positive"),
     ],

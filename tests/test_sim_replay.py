@@ -6,9 +6,8 @@ import math
 
 import pytest
 
-from unicache.replica.eviction.opt import FutureAccesses
 from unicache.sim.metrics import percentile
-from unicache.sim.prepare import prepare
+from unicache.sim.prepare import future_accesses, prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.timing import TimingModel
 from unicache.request_class import Task
@@ -33,7 +32,7 @@ def req(t_s: float, hash_ids, input_length=None, output=0, out_ids=(), **labels)
 
 def run(trace, policy="lru", capacity=64, **kw):
     prepared = prepare(trace, BS)
-    future = FutureAccesses.from_prompts(r.prompt_hashes for r in prepared.requests)
+    future = future_accesses(prepared)
     cfg = ReplayConfig(policy=policy, capacity_blocks=capacity, timing=kw.pop("timing", LINEAR), **kw)
     sim = Replay(prepared, cfg, future=future)
     return sim.run(), sim
@@ -101,18 +100,20 @@ def test_decode_blocks_are_hit_by_the_next_turn():
 
 def test_tenant_salt_keeps_tenants_apart():
     res, _ = run([req(0, [1, 2], tenant="a"), req(5, [1, 2], tenant="b"), req(10, [1, 2], tenant="a")])
-    assert res["hit_blocks"] == 2
+    assert res["hit_blocks"] == 1  # the third hits a's first block; its last block is computed
 
 
-SEQ = [[1], [2], [3], [1], [2]]
+SEQ = [1, 2, 3, 1, 2]
 
 
-@pytest.mark.parametrize("policy, hits", [("lru", 0), ("radix-lru", 0), ("opt", 1)])
-def test_opt_uses_the_future_through_the_same_replay(policy, hits):
-    trace = [req(10 * i, ids) for i, ids in enumerate(SEQ)]
-    res, sim = run(trace, policy=policy, capacity=2)
+@pytest.mark.parametrize("policy, hits, evictions", [("lru", 0, 7), ("radix-lru", 0, 7), ("opt", 1, 6)])
+def test_opt_uses_the_future_through_the_same_replay(policy, hits, evictions):
+    # one full block (the id in SEQ), then one token of a block no request shares: only
+    # the full block can be a hit
+    trace = [req(10 * i, [first, 100 + i], input_length=BS + 1) for i, first in enumerate(SEQ)]
+    res, sim = run(trace, policy=policy, capacity=3)
     assert res["hit_blocks"] == hits
-    assert res["evictions"] == 3 - hits
+    assert res["evictions"] == evictions
     sim.replicas[0].store.check_invariants()
 
 
@@ -126,15 +127,15 @@ def test_opt_never_below_lru_on_a_mixed_trace():
 def test_two_replicas_round_robin_and_pooled():
     trace = [req(0, [1, 2]), req(5, [1, 2]), req(10, [1, 2])]
     res, sim = run(trace, replicas=2, router="round_robin")
-    assert res["hit_blocks"] == 2  # r0, r1 (miss), r0 (hit)
+    assert res["hit_blocks"] == 1  # r0, r1 (miss), r0 (hit: the first block; the last is computed)
     assert (res["router"], res["replicas"]) == ("round_robin", 2)
-    assert [r.computed_prefill_tokens for r in sim.replicas] == [8, 8]
-    assert res["load_imbalance"] == pytest.approx(1.0)
+    assert [r.computed_prefill_tokens for r in sim.replicas] == [12, 8]
+    assert res["load_imbalance"] == pytest.approx(12 / 10)
     # the locality index saw r0's and r1's stored blocks through their events
     hashes = sim.trace.requests[0].prompt_hashes
     assert sim.index.match("r0", hashes) == 2 and sim.index.match("r1", hashes) == 2
     pooled, psim = run(trace, replicas=2, pooled=True)
-    assert pooled["hit_blocks"] == 4 and pooled["router"] == "pooled"
+    assert pooled["hit_blocks"] == 2 and pooled["router"] == "pooled"
     assert len(psim.replicas) == 1 and psim.replicas[0].store.num_blocks == 128
 
 

@@ -11,6 +11,9 @@ Invariants:
       block.
     * Only full blocks are hashed by ``hash_token_blocks``; a trailing partial block is
       never cached.
+    * A prompt of n tokens takes at most ``reusable_prompt_blocks(n, block_size)`` blocks
+      from a cache: its last token is always computed. Replica, simulator and test fakes
+      all cap their hits with it.
 """
 
 from __future__ import annotations
@@ -114,6 +117,18 @@ def hash_id_blocks(
         parent = hash_block(parent, (hid,), block_extra_keys(start_index + i, cache_salt, None))
         hashes.append(parent)
     return hashes
+
+
+def reusable_prompt_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """How many leading blocks of an ``num_prompt_tokens``-token prompt a cache hit may cover.
+
+    At least the prompt's last token is computed, because its logits give the first
+    output token; so a prompt that is all cached full blocks still computes its last
+    block: ``(num_prompt_tokens - 1) // block_size``, 0 for an empty prompt.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    return max(num_prompt_tokens - 1, 0) // block_size
 
 
 def short(block_hash: BlockHash) -> str:

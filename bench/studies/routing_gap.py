@@ -43,7 +43,7 @@ from pathlib import Path
 
 from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
 from unicache.replica.eviction.opt import FutureAccesses
-from unicache.sim.prepare import PreparedTrace
+from unicache.sim.prepare import PreparedTrace, future_accesses
 from unicache.sim.replay import Replay, ReplayConfig
 from bench.paths import RESULTS
 from bench.mix_traces import prepared_mix
@@ -86,7 +86,7 @@ def run_one(trace: PreparedTrace, cap: int, placement: str, eviction: str, repli
 
 
 def grid(trace: PreparedTrace, cap: int, replicas: int) -> dict[str, dict]:
-    future = FutureAccesses.from_prompts(r.prompt_hashes for r in trace.requests)
+    future = future_accesses(trace)
     cells = [(p, e) for p in PLACEMENTS for e in EVICTIONS] + [("sglang", "lru")]
     out = {}
     for placement, eviction in cells:
@@ -106,7 +106,7 @@ def composition(trace: PreparedTrace, cap: int, replicas: int, eviction: str, ev
         for h in r.prompt_hashes:
             uses[h].append(r.arrival_s)
             owner.setdefault(h, r.task_key)
-    future = FutureAccesses.from_prompts(r.prompt_hashes for r in trace.requests) if eviction == "opt" else None
+    future = future_accesses(trace) if eviction == "opt" else None
     rp = run_one(trace, cap, "pooled", eviction, replicas, future)
     store = rp.replicas[0].store
     counts: Counter = Counter()

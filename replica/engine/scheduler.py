@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from unicache.block_hash import reusable_prompt_blocks
 from unicache.replica.engine.sequence import RequestGroup, SeqStatus, Sequence
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 
@@ -122,8 +123,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, now: float) -> bool:
         n_tokens = len(seq.token_ids)
         hashes = seq.full_block_hashes(n_tokens, self.block_size)
-        # At least one token is always computed: its logits give the next token.
-        query = hashes[: (n_tokens - 1) // self.block_size]
+        query = hashes[: reusable_prompt_blocks(n_tokens, self.block_size)]
         reserve = self.watermark_blocks * self.block_size if self.running else 0
         if not self.store.can_allocate(query, n_tokens + reserve):
             return False

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from unicache.block_hash import BlockHash, hash_id_blocks
+from unicache.block_hash import BlockHash, hash_id_blocks, reusable_prompt_blocks
 from unicache.classifier import Labels, RequestClassifier
+from unicache.replica.eviction.opt import FutureAccesses
 from unicache.request_class import DEFAULT_TENANT, RequestClass, Task
 from unicache.trace import TraceRequest
 
@@ -27,6 +28,9 @@ class SimRequest:
             partial block; it is treated as a whole cacheable block).
         output_hashes: decode blocks, chained after the prompt's last hash.
         prompt_tokens: tokens the prompt's blocks span (``len(prompt_hashes) * block_size``).
+        reusable_blocks: how many leading prompt blocks a cache hit may cover
+            (``reusable_prompt_blocks`` of ``input_length``: the last token is always
+            computed, as on a real replica).
         num_tokens: tokens reserved at admission (prompt blocks plus the output).
         cls: the class the replicas see (labels, or the classifier's inference).
         truth: the class built from the trace's labels (None for an unlabelled trace).
@@ -42,6 +46,7 @@ class SimRequest:
     prompt_tokens: int
     num_tokens: int
     cls: RequestClass
+    reusable_blocks: int
     truth: RequestClass | None = None
     task_key: str = field(default="other")
 
@@ -121,6 +126,7 @@ def prepare(
                 prompt_tokens=prompt_tokens,
                 num_tokens=num_tokens,
                 cls=cls,
+                reusable_blocks=min(reusable_prompt_blocks(r.input_length, block_size), len(prompt)),
                 truth=truth_class(r) if r.labelled else None,
                 task_key=cls.task.value if not (ignore_labels and r.labelled) else truth_class(r).task.value,
             )
@@ -168,3 +174,9 @@ def _coarse_task(c: RequestClass) -> str:
     if c.session_id is None:
         return "other"
     return "agent" if c.task in (Task.AGENT, Task.TOOL) else "chat"
+
+
+def future_accesses(trace: PreparedTrace) -> FutureAccesses:
+    """The opt oracle of ``trace``: for each block hash, the requests that can read it
+    from a cache (each prompt's ``reusable_blocks``, in arrival order)."""
+    return FutureAccesses.from_prompts(r.prompt_hashes[: r.reusable_blocks] for r in trace.requests)

@@ -236,7 +236,8 @@ class Replay:
                 if future is not None:
                     future.clock = req.index
                 try:
-                    alloc = store.allocate(req.rid, req.prompt_hashes, req.num_tokens, req.cls, t, req.prompt_tokens)
+                    alloc = store.allocate(req.rid, req.prompt_hashes[: req.reusable_blocks], req.num_tokens, req.cls, t,
+                                           req.prompt_tokens)
                 except OutOfBlocks:
                     if rep.running:
                         break
@@ -245,6 +246,9 @@ class Replay:
                     self._reject(rep, req)
                     continue
                 waiting.popleft()
+                if req.reusable_blocks < len(req.prompt_hashes):
+                    # NOTE: the blocks a hit may not cover are computed, then cached as usual.
+                    store.add_block_hashes(req.rid, req.prompt_hashes[req.reusable_blocks:])
                 rep.queued_prefill_tokens -= req.prompt_tokens
                 rep.running += 1
                 hits = alloc.num_hit_blocks

@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from unicache.replica.eviction.opt import FutureAccesses
-from unicache.sim.prepare import PreparedTrace
+from unicache.sim.prepare import PreparedTrace, future_accesses
 from unicache.sim.replay import Replay, ReplayConfig
 
 
@@ -41,7 +40,7 @@ def run_grid(
 
     The opt oracle is built once here (outside the per-policy loop).
     """
-    future = FutureAccesses.from_prompts(r.prompt_hashes for r in trace.requests) if "opt" in policies else None
+    future = future_accesses(trace) if "opt" in policies else None
     results = []
     variants: list[ReplayConfig] = []
     for policy in policies:

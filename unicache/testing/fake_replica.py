@@ -2,8 +2,9 @@
 
 Deterministic: it echoes the prompt's token ids (or a text prompt's UTF-8 bytes) back (one token per message, ``max_tokens``
 of them, default 4) and keeps a real prefix cache of chained block hashes (the shared
-``hash_token_blocks`` with the forwarded ``cache_salt``), so ``usage.cached_tokens`` is what
-a real replica would report. It records every request, can fail the next calls with a
+``hash_token_blocks`` with the forwarded ``cache_salt``, hits capped by
+``reusable_prompt_blocks`` as a real replica's scheduler caps them), so
+``usage.cached_tokens`` is what a real replica would report. It records every request, can fail the next calls with a
 status before the first token, and can hold a stream open to test cancellation.
 """
 
@@ -13,7 +14,7 @@ import asyncio
 
 import grpc
 
-from unicache.block_hash import hash_token_blocks
+from unicache.block_hash import hash_token_blocks, reusable_prompt_blocks
 from unicache.router.replica_client import PROBE_REQUEST_ID
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
@@ -60,7 +61,7 @@ class FakeReplica(replica_pb2_grpc.ReplicaServicer):
         ids = list(request.token_ids.ids) or list(request.text.encode())
         hashes = hash_token_blocks(ids, self.block_size, cache_salt=request.cache_salt or None)
         hit = 0
-        for h in hashes:
+        for h in hashes[: reusable_prompt_blocks(len(ids), self.block_size)]:
             if h not in self.cached:
                 break
             hit += 1
