@@ -6,8 +6,12 @@ the live router, the simulator's event pump). No I/O here.
 Invariants:
     * ``applied_seq[r]`` is the seq of the last event batch applied for replica r in its
       current epoch; a batch with another epoch or a seq gap marks r as needing resync.
-    * A replica's set never exceeds ``max_blocks_per_replica`` (oldest-stored dropped
-      first), so memory is bounded even if a remove event is lost.
+    * A replica's set never exceeds ``max_blocks_per_replica``, so memory is bounded even
+      if a remove event is lost. Each set is kept in least-recently-used order: a stored
+      block is the most recent, and ``match`` refreshes the prefix it found deepest
+      first, so within a used chain a block is always less recent than its ancestors.
+      Trimming drops the least recent block, hence a leaf of a used prefix before its
+      parent (dropping a root would zero every descendant's match).
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class LocalityIndex(LocalityView):
             if bh not in blocks:
                 break
             n += 1
+        if n:
+            touch = blocks.move_to_end
+            for i in range(n - 1, -1, -1):  # NOTE: deepest first: the root ends most recent
+                touch(block_hashes[i])
         return n
 
     def apply_summary(self, replica_id: str, epoch: int, seq: int, block_hashes: Iterable[BlockHash]) -> None:
@@ -126,5 +134,6 @@ class LocalityIndex(LocalityView):
         self._replicas.pop(replica_id, None)
 
     def _trim(self, h: ReplicaHoldings) -> None:
+        """Drop the least recently used blocks (leaves of used prefixes first) down to the bound."""
         while len(h.blocks) > self.max_blocks:
             h.blocks.popitem(last=False)
