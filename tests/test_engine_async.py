@@ -48,7 +48,7 @@ async def test_streams_tokens_text_and_usage(engine):
     last = outs[-1]
     assert last.finish_reason == "length"
     assert (last.usage.prompt_tokens, last.usage.cached_tokens, last.usage.completion_tokens) == (21, 0, 6)
-    assert last.usage.queue_time_s >= 0 and last.usage.prefill_time_s >= 0
+    # queue and prefill times: exact under a fake clock in test_engine_scheduler.py
     toks = [t for o in outs for t in o.new_token_ids]
     want = run_one(LLMEngine(tiny_config()), make_request("a", PROMPT, max_tokens=6)).tokens[0]
     assert toks == want

@@ -70,3 +70,20 @@ def test_engine_config_rejects_nonsense():
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         EngineConfig(num_gpu_blocks=0)
     assert EngineConfig(num_blocks=8, num_gpu_blocks=32).total_blocks == 32
+
+
+def test_usage_times_come_from_the_engine_clock():
+    # A waits 2 s and is prefilled in three 8-token chunks (one step each); B, held back
+    # by max_num_seqs=1, is scheduled only once A has finished.
+    now = [10.0]
+    eng = LLMEngine(tiny_config(max_num_seqs=1, max_num_batched_tokens=8), clock=lambda: now[0])
+    eng.add_request(make_request("A", list(range(20)), max_tokens=1))
+    eng.add_request(make_request("B", list(range(50, 54)), max_tokens=1))
+    usage = {}
+    for t in (12.0, 13.0, 14.5, 20.0):
+        now[0] = t
+        for out in eng.step():
+            if out.finished:
+                usage[out.request_id] = (out.usage.queue_time_s, out.usage.prefill_time_s)
+    assert usage == {"A": (2.0, 2.5), "B": (10.0, 0.0)}
+    assert not eng.has_unfinished()
