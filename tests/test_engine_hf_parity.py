@@ -1,6 +1,6 @@
 """The built-in engine against transformers on checkpoints transformers itself wrote.
 
-Every case of ``tests/support/hf_models.CASES`` (rope default/linear/dynamic/llama3/yarn in
+Every case of ``unicache.testing.hf_models.CASES`` (rope default/linear/dynamic/llama3/yarn in
 both config layouts, Qwen2, Mistral, tied embeddings, explicit head_dim, biases): the
 dense forward, the paged path (prefill, cached suffix, decode) and the engine's greedy
 tokens equal transformers'. Configs the engine cannot reproduce fail at load, naming the key.
@@ -16,12 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support.engine_factory import make_request, run_one, tiny_config
-from tests.support.hf_models import CASES, edit_config, hf_greedy, hf_logits, load_hf, prompt, write_case
-from unicache.replica.engine.attention import build_metadata
 from unicache.replica.engine.checkpoint import CheckpointError, load_checkpoint
 from unicache.replica.engine.engine import LLMEngine
 from unicache.replica.engine.model import Rotary
-from unicache.replica.kv.torch_storage import TorchKVStorage
+from unicache.testing.hf_models import (
+    CASES, REFUSED, edit_config, hf_greedy, hf_logits, load_hf, paged_logits, prompt, write_case,
+)
 
 BS = 4
 PROMPT = prompt(40)
@@ -52,19 +52,6 @@ def checkpoints(tmp_path_factory):
     return {name: write_case(name, str(root / name)) for name in CASES}
 
 
-def _paged_logits(model, chunks):
-    """Run (start, end) chunks of PROMPT + continuation through the paged path in order."""
-    c = model.config
-    storage = TorchKVStorage(c.num_layers, 64, BS, c.num_kv_heads, c.dim_per_head)
-    table = [13, 2, 40, 7, 21, 9, 33, 0, 5, 18, 27, 11, 60, 3]  # scattered blocks
-    out = []
-    for toks, start, end in chunks:
-        meta = build_metadata([(table, start, end)], BS, torch.device("cpu"))
-        hidden = model(torch.tensor(toks[start:end]), torch.arange(start, end), storage, meta)
-        out.append(model.logits(hidden))
-    return torch.cat(out)
-
-
 def test_cases_are_all_checked():
     assert set(EXPECTED) == set(CASES)
 
@@ -90,7 +77,7 @@ def test_logits_and_greedy_tokens_equal_transformers(checkpoints, name):
     torch.testing.assert_close(ours.forward_dense(torch.tensor(full)), want, atol=1e-5, rtol=0)
     # Paged: prefill 0..29, the cached prefix's suffix 30..39, then decode one by one.
     chunks = [(full, 0, 30), (full, 30, 40)] + [(full, p, p + 1) for p in range(40, len(full))]
-    torch.testing.assert_close(_paged_logits(ours, chunks), want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(paged_logits(ours, chunks, BS), want, atol=1e-4, rtol=0)
     engine = LLMEngine(tiny_config(checkpoint=path, block_size=BS))
     got = run_one(engine, make_request("a", PROMPT, max_tokens=NEW_TOKENS))
     assert got.tokens[0] == want_tokens
@@ -144,29 +131,6 @@ def test_qwen2_window_applies_only_to_its_sliding_layers(tmp_path, max_window_la
         LLMEngine(tiny_config(checkpoint=path, block_size=BS))
 
 
-def _set(**kw):
-    return lambda c: c.update(kw)
-
-
-def _rope(**kw):
-    return lambda c: c["rope_parameters"].update(kw)
-
-
-REFUSED = {
-    "model_type": (_set(model_type="gpt2"), "config.json model_type 'gpt2' is not supported by the built-in engine (supported: llama, mistral, qwen2)"),
-    "architectures": (_set(architectures=["LlamaForSequenceClassification"]), "config.json architectures ['LlamaForSequenceClassification']"),
-    "hidden_act": (_set(hidden_act="gelu"), "config.json hidden_act 'gelu' is not supported"),
-    "rope_type": (_rope(rope_type="longrope"), "config.json rope_parameters.rope_type 'longrope' is not supported by the built-in engine (supported: default, linear, dynamic, llama3, yarn)"),
-    "rope_scaling": (_set(rope_scaling={"type": "su", "factor": 2.0}), "config.json rope_scaling.rope_type 'su' is not supported"),
-    "rope_key": (_rope(rope_type="llama3", factor=8.0, high_freq_factor=4.0), "config.json rope_parameters for rope_type 'llama3' lacks 'low_freq_factor'"),
-    "nested_rope": (_set(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}), "config.json rope_parameters is nested per layer type"),
-    "partial_rotary_factor": (_set(partial_rotary_factor=0.5), "config.json partial_rotary_factor=0.5"),
-    "quantization_config": (_set(quantization_config={"quant_method": "gptq"}), "config.json quantization_config is set"),
-    "num_key_value_heads": (_set(num_key_value_heads=3), "config.json num_key_value_heads=3 does not divide num_attention_heads=4"),
-    "shape": (_set(intermediate_size=96), "checkpoint does not match config.json: size mismatch for model.layers.0.mlp.gate_proj.weight"),
-}
-
-
 @pytest.mark.parametrize("key", sorted(REFUSED))
 def test_unsupported_config_fails_at_load_naming_the_key(checkpoints, tmp_path, key):
     edit, message = REFUSED[key]
@@ -182,7 +146,7 @@ def test_tied_config_with_a_different_lm_head_is_refused(checkpoints, tmp_path):
     path = shutil.copytree(checkpoints["llama-default"], str(tmp_path / "ckpt"))
     state = load_file(f"{path}/model.safetensors")
     assert "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
-    edit_config(path, _set(tie_word_embeddings=True))
+    edit_config(path, lambda c: c.update(tie_word_embeddings=True))
     with pytest.raises(CheckpointError, match="^config.json tie_word_embeddings is true but lm_head.weight differs"):
         load_checkpoint(path)
     state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()

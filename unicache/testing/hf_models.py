@@ -3,8 +3,11 @@
 ``write_case(name, path)`` builds the transformers config of ``CASES[name]``, a model with
 seeded random weights (every parameter drawn, biases and norms included, so each one
 matters to the logits), and ``save_pretrained`` writes config.json + model.safetensors.
-``hf_logits``/``hf_greedy`` are the reference: transformers' own forward, full recompute.
-Used by tests/test_engine_hf_parity.py and bench/hf_parity.py.
+``hf_logits``/``hf_greedy`` are the reference: transformers' own forward, full recompute;
+``paged_logits`` runs our model through its serving path (paged KV, prefix then suffix
+then decode). ``REFUSED`` lists config.json edits the engine must refuse at load, with the
+start of the one-line message it must give. Used by tests/test_engine_hf_parity.py and
+bench/hf_parity.py; needs transformers (the ``dev`` extra).
 """
 
 from __future__ import annotations
@@ -125,6 +128,51 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
     for _ in range(max_new_tokens):
         seq.append(int(hf_logits(model, seq)[-1].argmax()))
     return seq[len(ids):]
+
+
+def paged_logits(model, chunks: list[tuple[list[int], int, int]], block_size: int = 4) -> torch.Tensor:
+    """Logits of ``(tokens, start, end)`` chunks run in order through the paged serving path.
+
+    One sequence over scattered KV blocks: a later chunk reads the K/V the earlier ones wrote.
+    """
+    from unicache.replica.engine.attention import build_metadata
+    from unicache.replica.kv.torch_storage import TorchKVStorage
+
+    c = model.config
+    end_max = max(end for _, _, end in chunks)
+    n_blocks = -(-end_max // block_size)
+    storage = TorchKVStorage(c.num_layers, 3 * n_blocks + 1, block_size, c.num_kv_heads, c.dim_per_head)
+    table = torch.randperm(3 * n_blocks + 1, generator=torch.Generator().manual_seed(0))[:n_blocks].tolist()  # scattered
+    out = []
+    for toks, start, end in chunks:
+        meta = build_metadata([(table, start, end)], block_size, torch.device("cpu"))
+        hidden = model(torch.tensor(toks[start:end]), torch.arange(start, end), storage, meta)
+        out.append(model.logits(hidden))
+    return torch.cat(out)
+
+
+def _set(**kw):
+    return lambda c: c.update(kw)
+
+
+def _rope(**kw):
+    return lambda c: c["rope_parameters"].update(kw)
+
+
+# config.json edits of the "llama-default" case -> the start of the engine's refusal.
+REFUSED = {
+    "model_type": (_set(model_type="gpt2"), "config.json model_type 'gpt2' is not supported by the built-in engine (supported: llama, mistral, qwen2)"),
+    "architectures": (_set(architectures=["LlamaForSequenceClassification"]), "config.json architectures ['LlamaForSequenceClassification']"),
+    "hidden_act": (_set(hidden_act="gelu"), "config.json hidden_act 'gelu' is not supported"),
+    "rope_type": (_rope(rope_type="longrope"), "config.json rope_parameters.rope_type 'longrope' is not supported by the built-in engine (supported: default, linear, dynamic, llama3, yarn)"),
+    "rope_scaling": (_set(rope_scaling={"type": "su", "factor": 2.0}), "config.json rope_scaling.rope_type 'su' is not supported"),
+    "rope_key": (_rope(rope_type="llama3", factor=8.0, high_freq_factor=4.0), "config.json rope_parameters for rope_type 'llama3' lacks 'low_freq_factor'"),
+    "nested_rope": (_set(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}), "config.json rope_parameters is nested per layer type"),
+    "partial_rotary_factor": (_set(partial_rotary_factor=0.5), "config.json partial_rotary_factor=0.5"),
+    "quantization_config": (_set(quantization_config={"quant_method": "gptq"}), "config.json quantization_config is set"),
+    "num_key_value_heads": (_set(num_key_value_heads=3), "config.json num_key_value_heads=3 does not divide num_attention_heads=4"),
+    "shape": (_set(intermediate_size=96), "checkpoint does not match config.json: size mismatch for model.layers.0.mlp.gate_proj.weight"),
+}
 
 
 def prompt(n: int, seed: int = 1, vocab: int = SHAPE["vocab_size"]) -> list[int]:
