@@ -23,6 +23,9 @@ median and the range. Scenarios and figures (docs/reliability.md):
             requests in flight there: what they cost against the derived first-token
             timeout, where the requests during the freeze went, SIGCONT -> back in routing.
     streams 1,000 concurrent streaming requests: failures, retries, latency.
+    ghosts  ten replicas at dead addresses beside the three real ones (what a forged
+            heartbeat or a replica that died before its heartbeat expired looks like to
+            the request path): 30 sequential requests, failures, calls to the ghosts.
 
 Every scenario also reports the router's retries (attempts moved to another replica
 before a first token) and quarantines.
@@ -37,13 +40,14 @@ import argparse
 import asyncio
 import collections
 import json
+import socket
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 from unicache.testing import fault_scenarios as fs
-from unicache.testing.cluster_harness import ReplicaSet, RouterHandle, locality_first, start_ray, stop_ray
+from unicache.testing.cluster_harness import ReplicaSet, RouterHandle, locality_first, prompt_text, start_ray, stop_ray
 from unicache.redis_server import EmbeddedRedis
 from bench.paths import REPO, RESULTS
 
@@ -218,6 +222,41 @@ async def concurrent_streams(redis: EmbeddedRedis, replicas: ReplicaSet, rep: in
     }
 
 
+# ------------------------------------------------------------------------------ ghosts
+def dead_addresses(n: int) -> list[str]:
+    """Loopback addresses nothing listens on (ports bound, then closed)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+async def ghost_replicas(redis: EmbeddedRedis, replicas: ReplicaSet, rep: int, ghosts: int = 10, requests: int = 30) -> dict:
+    addresses = dead_addresses(ghosts)
+
+    async def run(router: RouterHandle):
+        await fs.synced(router, replicas, WAIT_S)
+        replies = [await router.generate(prompt_text(f"bench-ghost-{rep}-{i}", 64)) for i in range(requests)]
+        return replies, [a for _, a in router.calls if a in addresses]
+
+    (replies, ghost_calls), count = await with_router(
+        run, redis, replicas=",".join(f"ghost-{i}={a}" for i, a in enumerate(addresses)), routing_policy="round_robin"
+    )
+    return {
+        "ghosts": ghosts,
+        "requests": requests,
+        "failed": sum(1 for r in replies if not r.ok),
+        "served_by_real": sum(1 for r in replies if r.ok and r.replica in replicas.ids),
+        "client_calls_to_ghosts": len(ghost_calls),
+        "distinct_ghosts_called": len(set(ghost_calls)),
+        **count,
+    }
+
+
 # ------------------------------------------------------------------------------ report
 SCENARIOS = {
     "redis": redis_outage,
@@ -226,6 +265,7 @@ SCENARIOS = {
     "slow": slow_replica,
     "frozen": frozen_replica,
     "streams": concurrent_streams,
+    "ghosts": ghost_replicas,
 }
 
 
@@ -239,7 +279,9 @@ def counts_row(xs: list[dict]) -> str:
 
 
 def markdown(res: dict) -> str:
-    r, k, t, s, f, c = (res["scenarios"].get(x, []) for x in ("redis", "replica", "router", "slow", "frozen", "streams"))
+    r, k, t, s, f, c, g = (
+        res["scenarios"].get(x, []) for x in ("redis", "replica", "router", "slow", "frozen", "streams", "ghosts")
+    )
     lines = [
         "# Fault figures",
         "",
@@ -313,6 +355,13 @@ def markdown(res: dict) -> str:
             f"| | wall time, s | {spread([x['wall_s'] for x in c])} |",
             f"| | latency p50 / p99, s | {spread([x['latency_p50_s'] for x in c])} / {spread([x['latency_p99_s'] for x in c])} |",
             counts_row(c),
+        ]
+    if g:
+        lines += [
+            f"| {g[0]['ghosts']} ghost replicas (dead addresses) beside 3 real | failed client requests | "
+            f"{sum(x['failed'] for x in g)} of {sum(x['requests'] for x in g)} (served by real replicas: {sum(x['served_by_real'] for x in g)}) |",
+            "| | client calls to ghosts (distinct ghosts) | " + ", ".join(f"{x['client_calls_to_ghosts']} ({x['distinct_ghosts_called']})" for x in g) + " |",
+            counts_row(g),
         ]
     return "\n".join(lines) + "\n"
 

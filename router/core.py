@@ -8,8 +8,9 @@ Invariants:
     * ``forward`` is two steps: ``_first_message`` (attempts, each ``_attempt``) and a
       streaming loop. A request that fails before its first streamed message with a
       retryable status is retried on up to ``retry_replicas`` other replicas, each a
-      replica not tried before, while its deadline allows; after the first message
-      nothing is retried (tokens were already sent to the client).
+      replica not tried before, while its deadline allows (a refusal, UNAVAILABLE, is
+      not counted: the replica did no work); after the first message nothing is
+      retried (tokens were already sent to the client).
     * A replica that refuses a call (UNAVAILABLE) or sends nothing within its derived
       first-token timeout (``unicache.router.first_token``) is quarantined at once (the
       stalled call is cancelled); ``unicache.router.prober`` brings it back.
@@ -150,12 +151,14 @@ class Attempt:
 
 
 class AttemptFailed(Exception):
-    """One attempt failed before its first message; ``retryable``: worth another replica."""
+    """One attempt failed before its first message; ``retryable``: worth another replica;
+    ``refused``: the replica answered UNAVAILABLE (it did no work on the request)."""
 
-    def __init__(self, error: RouterError, retryable: bool):
+    def __init__(self, error: RouterError, retryable: bool, refused: bool = False):
         super().__init__(str(error))
         self.error = error
         self.retryable = retryable
+        self.refused = refused
 
 
 @dataclass(slots=True)
@@ -187,7 +190,8 @@ class RouterCore:
             time to first token; a replica that streams nothing that long is cancelled,
             quarantined, and the request retried elsewhere (None: wait for the deadline).
         retry_replicas: failures before the first message are retried on up to this many
-            other replicas (default 2), each tried once, within the request's deadline.
+            other replicas (default 2), each tried once, within the request's deadline;
+            refusals (UNAVAILABLE) move on to another replica without counting.
     """
 
     def __init__(
@@ -350,12 +354,14 @@ class RouterCore:
         """Attempts on distinct replicas until one sends its first message (or ends its
         stream empty); the returned attempt is open and counted in flight.
 
-        At most ``1 + retry_replicas`` attempts, none started past ``deadline``
-        (``time.perf_counter`` seconds). Raises the last attempt's RouterError when it is
+        Each replica at most once; at most ``retry_replicas`` retries after failures that
+        may have cost the replica work (refusals, UNAVAILABLE, do not count); none started
+        past ``deadline`` (``time.perf_counter`` seconds). Raises the last attempt's RouterError when it is
         not retryable or no attempt is left, RouterError("unavailable") when no replica
         was available at all, and RouterError("deadline") when the deadline passed first.
         """
         tried: set[str] = set()
+        worked = 0  # failed attempts at replicas that may have worked on the request
         last_error: RouterError | None = None
         while True:
             remaining = deadline - time.perf_counter()
@@ -367,14 +373,22 @@ class RouterCore:
                 if last_error is not None:
                     raise last_error from None  # no other replica to retry on
                 raise
+            if tried:
+                self.metrics.retries.inc()
             try:
                 return await self._attempt(prep, request, decision, remaining)
             except AttemptFailed as failed:
                 tried.add(decision.replica_id)
-                if not failed.retryable or len(tried) > self.retry_replicas:
+                if not failed.retryable:
                     raise failed.error from None
+                # NOTE: a refusal (UNAVAILABLE before any message: nothing listening, or
+                # shutting down) did no work and took milliseconds, so it does not use up
+                # the retry budget; each replica is still tried at most once.
+                if not failed.refused:
+                    worked += 1
+                    if worked > self.retry_replicas:
+                        raise failed.error from None
                 last_error = failed.error
-                self.metrics.retries.inc()
 
     async def _attempt(
         self, prep: Prepared, request: replica_pb2.GenerateRequest, decision: RouteDecision, remaining_s: float
@@ -432,7 +446,7 @@ class RouterCore:
             self.metrics.labelled(self.metrics.quarantines, rid).inc()
             log.warning("replica %s quarantined (%s) until it answers a probe", rid, "stalled" if stalled else code.name)
         kind = _replica_error_kind(exc)
-        return AttemptFailed(RouterError(kind, client_message(rid, exc, kind)), code in RETRYABLE)
+        return AttemptFailed(RouterError(kind, client_message(rid, exc, kind)), code in RETRYABLE, code == grpc.StatusCode.UNAVAILABLE)
 
     def _end_attempt(self, prep: Prepared, rid: str, stream: ReplicaStream) -> None:
         """Close the call (cancelling it at the replica if unfinished) and uncount it."""

@@ -289,3 +289,32 @@ async def test_a_replica_streaming_to_others_is_busy_not_stalled():
     with pytest.raises(grpc.aio.AioRpcError):
         await capped.first(0.2, time.monotonic, max_wait_s=0.4)
     assert capped.timed_out
+
+
+async def test_ten_ghost_replicas_cost_no_client_failure_and_one_attempt_each():
+    ghosts = {f"g{i}": dead_address() for i in range(10)}
+    live = [FakeReplica("r0"), FakeReplica("r1")]
+    for r in live:
+        await r.start()
+    spec = ",".join([f"{g}={a}" for g, a in ghosts.items()] + [f"{r.replica_id}={r.address}" for r in live])
+    app, stub, channel = await start_router(spec)
+    app.cluster.clock = lambda: 0.0  # no probe comes due: a quarantined ghost stays out
+    dialled: list[str] = []
+    generate = app.clients.generate
+    app.clients.generate = lambda address, request, timeout_s=None: dialled.append(address) or generate(address, request, timeout_s)
+    try:
+        replies = []
+        for _ in range(30):
+            msgs = [m async for m in stub.Generate(router_pb2.RouterGenerateRequest(text="hello"), timeout=10)]
+            replies.append(msgs[0].route.replica_id)
+        assert sorted(set(replies)) == ["r0", "r1"] and len(replies) == 30  # every request served
+        # Each ghost refused once and was quarantined at once: never dialled again.
+        assert sorted(a for a in dialled if a in ghosts.values()) == sorted(ghosts.values())
+        assert [app.cluster.healthy(g) for g in ghosts] == [False] * 10
+        assert app.metrics.registry.get_sample_value("unicache_router_retries_total") == 10
+        assert [len(r.served) for r in live] == [14, 16]  # round robin over the healthy set as it shrinks
+    finally:
+        await channel.close()
+        await app.stop()
+        for r in live:
+            await r.stop()

@@ -143,15 +143,24 @@ async def test_grpc_retries_on_distinct_replicas_then_quarantines_and_probes_bac
     assert app.metrics.registry.get_sample_value("unicache_router_retries_total") == 4
 
 
-async def test_retry_replicas_bounds_the_attempts(cluster3):
+async def test_retry_replicas_bounds_the_attempts_that_cost_work_and_refusals_do_not_count(cluster3):
     app, reps, stub = cluster3
     app.core.retry_replicas = 1
     for r in reps:
-        r.fail_next = 1
+        r.fail_next, r.fail_code = 1, grpc.StatusCode.INTERNAL
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INTERNAL, "replica failed")
     assert served(reps) == [1, 0, 1]  # round robin: r0, then r2 of {r1, r2}; no third attempt
+    assert all(app.cluster.healthy(r.replica_id) for r in reps)  # errors, not refusals: nobody quarantined
+    # A refusal costs no retry: r2 refuses (UNAVAILABLE), r1 fails (its INTERNAL is still
+    # pending), r0 serves: round robin's next is 2, so r2, then r1 of {r0, r1}, then r0;
+    # retry_replicas = 1 allows the one failure that cost work.
+    reps[2].fail_next, reps[2].fail_code = 1, grpc.StatusCode.UNAVAILABLE
+    msgs = await collect(stub.Generate(router_pb2.RouterGenerateRequest(text=PROMPT), metadata=[("x-api-key", "key-a")], timeout=10))
+    assert msgs[0].route.replica_id == "r0"
+    assert served(reps) == [2, 1, 2]
+    assert [app.cluster.healthy(r.replica_id) for r in reps] == [True, True, False]
 
 
 async def test_grpc_invalid_argument_is_not_retried(cluster2):
