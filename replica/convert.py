@@ -21,17 +21,22 @@ FINISH_REASON_NAMES: dict[int, str | None] = {v: k for k, v in FINISH_REASONS.it
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
-    """Proto defaults (0) mean "server default": max_tokens -> ``default_max_tokens``,
-    top_p 0 -> 1.0 (only 0: a negative top_p is rejected, not
-    silently widened), n 0 -> 1. Range checks (too many tokens, bad temperature) are the
-    engine's: it raises ``EngineInputError`` with the limit in the message."""
+    """Proto defaults (0) mean "server default": max_tokens -> ``default_max_tokens``
+    (None, up to the context, when ``fill_context``), top_p 0 -> 1.0 (only 0: a negative
+    top_p is rejected, not silently widened), n 0 -> 1. Range checks (too many tokens,
+    bad temperature, penalties) are the engine's: it raises ``EngineInputError`` with the
+    limit in the message."""
     return SamplingParams(
-        max_tokens=msg.max_tokens or default_max_tokens,
+        max_tokens=msg.max_tokens or (None if msg.fill_context else default_max_tokens),
         temperature=float(msg.temperature),
         top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,  # negative or NaN: the engine rejects it
         seed=int(msg.seed) if msg.HasField("seed") else None,
         stop=list(msg.stop),
         n=msg.n or 1,
+        logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        stop_token_ids=list(msg.stop_token_ids),
     )
 
 
@@ -62,6 +67,9 @@ def output_to_proto(out: EngineOutput) -> replica_pb2.GenerateResponse:
     )
     if out.usage is not None:
         msg.usage.CopyFrom(usage_to_proto(out.usage))
+    if out.logprobs is not None:
+        for lp in out.logprobs:
+            msg.logprobs.add(logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     return msg
 
 

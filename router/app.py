@@ -24,6 +24,7 @@ from unicache.router.config import RouterConfig, resolve_tokenizer_path
 from unicache.router.core import RouterCore
 from unicache.router.first_token import FirstTokenTimeout
 from unicache.router.http_api import HttpFrontDoor
+from unicache.router.http_server import HttpLimits, uvicorn_config
 from unicache.router.index import LocalityIndex
 from unicache.router.limits import limiter_from_config
 from unicache.router.metrics import RouterMetrics
@@ -133,7 +134,13 @@ class RouterApp:
                 expected_block_size=config.block_size,
                 **(subscriber_kwargs or {}),
             )
-        self.http = HttpFrontDoor(self.core, config.model_name, self.policy.name, max_body_bytes=config.max_request_bytes)
+        self.http = HttpFrontDoor(self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes)
+        self.http_limits = HttpLimits(
+            header_timeout_s=config.http_header_timeout_s,
+            body_timeout_s=config.http_body_timeout_s,
+            keepalive_timeout_s=config.http_keepalive_timeout_s,
+            max_connections=config.http_max_connections,
+        )
         self.grpc_port = 0
         self.http_port = 0
         self._grpc_server: grpc.aio.Server | None = None
@@ -174,7 +181,7 @@ class RouterApp:
         sock.listen(1024)
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.http.app, log_level="warning", lifespan="off", access_log=False))
+        self._uvicorn = uvicorn.Server(uvicorn_config(self.http.app, self.http_limits))
         self._uvicorn.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._tasks.append(asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="router-http"))
         while not self._uvicorn.started:

@@ -62,7 +62,9 @@ class RouterConfig:
         default=0.5, metadata={"help": "first re-probe of a quarantined replica (refused or stalled) after this; doubles per failed probe"}
     )
     quarantine_max_s: float = field(default=30.0, metadata={"help": "bound of the quarantine re-probe interval"})
-    model_name: str = field(default="unicache-default", metadata={"help": "model name served under /v1/models"})
+    served_model_name: str = field(
+        default="unicache-default", metadata={"help": "the model name served (/v1/models); requests naming another get 404 model_not_found"}
+    )
     block_size: int = field(default=16, metadata={"help": "KV block size in tokens (must match the replicas)"})
     tokenizer: str = field(
         default="", metadata={"help": "tokenizer.json path, or 'byte'; empty: the checkpoint's tokenizer.json, else bytes (as the replicas)"}
@@ -73,6 +75,10 @@ class RouterConfig:
     max_request_bytes: int = field(
         default=8 << 20, metadata={"help": "largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED beyond)"}
     )
+    http_header_timeout_s: float = field(default=10.0, metadata={"help": "HTTP: time to send a complete request head (408 and close beyond)"})
+    http_body_timeout_s: float = field(default=30.0, metadata={"help": "HTTP: time to send the body once the head is in (408 and close beyond)"})
+    http_keepalive_timeout_s: float = field(default=5.0, metadata={"help": "HTTP: idle time between requests on a kept-alive connection"})
+    http_max_connections: int = field(default=4096, metadata={"help": "HTTP: open connections beyond which new ones get 503"})
     tenant_max_concurrent: int = field(default=1024, metadata={"help": "requests one tenant may have in flight (429 beyond; 0: no limit)"})
     tenant_max_prompt_tokens: int = field(default=32768, metadata={"help": "prompt tokens per request (400 beyond; 0: no limit)"})
     tenant_tokens_per_minute: int = field(default=0, metadata={"help": "prompt tokens one tenant may send per minute (429 beyond; 0: no limit)"})

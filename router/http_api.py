@@ -3,91 +3,86 @@
 Routes:
     POST /v1/completions, POST /v1/chat/completions   (``stream: true`` -> server-sent
         events ending with ``data: [DONE]``; otherwise one JSON body)
-    GET  /v1/models, /healthz, /readyz, /metrics, /v1/cluster/state, /dashboard
+    GET  /v1/models, /v1/models/{model}, /healthz, /readyz, /metrics, /v1/cluster/state,
+        /dashboard
+
+Request fields are parsed in ``openai_request`` (what is supported, refused, defaulted:
+docs/openai.md), responses built in ``openai_response``, and every error goes through
+``openai_errors.to_api_error`` (one mapping; unknown paths and wrong methods too).
 
 Explicit labels: body fields ``session_id``, ``task``, ``template`` (extensions) or
 headers ``x-session-id``, ``x-unicache-task``, ``x-unicache-template``; body wins.
-Routing is decided before the response starts, so every response (streaming too) carries
-``x-unicache-replica`` and ``x-unicache-route-reason``. Errors are OpenAI-style JSON:
-400 bad input, 401 bad key, 413 body over ``max_body_bytes``, 429 overload, 503 no
-replicas (502/504 replica failures).
+Routing is decided before the response starts, so every generating response (streaming
+too) carries ``x-unicache-replica`` and ``x-unicache-route-reason`` (comma-separated, one
+per prompt, for a batch of prompts).
+
+Metrics: each HTTP request counts once in ``requests{api, outcome}``; a client that
+goes away (during the upload, before the answer, or mid-stream) counts "cancelled",
+never as an error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from unicache.router.auth import AuthError, api_key_from_headers
-from unicache.chat_template import ChatFormatError, render_chat
-from unicache.router.core import Labelled, RouterCore, RouterError
-from unicache.router.dashboard import DASHBOARD_HTML
+from unicache.router.auth import api_key_from_headers
+from unicache.chat_template import render_chat
 from unicache.router.cluster_state import cluster_state
-from unicache.v1 import common_pb2
+from unicache.router.core import RouterCore
+from unicache.router.dashboard import DASHBOARD_HTML
+from unicache.router.openai_errors import (
+    CLIENT_CLOSED,
+    MAPPED,
+    ApiError,
+    ClientGone,
+    error_response,
+    sse_error_event,
+    to_api_error,
+)
+from unicache.router.openai_request import (
+    DEFAULT_MAX_BATCH_PROMPTS,
+    DEFAULT_MAX_JSON_DEPTH,
+    OpenAIRequest,
+    check_fields,
+    check_model,
+    parse_body,
+    parse_request,
+)
+from unicache.router.http_server import TIMED_OUT_SCOPE_KEY  # set when the guard closed for a body timeout (and logged it)
+from unicache.router.openai_response import FINISH, CompletionLogprobs, TokenText, UsageTally, base, chat_logprobs
+from unicache.v1 import replica_pb2
 
-FINISH = {
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    502: "upstream_error",
-    503: "service_unavailable",
-    504: "timeout_error",
-}
-
-
-def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": None, "code": code}}
-    return JSONResponse(body, status_code=status)
-
-
-class BadRequest(ValueError):
-    pass
-
-
-class TooLarge(Exception):
-    """The request body exceeds ``max_body_bytes`` (HTTP 413)."""
-
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (TooLarge) as soon as it is known to exceed ``limit``:
+    """The request body, refusing (413) as soon as it is known to exceed ``limit``:
     from ``content-length`` before reading, else while streaming it in, so an oversized
     body is never held in memory whole."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
+        raise ApiError(413, f"request body is {int(declared)} bytes; the limit is {limit}", "payload_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise TooLarge(f"request body exceeds the limit of {limit} bytes")
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "payload_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before the response was ready."""
-
-
-CLIENT_CLOSED = 499  # nginx's "client closed request"; never reaches the client
 
 
 async def _unless_disconnected(request: Request, coro):
@@ -116,104 +111,134 @@ async def _unless_disconnected(request: Request, coro):
         watcher.cancel()
 
 
-def _num(body: dict, name: str, kind: type, lo: float, hi: float | None, default):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    # NOTE: no float(value) on ints: a huge JSON integer would overflow it (OverflowError).
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or (isinstance(value, float) and (math.isnan(value) or (kind is int and not value.is_integer())))
-    ):
-        raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' number'}")
-    if value < lo or (hi is not None and value > hi):
-        raise BadRequest(f"{name} must be between {lo} and {hi}" if hi is not None else f"{name} must be >= {lo}")
-    return kind(value)
+async def _first_messages(agens: list) -> list[tuple[Any, replica_pb2.GenerateResponse]]:
+    """The first (route, message) of every stream; the first failure is raised."""
+    if len(agens) == 1:
+        return [await agens[0].__anext__()]
+    results = await asyncio.gather(*(a.__anext__() for a in agens), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
 
 
-def sampling_from_body(body: dict, chat: bool) -> common_pb2.SamplingParams:
-    """OpenAI sampling fields -> proto (0 = server default, as the replica reads them)."""
-    max_tokens = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else body.get("max_tokens")
-    msg = common_pb2.SamplingParams(
-        max_tokens=_num({"max_tokens": max_tokens}, "max_tokens", int, 0, 2**32 - 1, 0),
-        temperature=_num(body, "temperature", float, 0.0, 2.0, 0.0),
-        top_p=_num(body, "top_p", float, 0.0, 1.0, 0.0),
-        n=_num(body, "n", int, 1, 128, 1),
-    )
-    seed = body.get("seed")
-    if seed is not None:
-        msg.seed = _num(body, "seed", int, 0, 2**64 - 1, 0)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        msg.stop.append(stop)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        msg.stop.extend(stop)
-    elif stop is not None:
-        raise BadRequest("stop must be a string or a list of strings")
-    return msg
+async def _merged(agens: list, firsts: list) -> AsyncIterator[tuple[int, replica_pb2.GenerateResponse]]:
+    """(prompt index, message) from every stream as they come; one stream is read
+    directly (no tasks on the common path). A failure in any stream is raised here."""
+    if len(agens) == 1:
+        yield 0, firsts[0][1]
+        async for _, msg in agens[0]:
+            yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
 
+    async def pump(i: int) -> None:
+        try:
+            async for _, msg in agens[i]:
+                await queue.put((i, msg))
+            await queue.put((i, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((i, exc))
 
-def labels_from(body: dict, request: Request) -> Labelled:
-    session = body.get("session_id", request.headers.get("x-session-id"))
-    task = body.get("task", request.headers.get("x-unicache-task"))
-    template = body.get("template", request.headers.get("x-unicache-template"))
-    if isinstance(template, str):
-        if template.lower() not in ("true", "false", "1", "0"):
-            raise BadRequest("template must be a boolean")
-        template = template.lower() in ("true", "1")
-    if template is not None and not isinstance(template, bool):
-        raise BadRequest("template must be a boolean")
-    if session is not None and not isinstance(session, str):
-        raise BadRequest("session_id must be a string")
-    if task is not None and not isinstance(task, str):
-        raise BadRequest("task must be a string")
-    return Labelled(session_id=session or None, task=task or None, template=template)
-
-
-def usage_dict(usages: dict[int, common_pb2.Usage], completion_fallback: int) -> dict[str, Any]:
-    prompt = max((u.prompt_tokens for u in usages.values()), default=0)
-    cached = max((u.cached_tokens for u in usages.values()), default=0)
-    completion = sum(u.completion_tokens for u in usages.values()) if usages else completion_fallback
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+    for i, (_, msg) in enumerate(firsts):
+        queue.put_nowait((i, msg))
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(agens))]
+    try:
+        open_streams = len(agens)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class HttpFrontDoor:
-    """Builds the Starlette app over a ``RouterCore``."""
+    """Builds the Starlette app over a ``RouterCore``.
 
-    def __init__(self, core: RouterCore, model_name: str, policy_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        """``max_body_bytes``: larger request bodies get 413 without being read whole (8 MiB)."""
+    Args:
+        core: the request path.
+        served_model_name: the one model name served (``/v1/models``); a request naming
+            another gets 404 ``model_not_found`` (default "unicache-default").
+        policy_name: shown in ``/v1/cluster/state``.
+        max_body_bytes: larger request bodies get 413 without being read whole (8 MiB).
+        max_json_depth: deeper JSON nesting is a 400 (64).
+        max_batch_prompts: most prompts in one completions request (64).
+    """
+
+    def __init__(
+        self,
+        core: RouterCore,
+        served_model_name: str = "unicache-default",
+        policy_name: str = "",
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+        max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
+    ):
         self.core = core
         self.max_body_bytes = max_body_bytes
-        self.model_name = model_name
+        self.max_json_depth = max_json_depth
+        self.max_batch_prompts = max_batch_prompts
+        self.model_name = served_model_name
         self.policy_name = policy_name
+        self.token_text = TokenText(core.tokenizer)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/v1/cluster/state", self.state, methods=["GET"]),
                 Route("/dashboard", self.dashboard, methods=["GET"]),
-            ]
+            ],
+            exception_handlers={HTTPException: self._http_exception, Exception: self._server_error},
         )
 
+    # --- errors -------------------------------------------------------------------------
+    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own 404 (unknown path) and 405 (wrong method), in OpenAI's shape."""
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            err = ApiError(404, f"Invalid URL ({where})", "unknown_url")
+        elif exc.status_code == 405:
+            err = ApiError(405, f"Method not allowed ({where})", "method_not_allowed")
+        else:
+            err = ApiError(exc.status_code, str(exc.detail))
+        return error_response(err, headers=dict(exc.headers or {}))
+
+    async def _server_error(self, request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(500, "internal server error", "internal_error"))
+
+    def _count(self, api: str, outcome: str) -> None:
+        self.core.metrics.requests.labels(api, outcome).inc()
+
     # --- plain endpoints --------------------------------------------------------------
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "unicache"}
+
     async def models(self, request: Request) -> Response:
         try:
             self.core.auth.authenticate(api_key_from_headers(request.headers.get))
-        except AuthError as exc:
-            return error_response(401, str(exc), "invalid_api_key")
-        return JSONResponse(
-            {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "unicache"}]}
-        )
+        except MAPPED as exc:
+            return error_response(to_api_error(exc))
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self.core.auth.authenticate(api_key_from_headers(request.headers.get))
+            check_model({"model": request.path_params["model"]}, self.model_name)
+        except MAPPED as exc:
+            return error_response(to_api_error(exc))
+        return JSONResponse(self._model_card())
 
     async def healthz(self, request: Request) -> Response:
         c = self.core.cluster
@@ -240,160 +265,198 @@ class HttpFrontDoor:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
+    def _parse(self, body: dict, chat: bool, request: Request) -> OpenAIRequest:
+        check_model(body, self.model_name)
+        check_fields(body, chat)
+        vocab = getattr(self.core.tokenizer, "vocab_size", None)
+        req = parse_request(body, chat, request.headers.get, vocab, self.max_batch_prompts)
+        if chat:
+            req.prompts = [render_chat(body.get("messages"), self.core.tokenizer.chat_template)]
+        return req
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         core = self.core
         api = "chat" if chat else "completions"
+        agens: list = []
         try:
             tenant = core.auth.authenticate(api_key_from_headers(request.headers.get))
-            try:
-                body = json.loads(await read_body(request, self.max_body_bytes))
-            except (ValueError, RecursionError):  # bad JSON or UTF-8, >4300-digit ints, deep nesting
-                raise BadRequest("request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            if chat:
-                token_ids = core.encode(render_chat(body.get("messages"), core.tokenizer.chat_template))
-            else:
-                token_ids = self._prompt_ids(body.get("prompt"))
-            sampling = sampling_from_body(body, chat)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise BadRequest("stream must be a boolean")
-            options = body.get("stream_options") or {}
-            if not isinstance(options, dict):
-                raise BadRequest("stream_options must be an object")
-            include_usage = bool(options.get("include_usage", False)) if stream else False
-            prep = core.prepare(tenant, token_ids, labels_from(body, request))
-            agen = core.forward(prep, sampling)
-            route, first = await _unless_disconnected(request, agen.__anext__())
-        except AuthError as exc:
-            core.metrics.requests.labels(api, "unauthenticated").inc()
-            return error_response(401, str(exc), "invalid_api_key")
-        except TooLarge as exc:
-            core.metrics.requests.labels(api, "invalid").inc()
-            return error_response(413, str(exc), "payload_too_large")
-        except (BadRequest, ChatFormatError) as exc:
-            core.metrics.requests.labels(api, "invalid").inc()
-            return error_response(400, str(exc))
-        except RouterError as exc:
-            core.metrics.requests.labels(api, exc.kind).inc()
-            return error_response(exc.http_status, str(exc))
-        except StopAsyncIteration:
-            core.metrics.requests.labels(api, "upstream").inc()
-            return error_response(502, "replica returned an empty stream")
-        except ClientGone:
-            core.metrics.requests.labels(api, "cancelled").inc()
+            body = parse_body(await read_body(request, self.max_body_bytes), self.max_json_depth)
+            req = self._parse(body, chat, request)
+            token_ids = [core.encode(p) if isinstance(p, str) else p for p in req.prompts]
+            preps = [core.prepare(tenant, ids, req.labels) for ids in token_ids]
+            if not req.generate:
+                return self._echo_only(req, token_ids, preps[0].request_id, api)
+            agens = [core.forward(p, req.sampling) for p in preps]
+            firsts = await _unless_disconnected(request, _first_messages(agens))
+        except ClientDisconnect:
+            if not request.scope.get(TIMED_OUT_SCOPE_KEY):
+                log.info("client %s disconnected during its upload", _peer(request))
+            self._count(api, "cancelled")
             return Response(status_code=CLIENT_CLOSED)
+        except ClientGone:
+            await _close_all(agens)
+            self._count(api, "cancelled")
+            return Response(status_code=CLIENT_CLOSED)
+        except MAPPED as exc:
+            await _close_all(agens)
+            err = to_api_error(exc)
+            self._count(api, err.outcome)
+            return error_response(err)
+        routes = [route for route, _ in firsts]
         headers = {
-            "x-unicache-replica": route.replica_id,
-            "x-unicache-route-reason": route.reason,
-            "x-unicache-matched-tokens": str(route.matched_tokens),
+            "x-unicache-replica": ",".join(r.replica_id for r in routes),
+            "x-unicache-route-reason": ",".join(r.reason for r in routes),
+            "x-unicache-matched-tokens": ",".join(str(r.matched_tokens) for r in routes),
         }
-        rid = ("chatcmpl-" if chat else "cmpl-") + prep.request_id
+        rid = ("chatcmpl-" if chat else "cmpl-") + preps[0].request_id
         created = int(time.time())
-        if stream:
-            body_iter = self._sse(agen, first, rid, created, chat, include_usage, api)
+        echo = [self._echo_text(p, ids) for p, ids in zip(req.prompts, token_ids)] if req.echo else None
+        messages = _merged(agens, firsts)
+        if req.stream:
+            body_iter = self._sse(req, messages, agens, rid, created, echo, api)
             return StreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
         try:
-            return await _unless_disconnected(request, self._collect(agen, first, rid, created, chat, headers, api))
+            return await _unless_disconnected(request, self._collect(req, messages, agens, rid, created, echo, headers, api))
         except ClientGone:
-            core.metrics.requests.labels(api, "cancelled").inc()
+            self._count(api, "cancelled")
             return Response(status_code=CLIENT_CLOSED)
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        """A string (or a one-string list), or a list of token ids, as OpenAI accepts."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.core.encode(prompt)
-        vocab = getattr(self.core.tokenizer, "vocab_size", None)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if any(t < 0 or (vocab is not None and t >= vocab) for t in prompt):
-                raise BadRequest(f"prompt token ids must be in [0, {vocab})")
-            return prompt
-        raise BadRequest("prompt must be a string or a list of token ids")
+    def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.core.tokenizer.decode(ids)
 
-    def _base(self, rid: str, created: int, chat: bool, chunk: bool) -> dict[str, Any]:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-        return {"id": rid, "object": obj, "created": created, "model": self.model_name}
+    def _echo_only(self, req: OpenAIRequest, token_ids: list[list[int]], request_id: str, api: str) -> Response:
+        """``echo`` with ``max_tokens: 0``: the prompts back, nothing generated or routed."""
+        n = req.sampling.n or 1
+        usage = UsageTally(len(token_ids))
+        choices = []
+        for i, (p, ids) in enumerate(zip(req.prompts, token_ids)):
+            usage.set_prompt(i, len(ids))
+            for j in range(n):
+                choices.append({"index": i * n + j, "text": self._echo_text(p, ids), "finish_reason": "length", "logprobs": None})
+        out = base("cmpl-" + request_id, int(time.time()), self.model_name, chat=False, chunk=req.stream)
+        self._count(api, "ok")
+        if not req.stream:
+            out["choices"] = choices
+            out["usage"] = usage.as_dict()
+            return JSONResponse(out)
+        events = [_sse_event({**out, "choices": [c]}) for c in choices]
+        if req.include_usage:
+            events.append(_sse_event({**out, "choices": [], "usage": usage.as_dict()}))
+        events.append(b"data: [DONE]\n\n")
+        return Response(b"".join(events), media_type="text/event-stream")
 
-    async def _collect(self, agen, first, rid, created, chat, headers, api) -> Response:
+    async def _collect(self, req: OpenAIRequest, messages, agens, rid, created, echo, headers, api) -> Response:
+        n = req.sampling.n or 1
         texts: dict[int, list[str]] = {}
         finish: dict[int, str | None] = {}
-        usages: dict[int, common_pb2.Usage] = {}
-        ntokens = 0
+        logprobs: dict[int, Any] = {}
+        usage = UsageTally(len(agens))
+        want_logprobs = req.logprobs is not None
         try:
-            msg = first
-            while True:
-                texts.setdefault(msg.index, []).append(msg.text)
-                ntokens += len(msg.token_ids)
+            async for i, msg in messages:
+                c = i * n + msg.index
+                if c not in texts:
+                    texts[c] = [echo[i]] if echo else []
+                    if want_logprobs:
+                        logprobs[c] = [] if req.chat else CompletionLogprobs()
+                texts[c].append(msg.text)
+                usage.add(i, c, msg)
                 if msg.finish_reason:
-                    finish[msg.index] = FINISH.get(msg.finish_reason)
-                if msg.HasField("usage"):
-                    usages[msg.index] = msg.usage
-                try:
-                    _, msg = await agen.__anext__()
-                except StopAsyncIteration:
-                    break
-        except RouterError as exc:
-            self.core.metrics.requests.labels(api, exc.kind).inc()
-            return error_response(exc.http_status, str(exc))
-        finally:
-            await agen.aclose()
-        choices = []
-        for i in sorted(texts):
-            text = "".join(texts[i])
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish.get(i)})
-            else:
-                choices.append({"index": i, "text": text, "finish_reason": finish.get(i), "logprobs": None})
-        body = self._base(rid, created, chat, chunk=False)
-        body["choices"] = choices
-        body["usage"] = usage_dict(usages, ntokens)
-        self.core.metrics.requests.labels(api, "ok").inc()
-        return JSONResponse(body, headers=headers)
-
-    async def _sse(self, agen, first, rid, created, chat, include_usage, api) -> AsyncIterator[bytes]:
-        usages: dict[int, common_pb2.Usage] = {}
-        started: set[int] = set()
-        ntokens = 0
-        outcome = "error"
-        try:
-            msg = first
-            try:
-                while True:
-                    ntokens += len(msg.token_ids)
-                    if msg.HasField("usage"):
-                        usages[msg.index] = msg.usage
-                    chunk = self._base(rid, created, chat, chunk=True)
-                    reason = FINISH.get(msg.finish_reason)
-                    if chat:
-                        delta: dict[str, Any] = {"content": msg.text}
-                        if msg.index not in started:
-                            delta["role"] = "assistant"
-                            started.add(msg.index)
-                        chunk["choices"] = [{"index": msg.index, "delta": delta, "finish_reason": reason}]
+                    finish[c] = FINISH.get(msg.finish_reason)
+                if want_logprobs:
+                    if req.chat:
+                        logprobs[c].extend(chat_logprobs(msg, self.token_text))
                     else:
-                        chunk["choices"] = [{"index": msg.index, "text": msg.text, "finish_reason": reason, "logprobs": None}]
+                        logprobs[c].add(msg, self.token_text)
+        except MAPPED as exc:
+            err = to_api_error(exc)
+            self._count(api, err.outcome)
+            return error_response(err)
+        finally:
+            await messages.aclose()
+            await _close_all(agens)
+        choices = []
+        for c in sorted(texts):
+            text = "".join(texts[c])
+            if req.chat:
+                lp = {"content": logprobs[c]} if want_logprobs else None
+                choices.append({"index": c, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish.get(c)})
+            else:
+                lp = logprobs[c].as_dict() if want_logprobs else None
+                choices.append({"index": c, "text": text, "finish_reason": finish.get(c), "logprobs": lp})
+        out = base(rid, created, self.model_name, req.chat, chunk=False)
+        out["choices"] = choices
+        out["usage"] = usage.as_dict()
+        self._count(api, "ok")
+        return JSONResponse(out, headers=headers)
+
+    async def _sse(self, req: OpenAIRequest, messages, agens, rid, created, echo, api) -> AsyncIterator[bytes]:
+        n = req.sampling.n or 1
+        usage = UsageTally(len(agens))
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        want_logprobs = req.logprobs is not None
+        # Ends that reach no outcome below are the client going away (Starlette cancels
+        # the response, or closes this generator): "cancelled", not an error.
+        outcome = "cancelled"
+        try:
+            try:
+                async for i, msg in messages:
+                    c = i * n + msg.index
+                    usage.add(i, c, msg)
+                    chunk = base(rid, created, self.model_name, req.chat, chunk=True)
+                    reason = FINISH.get(msg.finish_reason)
+                    text = msg.text
+                    first = c not in started
+                    if first:
+                        started.add(c)
+                        if echo:
+                            text = echo[i] + text
+                        offsets[c] = len(text) - len(msg.text)
+                    if req.chat:
+                        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+                        lp = {"content": chat_logprobs(msg, self.token_text)} if want_logprobs else None
+                        choice = {"index": c, "delta": delta, "logprobs": lp, "finish_reason": reason}
+                    else:
+                        lp = None
+                        if want_logprobs:
+                            part = CompletionLogprobs(offsets[c])
+                            part.add(msg, self.token_text)
+                            offsets[c] = part.offset
+                            lp = part.as_dict()
+                        choice = {"index": c, "text": text, "finish_reason": reason, "logprobs": lp}
+                    chunk["choices"] = [choice]
+                    if req.include_usage:
+                        chunk["usage"] = None
                     yield _sse_event(chunk)
-                    try:
-                        _, msg = await agen.__anext__()
-                    except StopAsyncIteration:
-                        break
-                if include_usage:
-                    chunk = self._base(rid, created, chat, chunk=True)
+                if req.include_usage:
+                    chunk = base(rid, created, self.model_name, req.chat, chunk=True)
                     chunk["choices"] = []
-                    chunk["usage"] = usage_dict(usages, ntokens)
+                    chunk["usage"] = usage.as_dict()
                     yield _sse_event(chunk)
                 outcome = "ok"
-            except RouterError as exc:
-                outcome = exc.kind
-                err = {"error": {"message": str(exc), "type": ERROR_TYPES.get(exc.http_status, "error"), "param": None, "code": None}}
-                yield _sse_event(err)
+            except MAPPED as exc:
+                err = to_api_error(exc)
+                outcome = err.outcome
+                yield sse_error_event(err)
             yield b"data: [DONE]\n\n"
+        except Exception:
+            outcome = "error"
+            raise
         finally:
-            await agen.aclose()
-            self.core.metrics.requests.labels(api, outcome).inc()
+            await messages.aclose()
+            await _close_all(agens)
+            self._count(api, outcome)
+
+
+async def _close_all(agens: list) -> None:
+    for a in agens:
+        await a.aclose()
+
+
+def _peer(request: Request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client else "unknown"
 
 
 def _sse_event(obj: dict) -> bytes:

@@ -144,7 +144,7 @@ async def test_replica_dying_mid_sse_stream_ends_with_an_unavailable_error_event
             "message": "replica r0 failed after the response started (UNAVAILABLE); the response is incomplete, retry the request",
             "type": "service_unavailable",
             "param": None,
-            "code": None,
+            "code": "service_unavailable",
         }
     finally:
         await channel.close()

@@ -2,9 +2,10 @@
 
 Each generated request (raw bytes or a JSON object with right, wrong, missing and unknown
 fields; good, bad and missing keys; bogus label headers) has one right status, computed by
-an independent oracle from the documented rules: 401 bad key, 413 body over the limit,
-400 anything malformed or out of range (router or engine rule), 413 prompt + max_tokens
-beyond the context, else 200 with a well-formed body. Never 500. After the run no KV block
+an independent oracle from the documented rules (docs/openai.md): 401 bad key, 413 body
+over the limit, 400 anything malformed, out of range (router or engine rule) or
+unsupported (an unknown field), 400 prompt + max_tokens beyond the context, else 200 with
+a well-formed body. Never 500. After the run no KV block
 is referenced on any replica and both replicas still serve.
 
 Example count: ``UNICACHE_FUZZ_EXAMPLES`` (default 150 per property).
@@ -24,7 +25,7 @@ from unicache.router.http_api import DEFAULT_MAX_BODY_BYTES
 from tests.support.fuzz_stack import serves_over_http, stack_fixture
 
 EXAMPLES = int(os.environ.get("UNICACHE_FUZZ_EXAMPLES", "150"))
-MAX_MODEL_LEN, MAX_N, DEFAULT_MAX_TOKENS, VOCAB = 512, 16, 16, 259
+MAX_MODEL_LEN, MAX_N, DEFAULT_MAX_TOKENS, VOCAB, MAX_LOGPROBS = 512, 16, 16, 259, 20
 MAX_SESSION_ID = 256  # RouterCore.max_session_id_chars
 TASKS = ("chat", "agent", "code", "math", "qa", "tool", "other")
 KEYS = {"key-acme", "key-beta"}
@@ -169,16 +170,27 @@ def expected(c: dict) -> int:
     f = c["fields"]
     ntok = prompt_tokens(c)
     bad = ntok is None or ntok == 0
-    bad |= not num_ok(f["max_tokens"], True, 0, 2**32 - 1)
+    bad |= not num_ok(f["max_tokens"], True, 1, 2**32 - 1)  # 0 only with echo
     bad |= not num_ok(f["temperature"], False, 0, 2)
     bad |= not num_ok(f["top_p"], False, 0, 1)
     bad |= not num_ok(f["n"], True, 1, 128)
     bad |= not num_ok(f["seed"], True, 0, 2**64 - 1)
     stop = f["stop"]
     bad |= not (stop in (MISSING, None) or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)))
-    bad |= f["stream"] not in (MISSING, True, False)
+    bad |= f["stream"] not in (MISSING, None, True, False)
     options = f["stream_options"]
-    bad |= options is not MISSING and bool(options) and not isinstance(options, dict)  # falsy means absent
+    if options not in (MISSING, None):  # only with stream: true; only include_usage (a boolean)
+        bad |= f["stream"] is not True or not isinstance(options, dict)
+        bad |= isinstance(options, dict) and any(k != "include_usage" or v not in (None, True, False) for k, v in options.items())
+    for name, value in c["unknown"].items():
+        if name in ("foo", "x"):
+            bad = True  # unsupported parameter, refused by name
+        elif name == "user":
+            bad |= value is not None and not isinstance(value, str)
+        elif name == "logprobs" and c["chat"]:
+            bad |= value not in (None, True, False)
+        elif name == "logprobs":
+            bad |= not num_ok(value, True, 0, MAX_LOGPROBS)  # beyond: the engine's 400
     template = f["template"] if f["template"] is not MISSING else h["x-unicache-template"]
     bad |= template is not None and not isinstance(template, bool) and not (isinstance(template, str) and template.lower() in ("true", "false", "1", "0"))
     session = f["session_id"] if f["session_id"] is not MISSING else h["x-session-id"]
@@ -190,14 +202,14 @@ def expected(c: dict) -> int:
     if bad:
         return 400
     # Engine rules (all 400 before the context check).
-    mt = f["max_tokens"] if is_num(f["max_tokens"]) else 0
-    mt = int(mt) or DEFAULT_MAX_TOKENS
+    # Unset max_tokens: 16 for completions, the rest of the context (at least 1) for chat.
+    mt = int(f["max_tokens"]) if is_num(f["max_tokens"]) else (1 if c["chat"] else DEFAULT_MAX_TOKENS)
     n = int(f["n"]) if is_num(f["n"]) else 1
     stops = [stop] if isinstance(stop, str) else (stop if isinstance(stop, list) else [])
     if mt > MAX_MODEL_LEN or n > MAX_N or "" in stops:
         return 400
     if ntok + mt > MAX_MODEL_LEN:
-        return 413  # can never fit: not a 429, which tells clients to retry
+        return 400  # context_length_exceeded: can never fit (not a 429, which tells clients to retry)
     return 200
 
 
@@ -228,7 +240,7 @@ async def test_every_request_gets_the_right_status(stack, c):
     assert r.status_code == want, (r.status_code, r.text[:300])
     if want != 200:
         err = r.json()["error"]
-        assert err["message"] and err["type"]
+        assert err["message"] and err["type"] and err["code"]
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
     else:

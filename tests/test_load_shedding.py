@@ -143,17 +143,18 @@ def test_replica_max_waiting_is_a_flag_and_an_environment_variable(monkeypatch):
     assert settings_from_args(parser.parse_args([])).engine_config().max_waiting == 9
 
 
-async def test_too_large_is_413_and_overload_is_429_over_http():
-    """Both are RESOURCE_EXHAUSTED from the replica; its refusal metadata tells them apart."""
+async def test_too_large_is_400_context_length_and_overload_is_429_over_http():
+    """Both are RESOURCE_EXHAUSTED from the replica; its refusal metadata tells them apart.
+    A request that can never fit is OpenAI's (and vLLM's) 400 context_length_exceeded."""
     st = await LoadStack.start(num_replicas=1, max_waiting=1)
     try:
         long_prompt = {"prompt": "w" * 600, "max_tokens": 2}  # context is 512
         async with httpx.AsyncClient(base_url=st.http_url, timeout=30) as client:
             r = await client.post("/v1/completions", json=long_prompt, headers={"x-api-key": "key-acme"})
-            assert r.status_code == 413
-            assert r.json()["error"]["message"] == (
-                "replica r0: prompt (600 tokens) + max_tokens (2) exceeds the context of 512"
-            )
+            assert r.status_code == 400
+            err = r.json()["error"]
+            assert (err["type"], err["code"]) == ("invalid_request_error", "context_length_exceeded")
+            assert err["message"].endswith("prompt (600 tokens) + max_tokens (2) exceeds the context of 512")
             code, details = await grpc_code(st.stub, router_pb2.RouterGenerateRequest(text="w" * 600))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds the context of 512" in details
             st.freeze()

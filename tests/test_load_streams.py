@@ -69,7 +69,7 @@ async def grpc_one(st: LoadStack, i: int) -> dict:
 
 
 async def http_one(client: httpx.AsyncClient, i: int) -> dict:
-    body = {"prompt": prompt(i), "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"prompt": prompt(i), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/completions", json=body, headers={"x-api-key": "key-acme"}) as r:
         assert r.status_code == 200
         lines = [line async for line in r.aiter_lines() if line]

@@ -73,7 +73,7 @@ async def test_second_request_hits_the_replica_that_cached_it(stack):
 
     # HTTP, streaming, same prompt: same replica, same tokens, cached tokens reported.
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=30) as c:
-        body = {"prompt": PROMPT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
         async with c.stream("POST", "/v1/completions", json=body, headers={"x-api-key": "k"}) as r:
             assert r.headers["x-unicache-replica"] == served
             lines = [line async for line in r.aiter_lines() if line]

@@ -29,13 +29,32 @@ class EngineInputError(ValueError):
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    """How to pick tokens; field names and meanings follow vLLM's ``SamplingParams``.
+
+    ``max_tokens`` None generates up to the context. ``logprobs`` None returns none; k
+    returns the chosen token's logprob plus the k most likely (log-softmax of the raw
+    logits, before penalties and temperature, as vLLM's default ``raw_logprobs``).
+    ``presence_penalty`` / ``frequency_penalty`` follow OpenAI: a token generated c times
+    so far in this sample gets ``logit -= c * frequency_penalty + (c > 0) * presence_penalty``
+    (prompt tokens do not count). A token in ``stop_token_ids`` finishes the sample with
+    "stop"; its id is returned, its text is not.
+    """
+
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     n: int = 1
     ignore_eos: bool = False  # keep generating past the EOS token (benchmarks)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -58,8 +77,19 @@ class Usage:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """A chosen token's logprob and the top ``(token_id, logprob)`` alternatives, highest first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class EngineOutput:
-    """One streamed step of one sample. ``finish_reason`` in {"length", "stop", "abort"}."""
+    """One streamed step of one sample. ``finish_reason`` in {"length", "stop", "abort"}.
+
+    ``logprobs``: one entry per ``new_token_ids`` entry when the request asked for them.
+    """
 
     request_id: str
     index: int
@@ -68,6 +98,7 @@ class EngineOutput:
     finished: bool = False
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from unicache.replica.engine.api import (
 from unicache.replica.engine.attention import build_metadata
 from unicache.replica.engine.config import EngineConfig
 from unicache.replica.engine.model import LlamaForCausalLM, ModelConfig
-from unicache.replica.engine.sampling import make_generator, sample
+from unicache.replica.engine.sampling import MAX_LOGPROBS, apply_penalties, make_generator, sample, token_logprob
 from unicache.replica.engine.scheduler import ScheduledChunk, Scheduler
 from unicache.replica.engine.sequence import RequestGroup, Sequence
 from unicache.tokenizer import load_tokenizer
@@ -120,7 +120,7 @@ class LLMEngine:
         n_prompt = len(req.prompt_token_ids)
         if n_prompt == 0:
             raise EngineInputError("invalid", "prompt is empty")
-        if p.max_tokens < 1 or p.max_tokens > self.max_model_len:
+        if p.max_tokens is not None and (p.max_tokens < 1 or p.max_tokens > self.max_model_len):
             raise EngineInputError("invalid", f"max_tokens must be in [1, {self.max_model_len}], got {p.max_tokens}")
         if not p.temperature >= 0.0:
             raise EngineInputError("invalid", f"temperature must be >= 0, got {p.temperature}")
@@ -131,16 +131,26 @@ class LLMEngine:
             raise EngineInputError("invalid", f"n must be in [1, {max_n}], got {p.n}")
         if any(not s for s in p.stop):
             raise EngineInputError("invalid", "stop strings must be non-empty")
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+            raise EngineInputError("invalid", f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(p, name)
+            if not -2.0 <= value <= 2.0:
+                raise EngineInputError("invalid", f"{name} must be in [-2, 2], got {value}")
+        bad_stop = next((t for t in p.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad_stop is not None:
+            raise EngineInputError("invalid", f"stop token id {bad_stop} outside the vocabulary [0, {self.vocab_size})")
         if req.cache_salt is not None and len(req.cache_salt) > MAX_SALT_BYTES:
             raise EngineInputError("invalid", f"cache_salt is {len(req.cache_salt)} bytes (at most {MAX_SALT_BYTES})")
         bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise EngineInputError("invalid", f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        total = n_prompt + p.max_tokens
+        # max_tokens None (up to the context) needs room for at least one new token.
+        total = n_prompt + (p.max_tokens if p.max_tokens is not None else 1)
         if total > self.max_model_len:
             raise EngineInputError(
                 "exhausted",
-                f"prompt ({n_prompt} tokens) + max_tokens ({p.max_tokens}) exceeds the context of {self.max_model_len}",
+                f"prompt ({n_prompt} tokens) + max_tokens ({p.max_tokens or 1}) exceeds the context of {self.max_model_len}",
             )
         if self.store.blocks_for_tokens(total) > self.store.num_blocks:
             raise EngineInputError(
@@ -247,9 +257,12 @@ class LLMEngine:
             if not group.forked:
                 group.forked = True
                 samples.extend(self._fork_children(seq))
+            params = group.request.sampling
             for s in samples:
-                tok = sample(row_logits, group.request.sampling, s.generator)
-                out = s.append_token(tok, self.tokenizer.eos_token_id, group.request.sampling.ignore_eos, self.max_model_len)
+                logits_s = apply_penalties(row_logits, s.output_counts, params) if params.penalized else row_logits
+                tok = sample(logits_s, params, s.generator)
+                lp = token_logprob(row_logits, tok, params.logprobs) if params.logprobs is not None else None
+                out = s.append_token(tok, self.tokenizer.eos_token_id, params.ignore_eos, self.max_model_len, lp)
                 outputs.append(out)
                 if out.finished:
                     self.scheduler.finish(s)

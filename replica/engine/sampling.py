@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, temperature, top-p, per-sample seeded generators.
+"""Next-token choice: penalties, greedy, temperature, top-p, per-sample seeded generators,
+and the logprobs reported for the chosen token.
 
 Each sample owns its ``torch.Generator`` (seeded from the request's seed and the sample
 index), so a seeded request draws the same tokens whatever else shares its batch and
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from unicache.replica.engine.api import SamplingParams
+from unicache.replica.engine.api import SamplingParams, TokenLogprob
+
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 
 
 def make_generator(params: SamplingParams, index: int, fallback_seed: int) -> torch.Generator | None:
@@ -43,3 +46,29 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice].item())
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def apply_penalties(logits: torch.Tensor, counts: dict[int, int], params: SamplingParams) -> torch.Tensor:
+    """OpenAI's presence/frequency penalties on one row of logits (a new tensor; ``logits``
+    is shared by the samples of one request and stays unchanged).
+
+    ``counts``: how often each token id was generated so far by this sample.
+    """
+    if not counts:
+        return logits
+    ids = torch.tensor(list(counts), dtype=torch.long)
+    c = torch.tensor(list(counts.values()), dtype=logits.dtype)
+    out = logits.clone()
+    out[ids] -= c * params.frequency_penalty + params.presence_penalty
+    return out
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """``token_id``'s log-probability under the raw ``logits`` and the ``k`` most likely
+    tokens (ties: lower id first, as ``torch.topk`` on CPU returns them)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(float(logp[token_id].item()), top)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from unicache.block_hash import ROOT_HASH, BlockHash, hash_token_blocks
-from unicache.replica.engine.api import EngineOutput, EngineRequest, Usage
+from unicache.replica.engine.api import EngineOutput, EngineRequest, TokenLogprob, Usage
 from unicache.tokenizer import IncrementalDetokenizer
 
 
@@ -69,6 +69,7 @@ class Sequence:
     text: str = ""
     emitted_chars: int = 0
     finish_reason: str | None = None
+    output_counts: dict[int, int] = field(default_factory=dict)  # kept only when penalized
 
     @property
     def seq_id(self) -> str:
@@ -111,16 +112,35 @@ class Sequence:
             allocated=self.allocated,
             hashes=list(self.hashes),
             num_store_hashes=self.num_store_hashes,
+            output_counts=dict(self.output_counts),
         )
 
-    def append_token(self, token_id: int, eos_token_id: int | None, ignore_eos: bool, max_model_len: int) -> EngineOutput:
-        """Record a sampled token, decide whether the sample is done, build its output."""
+    def append_token(
+        self,
+        token_id: int,
+        eos_token_id: int | None,
+        ignore_eos: bool,
+        max_model_len: int,
+        logprob: TokenLogprob | None = None,
+    ) -> EngineOutput:
+        """Record a sampled token, decide whether the sample is done, build its output.
+
+        A token in ``stop_token_ids`` finishes the sample; its text is not returned
+        (vLLM's rule without ``include_stop_str_in_output``).
+        """
         params = self.group.request.sampling
         self.token_ids.append(token_id)
-        self.text += self.detok.step(token_id)
+        if params.penalized:
+            self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        piece = self.detok.step(token_id)
         reason = None
         cut = None
-        if params.stop:
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            reason = "stop"
+            cut = len(self.text)
+        else:
+            self.text += piece
+        if reason is None and params.stop:
             # Only the tail can contain a new match.
             window_start = max(0, self.emitted_chars - self.max_stop_len)
             for s in params.stop:
@@ -132,7 +152,7 @@ class Sequence:
         if reason is None:
             if token_id == eos_token_id and not ignore_eos:
                 reason = "stop"
-            elif self.num_output >= params.max_tokens or len(self.token_ids) >= max_model_len:
+            elif (params.max_tokens is not None and self.num_output >= params.max_tokens) or len(self.token_ids) >= max_model_len:
                 reason = "length"
         if reason is not None:
             self.finish_reason = reason
@@ -155,6 +175,7 @@ class Sequence:
             finished=reason is not None,
             finish_reason=reason,
             usage=self.usage() if reason is not None else None,
+            logprobs=[logprob] if logprob is not None else None,
         )
 
     def abort_output(self) -> EngineOutput:

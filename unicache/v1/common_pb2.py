@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18unicache/v1/common.proto\x12\x0bunicache.v1\"\x8b\x01\n\x0cRequestClass\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04turn\x18\x03 \x01(\r\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x10\n\x08template\x18\x05 \x01(\x08\x12\x17\n\x0ftemplate_blocks\x18\x06 \x01(\r\x12\x10\n\x08inferred\x18\x07 \x01(\x08\"}\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\t\n\x01n\x18\x06 \x01(\rB\x07\n\x05_seed\"~\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0cqueue_time_s\x18\x04 \x01(\x01\x12\x16\n\x0eprefill_time_s\x18\x05 \x01(\x01\"\xbe\x02\n\nCacheState\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\r\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x15\n\rcached_blocks\x18\x06 \x01(\r\x12\x11\n\thit_ratio\x18\x07 \x01(\x01\x12<\n\x0bqueue_sizes\x18\x08 \x03(\x0b\x32\'.unicache.v1.CacheState.QueueSizesEntry\x12\x17\n\x0f\x65viction_policy\x18\t \x01(\t\x12\x11\n\tevictions\x18\n \x01(\x04\x1a\x31\n\x0fQueueSizesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18unicache/v1/common.proto\x12\x0bunicache.v1\"\x8b\x01\n\x0cRequestClass\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04turn\x18\x03 \x01(\r\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x10\n\x08template\x18\x05 \x01(\x08\x12\x17\n\x0ftemplate_blocks\x18\x06 \x01(\r\x12\x10\n\x08inferred\x18\x07 \x01(\x08\"\x84\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\t\n\x01n\x18\x06 \x01(\r\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x14\n\x0c\x66ill_context\x18\x0b \x01(\x08\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"F\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.unicache.v1.TopLogprob\"~\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0cqueue_time_s\x18\x04 \x01(\x01\x12\x16\n\x0eprefill_time_s\x18\x05 \x01(\x01\"\xbe\x02\n\nCacheState\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\r\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x15\n\rcached_blocks\x18\x06 \x01(\r\x12\x11\n\thit_ratio\x18\x07 \x01(\x01\x12<\n\x0bqueue_sizes\x18\x08 \x03(\x0b\x32\'.unicache.v1.CacheState.QueueSizesEntry\x12\x17\n\x0f\x65viction_policy\x18\t \x01(\t\x12\x11\n\tevictions\x18\n \x01(\x04\x1a\x31\n\x0fQueueSizesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,16 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CACHESTATE_QUEUESIZESENTRY']._loaded_options = None
   _globals['_CACHESTATE_QUEUESIZESENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=759
-  _globals['_FINISHREASON']._serialized_end=879
+  _globals['_FINISHREASON']._serialized_start=1016
+  _globals['_FINISHREASON']._serialized_end=1136
   _globals['_REQUESTCLASS']._serialized_start=42
   _globals['_REQUESTCLASS']._serialized_end=181
-  _globals['_SAMPLINGPARAMS']._serialized_start=183
-  _globals['_SAMPLINGPARAMS']._serialized_end=308
-  _globals['_USAGE']._serialized_start=310
-  _globals['_USAGE']._serialized_end=436
-  _globals['_CACHESTATE']._serialized_start=439
-  _globals['_CACHESTATE']._serialized_end=757
-  _globals['_CACHESTATE_QUEUESIZESENTRY']._serialized_start=708
-  _globals['_CACHESTATE_QUEUESIZESENTRY']._serialized_end=757
+  _globals['_SAMPLINGPARAMS']._serialized_start=184
+  _globals['_SAMPLINGPARAMS']._serialized_end=444
+  _globals['_TOPLOGPROB']._serialized_start=446
+  _globals['_TOPLOGPROB']._serialized_end=493
+  _globals['_TOKENLOGPROBS']._serialized_start=495
+  _globals['_TOKENLOGPROBS']._serialized_end=565
+  _globals['_USAGE']._serialized_start=567
+  _globals['_USAGE']._serialized_end=693
+  _globals['_CACHESTATE']._serialized_start=696
+  _globals['_CACHESTATE']._serialized_end=1014
+  _globals['_CACHESTATE_QUEUESIZESENTRY']._serialized_start=965
+  _globals['_CACHESTATE_QUEUESIZESENTRY']._serialized_end=1014
 # @@protoc_insertion_point(module_scope)

@@ -41,20 +41,22 @@ class RouteInfo(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., reason: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., score: _Optional[float] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, _Mapping]] = ...) -> None: ...
 
 class RouterGenerateResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "finish_reason", "usage", "route")
+    __slots__ = ("index", "token_ids", "text", "finish_reason", "usage", "route", "logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     route: RouteInfo
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
     __slots__ = ()
