@@ -1,7 +1,8 @@
 """Parsing and validating an OpenAI request body (pure functions, no I/O).
 
 ``parse_body`` turns the raw bytes into a JSON object whose nesting is at most
-``max_depth`` and whose strings (keys too) are valid Unicode (a JSON ``"\\ud800"`` is a
+``max_depth`` (checked before parsing, ``json_input``) and whose strings (keys too) are
+valid Unicode (a JSON ``"\\ud800"`` is a
 lone surrogate, which UTF-8 cannot encode: 400, not a 500 later). ``parse_request`` then
 reads the fields of ``/v1/completions`` or ``/v1/chat/completions`` into an
 ``OpenAIRequest`` with the proto ``SamplingParams`` the replicas get.
@@ -24,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from unicache.router.core import Labelled
+from unicache.router.json_input import MAX_JSON_DEPTH as DEFAULT_MAX_JSON_DEPTH, JsonInputError, loads_bounded
 from unicache.router.openai_errors import ApiError, bad_request, unsupported
 from unicache.v1 import common_pb2
 
-DEFAULT_MAX_JSON_DEPTH = 64
 DEFAULT_MAX_BATCH_PROMPTS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_N = 128
@@ -80,15 +81,14 @@ class OpenAIRequest:
 
 
 def parse_body(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict:
-    """The JSON object in ``raw``; ApiError 400 for bad JSON, UTF-8 or Unicode, nesting
-    deeper than ``max_depth``, or a body that is not an object."""
+    """The JSON object in ``raw``; ApiError 400 for bad JSON or UTF-8, nesting deeper
+    than ``max_depth`` (``json_input.loads_bounded``), invalid Unicode, or a body that is
+    not an object."""
     try:
-        body = json.loads(raw)
-    except RecursionError:  # nesting too deep for the parser itself
-        raise bad_request(f"request body is nested deeper than {max_depth} levels", code="invalid_json") from None
-    except ValueError:  # bad JSON or UTF-8, >4300-digit integers
-        raise bad_request("request body is not valid JSON", code="invalid_json") from None
-    check_structure(body, max_depth)
+        body = loads_bounded(raw, "request body", max_depth)
+    except JsonInputError as exc:
+        raise bad_request(str(exc), code="invalid_json") from None
+    check_unicode(body)
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     return body
@@ -104,27 +104,25 @@ def _valid_text(s: str) -> bool:
     return True
 
 
-def check_structure(obj: Any, max_depth: int) -> None:
-    """Bounded depth and valid Unicode in every string and key (iterative: no recursion)."""
-    stack: list[tuple[Any, int]] = [(obj, 1)]
+_BAD_UNICODE = "request contains invalid Unicode (a lone surrogate such as \\ud800)"
+
+
+def check_unicode(obj: Any) -> None:
+    """Every string and key of a parsed document is valid Unicode (iterative walk)."""
+    stack: list[Any] = [obj]
     while stack:
-        value, depth = stack.pop()
+        value = stack.pop()
         if isinstance(value, str):
             if not _valid_text(value):
-                raise bad_request("request contains invalid Unicode (a lone surrogate such as \\ud800)", code="invalid_unicode")
-        elif isinstance(value, (dict, list)):
-            if depth > max_depth:
-                raise bad_request(f"request body is nested deeper than {max_depth} levels", code="invalid_json")
-            if isinstance(value, dict):
-                for k, v in value.items():
-                    if not _valid_text(k):
-                        raise bad_request("request contains invalid Unicode (a lone surrogate such as \\ud800)", code="invalid_unicode")
-                    if isinstance(v, (str, dict, list)):
-                        stack.append((v, depth + 1))
-            else:
-                for v in value:
-                    if isinstance(v, (str, dict, list)):
-                        stack.append((v, depth + 1))
+                raise bad_request(_BAD_UNICODE, code="invalid_unicode")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not _valid_text(k):
+                    raise bad_request(_BAD_UNICODE, code="invalid_unicode")
+                if isinstance(v, (str, dict, list)):
+                    stack.append(v)
+        elif isinstance(value, list):
+            stack.extend(v for v in value if isinstance(v, (str, dict, list)))
 
 
 def number(body: dict, name: str, kind: type, lo: float, hi: float, default):

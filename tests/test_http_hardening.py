@@ -14,7 +14,7 @@ import logging
 
 import pytest
 
-from tests.support.fake_replica import FakeReplica
+from unicache.testing.fake_replica import FakeReplica
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 

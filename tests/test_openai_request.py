@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unicache.router.openai_errors import ApiError
-from unicache.router.openai_request import check_fields, check_model, check_structure, parse_body, parse_request
+from unicache.router.openai_request import check_fields, check_model, check_unicode, parse_body, parse_request
 
 
 def parse(body: dict, chat: bool = False):
@@ -90,11 +90,12 @@ def test_model_check():
     assert refused(check_model, {"model": 3}, "m").status == 400
 
 
-def test_structure_check_bounds_depth_and_unicode():
-    check_structure({"a": [[["x"]]]}, max_depth=4)
-    assert refused(check_structure, {"a": [[["x"]]]}, 3).code == "invalid_json"
-    assert refused(check_structure, {"a": ["ok", {"b": "\ud800"}]}, 64).code == "invalid_unicode"
-    assert refused(check_structure, {"\udc00": 1}, 64).code == "invalid_unicode"
+def test_body_check_bounds_depth_and_unicode():
+    assert parse_body(b'{"a": [[["x"]]]}', max_depth=4) == {"a": [[["x"]]]}
+    assert refused(parse_body, b'{"a": [[["x"]]]}', 3).code == "invalid_json"
+    check_unicode({"a": ["ok", {"b": "\u00e9"}]})
+    assert refused(check_unicode, {"a": ["ok", {"b": "\ud800"}]}).code == "invalid_unicode"
+    assert refused(check_unicode, {"\udc00": 1}).code == "invalid_unicode"
     assert refused(parse_body, b"[1]").code == "invalid_json"  # not an object
     assert refused(parse_body, b'{"a": "\xff"}').code == "invalid_json"  # not UTF-8
     assert parse_body('{"a": "\\u00e9\\ud83d\\ude00"}'.encode()) == {"a": "\u00e9\U0001f600"}  # a valid pair
