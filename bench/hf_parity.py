@@ -6,7 +6,7 @@ continuation, on our dense forward and on the paged serving path (prefix, cached
 then one decode step per token); whether the engine's greedy tokens equal transformers';
 and, for scaled rope types, the gap had the rope been read as plain rope (what the
 engine did before it read ``rope_scaling``). Then the one-line refusal for each
-unsupported config of ``REFUSED`` and for a sliding window shorter than the context.
+unsupported config of ``REFUSED``.
 
 Run: .venv/bin/python -m bench.hf_parity [--prompt-len 40] [--new-tokens 24] [--out-dir bench/results]
 Needs transformers (the ``dev`` extra).
@@ -92,13 +92,6 @@ def refusals(root: str) -> list[dict]:
         except CheckpointError as exc:
             message = str(exc)
         rows.append({"case": key, "message": message, "as_expected": bool(message and message.startswith(expected))})
-    window = write_case("mistral", f"{root}/window", sliding_window=32)
-    try:
-        LLMEngine(EngineConfig(checkpoint=window, block_size=BLOCK, num_blocks=16, device="cpu", eviction_policy="lru"))
-        message = None
-    except CheckpointError as exc:
-        message = str(exc)
-    rows.append({"case": "sliding_window", "message": message, "as_expected": bool(message and "sliding_window=32" in message)})
     return rows
 
 

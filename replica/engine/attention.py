@@ -7,7 +7,8 @@ the cached prefix (computed by an earlier request) plus its own new tokens under
 causal mask, and a decode token attends to its whole context.
 
 Invariant: a query at absolute position p sees exactly the keys at positions 0..p of its
-own sequence, whatever mix of cached and new tokens produced them.
+own sequence (with a sliding window W: positions p-W+1..p, as transformers' sliding-window
+mask), whatever mix of cached and new tokens produced them.
 """
 
 from __future__ import annotations
@@ -48,21 +49,38 @@ class DecodeBatch:
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    """One step's attention inputs; ``windowed`` is the same batch masked to ``window`` keys.
+
+    ``windowed`` is set (by ``build_metadata(..., sliding_window=W)``) for models whose
+    layers attend through a sliding window; those layers use it, the others this one.
+    """
+
     slot_mapping: torch.Tensor
     prefills: list[PrefillSegment]
     decode: DecodeBatch | None
+    window: int | None = None
+    windowed: "AttentionMetadata | None" = None
 
 
 def build_metadata(
     chunks: list[tuple[list[int], int, int]],
     block_size: int,
     device: torch.device,
+    sliding_window: int | None = None,
 ) -> AttentionMetadata:
     """Metadata for a batch of ``(block_table, start, end)`` chunks, in batch row order.
 
     Each chunk computes positions ``start..end-1`` of its sequence; a chunk with
-    ``end - start == 1`` and ``start > 0`` is treated as a decode token.
+    ``end - start == 1`` and ``start > 0`` is treated as a decode token. With
+    ``sliding_window`` W, ``windowed`` holds the masks of a W-token window as well.
     """
+    full = _build(chunks, block_size, device, None)
+    if sliding_window is not None:
+        full.windowed = _build(chunks, block_size, device, sliding_window)
+    return full
+
+
+def _build(chunks, block_size: int, device: torch.device, window: int | None) -> AttentionMetadata:
     slot_parts: list[torch.Tensor] = []
     prefills: list[PrefillSegment] = []
     dec_rows: list[int] = []
@@ -77,22 +95,29 @@ def build_metadata(
             dec_slots.append(all_slots)
         else:
             mask = None
-            if start > 0:
-                q_pos = torch.arange(start, end, device=device)
-                mask = torch.arange(end, device=device)[None, :] <= q_pos[:, None]
+            if start > 0 or (window is not None and q_len > window):
+                q_pos = torch.arange(start, end, device=device)[:, None]
+                k_pos = torch.arange(end, device=device)[None, :]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
             prefills.append(PrefillSegment(row, q_len, end, all_slots.to(device), mask))
         row += q_len
     decode = None
     if dec_rows:
         lens = torch.tensor([len(s) for s in dec_slots])
         padded = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True, padding_value=0)
-        mask = (torch.arange(padded.shape[1])[None, :] < lens[:, None])[:, None, None, :]
+        k_pos = torch.arange(padded.shape[1])[None, :]
+        mask = k_pos < lens[:, None]
+        if window is not None:
+            mask &= k_pos >= lens[:, None] - window
+        mask = mask[:, None, None, :]
         decode = DecodeBatch(
             torch.tensor(dec_rows, dtype=torch.long, device=device),
             padded.to(device),
             mask.to(device),
         )
-    return AttentionMetadata(torch.cat(slot_parts).to(device), prefills, decode)
+    return AttentionMetadata(torch.cat(slot_parts).to(device), prefills, decode, window)
 
 
 def _slots(table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:

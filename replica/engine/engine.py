@@ -83,7 +83,6 @@ class LLMEngine:
         self.model.place(self.device, self.dtype)
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
-        mcfg.check_context(self.max_model_len)
         self.vocab_size = mcfg.vocab_size
         self.policy_name = config.eviction_policy
         self.storage = TorchKVStorage(
@@ -224,7 +223,9 @@ class LLMEngine:
             if c.samples:
                 sample_rows.append(len(ids) - 1)
         dev = self.device
-        meta = build_metadata([(t, c.start, c.end) for t, c in zip(tables, chunks)], self.block_size, dev)
+        meta = build_metadata(
+            [(t, c.start, c.end) for t, c in zip(tables, chunks)], self.block_size, dev, self.model.config.sliding_window
+        )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, pos, self.storage, meta)

@@ -5,8 +5,8 @@ Supported: ``model_type`` llama, mistral and qwen2 with ``architectures`` their
 ``type`` or ``rope_type``) or ``rope_parameters`` (transformers 5 layout, ``rope_theta``
 inside), types default, linear, dynamic, llama3, yarn; explicit ``head_dim``; tied
 embeddings; Llama's ``attention_bias``/``mlp_bias``; Qwen2's q/k/v bias; sliding windows
-(Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``/``max_window_layers``/
-``layer_types``), served only up to the window (``ModelConfig.check_context``).
+(Mistral's ``sliding_window`` on every layer, Qwen2's ``use_sliding_window`` on the layers
+``max_window_layers``/``layer_types`` name), masked as transformers masks them.
 
 Invariants:
     * A missing key takes the default of that architecture's transformers config class
@@ -34,25 +34,26 @@ class Architecture:
     causal_lm: str
     defaults: dict[str, Any]
     biases: Callable[[dict], tuple[bool, bool, bool]]  # (q/k/v, o, mlp) from the merged config
-    sliding_window: Callable[[dict], int | None]
+    sliding_window: Callable[[dict], tuple[int | None, tuple[int, ...] | None]]  # (window, its layers; None: all)
 
 
 def _llama_biases(c: dict) -> tuple[bool, bool, bool]:
     return bool(c["attention_bias"]), bool(c["attention_bias"]), bool(c["mlp_bias"])
 
 
-def _mistral_window(c: dict) -> int | None:
-    return c["sliding_window"]
+def _mistral_window(c: dict) -> tuple[int | None, tuple[int, ...] | None]:
+    return c["sliding_window"], None
 
 
-def _qwen2_window(c: dict) -> int | None:
+def _qwen2_window(c: dict) -> tuple[int | None, tuple[int, ...] | None]:
     window = c["sliding_window"] if c["use_sliding_window"] else None
     if window is None:
-        return None
+        return None, None
     types = c.get("layer_types") or [
         "sliding_attention" if i >= c["max_window_layers"] else "full_attention" for i in range(c["num_hidden_layers"])
     ]
-    return window if "sliding_attention" in types else None
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (window, layers) if layers else (None, None)
 
 
 _COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": None}
@@ -65,7 +66,7 @@ ARCHITECTURES: dict[str, Architecture] = {
          "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048,
          "attention_bias": False, "mlp_bias": False},
         _llama_biases,
-        lambda c: None,
+        lambda c: (None, None),
     ),
     "mistral": Architecture(
         "MistralForCausalLM",
@@ -186,6 +187,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if head_dim % 2:
         raise CheckpointError(f"config.json head_dim={head_dim} is odd; rotary embedding needs an even head_dim")
     qkv_bias, o_bias, mlp_bias = arch.biases(c)
+    window, window_layers = arch.sliding_window(c)
+    if window is not None and int(window) < 1:
+        raise CheckpointError(f"config.json sliding_window={window} must be >= 1")
     return ModelConfig(
         vocab_size=int(c["vocab_size"]),
         hidden_size=int(c["hidden_size"]),
@@ -201,7 +205,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        sliding_window=arch.sliding_window(c),
+        sliding_window=None if window is None else int(window),
+        sliding_layers=window_layers,
         architecture=model_type,
     )
 

@@ -83,11 +83,17 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.num_heads // self.num_kv_heads)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
-    def forward_dense(self, x, cos_sin):
+    def forward_dense(self, x, cos_sin, window: int | None = None):
         q, k, v = self._qkv(x, cos_sin)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         gqa = self.num_heads != self.num_kv_heads
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
+        if window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            pos = torch.arange(x.shape[0], device=x.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = out[0].transpose(0, 1)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -153,11 +159,17 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states. ``meta`` must come from ``build_metadata(...,
+        sliding_window=config.sliding_window)``: its sliding layers read ``meta.windowed``."""
+        cfg = self.config
+        if cfg.sliding_window is not None and (meta.windowed is None or meta.windowed.window != cfg.sliding_window):
+            raise ValueError(f"this model attends through a {cfg.sliding_window}-token window: build_metadata(sliding_window=...)")
         h = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.tables(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = kv.layer_views(i)
-            h = h + layer.self_attn(layer.input_layernorm(h), cos_sin, k_cache, v_cache, meta)
+            layer_meta = meta.windowed if cfg.layer_window(i) is not None else meta
+            h = h + layer.self_attn(layer.input_layernorm(h), cos_sin, k_cache, v_cache, layer_meta)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 
@@ -171,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         h = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.tables(positions, h.dtype)
-        for layer in self.model.layers:
-            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), cos_sin)
+        for i, layer in enumerate(self.model.layers):
+            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), cos_sin, self.config.layer_window(i))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.logits(self.model.norm(h))

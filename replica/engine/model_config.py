@@ -41,9 +41,9 @@ class ModelConfig:
 
     ``qkv_bias``/``o_bias``/``mlp_bias`` put biases on those projections (Llama's
     ``attention_bias`` sets the first two, Qwen2 has q/k/v bias only). ``sliding_window`` is
-    the window of the layers that have one (None: every layer attends to its whole
-    context); the engine has no windowed attention, so it serves such a model only up to
-    that many tokens (``check_context``). ``architecture`` is the HF ``model_type``.
+    the window (in keys, the query's own included, as transformers' mask) of the layers in
+    ``sliding_layers`` (None: all layers); no window: every layer attends to its whole
+    context. ``architecture`` is the HF ``model_type``.
     """
 
     vocab_size: int = 259
@@ -61,6 +61,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
     architecture: str = "llama"
     init_std: float = 0.1  # large enough that greedy decoding of random weights does not collapse
 
@@ -68,14 +69,11 @@ class ModelConfig:
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
-    def check_context(self, max_model_len: int) -> None:
-        """CheckpointError when serving ``max_model_len`` tokens would need a sliding window."""
-        if self.sliding_window is not None and max_model_len > self.sliding_window:
-            raise CheckpointError(
-                f"config.json sliding_window={self.sliding_window} is shorter than the served context "
-                f"({max_model_len} tokens) and the built-in engine has no sliding-window attention: "
-                f"set max_model_len <= {self.sliding_window}"
-            )
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, None when it attends to its whole context."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:

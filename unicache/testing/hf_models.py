@@ -59,6 +59,8 @@ CASES: dict[str, Case] = {
     "qwen2-tied": Case("qwen2", dict(tie_word_embeddings=True)),
     "mistral": Case("mistral", dict(sliding_window=None, head_dim=32)),
     "mistral-window-4096": Case("mistral", dict(sliding_window=4096)),
+    "mistral-window-8": Case("mistral", dict(sliding_window=8)),
+    "qwen2-window-layer1": Case("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
 }
 
 
@@ -145,7 +147,7 @@ def paged_logits(model, chunks: list[tuple[list[int], int, int]], block_size: in
     table = torch.randperm(3 * n_blocks + 1, generator=torch.Generator().manual_seed(0))[:n_blocks].tolist()  # scattered
     out = []
     for toks, start, end in chunks:
-        meta = build_metadata([(table, start, end)], block_size, torch.device("cpu"))
+        meta = build_metadata([(table, start, end)], block_size, torch.device("cpu"), c.sliding_window)
         hidden = model(torch.tensor(toks[start:end]), torch.arange(start, end), storage, meta)
         out.append(model.logits(hidden))
     return torch.cat(out)
