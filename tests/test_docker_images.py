@@ -237,7 +237,7 @@ def test_router_entry_point_runs_with_only_the_router_image_packages():
     subprocess blocks every third-party distribution not in requirements-router.txt."""
     allowed = set(router_requirements()) | {
         # packages those requirements pull in themselves
-        "typing-extensions", "click", "h11", "anyio", "idna", "sniffio", "huggingface-hub", "async-timeout",
+        "typing-extensions", "click", "h11", "anyio", "idna", "sniffio", "huggingface-hub", "async-timeout", "markupsafe",
     }
     proc = subprocess.run(
         [sys.executable, "-c", ROUTER_IMAGE_PROBE, ",".join(sorted(allowed))],
