@@ -13,10 +13,12 @@ import socket
 from dataclasses import dataclass, field
 
 from unicache import settings
+from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
 from unicache.replica.engine.config import EngineConfig
 from unicache.replica.engine.model_config import model_preset
+from unicache.replica.eviction.registry import EVICTION_POLICIES
 from unicache.replica.faults import FaultInjection
 
 
@@ -36,7 +38,7 @@ class ReplicaSettings:
     redis_prefix: str = field(default=DEFAULT_PREFIX, metadata=_help("namespace of every Redis key"))
     redis_password: str = field(default="", repr=False, metadata=_help("Redis password if not in redis_url (secret)"))
     redis_tls_ca: str = field(default="", metadata=_help("CA bundle verifying the server of a rediss:// redis_url"))
-    eviction_policy: str = field(default="unicache", metadata=_help("KV-cache eviction policy (lru, radix-lru, unicache)"))
+    eviction_policy: str = field(default="unicache", metadata=_help("KV-cache eviction policy (lru, radix-lru, unicache, opt)"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
     num_blocks: int = field(default=1024, metadata=_help("KV blocks in the cache"))
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
@@ -59,6 +61,22 @@ class ReplicaSettings:
     fault_token_delay_s: float = field(
         default=0.0, metadata=_help("fault injection (tests): delay each streamed message after the first")
     )
+
+    def check(self) -> None:
+        """Refuse now what the engine would refuse only once Ray and the actors are up: an
+        unknown eviction policy (naming the valid ones), a size that is not positive, a
+        checkpoint or tokenizer that is not there. Raises ``UsageError``."""
+        try:
+            EVICTION_POLICIES.get(self.eviction_policy)
+        except ValueError as exc:
+            raise UsageError(f"eviction_policy: {exc}") from None
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.checkpoint and not os.path.isdir(self.checkpoint):
+            raise UsageError(f"checkpoint {self.checkpoint} is not a directory")
+        if self.tokenizer and self.tokenizer != "byte" and not os.path.isfile(self.tokenizer):
+            raise UsageError(f"tokenizer {self.tokenizer} is not a file")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -97,5 +115,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...
 
 
 def settings_from_args(args: argparse.Namespace, **overrides) -> ReplicaSettings:
-    """Flag, else ``UNICACHE_<NAME>``, else the config file, else the default; then ``overrides``."""
-    return settings.build(ReplicaSettings, args, overrides=overrides, secrets=SECRET_FIELDS)
+    """Flag, else ``UNICACHE_<NAME>``, else the config file, else the default; then
+    ``overrides``; checked (``ReplicaSettings.check``) before anything starts."""
+    built = settings.build(ReplicaSettings, args, overrides=overrides, secrets=SECRET_FIELDS)
+    built.check()
+    return built

@@ -1,4 +1,4 @@
-"""``unicache router`` (run the router) and ``unicache status --router ADDR``."""
+"""``unicache router`` (run the router) and ``unicache status [--router ADDR]``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import signal
 
 from unicache.router.config import add_config_arguments, build_config
+from unicache.endpoints import LOCAL_ROUTER, ROUTER_ENV, default_router
 from unicache.errors import UsageError
 
 
@@ -22,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_router)
 
     s = subparsers.add_parser("status", help="show the cluster's cache state as the router sees it")
-    s.add_argument("--router", required=True, metavar="HOST:PORT", help="the router's gRPC address")
+    s.add_argument("--router", default=default_router(), metavar="HOST:PORT",
+                   help=f"the router's gRPC address (env {ROUTER_ENV}; default: the local router, {LOCAL_ROUTER})")
     s.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds (default 5)")
     s.set_defaults(func=run_status)
 

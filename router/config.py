@@ -19,8 +19,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from unicache import settings
+from unicache.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
+from unicache.router.routing.registry import ROUTING_POLICIES
 SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys"})
 
 
@@ -29,9 +31,9 @@ class RouterConfig:
     """All router settings (see the module docstring for how each is set)."""
 
     grpc_host: str = field(default="127.0.0.1", metadata={"help": "gRPC bind address"})
-    grpc_port: int = field(default=50051, metadata={"help": "gRPC port (0 picks a free one)"})
+    grpc_port: int = field(default=DEFAULT_GRPC_PORT, metadata={"help": "gRPC port (0 picks a free one)"})
     http_host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
-    http_port: int = field(default=8000, metadata={"help": "HTTP port (0 picks a free one)"})
+    http_port: int = field(default=DEFAULT_HTTP_PORT, metadata={"help": "HTTP port (0 picks a free one)"})
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL (rediss:// for TLS)"})
     redis_prefix: str = field(default=DEFAULT_PREFIX, metadata={"help": "Redis key prefix"})
     redis_password: str = field(default="", metadata={"help": "Redis password (secret)"})
@@ -156,4 +158,13 @@ def build_config(
     cfg = settings.build(RouterConfig, args, env, overrides, secrets=SECRET_FIELDS)
     if cfg.block_size <= 0:
         raise UsageError("block_size must be positive")
+    check_routing_policy(cfg.routing_policy)
     return cfg
+
+
+def check_routing_policy(name: str) -> None:
+    """``UsageError`` naming the valid routing policies unless ``name`` is one."""
+    try:
+        ROUTING_POLICIES.get(name)
+    except ValueError as exc:
+        raise UsageError(f"routing_policy: {exc}") from None

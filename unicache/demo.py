@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 from tqdm import tqdm
 
+from unicache.endpoints import LOCAL_ROUTER, ROUTER_ENV, default_router
 from unicache.errors import UsageError
 from unicache.redis_keys import HEARTBEAT_INTERVAL_S
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -120,7 +121,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="send a short mixed workload through a running router and show the cache at work")
-    p.add_argument("--router", default=os.environ.get("UNICACHE_ROUTER", "127.0.0.1:50051"), help="router gRPC address (env UNICACHE_ROUTER)")
+    p.add_argument("--router", default=default_router(), metavar="HOST:PORT",
+                   help=f"router gRPC address (env {ROUTER_ENV}; default: the local router, {LOCAL_ROUTER})")
     p.add_argument("--api-key", default=os.environ.get("UNICACHE_API_KEY", ""), help="API key (env UNICACHE_API_KEY; none in local mode)")
     p.add_argument("--sessions", type=int, default=4, help="chat sessions (default 4)")
     p.add_argument("--turns", type=int, default=3, help="turns per session (default 3)")

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from unicache import settings as settings_mod
+from unicache.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, LOCAL_ROUTER
 from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
 
@@ -33,8 +34,8 @@ class ClusterSettings:
     """Settings of ``unicache up`` (each also a flag, UNICACHE_<NAME> and a config-file key)."""
 
     num_replicas: int = field(default=2, metadata={"help": "replica actors to start"})
-    grpc_port: int = field(default=50051, metadata={"help": "router gRPC port (0 picks a free one)"})
-    http_port: int = field(default=8000, metadata={"help": "router HTTP port (0 picks a free one)"})
+    grpc_port: int = field(default=DEFAULT_GRPC_PORT, metadata={"help": "router gRPC port (0 picks a free one)"})
+    http_port: int = field(default=DEFAULT_HTTP_PORT, metadata={"help": "router HTTP port (0 picks a free one)"})
     host: str = field(default="127.0.0.1", metadata={"help": "interface the router binds"})
     redis_url: str = field(default="", metadata={"help": "external Redis (empty: start a private redis-server)"})
     redis_prefix: str = field(default=DEFAULT_PREFIX, metadata={"help": "Redis key prefix"})
@@ -58,6 +59,38 @@ class Endpoints:
     http: str
     redis_url: str
     replicas: list[tuple[str, str, str]]  # (id, address, device)
+
+
+def replica_settings(cfg: ClusterSettings, redis_url: str):
+    """The settings every replica of the run starts with."""
+    from unicache.replica.settings import ReplicaSettings
+
+    return ReplicaSettings(
+        redis_url=redis_url,
+        redis_prefix=cfg.redis_prefix,
+        eviction_policy=cfg.eviction_policy,
+        block_size=cfg.block_size,
+        num_blocks=cfg.num_blocks,
+        checkpoint=cfg.checkpoint,
+        tokenizer=cfg.tokenizer,
+    )
+
+
+def check_settings(cfg: ClusterSettings) -> None:
+    """Refuse every setting a later step would refuse, before Redis, Ray or a replica
+    starts (an unknown policy used to surface after 30-40 s, behind Ray's tracebacks).
+    Raises ``UsageError`` naming the setting and, for a policy, the valid names."""
+    from unicache.router.config import check_routing_policy
+
+    if cfg.num_replicas < 1:
+        raise UsageError("--replicas must be at least 1")
+    for name in ("grpc_port", "http_port"):
+        if not 0 <= getattr(cfg, name) <= 65535:
+            raise UsageError(f"{name} must be 0-65535, got {getattr(cfg, name)}")
+    if cfg.ready_timeout_s <= 0:
+        raise UsageError("ready_timeout_s must be positive")
+    check_routing_policy(cfg.routing_policy)
+    replica_settings(cfg, cfg.redis_url).check()
 
 
 class LocalCluster:
@@ -92,7 +125,6 @@ class LocalCluster:
         import ray
 
         from unicache.replica.launcher import ReplicaLauncher
-        from unicache.replica.settings import ReplicaSettings
         from unicache.redis_server import EmbeddedRedis
 
         cfg = self.cfg
@@ -114,15 +146,7 @@ class LocalCluster:
             _temp_dir=self._ray_temp_dir(),
         )
         self._ray_started = True
-        base = ReplicaSettings(
-            redis_url=self.redis_url,
-            redis_prefix=cfg.redis_prefix,
-            eviction_policy=cfg.eviction_policy,
-            block_size=cfg.block_size,
-            num_blocks=cfg.num_blocks,
-            checkpoint=cfg.checkpoint,
-            tokenizer=cfg.tokenizer,
-        )
+        base = replica_settings(cfg, self.redis_url)
         self.launcher = ReplicaLauncher(base, cfg.num_replicas, start_timeout_s=cfg.ready_timeout_s)
         return [(r.replica_id, r.address, r.device) for r in self.launcher.start()]
 
@@ -203,6 +227,7 @@ def print_ready(ep: Endpoints, api_key: str | None) -> None:
     auth = ' -H "Authorization: Bearer $API_KEY"' if api_key else ""
     meta = ", metadata=[('authorization', 'Bearer ' + os.environ['API_KEY'])]" if api_key else ""
     host, _, port = ep.grpc.rpartition(":")
+    router_flag = "" if ep.grpc == LOCAL_ROUTER else f" --router {ep.grpc}"  # status/demo default to LOCAL_ROUTER
     lines = [
         f"ready grpc={ep.grpc} http={ep.http} replicas={len(ep.replicas)}",
         f"  router gRPC     {ep.grpc}   (unicache.v1.Router, health, reflection)",
@@ -217,8 +242,8 @@ def print_ready(ep: Endpoints, api_key: str | None) -> None:
         "Try:" + ("   (export API_KEY=<one of the --api-keys keys>)" if api_key else ""),
         f"  curl -s {ep.http}/v1/completions -H 'Content-Type: application/json'{auth} \\",
         """    -d '{"model": "unicache-default", "prompt": "Hello, cache!", "max_tokens": 8}'""",
-        f"  unicache status --router {ep.grpc}",
-        f"  unicache demo --router {ep.grpc}",
+        f"  unicache status{router_flag}",
+        f"  unicache demo{router_flag}",
         "  python -c \"import os, grpc; from unicache.v1 import router_pb2 as pb, router_pb2_grpc as g; "
         f"s = g.RouterStub(grpc.insecure_channel('{host}:{port}')); "
         f"print([r.text for r in s.Generate(pb.RouterGenerateRequest(text='Hello', sampling={{'max_tokens': 8}}){meta})])\"",
@@ -231,6 +256,7 @@ def print_ready(ep: Endpoints, api_key: str | None) -> None:
 def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = settings_mod.build(ClusterSettings, args, secrets=SECRETS)
+    check_settings(cfg)
     cluster = LocalCluster(cfg)
     def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
         # SIGTERM while backends start interrupts the start like Ctrl-C; cleanup follows.
