@@ -24,7 +24,7 @@ from unicache.router.config import RouterConfig, resolve_tokenizer_path
 from unicache.router.core import RouterCore
 from unicache.router.first_token import FirstTokenTimeout
 from unicache.router.http_api import HttpFrontDoor
-from unicache.router.http_server import HttpLimits, uvicorn_config
+from unicache.router.http_server import HttpLimits, parser_protocol, uvicorn_config
 from unicache.router.index import LocalityIndex
 from unicache.router.limits import limiter_from_config
 from unicache.router.metrics import RouterMetrics
@@ -141,6 +141,7 @@ class RouterApp:
             keepalive_timeout_s=config.http_keepalive_timeout_s,
             max_connections=config.http_max_connections,
         )
+        self._http_protocol = parser_protocol(config.http_parser)
         self.grpc_port = 0
         self.http_port = 0
         self._grpc_server: grpc.aio.Server | None = None
@@ -181,7 +182,7 @@ class RouterApp:
         sock.listen(1024)
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
-        self._uvicorn = uvicorn.Server(uvicorn_config(self.http.app, self.http_limits))
+        self._uvicorn = uvicorn.Server(uvicorn_config(self.http.app, self.http_limits, self._http_protocol))
         self._uvicorn.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._tasks.append(asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="router-http"))
         while not self._uvicorn.started:

@@ -47,7 +47,10 @@ def run_router(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             pass
 
-    asyncio.run(main())
+    from unicache.router.http_server import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory(cfg.event_loop)) as runner:
+        runner.run(main())
     return 0
 
 

@@ -1,7 +1,7 @@
 """uvicorn for the HTTP front door, guarded against slow and broken clients.
 
 uvicorn itself times out only idle keep-alive connections. ``guarded_protocol`` wraps
-its HTTP protocol class (httptools when installed, else h11) with:
+its HTTP protocol class (``parser_protocol``: httptools when installed, else h11) with:
 
 * a header timeout: a connection must deliver a complete request head within
   ``header_timeout_s`` of its first byte (or of being accepted), else it is closed, with
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from unicache.errors import UsageError
 from unicache.router.openai_errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -60,23 +61,50 @@ def raw_error(err: ApiError) -> bytes:
     return head.encode() + body
 
 
-def _base_protocol() -> type:
+HTTP_PARSERS = ("auto", "httptools", "h11")
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
+
+
+def parser_protocol(name: str = "auto") -> type:
+    """uvicorn's protocol class for ``name``: "httptools" (C parser), "h11" (pure
+    Python), or "auto" (httptools when installed, else h11). UsageError otherwise."""
+    if name not in HTTP_PARSERS:
+        raise UsageError(f"unknown http_parser {name!r} (choose from {', '.join(HTTP_PARSERS)})")
+    if name in ("auto", "httptools"):
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+            return HttpToolsProtocol
+        except ImportError:
+            if name == "httptools":
+                raise UsageError("http_parser httptools: the httptools package is not installed") from None
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return H11Protocol
+
+
+def loop_factory(name: str = "auto"):
+    """An event-loop factory for ``asyncio.Runner``: uvloop's ("uvloop", or "auto" when
+    installed) or None (asyncio's default loop). UsageError for an unknown name."""
+    if name not in EVENT_LOOPS:
+        raise UsageError(f"unknown event_loop {name!r} (choose from {', '.join(EVENT_LOOPS)})")
+    if name == "asyncio":
+        return None
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-        return HttpToolsProtocol
-    except ImportError:  # httptools not installed: uvicorn's pure-Python h11 parser
-        from uvicorn.protocols.http.h11_impl import H11Protocol
-
-        return H11Protocol
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise UsageError("event_loop uvloop: the uvloop package is not installed") from None
+        return None
+    return uvloop.new_event_loop
 
 
 def guarded_protocol(limits: HttpLimits, base: type | None = None) -> type:
-    """A subclass of uvicorn's HTTP protocol (``base``, default httptools else h11) that
+    """A subclass of uvicorn's HTTP protocol (``base``, default ``parser_protocol()``) that
     enforces ``limits``. It relies on what both uvicorn protocols share: ``self.cycle``
     is replaced when a request head completes, and ``cycle.more_body`` turns False when
     its body is complete."""
-    base = base or _base_protocol()
+    base = base or parser_protocol()
 
     class GuardedHttpProtocol(base):  # type: ignore[misc, valid-type]
         _guard_timer: asyncio.TimerHandle | None = None

@@ -1,7 +1,7 @@
 """The HTTP front door against slow and broken clients, over raw sockets.
 
 A router with short limits (header and body timeouts 0.5 s, keep-alive 0.5 s) over a
-fake replica. Each case asserts the exact outcome (status line, then the connection
+fake replica, with either HTTP parser (httptools, h11). Each case asserts the exact outcome (status line, then the connection
 closed by the server); the only time bound is the socket's own read timeout, far above
 the configured one (closure, not speed, is what is checked).
 """
@@ -42,11 +42,12 @@ async def start_router(rep: FakeReplica, **overrides) -> RouterApp:
     return app
 
 
-@pytest.fixture
-async def router():
+@pytest.fixture(params=["httptools", "h11"])
+async def router(request):
+    """The router with each of uvicorn's HTTP parsers under the guard."""
     rep = FakeReplica("r0")
     await rep.start()
-    app = await start_router(rep)
+    app = await start_router(rep, http_parser=request.param)
     try:
         yield app, rep
     finally:
@@ -203,3 +204,15 @@ async def test_cancelled_sse_stream_counts_as_cancelled_not_error(router):
         await asyncio.sleep(0.01)
     counts = {o: app.metrics.requests.labels("completions", o)._value.get() for o in ("cancelled", "error", "ok")}
     assert counts == {"cancelled": 1, "error": 0, "ok": 0}
+
+
+def test_unknown_parser_or_loop_is_a_usage_error():
+    from unicache.errors import UsageError
+    from unicache.router.http_server import loop_factory, parser_protocol
+
+    with pytest.raises(UsageError, match="unknown http_parser 'fast'"):
+        parser_protocol("fast")
+    with pytest.raises(UsageError, match="unknown event_loop 'tokio'"):
+        loop_factory("tokio")
+    assert parser_protocol("h11").__name__ == "H11Protocol"
+    assert loop_factory("asyncio") is None
