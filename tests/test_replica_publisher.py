@@ -22,7 +22,7 @@ from unicache.replica.event_batch import PendingBatch
 from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.store import KVStore
 from unicache.replica.publisher import CachePublisher
-from tests.support.store_source import StoreCacheSource
+from unicache.testing.store_source import StoreCacheSource
 from unicache.router.index import LocalityIndex
 from unicache.testing.polling import eventually
 

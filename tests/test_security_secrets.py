@@ -17,7 +17,7 @@ from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.store import KVStore
 from unicache.replica.publisher import CachePublisher
 from unicache.replica.settings import ReplicaSettings, add_settings_arguments
-from tests.support.store_source import StoreCacheSource
+from unicache.testing.store_source import StoreCacheSource
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.redis_server import EmbeddedRedis

@@ -33,7 +33,7 @@ from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.events import BlockRemoved, BlockStored
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 from unicache.router.index import LocalityIndex
-from unicache.router.routing.base import ReplicaLoad, RoutingRequest
+from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
 from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import ReplayCounters, result_record
 from unicache.sim.prepare import PreparedTrace, SimRequest
@@ -302,11 +302,21 @@ class Replay:
 
     # -------------------------------------------------------------- routing
     def _route(self, req: SimRequest) -> SimReplica:
+        assert self.router is not None
+        loads = self._snapshot()
+        rr = RoutingRequest(req.rid, req.cls, req.prompt_hashes, req.input_length, self.block_size)
+        decision = self._decide(rr, loads)
+        self.router.on_request_routed(rr, decision)
+        self._routed[req.rid] = rr
+        return self._by_id[decision.replica_id]
+
+    def _snapshot(self) -> list[ReplicaLoad]:
+        """Bring the index up to date with every store's events; every replica's load."""
         index = self.index
-        assert index is not None and self.router is not None
+        assert index is not None
         loads = []
         for rep in self.replicas:
-            _pump(index, rep.replica_id, rep.store.take_events())
+            _pump(index, rep.replica_id, self._take_events(rep))
             loads.append(
                 ReplicaLoad(
                     replica_id=rep.replica_id,
@@ -318,11 +328,16 @@ class Replay:
                     in_flight=rep.in_flight,
                 )
             )
-        rr = RoutingRequest(req.rid, req.cls, req.prompt_hashes, req.input_length, self.block_size)
-        decision = self.router.choose(rr, loads, index)
-        self.router.on_request_routed(rr, decision)
-        self._routed[req.rid] = rr
-        return self._by_id[decision.replica_id]
+        return loads
+
+    def _take_events(self, rep: SimReplica) -> list:
+        """The store's new events (a hook: the parity harness also publishes them)."""
+        return rep.store.take_events()
+
+    def _decide(self, request: RoutingRequest, loads: list[ReplicaLoad]) -> RouteDecision:
+        """The routing policy's choice (a hook: the parity harness also asks the live router)."""
+        assert self.index is not None and self.router is not None
+        return self.router.choose(request, loads, self.index)
 
 
 def _pump(index: LocalityIndex, replica_id: str, events: list) -> None:
