@@ -37,6 +37,7 @@ Run (from the repository root, niced, 2 worker processes):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -61,15 +62,12 @@ from unicache.sim.timing import TimingModel
 OURS = ("cache_aware", "unicache")
 BASELINES = (("sglang", "unicache"), ("sglang", "lru"))
 # Candidate settings of cache_aware chosen among by cross-validation (kwargs over the
-# constructor defaults). The load weight and the balance guard decide how much locality
-# is traded for queueing; everything else keeps its default.
+# constructor defaults): how hard the balance guard binds, and whether the churn and
+# session-footprint terms (which trade locality for spreading new work) earn their place.
+# A first round (load_weight 0.5/1/2 x balance_ratio 1.25/1.5) kept load_weight 1.
 CANDIDATES: dict[str, dict] = {
-    "lw0.5-br1.25": {"load_weight": 0.5, "balance_ratio": 1.25},
-    "lw1-br1.25": {"load_weight": 1.0, "balance_ratio": 1.25},
-    "lw2-br1.25": {"load_weight": 2.0, "balance_ratio": 1.25},
-    "lw0.5-br1.5": {"load_weight": 0.5, "balance_ratio": 1.5},
-    "lw1-br1.5": {"load_weight": 1.0, "balance_ratio": 1.5},
-    "lw2-br1.5": {"load_weight": 2.0, "balance_ratio": 1.5},
+    f"br{br}-ch{ch}-fp{fp}": {"balance_ratio": br, "churn_weight": ch, "footprint_weight": fp}
+    for br in (1.1, 1.25, 1.5) for ch in (0.5, 0.0) for fp in (0.5, 0.0)
 }
 U_START, U_MIN, U_MAX = 0.5, 1.0 / 16, 8.0
 GOODPUT_FLOOR_U = 1.0 / 32
@@ -399,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="worker processes (at most 2 on the shared machine)")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--cv-only", action="store_true", help="run the cross-validation, print it and stop")
     args = ap.parse_args(argv)
     if not 1 <= args.workers <= 2:
         ap.error("--workers must be 1 or 2")
@@ -417,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     tune = run_jobs([Job(t, (4,), cand_cfgs, dict(CANDIDATES), common) for t in tune_t], args.workers)
     cv = cross_validate(tune)
     default = code_default_candidate()
+    if args.cv_only:
+        print(json.dumps({"cv": cv, "code_default": default}, indent=1))
+        return 0
 
     print(f"report: {len(report_t)} traces", file=sys.stderr)
     jobs = []
