@@ -161,7 +161,19 @@ def build_config(
     if cfg.block_size <= 0:
         raise UsageError("block_size must be positive")
     check_routing_policy(cfg.routing_policy)
+    check_http_settings(cfg)
     return cfg
+
+
+def check_http_settings(cfg: RouterConfig) -> None:
+    """``UsageError`` for non-positive HTTP limits or an unknown/missing parser or loop."""
+    from unicache.router.http_server import loop_factory, parser_protocol
+
+    for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keepalive_timeout_s", "http_max_connections"):
+        if not getattr(cfg, name) > 0:
+            raise UsageError(f"{name} must be positive, got {getattr(cfg, name)}")
+    parser_protocol(cfg.http_parser)
+    loop_factory(cfg.event_loop)
 
 
 def check_routing_policy(name: str) -> None:

@@ -216,3 +216,19 @@ def test_unknown_parser_or_loop_is_a_usage_error():
         loop_factory("tokio")
     assert parser_protocol("h11").__name__ == "H11Protocol"
     assert loop_factory("asyncio") is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"http_parser": "fast"}, "unknown http_parser 'fast'"),
+        ({"event_loop": "tokio"}, "unknown event_loop 'tokio'"),
+        ({"http_body_timeout_s": 0}, "http_body_timeout_s must be positive"),
+        ({"http_max_connections": -1}, "http_max_connections must be positive"),
+    ],
+)
+def test_bad_http_settings_fail_at_build_time(overrides, message):
+    from unicache.errors import UsageError
+
+    with pytest.raises(UsageError, match=message):
+        build_config(env={}, overrides=overrides)

@@ -62,7 +62,8 @@ def test_every_setting_has_flag_and_env():
     flags = {a.dest for a in p._actions}
     for f in dataclasses.fields(RouterConfig):
         assert f"cfg_{f.name}" in flags
-        value = "sglang" if f.name == "routing_policy" else {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]
+        valid = {"routing_policy": "sglang", "http_parser": "h11", "event_loop": "asyncio"}  # checked names
+        value = valid.get(f.name) or {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]
         cfg = build_config(env={f"UNICACHE_{f.name.upper()}": value})
         assert str(getattr(cfg, f.name)) in (value, "True")
 
