@@ -82,7 +82,10 @@ class RouterConfig:
     http_keepalive_timeout_s: float = field(default=5.0, metadata={"help": "HTTP: idle time between requests on a kept-alive connection"})
     http_max_connections: int = field(default=4096, metadata={"help": "HTTP: open connections beyond which new ones get 503"})
     http_parser: str = field(default="auto", metadata={"help": "HTTP parser: auto (httptools if installed), httptools, h11"})
-    event_loop: str = field(default="auto", metadata={"help": "`unicache router` event loop: auto (uvloop if installed), uvloop, asyncio"})
+    event_loop: str = field(
+        default="asyncio",
+        metadata={"help": "`unicache router` event loop: asyncio, or uvloop (less CPU per request, but grpc.aio does not shut down on it: SIGTERM hangs)"},
+    )
     tenant_max_concurrent: int = field(default=1024, metadata={"help": "requests one tenant may have in flight (429 beyond; 0: no limit)"})
     tenant_max_prompt_tokens: int = field(default=32768, metadata={"help": "prompt tokens per request (400 beyond; 0: no limit)"})
     tenant_tokens_per_minute: int = field(default=0, metadata={"help": "prompt tokens one tenant may send per minute (429 beyond; 0: no limit)"})
