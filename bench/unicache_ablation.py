@@ -1,5 +1,8 @@
 """Ablation of the unicache eviction policy: each ingredient off (or swapped) in turn.
 
+The variants are ``bench/unicache_variants.py``'s ``AblationUniCache`` (the production
+policy has no switches).
+
 Runs ``unicache sim``'s replay (``unicache.sim``) on the Mooncake trace (block size 512,
 classes inferred) and on a generated labelled mix (block size 16) at 5% and 10% of the
 unique blocks, for lru, opt and every unicache variant. Writes JSON and a markdown table;
@@ -21,8 +24,9 @@ from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.workload import WorkloadConfig, generate
 from unicache.trace import read_trace, write_trace
 from bench.paths import RESULTS, mooncake_trace
+from bench.unicache_variants import AblationUniCache
 
-# name -> unicache constructor kwargs (the full policy is {}).
+# name -> AblationUniCache kwargs (the full policy is {}).
 VARIANTS: dict[str, dict] = {
     "unicache (full)": {},
     "- session queues": {"session_queues": False},
@@ -36,9 +40,8 @@ VARIANTS: dict[str, dict] = {
     "- global weights (alpha=1)": {"weighting": "none"},
     "paper weights (efficiency, T=0.2)": {"weighting": "efficiency"},
     "- horizon (score p*S(age))": {"horizon_scoring": False},
-    "- structural rate (by last use)": {"structural_rate_halflife_s": 0.0},
+    "- structural rate (by last use)": {"structural_rate": False},
     "+ strict evict-first": {"strict_evict_first": True},
-    "+ depth bonus 30 s": {"depth_bonus_s": 30.0},
 }
 
 
@@ -48,10 +51,12 @@ def run_trace(name: str, trace_path: str, block_size: int, fracs: list[float]) -
     rows = []
     for frac in fracs:
         cap = int(frac * prepared.unique_blocks)
-        runs = [("lru", "lru", {}), ("opt", "opt", {})] + [(v, "unicache", kw) for v, kw in VARIANTS.items()]
+        runs = [("lru", "lru", {}, None), ("opt", "opt", {}, None)]
+        runs += [(v, "unicache", kw, AblationUniCache) for v, kw in VARIANTS.items()]
         base = {}
-        for label, policy, kw in runs:
-            rec = Replay(prepared, ReplayConfig(policy=policy, capacity_blocks=cap, policy_kwargs=kw), future=future).run()
+        for label, policy, kw, factory in runs:
+            cfg = ReplayConfig(policy=policy, capacity_blocks=cap, policy_kwargs=kw, policy_factory=factory)
+            rec = Replay(prepared, cfg, future=future).run()
             hr = rec["block_hit_ratio"]
             base.setdefault(label, hr)
             closure = None

@@ -12,6 +12,7 @@ from unicache.replica.eviction.base import ReleaseInfo
 from unicache.replica.eviction.lognormal import OnlineLogNormal
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.eviction.unicache import AGENT, CHAT, EVICT_FIRST, NUM_LANES, STRUCTURAL, TAIL_LANE, UniCachePolicy
+from bench.unicache_variants import AblationUniCache
 
 SINGLE = RequestClass()
 CHAT_CLS = RequestClass(session_id="c", turn=1, task=Task.CHAT)
@@ -38,7 +39,7 @@ def plain(**kw):
     """unicache with the adaptive parts off, so orders follow from the queue rules alone."""
     base = dict(weighting="none", online_fit=False, horizon_scoring=False, tail_lane=False)
     base.update(kw)
-    return UniCachePolicy(**base)
+    return AblationUniCache(**base)
 
 
 # ---------------------------------------------------------------- lru
@@ -63,9 +64,9 @@ def test_queue_placement():
     assert q(TEMPLATE, 0, 4) == STRUCTURAL
     assert q(TEMPLATE, 1, 4) == STRUCTURAL
     assert q(TEMPLATE, 2, 4) == EVICT_FIRST  # the unique suffix after the template
-    assert UniCachePolicy(split_agent=False).queue_of(ReleaseInfo(AGENT_CLS, 0, 1, False, 0.0)) == CHAT
-    assert UniCachePolicy(structural=False).queue_of(ReleaseInfo(TEMPLATE, 0, 4, False, 0.0)) == EVICT_FIRST
-    assert UniCachePolicy(session_queues=False).queue_of(ReleaseInfo(CHAT_CLS, 0, 4, False, 0.0)) == EVICT_FIRST
+    assert AblationUniCache(split_agent=False).queue_of(ReleaseInfo(AGENT_CLS, 0, 1, False, 0.0)) == CHAT
+    assert AblationUniCache(structural=False).queue_of(ReleaseInfo(TEMPLATE, 0, 4, False, 0.0)) == EVICT_FIRST
+    assert AblationUniCache(session_queues=False).queue_of(ReleaseInfo(CHAT_CLS, 0, 4, False, 0.0)) == EVICT_FIRST
 
 
 def test_strict_evict_first_empties_evict_first_before_older_session_blocks():
@@ -87,7 +88,7 @@ def test_equal_weights_and_shared_fit_fall_back_to_global_lru_order():
 
 def test_reuse_weights_evict_never_reused_queue_before_an_older_reused_one():
     def run(weighting):
-        p = UniCachePolicy(weighting=weighting, online_fit=False, horizon_scoring=False, update_every=1, tail_lane=False)
+        p = AblationUniCache(weighting=weighting, online_fit=False, horizon_scoring=False, update_every=1, tail_lane=False)
         release(p, [10], CHAT_CLS, 0.0)
         p.on_access(10, CHAT_CLS, 1.0)  # chat blocks get reused
         release(p, [10], CHAT_CLS, 2.0)
@@ -103,7 +104,7 @@ def test_reuse_weights_evict_never_reused_queue_before_an_older_reused_one():
 
 
 def test_ghost_reuse_counts_for_the_queue_that_evicted_it():
-    p = UniCachePolicy(online_fit=False, horizon_scoring=False, update_every=1, tail_lane=False)
+    p = AblationUniCache(online_fit=False, horizon_scoring=False, update_every=1, tail_lane=False)
     h = hash_id_blocks([1, 2])
     p.on_cached(0, h[0], -1, 0.0)
     p.on_cached(1, h[1], 0, 0.0)
@@ -128,8 +129,8 @@ def test_structural_rate_frequent_template_outlives_a_more_recent_single_hit():
     # h = 120 s. Block 1: cached at 0, hit at 1, 2, 3, 4 (decayed count ~4.9 at t=4,
     # effective time E = 4 + 120 log2(4.9) ~ 279). Block 0: cached at 0, hit once at 50
     # (count 1 + 2^(-50/120) at t=50, E = 50 + 120 log2(1.75) ~ 147). Lower E goes first.
-    def run(halflife):
-        p = plain(structural_rate_halflife_s=halflife, freq_lanes=False)
+    def run(by_count):
+        p = plain(structural_rate=by_count, freq_lanes=False)
         release(p, [0, 1], TEMPLATE, 0.0)
         for t in (1.0, 2.0, 3.0, 4.0):
             p.on_access(1, TEMPLATE, t)
@@ -138,15 +139,15 @@ def test_structural_rate_frequent_template_outlives_a_more_recent_single_hit():
         p.on_release(0, ReleaseInfo(TEMPLATE, 0, 2, False, 50.0))
         return drain(p)
 
-    assert run(120.0) == [0, 1]
-    assert run(0.0) == [1, 0]  # by last use: block 1 (t=4) before block 0 (t=50)
+    assert run(True) == [0, 1]
+    assert run(False) == [1, 0]  # by last use: block 1 (t=4) before block 0 (t=50)
 
 
 def test_structural_rate_history_survives_eviction_through_the_ghost_list():
     # Block 0 (hash h0) earns E > 100 from hits at 1, 2, 3 and is evicted; re-cached at 10
     # as block 5 it resumes from that history (E >= its ghost key > 20), so the fresh
     # block 6 released at 20 (E = 20) goes first.
-    p = plain(weighting="reuse", structural_rate_halflife_s=120.0, freq_lanes=False)
+    p = plain(weighting="reuse", freq_lanes=False)
     h = hash_id_blocks([1, 2])
     p.on_cached(0, h[0], -1, 0.0)
     p.on_release(0, ReleaseInfo(TEMPLATE, 0, 2, False, 0.0))
@@ -161,20 +162,13 @@ def test_structural_rate_history_survives_eviction_through_the_ghost_list():
     assert drain(p) == [6, 5]
 
 
-def test_depth_bonus_keeps_shallow_template_blocks_longer():
-    p = plain(depth_bonus_s=10.0)
-    p.on_release(0, ReleaseInfo(TEMPLATE, 0, 4, False, 0.0))  # key 0 + 10
-    p.on_release(1, ReleaseInfo(TEMPLATE, 1, 4, False, 3.0))  # key 3 + 5
-    assert drain(p) == [1, 0]
-
-
 def test_horizon_scoring_ranks_by_reuse_within_the_residence_time():
     # Both 1 s old, reuse probability 0.5. An agent block (gaps ~6 s) will almost surely
     # be reused within the 60 s horizon if at all; a chat block (gaps ~118 s) mostly
     # later. Survival alone ranks the agent block lower (it has the shorter tail).
     def run(horizon):
-        p = UniCachePolicy(weighting="none", online_fit=False, horizon_scoring=horizon, tail_lane=False)
-        p.alpha = [0.5] * len(p.alpha)
+        p = AblationUniCache(weighting="none", online_fit=False, horizon_scoring=horizon, tail_lane=False)
+        p.alpha[:] = [0.5] * len(p.alpha)
         release(p, [0], AGENT_CLS, 0.0)
         release(p, [1], CHAT_CLS, 0.0)
         p.on_request(SINGLE, 1.0)
@@ -189,27 +183,27 @@ def test_session_gaps_run_from_the_previous_turns_release_to_the_next_arrival():
     p.on_request(CHAT_CLS, 0.0)
     release(p, [0, 1], CHAT_CLS, 40.0)  # the turn finished (decoded) at 40 s
     p.on_request(CHAT_CLS, 100.0)
-    assert p.fits[CHAT].mu == pytest.approx((4.77 * 20 + math.log(60.0)) / 21)
-    assert p.fits[AGENT].mu == pytest.approx(1.81)
-    assert p.fits[EVICT_FIRST] is p.fits[CHAT]
+    assert p.gaps.fit(CHAT).mu == pytest.approx((4.77 * 20 + math.log(60.0)) / 21)
+    assert p.gaps.fit(AGENT).mu == pytest.approx(1.81)
+    assert p.gaps.fit(EVICT_FIRST) is p.gaps.fit(CHAT)
     # A turn arriving before its predecessor released anything observes no gap.
     p.on_request(CHAT_CLS, 130.0)
-    assert p.fits[CHAT].weight == pytest.approx(21.0)
+    assert p.gaps.fit(CHAT).weight == pytest.approx(21.0)
 
 
 def test_session_gaps_from_arrivals_when_gap_from_release_is_off():
-    p = UniCachePolicy(fit_prior_weight=20.0, gap_from_release=False)
+    p = AblationUniCache(fit_prior_weight=20.0, gap_from_release=False)
     p.on_request(CHAT_CLS, 0.0)
     release(p, [0, 1], CHAT_CLS, 40.0)
     p.on_request(CHAT_CLS, 100.0)
-    assert p.fits[CHAT].mu == pytest.approx((4.77 * 20 + math.log(100.0)) / 21)
+    assert p.gaps.fit(CHAT).mu == pytest.approx((4.77 * 20 + math.log(100.0)) / 21)
 
 
 def test_session_memory_is_bounded_oldest_first():
     p = UniCachePolicy(max_sessions=2)
     for i, sid in enumerate("abc"):
         release(p, [i], RequestClass(session_id=sid, turn=1, task=Task.CHAT), float(i))
-    assert list(p._session_seen) == [("default", "b"), ("default", "c")]
+    assert list(p.gaps._seen) == [("default", "b"), ("default", "c")]
 
 
 def test_accessed_and_removed_blocks_leave_and_stale_entries_are_compacted():
@@ -240,17 +234,38 @@ def test_lognormal_fit():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": 0}, {"alpha_ema": 0}, {"update_every": 0}, {"weighting": "nope"}, {"depth_bonus_s": -1},
-                {"structural_rate_halflife_s": -1}]
+    "kwargs, message",
+    [
+        ({"update_every": 0}, "update_every > 0"),
+        ({"reuse_decay": 0}, "0 < reuse_decay <= 1"),
+        ({"ghost_factor": -1}, "ghost_factor >= 0"),
+        ({"max_sessions": 0}, "max_sessions must be positive"),
+        ({"horizon_scale": 0}, "horizon_scale > 0"),
+        ({"structural_rate_halflife_s": 0}, "structural_rate_halflife_s must be positive"),
+    ],
 )
-def test_bad_tunables_raise(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_tunables_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         UniCachePolicy(**kwargs)
 
 
+@pytest.mark.parametrize("name", ["depth_bonus_s", "structural_fit", "strict_evict_first", "weighting", "turn_lanes"])
+def test_ablation_switches_are_not_production_options(name):
+    with pytest.raises(ValueError, match=f"eviction policy 'unicache' does not take {name}"):
+        make_policy("unicache", **{name: True})
+
+
+@pytest.mark.parametrize("kwargs", [{"weighting": "nope"}, {"weighting": "efficiency", "efficiency_kwargs": {"temperature": 0}},
+                                    {"weighting": "efficiency", "efficiency_kwargs": {"alpha_ema": 0}}])
+def test_bad_ablation_switches_raise(kwargs):
+    with pytest.raises(ValueError):
+        AblationUniCache(**kwargs)
+
+
 def test_paper_efficiency_weights_from_hits_per_unit_of_capacity():
-    p = UniCachePolicy(
-        weighting="efficiency", update_every=2, alpha_ema=1.0, temperature=1.0, online_fit=False, tail_lane=False
+    p = AblationUniCache(
+        weighting="efficiency", update_every=2, efficiency_kwargs=dict(alpha_ema=1.0, temperature=1.0),
+        online_fit=False, tail_lane=False,
     )
     release(p, [1], CHAT_CLS, 0.0)
     release(p, [2], SINGLE, 0.5)
@@ -267,11 +282,11 @@ def test_paper_efficiency_weights_from_hits_per_unit_of_capacity():
 def test_last_prompt_block_gets_its_own_lane_and_reuse_estimate():
     # Two requests: 3 prompt blocks + 1 decode block, released tail first. The decode
     # block goes first in release order; the last prompt block (2, 6) is the tail lane.
-    p = UniCachePolicy(online_fit=False, horizon_scoring=False, update_every=1)
+    p = AblationUniCache(online_fit=False, horizon_scoring=False, update_every=1)
     release(p, [0, 1, 2, 3], SINGLE, 0.0, num_prompt_blocks=3)
     release(p, [4, 5, 6, 7], SINGLE, 0.0, num_prompt_blocks=3)
     tail = EVICT_FIRST * NUM_LANES + TAIL_LANE
-    assert {bid for (_, _, bid, lane) in p._heaps[tail]} == {2, 6}
+    assert {entry[2] for entry in p._heaps[tail]} == {2, 6}
     # The tail blocks are never reused, the others are: the tail lane goes first.
     for bid in (0, 1, 4, 5):
         p.on_access(bid, SINGLE, 1.0)
@@ -299,7 +314,9 @@ def _mixed_history(p):
     [
         # Arrival-to-arrival gaps: the orders the code had before pop_victims existed.
         ({"gap_from_release": False}, [10, 9, 4, 12, 6, 13, 3, 1, 0, 2, 11, 7, 8]),
-        ({"gap_from_release": False, "strict_evict_first": True}, [3, 1, 0, 10, 9, 4, 12, 6, 13, 2, 11, 7, 8]),
+        # Strict evict-first: every evict-first block (0-3 and 11, the template's
+        # suffix) before the rest, the tail-lane blocks 2 and 11 included.
+        ({"gap_from_release": False, "strict_evict_first": True}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
         ({"gap_from_release": False, "weighting": "efficiency"}, [10, 9, 7, 8, 3, 1, 0, 2, 4, 6, 11, 12, 13]),
         # Release-to-arrival gaps (default): chat's 4 s gap (released at 2, back at 6)
         # makes its blocks likelier to return soon, so they now outlast evict-first.
@@ -307,15 +324,15 @@ def _mixed_history(p):
     ],
 )
 def test_pop_victims_is_pop_victim_n_times(kw, order):
-    one, batch = UniCachePolicy(**kw), UniCachePolicy(**kw)
+    one, batch = AblationUniCache(**kw), AblationUniCache(**kw)
     _mixed_history(one)
     _mixed_history(batch)
     singles = drain(one)
     assert singles == order
     assert batch.pop_victims(3) + batch.pop_victims(100) == order
     assert batch.pop_victims(1) == [] and batch.pop_victim() is None
-    assert (batch._victims, batch._victim_age_sum) == (one._victims, one._victim_age_sum)
-    assert list(batch._ghosts.items()) == list(one._ghosts.items())
+    assert (batch.residence._victims, batch.residence._age_sum) == (one.residence._victims, one.residence._age_sum)
+    assert list(batch.weights.ghosts.items()) == list(one.weights.ghosts.items())
 
 
 def test_lane_scores_are_the_horizon_formula_over_lognormal_survival():
@@ -324,17 +341,44 @@ def test_lane_scores_are_the_horizon_formula_over_lognormal_survival():
     p.on_request(SINGLE, 40.0)
     heads = {lane: min(e[0] for e in heap if p._live.get(e[2]) is e) for lane, heap in enumerate(p._heaps) if heap}
     victim = p.pop_victims(1)
-    tau = p.horizon_scale * p._horizon
+    tau = p.residence.tau
     want = [math.inf] * len(p._scores)
     for lane, key in heads.items():
         a, alpha = 40.0 - key, p.alpha[lane]
         if lane // NUM_LANES == STRUCTURAL:
-            h = p.rate_halflife
+            h = p.rate.halflife
             rate = math.exp(-a * math.log(2.0) / h) * math.log(2.0) / h
             want[lane] = alpha * -math.expm1(-rate * tau)
         else:
-            fit = p.fits[lane // NUM_LANES]
+            fit = p.gaps.fit(lane // NUM_LANES)
             s = fit.survival(a)
             want[lane] = alpha * (s - fit.survival(a + tau)) / (1.0 - alpha + alpha * s + 1e-12)
     assert p._scores == want  # exactly: the written-out arithmetic is survival()'s
     assert victim == [10]
+
+
+def test_strict_evict_first_drains_every_evict_first_lane_before_sessions():
+    # Block 1 is its request's last prompt block (the tail lane), block 0 is in lane 0;
+    # the chat blocks are older. Strict: both evict-first blocks go first (equal scores:
+    # the lower lane first, so 0 before 1 and the chat's turn lane 2 before its tail 3).
+    p = plain(strict_evict_first=True, tail_lane=True)
+    release(p, [2, 3], CHAT_CLS, 1.0)
+    release(p, [0, 1], SINGLE, 5.0)
+    p.on_request(SINGLE, 9.0)
+    assert drain(p) == [0, 1, 2, 3]
+
+
+def test_residence_time_averages_ages_since_release_not_effective_times():
+    # A template block used at 0, 1 and 2 s has an effective time far past its last
+    # release (E ~ 2 + 120 log2(2.98) ~ 191 s); evicted at 50 s it stayed 48 s.
+    p = UniCachePolicy()
+    p.on_cached(0, hash_id_blocks([1])[0], -1, 0.0)
+    for t in (0.0, 1.0, 2.0):
+        if t:
+            p.on_access(0, TEMPLATE, t)
+        p.on_release(0, ReleaseInfo(TEMPLATE, 0, 2, False, t))
+    assert p.rate.effective[0] > 190.0
+    p.on_request(SINGLE, 50.0)
+    assert p.pop_victims(1) == [0]
+    p.on_request(SINGLE, 50.0)
+    assert p.residence.ema == pytest.approx(0.99 * 60.0 + 0.01 * 48.0)

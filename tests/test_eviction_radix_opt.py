@@ -270,3 +270,16 @@ def test_radix_lru_through_the_store_keeps_invariants(steps):
 @given(ops)
 def test_opt_through_the_store_evicts_the_furthest_next_use(steps):
     _drive(CheckedOpt, steps)
+
+
+def test_radix_lru_heap_stays_bounded_under_hit_release_cycles():
+    p = RadixLRUPolicy()
+    p.on_cached(0, hash_id_blocks([1])[0], -1, 0.0)
+    for i in range(100_000):
+        p.on_release(0, ReleaseInfo(SINGLE_TURN, 0, 1, False, float(i)))
+        p.on_access(0, SINGLE_TURN, i + 0.5)
+    assert len(p._heap) <= 2 * len(p._token) + 64
+    p.on_cached(1, hash_id_blocks([2])[0], -1, 1e6)
+    p.on_release(1, ReleaseInfo(SINGLE_TURN, 0, 1, False, 1e6 + 1))
+    p.on_release(0, ReleaseInfo(SINGLE_TURN, 0, 1, False, 1e6 + 2))
+    assert p.order() == [1, 0]

@@ -13,6 +13,7 @@ from unicache.request_class import SINGLE_TURN, RequestClass, Task
 from unicache.replica.eviction.base import EvictionPolicy
 from unicache.replica.eviction.lru import LRUPolicy
 from unicache.replica.eviction.registry import make_policy
+from bench.unicache_variants import AblationUniCache
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 
 BS = 4
@@ -64,11 +65,15 @@ POLICIES = {
     "lru": {},
     "unicache": {},
     "unicache-every-request": dict(update_every=1),
-    "unicache-depth-no-rate": dict(depth_bonus_s=5.0, structural_rate_halflife_s=0.0, update_every=2),
-    "unicache-no-lanes": dict(tail_lane=False, turn_lanes=False, freq_lanes=False),
-    "unicache-arrival-gaps-one-session": dict(gap_from_release=False, max_sessions=1),
-    "unicache-strict-no-sessions": dict(strict_evict_first=True, session_queues=False),
-    "unicache-efficiency": dict(weighting="efficiency", update_every=1),
+    "unicache-one-session-short-halflife": dict(max_sessions=1, structural_rate_halflife_s=5.0, update_every=2),
+}
+# The ablation study's variants (bench/unicache_variants.py) go through the same release path.
+VARIANTS = {
+    "variant-no-rate": dict(structural_rate=False, update_every=2),
+    "variant-no-lanes": dict(tail_lane=False, turn_lanes=False, freq_lanes=False),
+    "variant-arrival-gaps-one-session": dict(gap_from_release=False, max_sessions=1),
+    "variant-strict-no-sessions": dict(strict_evict_first=True, session_queues=False),
+    "variant-efficiency": dict(weighting="efficiency", update_every=1),
 }
 
 
@@ -81,7 +86,10 @@ def per_block(policy: EvictionPolicy) -> EvictionPolicy:
 def replay(name: str, seed: int, batch: bool) -> tuple[list[int], list[int]]:
     """Every victim in eviction order over a seeded mixed history (sessions, templates,
     decode blocks, forks, shared prefixes, equal timestamps), then the drain order."""
-    policy = make_policy(name.split("-")[0], **POLICIES[name])
+    if name in VARIANTS:
+        policy = AblationUniCache(**VARIANTS[name])
+    else:
+        policy = make_policy(name.split("-")[0], **POLICIES[name])
     if not batch:
         per_block(policy)
     victims: list[int] = []
@@ -128,7 +136,7 @@ def replay(name: str, seed: int, batch: bool) -> tuple[list[int], list[int]]:
     return victims, policy.pop_victims(len(policy))
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(POLICIES) + sorted(VARIANTS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_batch_release_evicts_exactly_as_per_block_release(name, seed):
     victims, drained = replay(name, seed, batch=True)

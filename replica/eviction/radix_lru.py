@@ -11,7 +11,9 @@ Invariants:
       detaches them (their parent becomes -1), so a reused block id inherits nothing.
     * Every evictable leaf has exactly one live heap entry: the entry whose ``token``
       equals ``_token[b]``. Stale entries (re-accessed, gained a child, re-pushed) are
-      skipped when popped (lazy invalidation), so each operation is O(log n).
+      skipped when popped (lazy invalidation), so each operation is O(log n); the heap
+      is rebuilt from the live entries once it holds more than 2 x live + 64 entries
+      (amortised O(1) per push), so its size stays bounded on a long-running replica.
     * If no evictable block is a leaf (a cached child pinned by a request that holds a
       private copy of its parent), the least recently released candidate goes instead,
       so ``pop_victim`` returns a block whenever ``len(self) > 0``.
@@ -89,8 +91,14 @@ class RadixLRUPolicy(EvictionPolicy):
     # --------------------------------------------------------------- helpers
     def _push(self, block_id: int) -> None:
         tok = next(self._counter)
-        self._token[block_id] = tok
-        heapq.heappush(self._heap, (self._last_use[block_id], tok, block_id))
+        token = self._token
+        token[block_id] = tok
+        heap = self._heap
+        heapq.heappush(heap, (self._last_use[block_id], tok, block_id))
+        if len(heap) > 2 * len(token) + 64:
+            # NOTE: a re-accessed leaf leaves a stale entry; drop them all at once.
+            self._heap = [e for e in heap if token.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
 
     def _remove(self, block_id: int) -> None:
         """Forget a block leaving the cache; its parent may become an evictable leaf."""

@@ -24,10 +24,12 @@ import heapq
 import itertools
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from unicache.replica.eviction.base import EvictionPolicy
 from unicache.replica.eviction.opt import FutureAccesses
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.events import BlockRemoved, BlockStored
@@ -63,6 +65,9 @@ class ReplayConfig:
             (default 16384; the first request always fits).
         timing: the prefill/decode time model.
         policy_kwargs: extra constructor arguments of the eviction policy.
+        policy_factory: builds the eviction policy from ``policy_kwargs`` instead of the
+            registry (a study's variant that production does not register; ``policy``
+            still names it in the results unless ``label`` is set).
         router_kwargs: extra constructor arguments of the routing policy (ablations).
         label: the name reported as ``policy`` (default: ``policy``), e.g. to tell
             ablation variants of one policy apart.
@@ -81,6 +86,7 @@ class ReplayConfig:
     max_batch_tokens: int = 16384
     timing: TimingModel = field(default_factory=TimingModel)
     policy_kwargs: dict = field(default_factory=dict)
+    policy_factory: Callable[..., EvictionPolicy] | None = None
     router_kwargs: dict = field(default_factory=dict)
     label: str | None = None
     rate_scale: float = 1.0
@@ -152,6 +158,8 @@ class Replay:
 
     def _make_policy(self):
         kwargs = dict(self.config.policy_kwargs)
+        if self.config.policy_factory is not None:
+            return self.config.policy_factory(**kwargs)
         if self.config.policy == "opt":
             kwargs["future"] = self.future
         return make_policy(self.config.policy, **kwargs)
