@@ -80,9 +80,9 @@ class EfficiencyWeights(FixedWeights):
     """The paper's weights: alpha_q <- EMA of clip((E_q / mean E)^(1/T)), E_q = hits_q /
     mean size_q over the last ``update_every`` requests (one alpha per queue)."""
 
-    def __init__(self, num_lanes: int, decay: float, ghost_factor: float, update_every: int,
+    def __init__(self, priors, decay: float, ghost_factor: float, update_every: int,
                  temperature: float = 0.2, alpha_ema: float = 0.1, alpha_min: float = 0.05, alpha_max: float = 20.0):
-        super().__init__(num_lanes, decay, ghost_factor, update_every)
+        super().__init__([1.0] * len(priors), decay, ghost_factor, update_every)
         if temperature <= 0 or not 0 < alpha_ema <= 1 or not 0 < alpha_min <= 1 <= alpha_max:
             raise ValueError("need temperature > 0, 0 < alpha_ema <= 1, alpha_min <= 1 <= alpha_max")
         self.inv_temperature, self.alpha_ema = 1.0 / temperature, alpha_ema
@@ -169,12 +169,12 @@ class AblationUniCache(UniCachePolicy):
     def _make_placement(self) -> LanePlacement:
         return AblationPlacement(*self._placement_flags)
 
-    def _make_weights(self, n, decay, ghost_factor, update_every) -> ReuseWeights:
+    def _make_weights(self, priors, decay, ghost_factor, update_every) -> ReuseWeights:
         if self.weighting == "efficiency":
-            return EfficiencyWeights(n, decay, ghost_factor, update_every, **self._efficiency_kwargs)
+            return EfficiencyWeights(priors, decay, ghost_factor, update_every, **self._efficiency_kwargs)
         if self.weighting == "none":
-            return FixedWeights(n, decay, ghost_factor, update_every)
-        return super()._make_weights(n, decay, ghost_factor, update_every)
+            return FixedWeights([1.0] * len(priors), decay, ghost_factor, update_every)
+        return super()._make_weights(priors, decay, ghost_factor, update_every)
 
     def _make_gaps(self, prior_weight, max_sessions) -> SessionGaps:
         gaps = (SessionGaps if self.gap_from_release else ArrivalGaps)(prior_weight, max_sessions)

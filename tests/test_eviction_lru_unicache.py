@@ -98,7 +98,7 @@ def test_reuse_weights_evict_never_reused_queue_before_an_older_reused_one():
 
     p, order = run("reuse")
     assert p.weight(CHAT, turn=1) == pytest.approx(1.5 / 3.0)
-    assert p.weight(EVICT_FIRST) == pytest.approx(0.5 / 2.0)
+    assert p.weight(EVICT_FIRST) == pytest.approx(0.1 / 2.0)  # evict-first's prior: 0.1
     assert order == [20, 10]
     assert run("none")[1] == [10, 20]
 
@@ -112,7 +112,7 @@ def test_ghost_reuse_counts_for_the_queue_that_evicted_it():
     assert drain(p) == [1, 0]
     p.on_cached(5, h[1], -1, 9.0)  # the evicted prefix was needed again: a missed reuse
     p.on_request(SINGLE, 9.0)
-    assert p.weight(EVICT_FIRST) == pytest.approx(1.5 / 3.0)
+    assert p.weight(EVICT_FIRST) == pytest.approx(1.1 / 3.0)
 
 
 def test_structural_queue_cold_template_before_hot_and_deep_before_shallow():
@@ -292,7 +292,7 @@ def test_last_prompt_block_gets_its_own_lane_and_reuse_estimate():
         p.on_access(bid, SINGLE, 1.0)
     release(p, [0, 1], SINGLE, 1.5)  # a shorter prompt: its last block 1 is a tail now
     p.on_request(SINGLE, 2.0)
-    assert p.alpha[tail] == pytest.approx(0.5 / 4.0)
+    assert p.alpha[tail] == pytest.approx(0.1 / 4.0)
     assert drain(p)[:2] == [2, 6]
 
 
@@ -312,15 +312,14 @@ def _mixed_history(p):
 @pytest.mark.parametrize(
     "kw, order",
     [
-        # Arrival-to-arrival gaps: the orders the code had before pop_victims existed.
-        ({"gap_from_release": False}, [10, 9, 4, 12, 6, 13, 3, 1, 0, 2, 11, 7, 8]),
+        # From a cold start evict-first (0-3, and 11: the template's suffix) weighs 0.1
+        # against 0.5 elsewhere, so it goes first; then the structural blocks 10, 9.
+        ({"gap_from_release": False}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
         # Strict evict-first: every evict-first block (0-3 and 11, the template's
         # suffix) before the rest, the tail-lane blocks 2 and 11 included.
         ({"gap_from_release": False, "strict_evict_first": True}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
         ({"gap_from_release": False, "weighting": "efficiency"}, [10, 9, 7, 8, 3, 1, 0, 2, 4, 6, 11, 12, 13]),
-        # Release-to-arrival gaps (default): chat's 4 s gap (released at 2, back at 6)
-        # makes its blocks likelier to return soon, so they now outlast evict-first.
-        ({}, [10, 9, 3, 1, 0, 2, 11, 4, 12, 6, 13, 7, 8]),
+        ({}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
     ],
 )
 def test_pop_victims_is_pop_victim_n_times(kw, order):
@@ -354,7 +353,7 @@ def test_lane_scores_are_the_horizon_formula_over_lognormal_survival():
             s = fit.survival(a)
             want[lane] = alpha * (s - fit.survival(a + tau)) / (1.0 - alpha + alpha * s + 1e-12)
     assert p._scores == want  # exactly: the written-out arithmetic is survival()'s
-    assert victim == [10]
+    assert victim == [3]  # evict-first (prior 0.1) first
 
 
 def test_strict_evict_first_drains_every_evict_first_lane_before_sessions():

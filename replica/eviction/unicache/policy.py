@@ -34,6 +34,7 @@ from unicache.replica.eviction.registry import register_policy
 from unicache.replica.eviction.unicache.gaps import SessionGaps
 from unicache.replica.eviction.unicache.lanes import (
     ALL_LANES,
+    EVICT_FIRST,
     LANE_QUEUE,
     NUM_LANES,
     NUM_QUEUES,
@@ -65,6 +66,10 @@ class UniCachePolicy(EvictionPolicy):
         horizon_scale: tau = horizon_scale * (EMA of victims' ages).
         structural_rate_halflife_s: half-life of the decayed access count that scores
             structural blocks.
+        evict_first_prior: reuse probability of an evict-first block before any is
+            measured (every other lane: 0.5). Below the sessions' prior, so from a cold
+            start one-off requests leave before a live session of the same age (a labelled
+            session survived six one-off prompts only with it: tests/test_engine_live_session.py).
     """
 
     def __init__(
@@ -76,10 +81,12 @@ class UniCachePolicy(EvictionPolicy):
         max_sessions: int = 100_000,
         horizon_scale: float = 1.0,
         structural_rate_halflife_s: float = 120.0,
+        evict_first_prior: float = 0.1,
     ):
         n = NUM_QUEUES * NUM_LANES
+        priors = [evict_first_prior if LANE_QUEUE[lane] == EVICT_FIRST else 0.5 for lane in ALL_LANES]
         self.placement = self._make_placement()
-        self.weights = self._make_weights(n, reuse_decay, ghost_factor, update_every)
+        self.weights = self._make_weights(priors, reuse_decay, ghost_factor, update_every)
         self.gaps = self._make_gaps(fit_prior_weight, max_sessions)
         self.rate = self._make_rate(structural_rate_halflife_s)
         self.residence = ResidenceTime(horizon_scale)
@@ -102,8 +109,8 @@ class UniCachePolicy(EvictionPolicy):
     def _make_placement(self) -> LanePlacement:
         return LanePlacement()
 
-    def _make_weights(self, n: int, decay: float, ghost_factor: float, update_every: int) -> ReuseWeights:
-        return ReuseWeights(n, decay, ghost_factor, update_every)
+    def _make_weights(self, priors: list[float], decay: float, ghost_factor: float, update_every: int) -> ReuseWeights:
+        return ReuseWeights(priors, decay, ghost_factor, update_every)
 
     def _make_gaps(self, prior_weight: float, max_sessions: int) -> SessionGaps:
         return SessionGaps(prior_weight, max_sessions)

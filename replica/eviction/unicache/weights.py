@@ -10,7 +10,9 @@ alpha * s estimates the probability that the block is reused.
 Invariants:
     * ``0 <= alpha[lane] <= 1`` (a ghost can be re-cached by several requests in a row,
       so the ratio is capped at 1).
-
+    * Before the first update alpha is the prior, and the prior counts as one release
+      afterwards: from a cold start a lane with a low prior (evict-first) is weighed
+      below one with a high prior (a live session), as the paper's evict-first queue.
     * The ghost list holds at most ``ghost_factor`` x the peak candidate count, oldest
       dropped first; a ghost is consumed by the first re-cache of its hash.
 """
@@ -18,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from unicache.block_hash import BlockHash
 
@@ -27,20 +30,22 @@ class ReuseWeights:
     requests.
 
     Args:
-        num_lanes: lanes weighted.
+        priors: per lane, the reuse probability assumed before any is measured.
         decay: per-update decay of the counts (the estimate's memory).
         ghost_factor: ghost list size, as a multiple of the peak candidate count.
         update_every: requests between updates.
     """
 
-    def __init__(self, num_lanes: int, decay: float = 0.995, ghost_factor: float = 2.0, update_every: int = 32):
+    def __init__(self, priors: Sequence[float], decay: float = 0.995, ghost_factor: float = 2.0, update_every: int = 32):
         if not 0 < decay <= 1 or ghost_factor < 0 or update_every <= 0:
             raise ValueError("need 0 < reuse_decay <= 1, ghost_factor >= 0 and update_every > 0")
+        if not all(0.0 <= p <= 1.0 for p in priors):
+            raise ValueError("reuse priors must lie in [0, 1]")
         self.decay, self.ghost_factor, self.update_every = decay, ghost_factor, update_every
-        self.alpha = [1.0] * num_lanes
-        # Prior: half of one release reused.
-        self.released = [1.0] * num_lanes
-        self.reused = [0.5] * num_lanes
+        self.alpha = list(priors)
+        # The prior is worth one release.
+        self.released = [1.0] * len(priors)
+        self.reused = list(priors)
         # Evicted hashes -> (lane, heap key): a later re-cache is a reuse the eviction missed.
         self.ghosts: OrderedDict[BlockHash, tuple[int, float]] = OrderedDict()
         self.peak = 0  # most candidates seen at once
