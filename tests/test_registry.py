@@ -65,7 +65,7 @@ LATE: Registry = Registry("widget", ["widget_plugin_mod"])
 
 
 def test_eviction_registry_holds_the_builtin_policies():
-    assert policy_names() == EVICTION_POLICIES.names() == ["lru", "opt", "radix-lru", "unicache"]
+    assert policy_names() == EVICTION_POLICIES.names() == ["arc", "fifo", "lecar", "lfu", "lru", "opt", "radix-lru", "s3fifo", "unicache"]
     assert isinstance(make_policy("lru"), LRUPolicy)
     with pytest.raises(ValueError, match=r"^unknown eviction policy 'lfru' \(choose from lru, opt, radix-lru, unicache\)$"):
         make_policy("lfru")

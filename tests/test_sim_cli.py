@@ -94,7 +94,7 @@ def _bad_line(tmp_path, line: str):
         (lambda p, t: ["--trace", _bad_line(t, json.dumps({k: v for k, v in REC.items() if k != "hash_ids"}))], ":2: field 'hash_ids' is missing"),
         (lambda p, t: ["--trace", _bad_line(t, json.dumps({**REC, "output_length": -5}))], ":2: field 'output_length' must be >= 0"),
         (lambda p, t: ["--trace", t / "missing.jsonl"], "missing.jsonl:0: cannot open"),
-        (lambda p, t: ["--trace", p, "--policies", "lru,fifo"], "--policies: unknown policy 'fifo'"),
+        (lambda p, t: ["--trace", p, "--policies", "lru,nope"], "--policies: unknown policy 'nope'"),
         (lambda p, t: ["--trace", p, "--replicas", "2", "--router", "nope"], "--router: unknown router 'nope'"),
         (lambda p, t: ["--trace", p, "--capacity-blocks", "0"], "--capacity-blocks: capacity must be positive, got 0"),
         (lambda p, t: ["--trace", p, "--capacity-frac", "0"], "--capacity-frac: capacity must be positive, got 0"),

@@ -15,6 +15,11 @@ EVICTION_POLICIES: Registry[EvictionPolicy] = Registry(
     "eviction policy",
     [
         "unicache.replica.eviction.lru",
+        "unicache.replica.eviction.fifo",
+        "unicache.replica.eviction.lfu",
+        "unicache.replica.eviction.arc",
+        "unicache.replica.eviction.s3fifo",
+        "unicache.replica.eviction.lecar",
         "unicache.replica.eviction.radix_lru",
         "unicache.replica.eviction.unicache",
         "unicache.replica.eviction.opt",
