@@ -67,7 +67,7 @@ LATE: Registry = Registry("widget", ["widget_plugin_mod"])
 def test_eviction_registry_holds_the_builtin_policies():
     assert policy_names() == EVICTION_POLICIES.names() == ["arc", "fifo", "lecar", "lfu", "lru", "opt", "radix-lru", "s3fifo", "unicache"]
     assert isinstance(make_policy("lru"), LRUPolicy)
-    with pytest.raises(ValueError, match=r"^unknown eviction policy 'lfru' \(choose from lru, opt, radix-lru, unicache\)$"):
+    with pytest.raises(ValueError, match=r"^unknown eviction policy 'lfru' \(choose from arc, fifo, lecar, lfu, lru, opt, radix-lru, s3fifo, unicache\)$"):
         make_policy("lfru")
     with pytest.raises(ValueError, match=r"^eviction policy 'lru' does not take capacity"):
         make_policy("lru", capacity=3)
