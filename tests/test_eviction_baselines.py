@@ -203,3 +203,16 @@ def test_removed_blocks_leave_and_unknown_ones_are_ignored(name):
     assert len(p) == 2
     assert sorted(drain(p)) == [0, 2]
     assert len(p) == 0 and p.pop_victim() is None
+
+
+def test_s3fifo_main_queue_gives_a_hit_block_another_round():
+    p = S3FIFOPolicy(small_frac=0.5)
+    cache(p, 0, 1, 2, 3)  # c = 4: the small queue may hold 2
+    release(p, [0, 1, 2, 3])  # small: 3, 2, 1, 0
+    hit(p, 3, 2)
+    release(p, [3, 2])
+    assert p.pop_victim() == 1  # 3 and 2 moved to main (count reset), 1 left
+    hit(p, 3)
+    release(p, [3])  # main: 3 (count 1), 2 (count 0)
+    # 3 is main's oldest but has a count: back to main's head with count 0; 2 leaves.
+    assert drain(p) == [2, 3, 0]
