@@ -18,7 +18,7 @@ import pytest
 from tests.support.source_tree import REPO
 
 BENCH = REPO / "bench"
-HELPERS = {"bench.paths", "bench.report_files", "bench.mix_traces"}
+HELPERS = {"bench.paths", "bench.report_files", "bench.mix_traces", "bench.unicache_variants"}
 
 
 def bench_modules() -> list[str]:
