@@ -17,7 +17,7 @@ from unicache.replica.settings import ReplicaSettings
 from unicache.router.config import build_config
 
 ROUTING = "cache_aware, least_loaded, round_robin, session_affinity, sglang"
-EVICTION = "lru, opt, radix-lru, unicache"
+EVICTION = "arc, fifo, lecar, lfu, lru, opt, radix-lru, s3fifo, unicache"
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def nothing_starts(monkeypatch):
     "argv, message",
     [
         (["--routing-policy", "nope"], f"routing_policy: unknown routing policy 'nope' (choose from {ROUTING})"),
-        (["--eviction-policy", "fifo"], f"eviction_policy: unknown eviction policy 'fifo' (choose from {EVICTION})"),
+        (["--eviction-policy", "nope"], f"eviction_policy: unknown eviction policy 'nope' (choose from {EVICTION})"),
         (["--block-size", "0"], "block_size must be positive, got 0"),
         (["--num-blocks", "-1"], "num_blocks must be positive, got -1"),
         (["--replicas", "0"], "--replicas must be at least 1"),
@@ -52,7 +52,7 @@ def test_up_refuses_bad_settings_before_starting_anything(argv, message, nothing
 
 
 def test_up_refuses_an_unknown_policy_from_the_environment_too(monkeypatch, nothing_starts, capsys):
-    monkeypatch.setenv("UNICACHE_EVICTION_POLICY", "fifo")
+    monkeypatch.setenv("UNICACHE_EVICTION_POLICY", "nope")
     assert main(["up"]) == 2
     assert f"(choose from {EVICTION})" in capsys.readouterr().err
 
@@ -61,8 +61,8 @@ def test_the_router_and_replica_settings_check_their_policies():
     with pytest.raises(UsageError, match=rf"routing_policy: unknown routing policy 'nope' \(choose from {ROUTING}\)"):
         build_config(env={}, overrides={"routing_policy": "nope"})
     assert build_config(env={}, overrides={"routing_policy": "sglang"}).routing_policy == "sglang"
-    with pytest.raises(UsageError, match=r"eviction_policy: unknown eviction policy 'fifo'"):
-        ReplicaSettings(eviction_policy="fifo").check()
+    with pytest.raises(UsageError, match=r"eviction_policy: unknown eviction policy 'nope'"):
+        ReplicaSettings(eviction_policy="nope").check()
     ReplicaSettings(eviction_policy="radix-lru").check()
 
 
@@ -70,8 +70,8 @@ def test_unicache_replicas_refuses_a_bad_policy_before_ray(capsys, monkeypatch):
     import ray
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ray.init called")))
-    assert main(["replicas", "--redis-url", "redis://127.0.0.1:1", "--eviction-policy", "fifo"]) == 2
-    assert capsys.readouterr().err.startswith("unicache replicas: error: eviction_policy: unknown eviction policy 'fifo'")
+    assert main(["replicas", "--redis-url", "redis://127.0.0.1:1", "--eviction-policy", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("unicache replicas: error: eviction_policy: unknown eviction policy 'nope'")
 
 
 def test_the_real_command_exits_with_one_line_and_no_traceback():
