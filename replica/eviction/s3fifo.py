@@ -133,7 +133,10 @@ class S3FIFOPolicy(EvictionPolicy):
         return self._candidates
 
     def queue_sizes(self) -> dict[str, int]:
-        return {"small": len(self._small), "main": len(self._main)}
+        """Candidates per queue. NOTE: O(referenced blocks), for cache-state reports only."""
+        ref = self._referenced
+        small = len(self._small) - sum(1 for b in ref if b in self._small)
+        return {"small": small, "main": self._candidates - small}
 
     def _forget(self, block_id: int) -> None:
         del self._hash[block_id]
