@@ -42,7 +42,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from bench.paths import REPO, RESULTS, mooncake_trace
-from bench.report_files import save_figure, write_report
+from bench.report_files import git_commit, save_figure, write_report
 from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.sim.goodput import default_slo_s, goodput
 from unicache.sim.metrics import percentile
@@ -362,17 +361,6 @@ def plot(report: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def _git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return head + ("+dirty" if dirty else "") if head else "unknown"
-
-
 def _worst(families: dict) -> str:
     def key(f: str):
         missed = sum(not v["ok"] for fam in families[f].values() for v in fam["checks"].values())
@@ -450,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m bench.routing_report " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "workers": args.workers,
-        "commit": _git_commit(), "python": platform.python_version(),
+        "commit": git_commit(REPO), "python": platform.python_version(),
         "suite": f"{len([f for f in families if f != MOONCAKE])} generated families x {args.points} points x "
                  f"{args.seeds} seeds, {args.duration:.0f} s each; Mooncake: slice 0 of {args.mooncake_slices} tunes, "
                  f"{args.mooncake_report} later slice(s) report",

@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -48,7 +47,7 @@ from unicache.sim.runner import capacities_from_fracs, run_grid
 from unicache.sim.workload import WorkloadConfig, generate
 from unicache.trace import read_trace, write_trace
 from bench.paths import REPO, RESULTS, mooncake_trace
-from bench.report_files import save_figure, write_report
+from bench.report_files import git_commit, save_figure, write_report
 
 OURS = "cache_aware"
 ABLATION = {
@@ -184,18 +183,6 @@ def seed_summary(runs: dict[str, dict]) -> dict:
     return out
 
 
-def _git_commit() -> str:
-    """HEAD, marked ``+dirty`` when tracked files differ from it (results depend on them)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return head + ("+dirty" if dirty else "") if head else "unknown"
-
-
 def plot(report: dict, path: Path) -> None:
     """Token hit ratio per router + eviction, grouped by replica count: the generated mix
     (mean over seeds) and the Mooncake trace side by side."""
@@ -264,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m bench.studies.routing_mix " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "python": platform.python_version(),
-        "commit": _git_commit(),
+        "commit": git_commit(REPO),
         "runs": runs, "mix_seed_summary": seed_summary(runs),
     }
     write_report(out_dir, "routing_mix", report, markdown(report), plot)
