@@ -59,7 +59,7 @@ T = TypeVar("T")
 
 
 class CacheSource(Protocol):
-    """What the publisher reads from an engine (``AsyncEngine`` satisfies it)."""
+    """What the publisher reads from an engine (every ``ServingEngine`` satisfies it)."""
 
     device: Any
     block_size: int

@@ -13,7 +13,8 @@ import logging
 
 from unicache.aio import cancel_and_wait
 from unicache.redis_keys import RedisKeys
-from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engine.api import ServingEngine
+from unicache.replica.engines import make_engine
 from unicache.replica.publisher import CachePublisher
 from unicache.replica.server import ReplicaServer
 from unicache.replica.settings import ReplicaSettings
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 class ReplicaRuntime:
     def __init__(self, settings: ReplicaSettings):
         self.settings = settings
-        self.engine: AsyncEngine | None = None
+        self.engine: ServingEngine | None = None
         self.server: ReplicaServer | None = None
         self.publisher: CachePublisher | None = None
         self.address = ""
@@ -41,7 +42,7 @@ class ReplicaRuntime:
 
     async def _start(self) -> str:
         s = self.settings
-        self.engine = AsyncEngine(s.engine_config())
+        self.engine = make_engine(s)
         await self.engine.start()
         self.server = ReplicaServer(self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults())
         port = await self.server.start()

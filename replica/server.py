@@ -1,8 +1,8 @@
 """The replica's gRPC server: ``unicache.v1.Replica`` plus the standard health service.
 
 ``ReplicaServicer`` maps protobuf requests to ``EngineRequest`` and engine outputs back to
-protobuf; it only uses the engine's public surface (replica/engine/api.py and
-``AsyncEngine``). ``ReplicaServer`` serves it with ``grpc.aio`` on one host/port.
+protobuf; it only uses the engine's public surface (``ServingEngine`` and the types of
+replica/engine/api.py), whichever engine runs. ``ReplicaServer`` serves it with ``grpc.aio`` on one host/port.
 
 Invariants:
     * Every ``Generate`` call closes its engine stream before returning, whether it ends
@@ -33,7 +33,7 @@ from unicache.replica.engine.api import EngineInputError, EngineRequest
 from unicache.replica.faults import FaultInjection
 
 if TYPE_CHECKING:
-    from unicache.replica.engine.async_engine import AsyncEngine
+    from unicache.replica.engine.api import ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,14 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
     """Serves one engine.
 
     Args:
-        engine: a started ``AsyncEngine``.
+        engine: a started ``ServingEngine``.
         replica_id: reported in ``GetCacheState``.
         default_max_tokens: used when a request leaves ``max_tokens`` at 0 (default 16).
         faults: delays for reliability tests (replica/faults.py); default none.
     """
 
     def __init__(
-        self, engine: "AsyncEngine", replica_id: str, default_max_tokens: int = 16, faults: FaultInjection | None = None
+        self, engine: "ServingEngine", replica_id: str, default_max_tokens: int = 16, faults: FaultInjection | None = None
     ):
         self.engine = engine
         self.replica_id = replica_id
@@ -129,7 +129,7 @@ class ReplicaServer:
     """A ``grpc.aio`` server for one replica on ``host:port`` (port 0 picks a free port).
 
     Args:
-        engine: a started ``AsyncEngine``.
+        engine: a started ``ServingEngine``.
         replica_id: this replica's stable id.
         host: interface to bind (127.0.0.1 locally, 0.0.0.0 in a pod).
         port: port to bind; 0 lets the OS choose and ``port`` reads it back after start.
@@ -141,7 +141,7 @@ class ReplicaServer:
 
     def __init__(
         self,
-        engine: "AsyncEngine",
+        engine: "ServingEngine",
         replica_id: str,
         host: str = "127.0.0.1",
         port: int = 0,

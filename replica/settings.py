@@ -38,12 +38,20 @@ class ReplicaSettings:
     redis_prefix: str = field(default=DEFAULT_PREFIX, metadata=_help("namespace of every Redis key"))
     redis_password: str = field(default="", repr=False, metadata=_help("Redis password if not in redis_url (secret)"))
     redis_tls_ca: str = field(default="", metadata=_help("CA bundle verifying the server of a rediss:// redis_url"))
-    eviction_policy: str = field(default="unicache", metadata=_help("KV-cache eviction policy (lru, radix-lru, unicache, opt)"))
+    engine: str = field(default="torch", metadata=_help("serving engine: torch (built-in) or vllm (vLLM V1 in-process, extra [vllm])"))
+    eviction_policy: str = field(
+        default="unicache",
+        metadata=_help("KV-cache eviction policy (lru, radix-lru, unicache, opt; with --engine vllm also 'vllm': vLLM's own)"),
+    )
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
     num_blocks: int = field(default=1024, metadata=_help("KV blocks in the cache"))
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
     dtype: str = field(default="auto", metadata=_help("auto, float32, bfloat16, float16"))
-    checkpoint: str = field(default="", metadata=_help("local Llama-format checkpoint dir (empty: seeded random model)"))
+    checkpoint: str = field(
+        default="",
+        metadata=_help("local Hugging Face model dir, also --model (empty: seeded random model; required with --engine vllm)"),
+    )
+    served_model_name: str = field(default="", metadata=_help("model name clients use (default: the model directory's name)"))
     tokenizer: str = field(default="", metadata=_help("tokenizer.json path (empty: byte-level)"))
     max_num_seqs: int = field(default=64, metadata=_help("most sequences running at once"))
     max_num_batched_tokens: int = field(default=2048, metadata=_help("most tokens computed per engine step"))
@@ -109,9 +117,13 @@ class ReplicaSettings:
 SECRET_FIELDS = frozenset({"redis_password"})
 
 
+FLAG_ALIASES = {"checkpoint": ["--model"]}
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add ``--config`` and ``--<field>`` for every ``ReplicaSettings`` field (unicache/settings.py)."""
-    settings.add_arguments(parser, ReplicaSettings, skip=skip, secrets=SECRET_FIELDS)
+    """Add ``--config`` and ``--<field>`` for every ``ReplicaSettings`` field (unicache/settings.py);
+    ``--model`` is another name of ``--checkpoint``."""
+    settings.add_arguments(parser, ReplicaSettings, skip=skip, secrets=SECRET_FIELDS, aliases=FLAG_ALIASES)
 
 
 def settings_from_args(args: argparse.Namespace, **overrides) -> ReplicaSettings:

@@ -1,13 +1,18 @@
 """The engine's public surface: what the gRPC servicer (and tests) may use.
 
-The servicer talks only to these types and to ``AsyncEngine`` (replica/engine/async_engine.py);
-it never reaches into the scheduler, the model or the KV store.
+The servicer talks only to these types and to a ``ServingEngine`` (the built-in
+``AsyncEngine`` of replica/engine/async_engine.py, or vLLM's in replica/vllm_engine/); it
+never reaches into a scheduler, a model or a KV store.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
+from unicache.block_hash import BlockHash
+from unicache.replica.kv.events import KVEvent
 from unicache.request_class import RequestClass, SINGLE_TURN
 
 
@@ -119,3 +124,35 @@ class CacheStateInfo:
     queue_sizes: dict[str, int]
     eviction_policy: str
     evictions: int
+
+
+@runtime_checkable
+class ServingEngine(Protocol):
+    """What the replica (gRPC servicer, publisher, heartbeats, Ray actor) drives.
+
+    Two implementations: the built-in ``AsyncEngine`` (``engine="torch"``) and
+    ``VLLMEngine`` (``engine="vllm"``, replica/vllm_engine/). Neither the servicer nor the
+    publisher knows which one runs; replica/engines.py builds one from the settings.
+
+    Invariants every implementation keeps:
+        * ``generate`` raises ``EngineInputError`` before yielding anything for a request it
+          will not serve; closing its iterator early aborts the request and frees its blocks.
+        * ``take_events`` returns the project's own cache events (``BlockStored`` /
+          ``BlockRemoved`` / ``AllBlocksCleared``) keyed by the project's chained block
+          hashes (unicache/block_hash.py), each event exactly once; ``cached_hashes`` is
+          the set those events describe.
+        * ``cache_state``/``load`` never block and never raise once ``start`` returned.
+    """
+
+    device: Any
+    block_size: int
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def generate(self, req: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def load(self) -> EngineLoad: ...
+    def cache_state(self) -> CacheStateInfo: ...
+    def take_events(self) -> list[KVEvent]: ...
+    def cached_hashes(self) -> list[BlockHash]: ...

@@ -1,0 +1,53 @@
+"""Engine registry: ``--engine`` name -> a ``ServingEngine`` built from replica settings.
+
+``torch`` is the built-in engine (the default); ``vllm`` runs vLLM's V1 engine in-process
+(optional extra ``[vllm]``, imported only when chosen).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from unicache.replica.engine.api import ServingEngine
+    from unicache.replica.settings import ReplicaSettings
+
+
+def _torch(s: "ReplicaSettings") -> "ServingEngine":
+    from unicache.replica.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(s.engine_config())
+
+
+def _vllm(s: "ReplicaSettings") -> "ServingEngine":
+    from unicache.replica.vllm_engine.config import VLLMEngineConfig
+    from unicache.replica.vllm_engine.engine import VLLMEngine
+
+    return VLLMEngine(
+        VLLMEngineConfig(
+            model=s.checkpoint,
+            served_model_name=s.served_model_name,
+            block_size=s.block_size,
+            num_blocks=s.num_blocks,
+            eviction_policy=s.eviction_policy,
+            device=s.device,
+            dtype=s.dtype,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_waiting=s.max_waiting,
+            seed=s.seed,
+        )
+    )
+
+
+ENGINES: dict[str, Callable[["ReplicaSettings"], "ServingEngine"]] = {"torch": _torch, "vllm": _vllm}
+
+
+def make_engine(settings: "ReplicaSettings") -> "ServingEngine":
+    """Build (not start) the engine ``settings.engine`` names; unknown names raise ValueError."""
+    try:
+        build = ENGINES[settings.engine]
+    except KeyError:
+        raise ValueError(f"unknown engine {settings.engine!r} (choose from {', '.join(ENGINES)})") from None
+    return build(settings)

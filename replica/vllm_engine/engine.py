@@ -1,0 +1,277 @@
+"""``VLLMEngine``: vLLM's V1 ``AsyncLLM`` behind the replica's ``ServingEngine`` interface.
+
+vLLM runs in-process through its Python API (never its CLI); its engine core is a child
+process it manages. Three local ipc:// sockets in a private directory connect the two:
+vLLM's KV events (PUB) and their replay (ROUTER), which ``take_events`` translates into our
+events and hashes (replica/vllm_engine/kv_events.py), and the pool status published by our
+scheduler (replica/vllm_engine/status.py), which feeds ``cache_state``.
+
+Invariants:
+    * ``generate`` validates before anything reaches vLLM: a request vLLM would refuse, or
+      one asking for something this engine does not do (an adapter), raises
+      ``EngineInputError`` naming the field; closing the iterator early aborts the request
+      in vLLM (AsyncLLM aborts a generator that is closed or cancelled).
+    * ``load``/``cache_state`` are computed from counters and the newest status snapshot:
+      they never wait on vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from unicache.block_hash import BlockHash
+from unicache.replica.engine.api import (
+    CacheStateInfo,
+    EngineInputError,
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    Usage,
+)
+from unicache.replica.kv.events import KVEvent
+from unicache.replica.vllm_engine.config import VLLMEngineConfig
+from unicache.replica.vllm_engine.request_meta import class_to_extra_args, salt_to_vllm
+from unicache.replica.vllm_engine.version import check_vllm_version
+from unicache.tokenizer import load_tokenizer
+
+MAX_SALT_BYTES = 64
+MAX_N = 16
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(slots=True)
+class _InFlight:
+    prompt_tokens: int
+    started: bool = False
+
+
+class VLLMEngine:
+    """See the module docstring.
+
+    Args:
+        config: the engine's tunables.
+    """
+
+    def __init__(self, config: VLLMEngineConfig):
+        self.config = config
+        self.block_size = config.block_size
+        self.device = "cpu"
+        self.served_model_name = config.name
+        tok_path = os.path.join(config.model, "tokenizer.json")
+        self.tokenizer = load_tokenizer(tok_path if os.path.exists(tok_path) else None)
+        self._llm = None
+        self._events = None
+        self._translator = None
+        self._status = None
+        self._ipc_dir: str | None = None
+        self._own_ipc_dir = False
+        self._inflight: dict[str, _InFlight] = {}
+        self.vocab_size = 0
+        self.max_model_len = 0
+
+    # ------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        check_vllm_version()
+        import torch
+
+        from unicache.replica.vllm_engine.kv_events import EventTranslator, KVEventSubscriber
+        from unicache.replica.vllm_engine.status import StatusSubscriber
+
+        device = self.config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device
+        if self.config.ipc_dir:
+            self._ipc_dir = self.config.ipc_dir
+        else:
+            # NOTE: AF_UNIX paths are capped at 107 bytes: keep the directory short.
+            self._ipc_dir, self._own_ipc_dir = tempfile.mkdtemp(prefix="uc-vllm-", dir="/tmp"), True
+        ep = {name: f"ipc://{os.path.join(self._ipc_dir, name)}" for name in ("events", "replay", "status")}
+        kwargs = self.config.engine_args(device.split(":")[0], ep["events"], ep["replay"], ep["status"])
+        self._events = KVEventSubscriber(ep["events"], ep["replay"])
+        self._status = StatusSubscriber(ep["status"])
+        self._translator = EventTranslator()
+        self._llm = await asyncio.to_thread(_build_async_llm, kwargs)
+        model_config = self._llm.model_config
+        self.vocab_size = model_config.get_vocab_size()
+        self.max_model_len = model_config.max_model_len
+
+    async def stop(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+        for sock in (self._events, self._status):
+            if sock is not None:
+                sock.close()
+        self._events = self._status = None
+        if self._own_ipc_dir and self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir, self._own_ipc_dir = None, False
+
+    # -------------------------------------------------------------- requests
+    def validate(self, req: EngineRequest) -> None:
+        """Raise ``EngineInputError`` for a request this engine will not serve."""
+        p = req.sampling
+        n_prompt = len(req.prompt_token_ids)
+        if n_prompt == 0:
+            raise EngineInputError("invalid", "prompt is empty")
+        if req.adapter_id:
+            raise EngineInputError("invalid", "adapter_id is not supported by the vllm engine")
+        if p.max_tokens < 1 or p.max_tokens > self.max_model_len:
+            raise EngineInputError("invalid", f"max_tokens must be in [1, {self.max_model_len}], got {p.max_tokens}")
+        if not p.temperature >= 0.0:
+            raise EngineInputError("invalid", f"temperature must be >= 0, got {p.temperature}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise EngineInputError("invalid", f"top_p must be in (0, 1], got {p.top_p}")
+        max_n = min(MAX_N, self.config.max_num_seqs)
+        if p.n < 1 or p.n > max_n:
+            raise EngineInputError("invalid", f"n must be in [1, {max_n}], got {p.n}")
+        if any(not s for s in p.stop):
+            raise EngineInputError("invalid", "stop strings must be non-empty")
+        if req.cache_salt is not None and len(req.cache_salt) > MAX_SALT_BYTES:
+            raise EngineInputError("invalid", f"cache_salt is {len(req.cache_salt)} bytes (at most {MAX_SALT_BYTES})")
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise EngineInputError("invalid", f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        total = n_prompt + p.max_tokens
+        if total > self.max_model_len:
+            raise EngineInputError(
+                "exhausted", f"prompt ({n_prompt} tokens) + max_tokens ({p.max_tokens}) exceeds the context of {self.max_model_len}"
+            )
+        need = -(-total // self.block_size)
+        if need > self.config.num_blocks:
+            raise EngineInputError("exhausted", f"request needs {need} KV blocks, the cache has {self.config.num_blocks}")
+        if req.request_id in self._inflight:
+            raise EngineInputError("invalid", f"request id {req.request_id!r} is already in flight")
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream every sample's tokens; the last output of each sample has ``finished``."""
+        llm = self._require_started()
+        self.validate(req)
+        limit = self.config.max_waiting
+        waiting = sum(1 for f in self._inflight.values() if not f.started)
+        if limit is not None and waiting >= limit:
+            raise EngineInputError(
+                "exhausted", f"replica overloaded: {waiting} requests waiting (max_waiting={limit}); retry later", overloaded=True
+            )
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p = req.sampling
+        params = SamplingParams(
+            n=p.n,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            stop=list(p.stop) or None,
+            max_tokens=p.max_tokens,
+            ignore_eos=p.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=class_to_extra_args(req.cls),
+        )
+        prompt: dict = {"prompt_token_ids": list(req.prompt_token_ids)}
+        salt = salt_to_vllm(req.cache_salt)
+        if salt:
+            prompt["cache_salt"] = salt
+        flight = self._inflight[req.request_id] = _InFlight(len(req.prompt_token_ids))
+        submitted = time.monotonic()
+        first: float | None = None
+        completion = [0] * p.n
+        stream = llm.generate(prompt, params, req.request_id, session_id=req.cls.session_id)
+        try:
+            async for out in stream:
+                if first is None:
+                    first, flight.started = time.monotonic(), True
+                for c in out.outputs:
+                    completion[c.index] += len(c.token_ids)
+                    done = c.finish_reason is not None
+                    usage = None
+                    if done:
+                        usage = Usage(
+                            prompt_tokens=flight.prompt_tokens,
+                            cached_tokens=out.num_cached_tokens or 0,
+                            completion_tokens=completion[c.index],
+                            queue_time_s=0.0,
+                            prefill_time_s=first - submitted,
+                        )
+                    yield EngineOutput(
+                        req.request_id,
+                        c.index,
+                        list(c.token_ids),
+                        c.text,
+                        finished=done,
+                        finish_reason=_FINISH.get(c.finish_reason, "stop") if done else None,
+                        usage=usage,
+                    )
+        finally:
+            self._inflight.pop(req.request_id, None)
+            await stream.aclose()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # ------------------------------------------------------------- snapshots
+    def load(self) -> EngineLoad:
+        waiting = [f for f in self._inflight.values() if not f.started]
+        return EngineLoad(
+            running=len(self._inflight) - len(waiting),
+            waiting=len(waiting),
+            queued_prefill_tokens=sum(f.prompt_tokens for f in waiting),
+        )
+
+    def cache_state(self) -> CacheStateInfo:
+        self._require_started()
+        st = self._status.poll()
+        cap = self.config.num_blocks
+        if st is None:  # no step ran yet: an empty pool
+            return CacheStateInfo(self.block_size, cap, 0, cap, 0, 0.0, {}, self.config.eviction_policy, 0)
+        return CacheStateInfo(
+            block_size=self.block_size,
+            capacity_blocks=st.capacity_blocks,
+            used_blocks=st.capacity_blocks - st.free_blocks,
+            free_blocks=st.free_blocks,
+            cached_blocks=st.cached_blocks,
+            hit_ratio=st.hit_tokens / st.query_tokens if st.query_tokens else 0.0,
+            queue_sizes=dict(st.queue_sizes),
+            eviction_policy=st.eviction_policy,
+            evictions=st.evictions,
+        )
+
+    def take_events(self) -> list[KVEvent]:
+        self._require_started()
+        out: list[KVEvent] = []
+        for batch in self._events.take():
+            out.extend(self._translator.translate(batch))
+        return out
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Our hashes of every block vLLM's prefix cache holds, as its events describe it.
+
+        NOTE: events not yet taken are not reflected; the publisher takes events before it
+        writes a summary, so a summary and the stream stay consistent.
+        """
+        self._require_started()
+        return self._translator.cached_hashes()
+
+    def _require_started(self):
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine.start() has not been called")
+        return self._llm
+
+
+def _build_async_llm(kwargs: dict):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

@@ -1,0 +1,78 @@
+"""A tiny random-weight Hugging Face Llama directory, written by the tests themselves.
+
+``write_tiny_llama(path)`` saves config.json + model.safetensors (transformers'
+``save_pretrained``) and a word-level tokenizer trained with ``tokenizers`` (tokenizer.json,
+tokenizer_config.json), the files a local model directory has. Nothing is downloaded.
+
+The shape suits vLLM's CPU backend (head size 64) and stays small enough that an engine
+step costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+WORDS = [f"w{i}" for i in range(480)]
+SPECIAL = ["<unk>", "<s>", "</s>"]
+
+
+def train_tokenizer(path: str) -> None:
+    """A word-level tokenizer over ``WORDS`` (whitespace split), saved as tokenizer.json plus
+    a tokenizer_config.json that names its special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL, min_frequency=1)
+    tok.train_from_iterator([" ".join(WORDS)], trainer=trainer)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": 4096,
+                "clean_up_tokenization_spaces": False,
+            },
+            f,
+        )
+
+
+def write_tiny_llama(path: str, seed: int = 0, max_position: int = 4096, num_layers: int = 2) -> str:
+    """Write the model directory at ``path`` (created if missing); returns ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    train_tokenizer(path)
+    vocab = len(SPECIAL) + len(WORDS)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=max_position,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)  # large weights: greedy tokens vary with the context
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def words(ids: list[int]) -> str:
+    """A prompt text whose tokens are exactly ``WORDS[i]`` for each i (one token per word)."""
+    return " ".join(WORDS[i] for i in ids)
