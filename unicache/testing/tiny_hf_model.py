@@ -1,11 +1,13 @@
-"""A tiny random-weight Hugging Face Llama directory, written by the tests themselves.
+"""A tiny random-weight Hugging Face Llama directory with its tokenizer, for vLLM runs.
 
 ``write_tiny_llama(path)`` saves config.json + model.safetensors (transformers'
 ``save_pretrained``) and a word-level tokenizer trained with ``tokenizers`` (tokenizer.json,
 tokenizer_config.json), the files a local model directory has. Nothing is downloaded.
 
 The shape suits vLLM's CPU backend (head size 64) and stays small enough that an engine
-step costs milliseconds.
+step costs milliseconds. Used by tests/test_vllm_engine.py and bench/vllm_engine.py (the
+transformers-parity checkpoints of the built-in engine are tests/support/hf_models.py:
+no tokenizer, head sizes vLLM's CPU kernels lack).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 
 WORDS = [f"w{i}" for i in range(480)]
 SPECIAL = ["<unk>", "<s>", "</s>"]
+VOCAB_SIZE = len(SPECIAL) + len(WORDS)
 
 
 def train_tokenizer(path: str) -> None:
@@ -49,9 +52,8 @@ def write_tiny_llama(path: str, seed: int = 0, max_position: int = 4096, num_lay
 
     os.makedirs(path, exist_ok=True)
     train_tokenizer(path)
-    vocab = len(SPECIAL) + len(WORDS)
     cfg = LlamaConfig(
-        vocab_size=vocab,
+        vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=num_layers,
@@ -72,7 +74,3 @@ def write_tiny_llama(path: str, seed: int = 0, max_position: int = 4096, num_lay
     model.save_pretrained(path, safe_serialization=True)
     return path
 
-
-def words(ids: list[int]) -> str:
-    """A prompt text whose tokens are exactly ``WORDS[i]`` for each i (one token per word)."""
-    return " ".join(WORDS[i] for i in ids)

@@ -1,0 +1,92 @@
+"""Choosing the engine: settings (flags, environment, config file), the engine registry, and
+the vLLM engine's configuration checks -- no engine is started here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from unicache.local_cluster import ClusterSettings, served_model_name
+from unicache.replica.engine.api import ServingEngine
+from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engines import make_engine
+from unicache.replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
+from unicache.replica.vllm_engine.config import SCHEDULER_CLS, VLLMEngineConfig
+from unicache.replica.vllm_engine.engine import VLLMEngine
+from unicache.replica.vllm_engine.request_meta import class_from_extra_args, class_to_extra_args, salt_from_vllm, salt_to_vllm
+from unicache.request_class import SINGLE_TURN, RequestClass, Task
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_settings_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    return str(tmp_path)
+
+
+def test_engine_model_and_served_name_from_flags_env_and_file(monkeypatch, tmp_path, model_dir):
+    for name in ("ENGINE", "CHECKPOINT", "SERVED_MODEL_NAME"):
+        monkeypatch.delenv(f"UNICACHE_{name}", raising=False)
+    s = settings_from_args(parse(["--engine", "vllm", "--model", model_dir, "--served-model-name", "tiny"]))
+    assert (s.engine, s.checkpoint, s.served_model_name) == ("vllm", model_dir, "tiny")
+    assert settings_from_args(parse(["--checkpoint", model_dir])).checkpoint == model_dir  # the old name stays
+    assert settings_from_args(parse([])).engine == "torch"  # the default
+    monkeypatch.setenv("UNICACHE_ENGINE", "vllm")
+    assert settings_from_args(parse([])).engine == "vllm"
+    cfg = tmp_path / "replica.yaml"
+    cfg.write_text(f"engine: torch\ncheckpoint: {model_dir}\nserved-model-name: m\n")
+    monkeypatch.delenv("UNICACHE_ENGINE")
+    s = settings_from_args(parse(["--config", str(cfg)]))
+    assert (s.engine, s.checkpoint, s.served_model_name) == ("torch", model_dir, "m")
+
+
+def test_the_registry_builds_the_named_engine(model_dir):
+    torch_engine = make_engine(ReplicaSettings(model_preset="tiny", device="cpu"))
+    assert type(torch_engine) is AsyncEngine and isinstance(torch_engine, ServingEngine)
+    vllm_engine = make_engine(ReplicaSettings(engine="vllm", checkpoint=model_dir, block_size=32, num_blocks=8))
+    assert type(vllm_engine) is VLLMEngine and isinstance(vllm_engine, ServingEngine)
+    assert (vllm_engine.served_model_name, vllm_engine.block_size) == (model_dir.rstrip("/").rsplit("/", 1)[-1], 32)
+    with pytest.raises(ValueError, match=r"unknown engine 'tgi' \(choose from torch, vllm\)"):
+        make_engine(ReplicaSettings(engine="tgi"))
+    with pytest.raises(ValueError, match="the vllm engine needs --model"):
+        make_engine(ReplicaSettings(engine="vllm"))
+
+
+def test_vllm_config_is_checked_before_vllm_starts(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="no config.json there"):
+        VLLMEngineConfig(model=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"eviction policy 'opt' cannot run inside vLLM \(choose from lru, radix-lru, unicache, vllm\)"):
+        VLLMEngineConfig(model=model_dir, eviction_policy="opt")
+    cfg = VLLMEngineConfig(model=model_dir, block_size=16, num_blocks=10)
+    with pytest.raises(ValueError, match="vLLM's CPU attention needs a multiple of 32"):
+        cfg.engine_args("cpu", "ipc:///e", "ipc:///r", "ipc:///s")
+    args = VLLMEngineConfig(model=model_dir, block_size=32, num_blocks=10, eviction_policy="lru", served_model_name="m").engine_args(
+        "cpu", "ipc:///e", "ipc:///r", "ipc:///s"
+    )
+    # The pool: 10 usable blocks plus vLLM's null block; the context capped by the pool.
+    assert (args["num_gpu_blocks_override"], args["max_model_len"], args["served_model_name"]) == (11, 320, ["m"])
+    assert args["scheduler_cls"] == SCHEDULER_CLS
+    assert args["additional_config"] == {"unicache": {"eviction_policy": "lru", "status_endpoint": "ipc:///s"}}
+    ev = args["kv_events_config"]
+    assert (ev.publisher, ev.endpoint, ev.replay_endpoint, ev.enable_kv_cache_events) == ("zmq", "ipc:///e", "ipc:///r", True)
+
+
+def test_class_and_salt_travel_as_vllm_carries_them():
+    cls = RequestClass(tenant="acme", session_id="s", turn=3, task=Task.AGENT, template=True, template_blocks=2)
+    assert class_from_extra_args(class_to_extra_args(cls)) == cls
+    assert class_from_extra_args(None) == class_from_extra_args({}) == SINGLE_TURN
+    assert salt_to_vllm(b"\x01\xff") == "01ff" and salt_from_vllm("01ff") == b"\x01\xff"
+    assert salt_to_vllm(None) is None and salt_from_vllm(None) is None
+
+
+def test_unicache_up_serves_the_model_directory_name():
+    assert served_model_name(ClusterSettings(checkpoint="/models/tiny-llama/")) == "tiny-llama"
+    assert served_model_name(ClusterSettings(checkpoint="/models/x", served_model_name="prod")) == "prod"
+    assert served_model_name(ClusterSettings()) == ""

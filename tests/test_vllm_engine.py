@@ -1,0 +1,261 @@
+"""vLLM as the replica's engine, end to end, on a tiny random-weight Llama the test writes.
+
+Engines in this module (each start costs ~45 s or more on 2 cores): vLLM's own ``LLM`` for
+the reference tokens (stopped before the rest starts), one replica with ``--engine vllm``
+and ``unicache`` eviction behind the router (plus a built-in torch replica as the other
+choice), and for the eviction comparison one engine with vLLM's own LRU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
+from unicache.block_hash import hash_token_blocks
+from unicache.redis_keys import RedisKeys
+from unicache.redis_server import EmbeddedRedis
+from unicache.replica.engine.api import EngineRequest, SamplingParams
+from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engine.config import EngineConfig
+from unicache.replica.engine.model import ModelConfig
+from unicache.replica.publisher import CachePublisher
+from unicache.replica.runtime import ReplicaRuntime
+from unicache.replica.server import ReplicaServer
+from unicache.replica.settings import ReplicaSettings
+from unicache.replica.vllm_engine.config import VLLMEngineConfig
+from unicache.replica.vllm_engine.engine import VLLMEngine
+from unicache.request_class import RequestClass, Task
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
+from unicache.testing.polling import eventually
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
+
+BS = 32
+NUM_BLOCKS = 64
+PREFIX = "vllm-e2e"
+MAX_TOKENS = 12
+
+
+def text(start: int, n: int, step: int = 1) -> str:
+    """n words of the test tokenizer, one token each."""
+    return " ".join(WORDS[(start + i * step) % len(WORDS)] for i in range(n))
+
+
+PROMPTS = [text(0, 100), text(7, 75, 3), text(200, 140, 7)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def vllm_config(model_dir: str, policy: str) -> VLLMEngineConfig:
+    return VLLMEngineConfig(model=model_dir, block_size=BS, num_blocks=NUM_BLOCKS, eviction_policy=policy, device="cpu", dtype="float32", max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> list[list[int]]:
+    """Greedy tokens of ``PROMPTS`` from vLLM's own ``LLM.generate`` (no hook of ours)."""
+    from vllm import LLM
+    from vllm import SamplingParams as VSamplingParams
+
+    from unicache.tokenizer import load_tokenizer
+
+    args = vllm_config(model_dir, "vllm").engine_args("cpu", "ipc:///tmp/unused-e", "ipc:///tmp/unused-r", "")
+    for ours in ("scheduler_cls", "additional_config", "kv_events_config"):
+        args.pop(ours)
+    llm = LLM(**args)
+    try:
+        tok = load_tokenizer(f"{model_dir}/tokenizer.json")
+        outs = llm.generate(
+            [{"prompt_token_ids": tok.encode(p)} for p in PROMPTS],
+            VSamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@dataclasses.dataclass
+class Stack:
+    runtime: ReplicaRuntime
+    replica: replica_pb2_grpc.ReplicaStub
+    router: RouterApp
+    router_stub: router_pb2_grpc.RouterStub
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(model_dir, reference):
+    redis = EmbeddedRedis()
+    redis.start()
+    settings = ReplicaSettings(
+        replica_id="v0", engine="vllm", checkpoint=model_dir, block_size=BS, num_blocks=NUM_BLOCKS, eviction_policy="unicache",
+        device="cpu", dtype="float32", max_num_seqs=8, redis_url=redis.url, redis_prefix=PREFIX,
+    )
+    runtime = ReplicaRuntime(settings)
+    address = await runtime.start()
+    # The other choice: a built-in torch replica with the same tokenizer and block size.
+    torch_engine = AsyncEngine(
+        EngineConfig(
+            model=ModelConfig(vocab_size=512, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position=4096),
+            tokenizer=f"{model_dir}/tokenizer.json", block_size=BS, num_blocks=NUM_BLOCKS, eviction_policy="lru", device="cpu",
+        )
+    )
+    await torch_engine.start()
+    torch_server = ReplicaServer(torch_engine, "t0")
+    port = await torch_server.start()
+    torch_pub = CachePublisher(torch_engine, "t0", redis.url, f"127.0.0.1:{port}", RedisKeys(PREFIX), heartbeat_interval_s=0.1)
+    await torch_pub.start()
+    cfg = build_config(
+        env={"UNICACHE_API_KEYS": "ka:acme,kb:beta", "UNICACHE_SALT_SECRET": "s"},
+        overrides={
+            "grpc_port": 0, "http_port": 0, "redis_url": redis.url, "redis_prefix": PREFIX, "block_size": BS,
+            "tokenizer": f"{model_dir}/tokenizer.json",
+        },
+    )
+    app = RouterApp(cfg, subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20, "resync_retry_s": 0.05})
+    await app.start()
+    await eventually(lambda: sorted(app.cluster.replicas) == ["t0", "v0"] and not app.index.needs_resync("v0"), "replicas", timeout_s=60)
+    replica_channel = grpc.aio.insecure_channel(address)
+    router_channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
+    try:
+        yield Stack(runtime, replica_pb2_grpc.ReplicaStub(replica_channel), app, router_pb2_grpc.RouterStub(router_channel))
+    finally:
+        await replica_channel.close()
+        await router_channel.close()
+        await app.stop()
+        await torch_pub.stop()
+        await torch_server.stop()
+        await torch_engine.stop()
+        await runtime.stop()
+        redis.close()
+
+
+async def generate(stub, prompt: str | list[int], salt: bytes = b"", cls: RequestClass | None = None, max_tokens: int = MAX_TOKENS):
+    """One request straight to the replica (text or token ids): (token ids, last message's usage)."""
+    from unicache import wire
+
+    req = replica_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens), cache_salt=salt,
+        request_class=wire.request_class_to_proto(cls or RequestClass()),
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    msgs = [m async for m in stub.Generate(req, timeout=120)]
+    return [t for m in msgs for t in m.token_ids], msgs[-1].usage
+
+
+async def test_greedy_tokens_equal_vllm_llm_generate(stack, reference):
+    for prompt, want in zip(PROMPTS, reference):
+        got, usage = await generate(stack.replica, prompt, salt=b"parity")
+        assert got == want
+        assert usage.completion_tokens == len(want)
+    assert any(len(want) == MAX_TOKENS for want in reference)  # not every prompt ends at EOS at once
+
+
+async def test_second_identical_request_reports_cached_tokens_and_tenants_share_nothing(stack):
+    prompt = text(300, 100)  # 100 tokens: 3 full blocks (vLLM recomputes the last token)
+    first, u1 = await generate(stack.replica, prompt, salt=b"tenant-a")
+    second, u2 = await generate(stack.replica, prompt, salt=b"tenant-a")
+    other, u3 = await generate(stack.replica, prompt, salt=b"tenant-b")
+    assert (u1.prompt_tokens, u1.cached_tokens) == (100, 0)
+    assert (u2.cached_tokens, u3.cached_tokens) == (96, 0)
+    assert first == second == other  # same model, same greedy tokens; only the cache differs
+
+
+async def test_events_feed_the_router_index_and_the_next_request_routes_by_it(stack):
+    app, engine = stack.router, stack.runtime.engine
+    prompt = text(11, 130, 5)  # 130 tokens: 4 full blocks
+    salt = app.auth.cache_salt("acme")
+    tokens, _ = await generate(stack.replica, prompt, salt=salt)
+    ids = engine.encode(prompt)
+    prompt_hashes = hash_token_blocks(ids, BS, cache_salt=salt)
+    assert len(prompt_hashes) == 4
+    # Our own chained hashes, recomputed from vLLM's events, reach the router's index.
+    await eventually(lambda: app.index.match("v0", prompt_hashes) == 4, "prompt blocks in the index")
+    assert set(app.index.holdings("v0").blocks) == set(engine.cached_hashes())
+    md = [("authorization", "Bearer ka")]
+    req = router_pb2.RouterGenerateRequest(text=prompt, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS))
+    msgs = [m async for m in stack.router_stub.Generate(req, metadata=md, timeout=120)]
+    assert (msgs[0].route.replica_id, msgs[0].route.reason, msgs[0].route.matched_tokens) == ("v0", "index_prefix", 128)
+    assert msgs[-1].usage.cached_tokens == 128
+    assert [t for m in msgs for t in m.token_ids] == tokens
+    # Another tenant's same prompt matches nothing in the index.
+    beta = hash_token_blocks(ids, BS, cache_salt=app.auth.cache_salt("beta"))
+    assert app.index.match("v0", beta) == 0
+
+
+async def test_evicted_blocks_leave_the_index(stack):
+    app, engine = stack.router, stack.runtime.engine
+    first = text(400, 96, 11)
+    salt = b"evict"
+    await generate(stack.replica, first, salt=salt)
+    hashes = hash_token_blocks(engine.encode(first), BS, cache_salt=salt)
+    await eventually(lambda: app.index.match("v0", hashes) == 3, "first prompt indexed")
+    _, again = await generate(stack.replica, first, salt=salt)
+    assert again.cached_tokens == 64  # vLLM recomputes the last token: 2 of the 3 blocks hit
+    for k in range(8):  # 8 x 9 blocks: more than the 64-block pool holds
+        await generate(stack.replica, text(k * 13, 290, 1 + k), salt=salt, max_tokens=2)
+    await eventually(lambda: app.index.match("v0", hashes) == 0, "evicted blocks removed from the index")
+    await eventually(lambda: set(app.index.holdings("v0").blocks) == set(engine.cached_hashes()), "index equals vLLM's cache")
+    state = await stack.replica.GetCacheState(replica_pb2.GetCacheStateRequest(), timeout=10)
+    assert (state.replica_id, state.block_size, state.capacity_blocks, state.eviction_policy) == ("v0", BS, NUM_BLOCKS, "unicache")
+    assert state.used_blocks == 0 and state.free_blocks == NUM_BLOCKS
+    assert state.evictions > 0 and 0.0 < state.hit_ratio < 1.0
+    # Idle: every cached block is an eviction candidate in one of the policy's queues.
+    assert sum(state.queue_sizes.values()) == state.cached_blocks == len(engine.cached_hashes())
+    hb = await eventually(lambda: (h := app.cluster.replicas["v0"].heartbeat) and h.cache.evictions > 0 and h, "heartbeat with vLLM's pool")
+    assert (hb.cache.capacity_blocks, hb.cache.eviction_policy) == (NUM_BLOCKS, "unicache")
+
+
+SESSION = RequestClass(tenant="acme", session_id="chat-1", turn=0, task=Task.CHAT)
+
+
+async def session_sequence(run, encode) -> tuple[int, int]:
+    """A chat session's first turn (500 tokens: 16 blocks), six unique one-off prompts (310
+    tokens, 10 blocks each: more than the pool has left), then the session's second turn
+    (the first turn, its answer, 30 new tokens). Returns the cached prompt tokens of the
+    two turns."""
+    turn1 = encode(text(5, 500, 7))
+    out1, u1 = await run(turn1, SESSION)
+    for k in range(6):
+        await run(encode(text(50 + 31 * k, 310, 3 + 2 * k)), RequestClass(tenant="acme"))
+    turn2 = turn1 + out1 + encode(text(90, 30))
+    _, u2 = await run(turn2, dataclasses.replace(SESSION, turn=1))
+    return u1.cached_tokens, u2.cached_tokens
+
+
+async def test_unicache_keeps_a_live_session_that_vllms_lru_evicts(stack, model_dir):
+    ok = await stack.runtime.engine.reset_cache()
+    assert ok
+
+    async def via_replica(prompt, cls):
+        return await generate(stack.replica, prompt, salt=b"sess", cls=cls, max_tokens=8)
+
+    unicache = await session_sequence(via_replica, stack.runtime.engine.encode)
+    native = VLLMEngine(vllm_config(model_dir, "vllm"))
+    await native.start()
+    try:
+
+        async def direct(prompt, cls):
+            req = EngineRequest(f"r{len(prompt)}-{prompt[0]}", prompt, SamplingParams(max_tokens=8), cls=cls, cache_salt=b"sess")
+            toks, last = [], None
+            async for out in native.generate(req):
+                toks.extend(out.new_token_ids)
+                last = out
+            return toks, last.usage
+
+        lru = await session_sequence(direct, native.encode)
+    finally:
+        await native.stop()
+    assert unicache == (0, 480)  # the session's 15 full prompt blocks all survive
+    assert lru == (0, 0)
