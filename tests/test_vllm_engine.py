@@ -8,8 +8,8 @@ choice), and for the eviction comparison one engine with vLLM's own LRU.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import time
 
 import grpc
 import pytest
@@ -177,12 +177,19 @@ async def test_events_feed_the_router_index_and_the_next_request_routes_by_it(st
     prompt = text(11, 130, 5)  # 130 tokens: 4 full blocks
     salt = app.auth.cache_salt("acme")
     tokens, _ = await generate(stack.replica, prompt, salt=salt)
+    done = time.time()
     ids = engine.encode(prompt)
     prompt_hashes = hash_token_blocks(ids, BS, cache_salt=salt)
     assert len(prompt_hashes) == 4
     # Our own chained hashes, recomputed from vLLM's events, reach the router's index.
     await eventually(lambda: app.index.match("v0", prompt_hashes) == 4, "prompt blocks in the index")
     assert set(app.index.holdings("v0").blocks) == set(engine.cached_hashes())
+    # NOTE: a heartbeat taken after the request finished: one still showing it running makes
+    # v0 look busier, and cache_aware may rightly send the next request to the idle t0.
+    await eventually(
+        lambda: (hb := app.cluster.replicas["v0"].heartbeat).timestamp > done and hb.running == hb.waiting == 0,
+        "idle heartbeat of v0 taken after the request", timeout_s=30,
+    )
     md = [("authorization", "Bearer ka")]
     req = router_pb2.RouterGenerateRequest(text=prompt, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS))
     msgs = [m async for m in stack.router_stub.Generate(req, metadata=md, timeout=120)]
