@@ -73,11 +73,26 @@ class ReplicaSettings:
     def check(self) -> None:
         """Refuse now what the engine would refuse only once Ray and the actors are up: an
         unknown eviction policy (naming the valid ones), a size that is not positive, a
-        checkpoint or tokenizer that is not there. Raises ``UsageError``."""
-        try:
-            EVICTION_POLICIES.get(self.eviction_policy)
-        except ValueError as exc:
-            raise UsageError(f"eviction_policy: {exc}") from None
+        checkpoint or tokenizer that is not there, an unknown engine, a vllm engine without
+        a model directory. Raises ``UsageError``."""
+        from unicache.replica.engines import ENGINES
+
+        if self.engine not in ENGINES:
+            raise UsageError(f"engine: unknown engine {self.engine!r} (choose from {', '.join(ENGINES)})")
+        if self.engine == "vllm":
+            from unicache.replica.vllm_engine.config import VLLMEngineConfig
+
+            try:
+                VLLMEngineConfig(
+                    model=self.checkpoint, block_size=self.block_size, num_blocks=self.num_blocks, eviction_policy=self.eviction_policy
+                )
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        else:
+            try:
+                EVICTION_POLICIES.get(self.eviction_policy)
+            except ValueError as exc:
+                raise UsageError(f"eviction_policy: {exc}") from None
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name} must be positive, got {getattr(self, name)}")

@@ -39,7 +39,9 @@ def test_engine_model_and_served_name_from_flags_env_and_file(monkeypatch, tmp_p
     assert settings_from_args(parse(["--checkpoint", model_dir])).checkpoint == model_dir  # the old name stays
     assert settings_from_args(parse([])).engine == "torch"  # the default
     monkeypatch.setenv("UNICACHE_ENGINE", "vllm")
+    monkeypatch.setenv("UNICACHE_CHECKPOINT", model_dir)
     assert settings_from_args(parse([])).engine == "vllm"
+    monkeypatch.delenv("UNICACHE_CHECKPOINT")
     cfg = tmp_path / "replica.yaml"
     cfg.write_text(f"engine: torch\ncheckpoint: {model_dir}\nserved-model-name: m\n")
     monkeypatch.delenv("UNICACHE_ENGINE")
@@ -90,3 +92,17 @@ def test_unicache_up_serves_the_model_directory_name():
     assert served_model_name(ClusterSettings(checkpoint="/models/tiny-llama/")) == "tiny-llama"
     assert served_model_name(ClusterSettings(checkpoint="/models/x", served_model_name="prod")) == "prod"
     assert served_model_name(ClusterSettings()) == ""
+
+
+def test_settings_check_refuses_a_bad_engine_before_anything_starts(model_dir):
+    from unicache.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"engine: unknown engine 'tgi' \(choose from torch, vllm\)"):
+        ReplicaSettings(engine="tgi").check()
+    with pytest.raises(UsageError, match="the vllm engine needs --model"):
+        ReplicaSettings(engine="vllm").check()
+    with pytest.raises(UsageError, match="eviction policy 'opt' cannot run inside vLLM"):
+        ReplicaSettings(engine="vllm", checkpoint=model_dir, eviction_policy="opt").check()
+    ReplicaSettings(engine="vllm", checkpoint=model_dir, eviction_policy="vllm", block_size=32).check()
+    with pytest.raises(UsageError, match="eviction_policy"):
+        ReplicaSettings(eviction_policy="vllm").check()  # vLLM's own order needs vLLM
