@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -64,7 +65,10 @@ def test_the_registry_builds_the_named_engine(model_dir):
 def test_vllm_config_is_checked_before_vllm_starts(model_dir, tmp_path):
     with pytest.raises(ValueError, match="no config.json there"):
         VLLMEngineConfig(model=str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match=r"eviction policy 'opt' cannot run inside vLLM \(choose from lru, radix-lru, unicache, vllm\)"):
+    from unicache.replica.eviction.registry import policy_names
+
+    live = ", ".join(sorted(set(policy_names()) - {"opt"}) + ["vllm"])  # every registry policy but the offline one
+    with pytest.raises(ValueError, match=re.escape(f"eviction policy 'opt' cannot run inside vLLM (choose from {live})")):
         VLLMEngineConfig(model=model_dir, eviction_policy="opt")
     cfg = VLLMEngineConfig(model=model_dir, block_size=16, num_blocks=10)
     with pytest.raises(ValueError, match="vLLM's CPU attention needs a multiple of 32"):
