@@ -53,7 +53,7 @@ class RouterConfig:
         default=60.0,
         metadata={"help": "ceiling of the first-token timeout derived from each replica's measured TTFT; a replica that streams nothing that long is quarantined and the request retried elsewhere (0: no first-token timeout)"},
     )
-    first_token_timeout_floor_s: float = field(default=2.0, metadata={"help": "floor of the derived first-token timeout"})
+    first_token_timeout_floor_s: float = field(default=5.0, metadata={"help": "floor of the derived first-token timeout"})
     first_token_timeout_multiplier: float = field(
         default=3.0, metadata={"help": "derived first-token timeout = multiplier x (TTFT mean + 4 mean deviations), within floor and ceiling"}
     )

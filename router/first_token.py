@@ -69,13 +69,13 @@ class FirstTokenTimeout:
     Args:
         ceiling_s: the most a replica may take to its first message (default 60 s); also
             the timeout while nothing has been measured.
-        floor_s: the least (default 2 s): a fast replica's estimate is tiny, and a long
+        floor_s: the least (default 5 s): a fast replica's estimate is tiny, and a long
             prefill or a short queue must not count as a stall.
         multiplier: headroom over the estimate's high end (default 3).
         min_samples: samples before a replica's own estimate is used (default 5).
     """
 
-    def __init__(self, ceiling_s: float = 60.0, floor_s: float = 2.0, multiplier: float = 3.0, min_samples: int = 5):
+    def __init__(self, ceiling_s: float = 60.0, floor_s: float = 5.0, multiplier: float = 3.0, min_samples: int = 5):
         if ceiling_s <= 0 or floor_s < 0 or multiplier <= 0 or min_samples < 1:
             raise ValueError("first-token timeout: ceiling_s, multiplier and min_samples must be positive, floor_s >= 0")
         self.ceiling_s = ceiling_s

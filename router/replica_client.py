@@ -33,6 +33,9 @@ RETRYABLE = frozenset(
 )
 
 
+# The silence check runs this long before the first-token deadline it may push back.
+_CHECK_AHEAD_S = 0.01
+
 PROBE_REQUEST_ID = "router-probe"
 _PROBE = replica_pb2.GenerateRequest(
     request_id=PROBE_REQUEST_ID, token_ids=replica_pb2.TokenIds(ids=[0]), sampling=common_pb2.SamplingParams(max_tokens=1)
@@ -64,27 +67,31 @@ class ReplicaStream:
         if timeout_s is None:
             msg = await self._call.read()
         else:
-            # NOTE: the read runs as its own task: cancelling a grpc.aio read cancels the
-            # call, so the stall check must look at the clock beside it, not cancel it.
-            started = time.monotonic()
-            read = asyncio.ensure_future(self._call.read())
+            # NOTE: asyncio.timeout_at cancels this task at the deadline (grpc then cancels the
+            # call), with no extra task per request; a check just before the deadline
+            # pushes it back while the replica keeps sending to other streams.
+            loop = asyncio.get_running_loop()
+            started = loop.time()  # time.monotonic() on the default loop, as last_progress
+
+            def due() -> float:
+                quiet_since = max(started, last_progress()) if last_progress is not None else started
+                at = quiet_since + timeout_s
+                return min(at, started + max_wait_s) if max_wait_s is not None else at
+
+            handle = None
             try:
-                while True:
-                    now = time.monotonic()
-                    quiet_since = max(started, last_progress()) if last_progress is not None else started
-                    wait = quiet_since + timeout_s - now
-                    if max_wait_s is not None:
-                        wait = min(wait, started + max_wait_s - now)
-                    if wait <= 0:
-                        break
-                    await asyncio.wait((read,), timeout=wait)
-                    if read.done():
-                        break
-            except BaseException:
-                read.cancel()
-                raise
-            if not read.done():
-                read.cancel()
+                async with asyncio.timeout_at(due()) as cm:
+
+                    def check() -> None:
+                        nonlocal handle
+                        at = due()
+                        if at > cm.when():  # it spoke meanwhile: wait for silence again
+                            cm.reschedule(at)
+                            handle = loop.call_at(at - _CHECK_AHEAD_S, check)
+
+                    handle = loop.call_at(cm.when() - _CHECK_AHEAD_S, check)
+                    msg = await self._call.read()
+            except TimeoutError:
                 self.timed_out = True
                 self.close()
                 raise grpc.aio.AioRpcError(
@@ -92,8 +99,10 @@ class ReplicaStream:
                     grpc.aio.Metadata(),
                     grpc.aio.Metadata(),
                     details=f"replica silent for {timeout_s:g}s before the first token",
-                )
-            msg = read.result()
+                ) from None
+            finally:
+                if handle is not None:
+                    handle.cancel()
         if msg is grpc.aio.EOF:
             self._done = True
             return None

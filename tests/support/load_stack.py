@@ -102,6 +102,10 @@ class LoadStack:
             "api_keys": ",".join(f"{k}:{t}" for k, t in API_KEYS.items()),
             "salt_secret": "load-test-secret",
             "replicas": ",".join(f"{r.replica_id}={r.address}" for r in replicas),
+            # NOTE: router and replicas share one event loop here, so an engine step that
+            # holds the loop makes every replica look silent: no first-token stall
+            # detection below the ceiling (tests/test_fault_* cover it on real processes).
+            "first_token_timeout_floor_s": 60.0,
         }
         overrides.update(router or {})
         app = RouterApp(build_config(env={}, overrides=overrides))
