@@ -8,6 +8,11 @@ Three duties, each on its own asyncio task, none on the serving path:
       comes back;
     * heartbeat: a ``Heartbeat`` with a TTL, refreshed every ``heartbeat_interval_s``.
 
+Every value written to Redis is sealed with the cluster's state key (unicache/state_auth.py:
+heartbeat kind "hb", summary "summary", batch "events"), so a router trusts only what a
+holder of the cluster key wrote; Redis itself never sees the key. Heartbeats carry their
+own counter ``seq`` (1, 2, ... within the process), so a replayed heartbeat never advances.
+
 Epoch/seq contract (router/index.py): within one epoch, batch seqs are 1, 2, 3, ... with
 no gap; a summary at (epoch, seq) reflects every batch <= seq (and possibly some later
 events, which the net-effect batches replay harmlessly). When a batch may have been lost
@@ -40,6 +45,7 @@ from redis.retry import Retry
 
 from unicache.block_hash import BlockHash
 from unicache.aio import cancel_and_wait
+from unicache.state_auth import StateSigner
 from unicache.redis_keys import (
     EVENT_FLUSH_INTERVAL_S,
     EVENT_STREAM_MAXLEN,
@@ -98,6 +104,7 @@ class CachePublisher:
         clock: wall clock for timestamps and epochs (default ``time.time``).
         password: Redis password when it is not in the URL (a secret: never logged).
         tls_ca: CA bundle that verifies the server of a ``rediss://`` URL.
+        signer: seals every payload with the cluster's state key (required).
     """
 
     def __init__(
@@ -117,6 +124,8 @@ class CachePublisher:
         clock: Callable[[], float] = time.time,
         password: str | None = None,
         tls_ca: str | None = None,
+        *,
+        signer: StateSigner,
     ):
         if tls_ca and not redis_url.startswith("rediss://"):
             raise ValueError("redis_tls_ca needs a rediss:// redis_url")
@@ -134,8 +143,10 @@ class CachePublisher:
         self.retry_interval_s = retry_interval_s
         self.clock = clock
         self._auth = {k: v for k, v in (("password", password), ("ssl_ca_certs", tls_ca)) if v}
+        self.signer = signer
         self.epoch = 0
         self.seq = 0
+        self.heartbeat_seq = 0
         self.resync_needed = True  # nothing published yet: the first success is a resync
         self.stats = PublisherStats()
         self._pending = PendingBatch()
@@ -209,9 +220,11 @@ class CachePublisher:
     async def publish_heartbeat(self) -> bool:
         """SET the heartbeat with its TTL; also checks the summary key still exists (a
         Redis that restarted empty without us seeing an error) and resyncs if not."""
+        self.heartbeat_seq += 1
         hb = self.heartbeat()
+        sealed = self.signer.seal("hb", hb.SerializeToString())
         pipe = self._redis.pipeline(transaction=False)
-        pipe.set(self.keys.heartbeat(self.replica_id), hb.SerializeToString(), px=self.heartbeat_ttl_ms)
+        pipe.set(self.keys.heartbeat(self.replica_id), sealed, px=self.heartbeat_ttl_ms)
         pipe.exists(self.keys.summary(self.replica_id))
         result = await self._call(pipe.execute())
         if result is None:
@@ -234,7 +247,19 @@ class CachePublisher:
             cache=cache_state_to_proto(self.source.cache_state(), self.replica_id),
             epoch=self.epoch,
             timestamp=self.clock(),
+            seq=self.heartbeat_seq,
         )
+
+    async def signed_summary(self, nonce: bytes) -> bytes:
+        """A sealed ("rpc-summary") ``CacheSummary`` at (epoch, seq) echoing ``nonce``:
+        what the replica's ``GetCacheSummary`` returns. Flushes first, under the same lock
+        as publishing, so the summary reflects every batch <= seq (the Redis contract)."""
+        async with self._lock:
+            if not self.resync_needed:
+                await self._flush_locked()
+            summary = self._summary(self.epoch, self.seq)
+        summary.nonce = nonce
+        return self.signer.seal("rpc-summary", summary.SerializeToString())
 
     # ------------------------------------------------------------------ internals
     async def _flush_locked(self) -> bool:
@@ -249,7 +274,7 @@ class CachePublisher:
         ok = await self._call(
             self._redis.xadd(
                 self.keys.events(self.replica_id),
-                {"b": batch.SerializeToString()},
+                {"b": self.signer.seal("events", batch.SerializeToString())},
                 maxlen=self.stream_maxlen,
                 approximate=True,
             )
@@ -264,20 +289,22 @@ class CachePublisher:
         self._pending = PendingBatch()
         return True
 
-    async def _write_summary(self, epoch: int, seq: int, delete_stream: bool) -> bool:
-        hashes = self.source.cached_hashes()
-        summary = cache_pb2.CacheSummary(
+    def _summary(self, epoch: int, seq: int) -> cache_pb2.CacheSummary:
+        return cache_pb2.CacheSummary(
             replica_id=self.replica_id,
             epoch=epoch,
             seq=seq,
-            block_hashes=hashes,
+            block_hashes=self.source.cached_hashes(),
             block_size=self.source.block_size,
             timestamp=self.clock(),
         )
+
+    async def _write_summary(self, epoch: int, seq: int, delete_stream: bool) -> bool:
+        summary = self._summary(epoch, seq)
         pipe = self._redis.pipeline(transaction=True)
         if delete_stream:
             pipe.delete(self.keys.events(self.replica_id))
-        pipe.set(self.keys.summary(self.replica_id), summary.SerializeToString())
+        pipe.set(self.keys.summary(self.replica_id), self.signer.seal("summary", summary.SerializeToString()))
         if await self._call(pipe.execute()) is None:
             return False
         self.stats.summaries += 1

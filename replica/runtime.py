@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 from unicache.aio import cancel_and_wait
+from unicache.errors import UsageError
 from unicache.redis_keys import RedisKeys
 from unicache.replica.engine.api import ServingEngine
 from unicache.replica.engines import make_engine
@@ -42,16 +43,26 @@ class ReplicaRuntime:
 
     async def _start(self) -> str:
         s = self.settings
+        key = s.resolved_cluster_key()
+        if s.redis_url and key is None:
+            raise UsageError(
+                "a replica that publishes to Redis needs a cluster key (set UNICACHE_CLUSTER_KEY or cluster_key_file): "
+                "routers trust only state signed with it"
+            )
+        password = s.resolved_redis_password()
         self.engine = make_engine(s)
         await self.engine.start()
-        self.server = ReplicaServer(self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults())
+        self.server = ReplicaServer(
+            self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults(), cluster_key=key
+        )
         port = await self.server.start()
         self.address = f"{s.advertised_host()}:{port}"
         if s.redis_url:
             self.publisher = CachePublisher(
                 self.engine, s.replica_id, s.redis_url, self.address, RedisKeys(s.redis_prefix),
-                password=s.redis_password or None, tls_ca=s.redis_tls_ca or None,
+                password=password or None, tls_ca=s.redis_tls_ca or None, signer=self.server.signer,
             )
+            self.server.servicer.summary_source = self.publisher.signed_summary
             await self.publisher.start()
         else:
             # Nobody publishes: still take the engine's cache events so they cannot pile up.

@@ -11,6 +11,10 @@ Invariants:
     * ``EngineInputError("invalid")`` -> INVALID_ARGUMENT, ``("exhausted")`` ->
       RESOURCE_EXHAUSTED; both before any message is streamed. Any other engine failure
       -> INTERNAL.
+    * With a cluster key, every Replica call needs the cluster credential
+      (replica/call_auth.py) and ``GetCacheSummary`` answers sealed with the state key;
+      without one (a replica nobody publishes for, tests) the port is open and
+      ``GetCacheSummary`` is FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -26,10 +30,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from unicache.grpc_decode import add_servicer
+from unicache.state_auth import CallCredential, StateSigner
 from unicache.wire import REFUSAL_METADATA
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
 from unicache.replica.engine.api import EngineInputError, EngineRequest
+from unicache.replica.call_auth import ClusterAuthInterceptor
 from unicache.replica.faults import FaultInjection
 
 if TYPE_CHECKING:
@@ -59,15 +65,23 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         replica_id: reported in ``GetCacheState``.
         default_max_tokens: used when a request leaves ``max_tokens`` at 0 (default 16).
         faults: delays for reliability tests (replica/faults.py); default none.
+        summary_source: ``nonce -> sealed summary`` (the publisher's ``signed_summary``,
+            set once it exists); None: ``GetCacheSummary`` is FAILED_PRECONDITION.
     """
 
     def __init__(
-        self, engine: "ServingEngine", replica_id: str, default_max_tokens: int = 16, faults: FaultInjection | None = None
+        self,
+        engine: "ServingEngine",
+        replica_id: str,
+        default_max_tokens: int = 16,
+        faults: FaultInjection | None = None,
+        summary_source: Callable[[bytes], Awaitable[bytes]] | None = None,
     ):
         self.engine = engine
         self.replica_id = replica_id
         self.default_max_tokens = default_max_tokens
         self.faults = faults or FaultInjection()
+        self.summary_source = summary_source
 
     def to_engine_request(self, request: replica_pb2.GenerateRequest) -> EngineRequest:
         """Build the engine request; raises ``EngineInputError`` for a missing/empty prompt."""
@@ -124,6 +138,15 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
     ) -> common_pb2.CacheState:
         return cache_state_to_proto(self.engine.cache_state(), self.replica_id)
 
+    async def GetCacheSummary(
+        self, request: replica_pb2.GetCacheSummaryRequest, context: grpc.aio.ServicerContext
+    ) -> replica_pb2.GetCacheSummaryResponse:
+        if self.summary_source is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this replica has no cluster key: it signs no summary")
+        if len(request.nonce) != 16:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nonce must be 16 bytes")
+        return replica_pb2.GetCacheSummaryResponse(signed_summary=await self.summary_source(request.nonce))
+
 
 class ReplicaServer:
     """A ``grpc.aio`` server for one replica on ``host:port`` (port 0 picks a free port).
@@ -137,6 +160,9 @@ class ReplicaServer:
         grace_s: how long ``stop`` lets in-flight calls finish (default 2 s).
         max_message_bytes: gRPC send/receive limit (default 64 MiB: long token-id prompts).
         faults: delays for reliability tests (replica/faults.py); default none.
+        cluster_key: when set, every Replica call needs the cluster credential
+            (UNAUTHENTICATED otherwise) and ``GetCacheSummary`` can answer once
+            ``servicer.summary_source`` is set.
     """
 
     def __init__(
@@ -149,6 +175,7 @@ class ReplicaServer:
         grace_s: float = 2.0,
         max_message_bytes: int = 64 * 1024 * 1024,
         faults: FaultInjection | None = None,
+        cluster_key: bytes | None = None,
     ):
         self.host = host
         self.requested_port = port
@@ -160,11 +187,15 @@ class ReplicaServer:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
+        self.auth = ClusterAuthInterceptor(CallCredential(cluster_key)) if cluster_key else None
+        self.signer = StateSigner(cluster_key) if cluster_key else None
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> int:
         """Bind, start serving, mark the service SERVING; returns the bound port."""
-        server = grpc.aio.server(options=self._options)
+        if self.auth is None:
+            log.warning("replica %s has no cluster key: its gRPC port serves anyone", self.servicer.replica_id)
+        server = grpc.aio.server(options=self._options, interceptors=[self.auth] if self.auth else None)
         add_servicer(replica_pb2_grpc.add_ReplicaServicer_to_server, self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = server.add_insecure_port(f"{self.host}:{self.requested_port}")

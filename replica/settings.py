@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from unicache import settings
 from unicache.errors import UsageError
+from unicache.state_auth import parse_cluster_key
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
 from unicache.replica.engine.config import EngineConfig
@@ -37,6 +38,12 @@ class ReplicaSettings:
     redis_url: str = field(default="", metadata=_help("Redis for cache events and heartbeats; empty: publish nothing"))
     redis_prefix: str = field(default=DEFAULT_PREFIX, metadata=_help("namespace of every Redis key"))
     redis_password: str = field(default="", repr=False, metadata=_help("Redis password if not in redis_url (secret)"))
+    redis_password_file: str = field(default="", metadata=_help("file holding the Redis password (instead of redis_password)"))
+    cluster_key: str = field(
+        default="", repr=False,
+        metadata=_help("cluster key (secret, >= 16 bytes; hex): signs what the replica writes to Redis, and every router call must prove it; required with redis_url"),
+    )
+    cluster_key_file: str = field(default="", metadata=_help("file holding the cluster key (instead of cluster_key)"))
     redis_tls_ca: str = field(default="", metadata=_help("CA bundle verifying the server of a rediss:// redis_url"))
     engine: str = field(default="torch", metadata=_help("serving engine: torch (built-in) or vllm (vLLM V1 in-process, extra [vllm])"))
     eviction_policy: str = field(
@@ -117,6 +124,19 @@ class ReplicaSettings:
             seed=self.seed,
         )
 
+    def resolved_redis_password(self) -> str:
+        return settings.resolve_secret(self.redis_password, self.redis_password_file, "redis_password")
+
+    def resolved_cluster_key(self) -> bytes | None:
+        """The cluster key as bytes, or None when none is set. UsageError if unreadable or short."""
+        text = settings.resolve_secret(self.cluster_key, self.cluster_key_file, "cluster_key")
+        if not text:
+            return None
+        try:
+            return parse_cluster_key(text)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
     def faults(self) -> FaultInjection:
         return FaultInjection(self.fault_first_token_delay_s, self.fault_token_delay_s)
 
@@ -129,7 +149,7 @@ class ReplicaSettings:
         return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
 
 
-SECRET_FIELDS = frozenset({"redis_password"})
+SECRET_FIELDS = frozenset({"redis_password", "cluster_key"})
 
 
 FLAG_ALIASES = {"checkpoint": ["--model"]}

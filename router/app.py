@@ -33,7 +33,9 @@ from unicache.router.replica_client import ReplicaClients
 from unicache.router.routing.base import RoutingPolicy
 from unicache.router.routing.registry import make_routing_policy
 from unicache.router.service import RouterServicer
+from unicache.router.rejections import StateRejections
 from unicache.router.subscriber import RedisSubscriber
+from unicache.state_auth import CallCredential, StateSigner
 from unicache.classifier import RequestClassifier
 from unicache.aio import cancel_and_wait
 from unicache.errors import UsageError
@@ -77,7 +79,7 @@ class RouterApp:
     """
 
     def __init__(self, config: RouterConfig, policy: RoutingPolicy | None = None, subscriber_kwargs: dict | None = None):
-        self.config = config
+        self.config = config.resolve_secrets()
         self.policy = policy or build_policy(config.routing_policy)
         self.index = LocalityIndex(config.max_index_blocks)
         self.cluster = ClusterView(
@@ -90,6 +92,9 @@ class RouterApp:
         except Exception as exc:  # noqa: BLE001 - any load failure is a configuration error
             raise UsageError(f"cannot load tokenizer {path}: {exc}") from None
         self.metrics = RouterMetrics()
+        cluster_key = config.cluster_key_bytes()
+        self.clients = ReplicaClients(config.forward_deadline_s, credential=CallCredential(cluster_key) if cluster_key else None)
+        self.state_rejections = StateRejections(self.metrics.registry)
         self.clients = ReplicaClients(config.forward_deadline_s)
         first_token = None
         if config.first_token_timeout_s > 0:
@@ -123,6 +128,11 @@ class RouterApp:
             raise UsageError("redis_url must start with redis://, rediss:// or unix://")
         if config.use_redis and config.redis_tls_ca and not config.redis_url.startswith("rediss://"):
             raise UsageError("redis_tls_ca needs a rediss:// redis_url")
+        if config.use_redis and cluster_key is None:
+            raise UsageError(
+                "following replicas through Redis needs the cluster key (set UNICACHE_CLUSTER_KEY or --cluster-key-file): "
+                "only state signed with it is trusted"
+            )
         if config.use_redis:
             self.subscriber = RedisSubscriber(
                 self.cluster,
@@ -132,9 +142,15 @@ class RouterApp:
                 tls_ca=config.redis_tls_ca or None,
                 timeout_s=config.redis_timeout_s,
                 expected_block_size=config.block_size,
+                signer=StateSigner(cluster_key),
+                fetch_summary=self.clients.cache_summary,
+                rejections=self.state_rejections,
                 **(subscriber_kwargs or {}),
             )
-        self.http = HttpFrontDoor(self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes)
+        self.http = HttpFrontDoor(
+            self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes,
+            admin_key=config.admin_key,
+        )
         self.http_limits = HttpLimits(
             header_timeout_s=config.http_header_timeout_s,
             body_timeout_s=config.http_body_timeout_s,

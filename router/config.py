@@ -23,7 +23,8 @@ from unicache.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.router.routing.registry import ROUTING_POLICIES
-SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys"})
+from unicache.state_auth import parse_cluster_key
+SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys", "cluster_key", "admin_key"})
 
 
 @dataclass(slots=True)
@@ -37,6 +38,11 @@ class RouterConfig:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL (rediss:// for TLS)"})
     redis_prefix: str = field(default=DEFAULT_PREFIX, metadata={"help": "Redis key prefix"})
     redis_password: str = field(default="", metadata={"help": "Redis password (secret)"})
+    redis_password_file: str = field(default="", metadata={"help": "file holding the Redis password"})
+    cluster_key: str = field(
+        default="", metadata={"help": "cluster key (secret, hex): verifies replica state and authenticates calls to replicas; required with Redis"}
+    )
+    cluster_key_file: str = field(default="", metadata={"help": "file holding the cluster key"})
     redis_tls_ca: str = field(default="", metadata={"help": "CA bundle for rediss:// URLs"})
     redis_timeout_s: float = field(default=1.0, metadata={"help": "deadline of each Redis call"})
     use_redis: bool = field(default=True, metadata={"help": "follow replicas through Redis"})
@@ -46,6 +52,11 @@ class RouterConfig:
     api_keys: str = field(default="", metadata={"help": "API keys 'key1:tenantA,key2:tenantB' (secret)"})
     api_keys_file: str = field(default="", metadata={"help": "file of 'key:tenant' lines or a JSON object"})
     salt_secret: str = field(default="", metadata={"help": "server secret the tenant cache salts derive from"})
+    salt_secret_file: str = field(default="", metadata={"help": "file holding the salt secret"})
+    admin_key: str = field(
+        default="", metadata={"help": "if set, /metrics, /v1/cluster/state and /dashboard need 'Authorization: Bearer ADMIN_KEY' (secret)"}
+    )
+    admin_key_file: str = field(default="", metadata={"help": "file holding the admin key"})
     forward_deadline_s: float = field(
         default=300.0, metadata={"help": "deadline of a request at the router, retries included (a gRPC client's own deadline wins if earlier)"}
     )
@@ -105,6 +116,20 @@ class RouterConfig:
             out[f.name] = value
         return out
 
+    def resolve_secrets(self) -> "RouterConfig":
+        """Fill each empty secret from its ``*_file`` setting (in place; returns self)."""
+        for name in ("redis_password", "cluster_key", "salt_secret", "admin_key"):
+            setattr(self, name, settings.resolve_secret(getattr(self, name), getattr(self, name + "_file"), name))
+        return self
+
+    def cluster_key_bytes(self) -> bytes | None:
+        if not self.cluster_key:
+            return None
+        try:
+            return parse_cluster_key(self.cluster_key)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
     def static_replicas(self) -> dict[str, str]:
         """Parse ``replicas`` into {replica_id: address}."""
         out: dict[str, str] = {}
@@ -160,7 +185,7 @@ def build_config(
     overrides: dict[str, Any] | None = None,
 ) -> RouterConfig:
     """Merge defaults < config file < environment < flags < ``overrides``."""
-    cfg = settings.build(RouterConfig, args, env, overrides, secrets=SECRET_FIELDS)
+    cfg = settings.build(RouterConfig, args, env, overrides, secrets=SECRET_FIELDS).resolve_secrets()
     if cfg.block_size <= 0:
         raise UsageError("block_size must be positive")
     check_routing_policy(cfg.routing_policy)

@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from unicache.router.auth import api_key_from_headers
 from unicache.chat_template import render_chat
+from unicache.router.admin import require_admin
 from unicache.router.cluster_state import cluster_state
 from unicache.router.core import RouterCore
 from unicache.router.dashboard import DASHBOARD_HTML
@@ -170,6 +171,7 @@ class HttpFrontDoor:
         max_body_bytes: larger request bodies get 413 without being read whole (8 MiB).
         max_json_depth: deeper JSON nesting is a 400 (64).
         max_batch_prompts: most prompts in one completions request (64).
+        admin_key: when set, the operator endpoints need it (router/admin.py).
     """
 
     def __init__(
@@ -180,6 +182,7 @@ class HttpFrontDoor:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
         max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
+        admin_key: str = "",
     ):
         self.core = core
         self.max_body_bytes = max_body_bytes
@@ -188,6 +191,10 @@ class HttpFrontDoor:
         self.model_name = served_model_name
         self.policy_name = policy_name
         self.token_text = TokenText(core.tokenizer)
+
+        def admin(endpoint):
+            return require_admin(admin_key, endpoint, lambda: error_response(401, "admin key required", "invalid_api_key"))
+
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -196,9 +203,9 @@ class HttpFrontDoor:
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
-                Route("/metrics", self.metrics, methods=["GET"]),
-                Route("/v1/cluster/state", self.state, methods=["GET"]),
-                Route("/dashboard", self.dashboard, methods=["GET"]),
+                Route("/metrics", admin(self.metrics), methods=["GET"]),
+                Route("/v1/cluster/state", admin(self.state), methods=["GET"]),
+                Route("/dashboard", admin(self.dashboard), methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_exception, Exception: self._server_error},
         )

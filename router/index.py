@@ -12,6 +12,12 @@ Invariants:
       first, so within a used chain a block is always less recent than its ancestors.
       Trimming drops the least recent block, hence a leaf of a used prefix before its
       parent (dropping a root would zero every descendant's match).
+    * Nor its ``capacity`` (the KV blocks its signed heartbeat announces, 0 = unknown): a
+      summary or batch that would leave more is an impossible claim; the index trims it,
+      marks the replica for resync and records ``fault = "over_capacity"``.
+    * ``fault`` says why the last failed apply marked a resync: "gap", "epoch" or
+      "over_capacity" (the subscriber counts it; a gap or impossible claim is resynced
+      from the replica itself).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class ReplicaHoldings:
     epoch: int = -1
     applied_seq: int = -1
     needs_resync: bool = True
+    capacity: int = 0
+    fault: str = ""
 
 
 class LocalityIndex(LocalityView):
@@ -77,12 +85,19 @@ class LocalityIndex(LocalityView):
                 touch(block_hashes[i])
         return n
 
-    def apply_summary(self, replica_id: str, epoch: int, seq: int, block_hashes: Iterable[BlockHash]) -> None:
-        """Replace a replica's holdings by a full summary taken at (epoch, seq)."""
+    def set_capacity(self, replica_id: str, capacity_blocks: int) -> None:
+        """The replica's KV capacity in blocks (from its heartbeat); 0 leaves it unknown."""
+        self.holdings(replica_id).capacity = capacity_blocks
+
+    def apply_summary(self, replica_id: str, epoch: int, seq: int, block_hashes: Iterable[BlockHash]) -> bool:
+        """Replace a replica's holdings by a full summary taken at (epoch, seq).
+
+        Returns False (trimmed to capacity, resync marked) when it claims more blocks than
+        the replica's capacity."""
         h = self.holdings(replica_id)
         h.blocks = OrderedDict.fromkeys(block_hashes)
-        self._trim(h)
         h.epoch, h.applied_seq, h.needs_resync = epoch, seq, False
+        return self._trim(h)
 
     def apply_events(
         self,
@@ -99,12 +114,12 @@ class LocalityIndex(LocalityView):
         """
         h = self.holdings(replica_id)
         if epoch != h.epoch or h.needs_resync:
-            h.needs_resync = True
+            h.needs_resync, h.fault = True, "epoch"
             return False
         if seq <= h.applied_seq:
             return True
         if seq != h.applied_seq + 1:
-            h.needs_resync = True
+            h.needs_resync, h.fault = True, "gap"
             return False
         if cleared:
             h.blocks.clear()
@@ -113,9 +128,8 @@ class LocalityIndex(LocalityView):
             blocks.pop(bh, None)
         for bh in stored:
             blocks[bh] = None
-        self._trim(h)
         h.applied_seq = seq
-        return True
+        return self._trim(h)
 
     def apply_events_unchecked(self, replica_id: str, stored: Iterable[BlockHash], removed: Iterable[BlockHash]) -> None:
         """Apply events from a lossless in-process source (the simulator)."""
@@ -133,7 +147,14 @@ class LocalityIndex(LocalityView):
     def drop_replica(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)
 
-    def _trim(self, h: ReplicaHoldings) -> None:
-        """Drop the least recently used blocks (leaves of used prefixes first) down to the bound."""
+    def _trim(self, h: ReplicaHoldings) -> bool:
+        """Drop the least recently used blocks (leaves of used prefixes first) down to both
+        bounds. Returns False when the capacity bound had to cut (an impossible claim)."""
         while len(h.blocks) > self.max_blocks:
             h.blocks.popitem(last=False)
+        if h.capacity and len(h.blocks) > h.capacity:
+            while len(h.blocks) > h.capacity:
+                h.blocks.popitem(last=False)
+            h.needs_resync, h.fault = True, "over_capacity"
+            return False
+        return True

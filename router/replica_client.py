@@ -3,6 +3,8 @@
 Invariants:
     * Every forwarded ``Generate`` carries a deadline (the request's remaining time, at
       most ``forward_deadline_s``); every probe has its own.
+    * With a ``CallCredential`` every call carries the cluster credential
+      (``x-unicache-cluster-auth``); replicas refuse calls without it (UNAUTHENTICATED).
     * ``ReplicaStream`` cancels the replica call when it is closed before the replica
       finished (client went away, router shutting down), so the replica frees the
       request's blocks.
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 import grpc
 
+from unicache.state_auth import CallCredential
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
 # Status codes that mean "this replica could not serve it", worth one retry elsewhere
@@ -128,10 +131,18 @@ class ReplicaClients:
     Args:
         forward_deadline_s: deadline of each forwarded Generate (default 300 s).
         max_message_bytes: send/receive limit (64 MiB, like the replica server).
+        credential: the cluster credential every call carries (None: none, for replicas
+            started without a cluster key).
     """
 
-    def __init__(self, forward_deadline_s: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024):
+    def __init__(
+        self,
+        forward_deadline_s: float = 300.0,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        credential: CallCredential | None = None,
+    ):
         self.forward_deadline_s = forward_deadline_s
+        self.credential = credential
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -148,7 +159,7 @@ class ReplicaClients:
     def generate(self, address: str, request: replica_pb2.GenerateRequest, timeout_s: float | None = None) -> ReplicaStream:
         """Start a Generate with deadline ``timeout_s`` (default and bound ``forward_deadline_s``)."""
         deadline = self.forward_deadline_s if timeout_s is None else min(timeout_s, self.forward_deadline_s)
-        return ReplicaStream(self.stub(address).Generate(request, timeout=deadline))
+        return ReplicaStream(self.stub(address).Generate(request, timeout=deadline, metadata=self._metadata()))
 
     async def probe(self, address: str, timeout_s: float) -> None:
         """A one-token Generate (one prompt token, no full block, so nothing is cached or
@@ -162,7 +173,20 @@ class ReplicaClients:
 
     async def cache_state(self, address: str, timeout_s: float):
         """The replica's ``GetCacheState`` (raises grpc.aio.AioRpcError after ``timeout_s``)."""
-        return await self.stub(address).GetCacheState(replica_pb2.GetCacheStateRequest(), timeout=timeout_s)
+        return await self.stub(address).GetCacheState(
+            replica_pb2.GetCacheStateRequest(), timeout=timeout_s, metadata=self._metadata()
+        )
+
+    async def cache_summary(self, address: str, nonce: bytes, timeout_s: float) -> bytes:
+        """The replica's sealed ``GetCacheSummary`` answer for ``nonce`` (the subscriber
+        verifies it); raises grpc.aio.AioRpcError after ``timeout_s``."""
+        resp = await self.stub(address).GetCacheSummary(
+            replica_pb2.GetCacheSummaryRequest(nonce=nonce), timeout=timeout_s, metadata=self._metadata()
+        )
+        return resp.signed_summary
+
+    def _metadata(self):
+        return self.credential.metadata() if self.credential is not None else None
 
     async def close(self) -> None:
         channels = [c for c, _ in self._channels.values()]

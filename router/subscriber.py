@@ -1,44 +1,74 @@
-"""Follow the replicas through Redis: heartbeats -> membership, events/summaries -> index.
+"""Follow the replicas through Redis: heartbeats -> membership, events -> index.
 
-One asyncio task runs ``run()``, which repeats ``step()``:
-    1. (every ``heartbeat_interval_s``) SCAN the heartbeat keys: a new key adds a replica
-       without restart; a key that expired drops the replica (policy.on_replica_died and
-       index.drop_replica via ``ClusterView.remove``).
-    2. Resync every replica the index marks stale (new, gap, epoch change): GET its
-       ``CacheSummary``, ``apply_summary``, then replay the event stream past the
-       summary's seq (read backwards from the newest entry down to that seq). A missing or stale summary is requested on the resync channel and
-       retried after ``resync_retry_s``.
-    3. XREAD the event streams from each replica's cursor into ``apply_events``; a batch
-       that does not follow (gap or new epoch) schedules a resync.
+Nothing read from Redis is trusted before its MAC verifies (unicache/state_auth.py, cluster
+key Redis never sees); what fails, is stale or replays is dropped and counted
+(router/rejections.py). One asyncio task runs ``run()``, which repeats ``step()``:
+    1. (every ``heartbeat_interval_s``) SCAN the heartbeat keys and open each sealed
+       ``Heartbeat``: its replica id must be the key's, its wall-clock age at most
+       ``max_state_age_s``, and its (epoch, seq) must not go back (replay) nor stay put
+       longer than ``heartbeat_ttl_s`` (someone re-setting a dead replica's last beat).
+       A new replica, or a known one at a new address, is *pending*: it joins (or moves)
+       only once the peer at that address proved to be it (step 2). A key holding a
+       rejected value leaves a known replica as its last valid beat left it, until that
+       beat is ``heartbeat_ttl_s`` old. A heartbeat that expired (key gone) drops the replica (policy.on_replica_died and index.drop_replica via
+       ``ClusterView.remove``).
+    2. Resync every pending replica and every replica the index marks stale (new, gap,
+       epoch change, impossible claim) *from the replica itself*: ``fetch_summary``
+       calls its ``GetCacheSummary`` with a fresh nonce; the answer must be sealed
+       ("rpc-summary"), name that replica and echo the nonce. Then ``apply_summary``
+       and replay the Redis event stream past the summary's seq (read backwards from the
+       newest entry down to it). A failed resync is retried after ``resync_retry_s``.
+       The Redis summary key and resync channel are the replicas' own business now: a
+       router never takes holdings from Redis without the replica's signature.
+    3. XREAD the event streams from each replica's cursor; each sealed batch must name
+       the stream's replica. A batch of an older epoch, or at or below the applied seq,
+       is a replay (dropped); one that does not follow (gap, newer epoch) or would exceed
+       the replica's capacity schedules a resync.
 
 Redis outages: any Redis error marks ``cluster.redis_connected = False`` (the service
 then hands policies an empty index: session + load routing), keeps the last known
 replicas, and retries with exponential backoff bounded by ``backoff_max_s``. When Redis
-answers again every replica is marked for resync (the index is rebuilt from summaries)
+answers again every replica is marked for resync (the index is rebuilt from the replicas)
 and, for ``reconnect_grace_s``, replicas whose heartbeat is missing are not dropped
 (a restarted Redis holds no heartbeats until the replicas' next beat).
 
-Every Redis call has a deadline (``timeout_s``; XREAD adds its block time).
+Every Redis call has a deadline (``timeout_s``; XREAD adds its block time), and so has
+every ``fetch_summary``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from unicache.router.cluster import ClusterView
+from unicache.router.rejections import StateRejections
 from unicache.block_hash import BlockHash
 from unicache.redis_keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, RedisKeys
+from unicache.state_auth import StateAuthError, StateSigner
 from unicache.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
 
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+# (address, nonce, timeout_s) -> the replica's sealed GetCacheSummary answer; raises when
+# the replica cannot be reached (ReplicaClients.cache_summary in the router).
+FetchSummary = Callable[[str, bytes, float], Awaitable[bytes]]
+
+
+@dataclass(slots=True)
+class _Beat:
+    """The newest verified heartbeat of a replica and when (router clock) it advanced."""
+
+    mark: tuple[int, int]  # (epoch, seq)
+    advanced_at: float
 
 
 class RedisSubscriber:
@@ -63,6 +93,17 @@ class RedisSubscriber:
         expected_block_size: the router's block size; a replica announcing another one
             is logged (its hashes can never match the router's).
         clock: monotonic clock (tests may pass a fake one).
+        signer: opens the replicas' sealed payloads (the cluster's state key; required).
+        fetch_summary: asks a replica for its sealed summary (required; see
+            ``FetchSummary``).
+        rejections: counts what is dropped (default: a private counter, no metric).
+        heartbeat_ttl_s: a heartbeat whose (epoch, seq) has not advanced this long is
+            treated as gone (default: the replicas' TTL, 3 s).
+        max_state_age_s: a heartbeat whose own timestamp is older than this (wall clock,
+            so it tolerates this much clock skew) is stale (default 30 s).
+        wall_clock: unix-time clock for ``max_state_age_s``.
+        summary_timeout_s: deadline of one ``fetch_summary`` (default 5 s: a full cache's
+            summary is tens of MB).
     """
 
     def __init__(
@@ -82,6 +123,14 @@ class RedisSubscriber:
         replay_chunk: int = 256,
         expected_block_size: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        signer: StateSigner,
+        fetch_summary: FetchSummary,
+        rejections: StateRejections | None = None,
+        heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
+        max_state_age_s: float = 30.0,
+        wall_clock: Callable[[], float] = time.time,
+        summary_timeout_s: float = 5.0,
     ):
         self.cluster = cluster
         self.keys = RedisKeys(prefix)
@@ -96,6 +145,15 @@ class RedisSubscriber:
         self.expected_block_size = expected_block_size
         self._warned_block_size: set[str] = set()
         self.clock = clock
+        self.signer = signer
+        self.fetch_summary = fetch_summary
+        self.rejections = rejections or StateRejections()
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.max_state_age_s = max_state_age_s
+        self.wall_clock = wall_clock
+        self.summary_timeout_s = summary_timeout_s
+        self._beats: dict[str, _Beat] = {}
+        self._pending: dict[str, cache_pb2.Heartbeat] = {}
         kwargs = {"socket_timeout": timeout_s + block_ms / 1000.0, "socket_connect_timeout": timeout_s}
         if password:
             kwargs["password"] = password
@@ -109,7 +167,6 @@ class RedisSubscriber:
         self._ever_connected = False
         self._warned_at_start = False
         self.resyncs = 0
-        self.resync_requests = 0
         self.reconnects = 0
 
     async def close(self) -> None:
@@ -185,25 +242,36 @@ class RedisSubscriber:
                 break
         values = await self._call(self.redis.mget(keys)) if keys else []
         seen: set[str] = set()
+        now = self.clock()
         for key, raw in zip(keys, values):
             if raw is None:
                 continue
-            hb = cache_pb2.Heartbeat()
-            try:
-                hb.ParseFromString(raw)
-            except Exception:  # noqa: BLE001 - a corrupt record must not stop the router
-                log.warning("ignoring unparsable heartbeat at %r", key)
+            rid = self.keys.replica_from_heartbeat_key(key)
+            hb = self._open(rid, "hb", raw, cache_pb2.Heartbeat, "heartbeat")
+            if hb is None or not self._fresh(rid, hb):
+                beat = self._beats.get(rid)
+                if rid in self.cluster.replicas and beat is not None and now - beat.advanced_at <= self.heartbeat_ttl_s:
+                    # NOTE: a forger overwrote a live replica's key between its beats: keep the
+                    # replica as its last valid beat left it, until that is a TTL old.
+                    seen.add(rid)
                 continue
-            rid = hb.replica_id or self.keys.replica_from_heartbeat_key(key)
             seen.add(rid)
             bs = hb.cache.block_size
             if self.expected_block_size and bs and bs != self.expected_block_size and rid not in self._warned_block_size:
                 self._warned_block_size.add(rid)
                 log.warning("replica %s uses block size %d but the router %d: no prefix will match", rid, bs, self.expected_block_size)
+            rec = self.cluster.replicas.get(rid)
+            if rec is None or rec.address != hb.address:
+                # NOTE: joins (or moves) only after the peer at hb.address proves to be rid.
+                self._pending[rid] = hb
+                continue
             self.cluster.upsert(rid, hb.address, hb)
+            self.cluster.index.set_capacity(rid, hb.cache.capacity_blocks)
             holdings = self.cluster.index.holdings(rid)
             if holdings.epoch >= 0 and hb.epoch and hb.epoch != holdings.epoch:
                 self.cluster.index.mark_resync(rid)
+        for rid in [r for r in self._pending if r not in seen]:
+            del self._pending[rid]
         if self.clock() < self._grace_until:
             return
         for rid, rec in list(self.cluster.replicas.items()):
@@ -212,46 +280,98 @@ class RedisSubscriber:
                 self.cluster.remove(rid)
                 self._cursors.pop(rid, None)
                 self._retry_at.pop(rid, None)
+                self._beats.pop(rid, None)
+
+    def _open(self, rid: str, kind: str, raw: bytes, cls, what: str):
+        """Verify and parse one sealed payload stored for ``rid``; None (counted) if bad."""
+        try:
+            payload = self.signer.open(kind, raw)
+        except StateAuthError as exc:
+            self.rejections.reject(exc.reason, rid, what)
+            return None
+        msg = cls()
+        try:
+            msg.ParseFromString(payload)
+        except Exception:  # noqa: BLE001 - a signed but unparsable payload is a bug upstream
+            self.rejections.reject("unparsable", rid, what)
+            return None
+        if msg.replica_id != rid:
+            self.rejections.reject("wrong_replica", rid, what)
+            return None
+        return msg
+
+    def _fresh(self, rid: str, hb: cache_pb2.Heartbeat) -> bool:
+        """A verified heartbeat that is recent and moves forward (see the module docstring)."""
+        if self.wall_clock() - hb.timestamp > self.max_state_age_s:
+            self.rejections.reject("stale", rid, "heartbeat")
+            return False
+        now = self.clock()
+        mark = (hb.epoch, hb.seq)
+        beat = self._beats.get(rid)
+        if beat is None or mark > beat.mark:
+            self._beats[rid] = _Beat(mark, now)
+            return True
+        if mark < beat.mark:
+            self.rejections.reject("replay", rid, "heartbeat")
+            return False
+        if now - beat.advanced_at > self.heartbeat_ttl_s:
+            self.rejections.reject("stale", rid, "heartbeat")
+            return False
+        return True
 
     # --- resync -----------------------------------------------------------------------
     async def resync_stale(self) -> None:
         now = self.clock()
-        for rid in sorted(self.cluster.replicas):
-            if self.cluster.replicas[rid].static:
+        for rid in sorted(set(self.cluster.replicas) | set(self._pending)):
+            rec = self.cluster.replicas.get(rid)
+            if rec is not None and rec.static:
                 continue
-            if self.cluster.index.needs_resync(rid) and now >= self._retry_at.get(rid, 0.0):
+            due = rid in self._pending or self.cluster.index.needs_resync(rid)
+            if due and now >= self._retry_at.get(rid, 0.0):
                 await self.resync(rid)
 
     async def resync(self, replica_id: str) -> bool:
-        """Load the summary and replay the stream after it. Returns True when in sync."""
+        """Take the replica's own sealed summary (which also proves the peer at its
+        address is it), then replay the Redis stream after it. Returns True when in sync."""
         self.resyncs += 1
         index = self.cluster.index
-        raw = await self._call(self.redis.get(self.keys.summary(replica_id)))
-        if raw is None:
-            last = await self._call(self.redis.xrevrange(self.keys.events(replica_id), count=1))
-            self._cursors[replica_id] = last[0][0] if last else b"0-0"
-            index.mark_resync(replica_id)
-            await self._request_summary(replica_id)
+        pending = self._pending.get(replica_id)
+        rec = self.cluster.replicas.get(replica_id)
+        hb = pending if pending is not None else (rec.heartbeat if rec is not None else None)
+        address = hb.address if hb is not None else (rec.address if rec is not None else "")
+        self._retry_at[replica_id] = self.clock() + self.resync_retry_s
+        if not address:
             return False
-        summary = cache_pb2.CacheSummary()
+        nonce = os.urandom(16)
         try:
-            summary.ParseFromString(raw)
-        except Exception:  # noqa: BLE001 - treat a corrupt summary as missing
-            log.warning("replica %s: unparsable cache summary; requesting a new one", replica_id)
-            index.mark_resync(replica_id)
-            await self._request_summary(replica_id)
+            raw = await self.fetch_summary(address, nonce, self.summary_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - unreachable or refusing: try again later
+            log.info("replica %s: cannot fetch its summary (%s); retrying", replica_id, type(exc).__name__)
             return False
+        summary = self._open(replica_id, "rpc-summary", raw, cache_pb2.CacheSummary, "summary from its address")
+        if summary is None:
+            return False
+        if summary.nonce != nonce:
+            self.rejections.reject("identity", replica_id, "summary from its address")
+            return False
+        if pending is not None:
+            del self._pending[replica_id]
+            self.cluster.upsert(replica_id, pending.address, pending)
+            self._cursors.pop(replica_id, None)
+        if hb is not None:
+            index.set_capacity(replica_id, hb.cache.capacity_blocks)
         newest_id, newest_epoch, batches = await self._batches_after(replica_id, summary.epoch, summary.seq)
         self._cursors[replica_id] = newest_id
-        index.apply_summary(replica_id, summary.epoch, summary.seq, [BlockHash(h) for h in summary.block_hashes])
+        if not index.apply_summary(replica_id, summary.epoch, summary.seq, [BlockHash(h) for h in summary.block_hashes]):
+            self.rejections.reject("over_capacity", replica_id, "summary from its address")
+            return False
         for batch in batches:
             if not self._apply(replica_id, batch):
                 break
         if newest_epoch not in (None, summary.epoch) or index.needs_resync(replica_id):
             # The stream moved to another epoch than the summary's, or the batches right
-            # after the summary were trimmed away: the summary is stale.
+            # after the summary were trimmed away: try again shortly.
             index.mark_resync(replica_id)
-            await self._request_summary(replica_id)
             return False
         self._retry_at.pop(replica_id, None)
         return True
@@ -275,7 +395,7 @@ class RedisSubscriber:
             if upper == "+":
                 newest_id = chunk[0][0]
             for _entry_id, fields in chunk:
-                batch = _parse_batch(fields)
+                batch = self._parse_batch(replica_id, fields)
                 if batch is None:
                     continue
                 if newest_epoch is None:
@@ -295,11 +415,6 @@ class RedisSubscriber:
             upper = b"(" + last_id if isinstance(last_id, bytes) else "(" + last_id
         found.reverse()
         return newest_id, newest_epoch, found
-
-    async def _request_summary(self, replica_id: str) -> None:
-        self.resync_requests += 1
-        self._retry_at[replica_id] = self.clock() + self.resync_retry_s
-        await self._call(self.redis.publish(self.keys.resync_channel(), replica_id))
 
     # --- events -----------------------------------------------------------------------
     async def poll_events(self, block_ms: int) -> bool:
@@ -323,13 +438,20 @@ class RedisSubscriber:
                 self._cursors[rid] = entry_id
                 if self.cluster.index.needs_resync(rid):
                     continue
-                batch = _parse_batch(fields)
+                batch = self._parse_batch(rid, fields)
                 if batch is not None and not self._apply(rid, batch):
                     log.info("replica %s: event gap or new epoch at seq %d; resyncing", rid, batch.seq)
         return block_ms > 0
 
     def _apply(self, replica_id: str, batch: cache_pb2.KVEventBatch) -> bool:
-        return self.cluster.index.apply_events(
+        """Apply one verified batch. False when the index now needs a resync; a replayed
+        batch (older epoch, or a seq already applied) is dropped and counted, never applied."""
+        index = self.cluster.index
+        h = index.holdings(replica_id)
+        if not h.needs_resync and (batch.epoch < h.epoch or (batch.epoch == h.epoch and batch.seq <= h.applied_seq)):
+            self.rejections.reject("replay", replica_id, "event batch")
+            return True
+        ok = index.apply_events(
             replica_id,
             batch.epoch,
             batch.seq,
@@ -337,16 +459,13 @@ class RedisSubscriber:
             [BlockHash(h) for h in batch.removed],
             batch.cleared,
         )
+        if not ok and h.fault in ("gap", "over_capacity"):
+            self.rejections.reject(h.fault, replica_id, "event batch")
+        return ok
 
-
-def _parse_batch(fields: dict) -> cache_pb2.KVEventBatch | None:
-    raw = fields.get(b"b", fields.get("b"))
-    if raw is None:
-        return None
-    batch = cache_pb2.KVEventBatch()
-    try:
-        batch.ParseFromString(raw)
-    except Exception:  # noqa: BLE001
-        log.warning("ignoring unparsable event batch")
-        return None
-    return batch
+    def _parse_batch(self, replica_id: str, fields: dict) -> cache_pb2.KVEventBatch | None:
+        raw = fields.get(b"b", fields.get("b"))
+        if raw is None:
+            self.rejections.reject("unparsable", replica_id, "event batch")
+            return None
+        return self._open(replica_id, "events", raw, cache_pb2.KVEventBatch, "event batch")

@@ -8,6 +8,8 @@ from unicache.replica.engine.cpu_env import prefer_passive_omp_wait
 # slower on the shared 2-core box (cpu_env.py).
 prefer_passive_omp_wait()
 
+import secrets  # noqa: E402
+
 import pytest  # noqa: E402
 
 from unicache.redis_server import EmbeddedRedis
@@ -15,12 +17,13 @@ from unicache.redis_server import EmbeddedRedis
 
 @pytest.fixture
 def redis_server():
-    """A fresh redis-server on 127.0.0.1:<free port>; killed after the test.
+    """A fresh password-protected redis-server on 127.0.0.1:<free port> (``.url`` carries
+    the password); killed after the test.
 
     Tests may call ``redis_server.stop()`` / ``redis_server.start()`` to simulate an
     outage (the port stays the same).
     """
-    proc = EmbeddedRedis()
+    proc = EmbeddedRedis(password=secrets.token_hex(12))
     proc.start()
     try:
         yield proc

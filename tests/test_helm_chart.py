@@ -51,7 +51,8 @@ GPU4 = {
     },
     "router": {"image": {"digest": "sha256:" + "b" * 64}},
     "redis": {"persistence": {"enabled": True, "size": "2Gi"}, "image": {"digest": "sha256:" + "c" * 64}},
-    "auth": {"apiKeys": [{"key": "k-alpha", "tenant": "alpha"}, {"key": "k-beta", "tenant": "beta"}], "saltSecret": "s3cret"},
+    "auth": {"apiKeys": [{"key": "k-alpha", "tenant": "alpha"}, {"key": "k-beta", "tenant": "beta"}], "saltSecret": "s3cret",
+             "clusterKey": "ck-given-0123456789abcdef", "adminKey": "adm-given-42"},
 }
 VALUE_SETS = {"default": {}, "external-redis": EXTERNAL_REDIS, "gpu4": GPU4}
 
@@ -331,6 +332,8 @@ def test_router_ports_probes_and_wiring(rendered):
     assert env["UNICACHE_API_KEYS_FILE"]["value"] == "/etc/unicache/secrets/api-keys"
     assert env["UNICACHE_SALT_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "uc-unicache-secrets", "key": "salt-secret"}
     assert env["UNICACHE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "uc-unicache-redis", "key": "redis-password"}
+    assert env["UNICACHE_CLUSTER_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "uc-unicache-secrets", "key": "cluster-key"}
+    assert "UNICACHE_ADMIN_KEY" not in env  # auth.adminKey unset: the admin endpoints stay open in-cluster
     assert env["UNICACHE_REDIS_URL"]["value"] == "redis://:$(UNICACHE_REDIS_PASSWORD)@uc-unicache-redis.serving.svc:6379/0"
     names = [e["name"] for e in c["env"]]  # $(VAR) expands only variables defined earlier
     assert names.index("UNICACHE_REDIS_PASSWORD") < names.index("UNICACHE_REDIS_URL")
@@ -409,6 +412,8 @@ def test_generated_secrets_are_well_formed(rendered):
     keys = base64.b64decode(data["api-keys"]).decode()
     assert re.fullmatch(r"uc-[A-Za-z0-9]{40}:default\n", keys)
     assert re.fullmatch(r"[A-Za-z0-9]{48}", base64.b64decode(data["salt-secret"]).decode())
+    assert re.fullmatch(r"[A-Za-z0-9]{64}", base64.b64decode(data["cluster-key"]).decode())
+    assert "admin-key" not in data
     redis_data = one(rendered["default"], "Secret", "redis")["data"]
     password = base64.b64decode(redis_data["redis-password"]).decode()
     assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
@@ -419,6 +424,13 @@ def test_given_secrets_are_used_verbatim(rendered):
     data = one(rendered["gpu4"], "Secret", "secrets")["data"]
     assert base64.b64decode(data["api-keys"]).decode() == "k-alpha:alpha\nk-beta:beta\n"
     assert base64.b64decode(data["salt-secret"]).decode() == "s3cret"
+    assert base64.b64decode(data["cluster-key"]).decode() == "ck-given-0123456789abcdef"
+    assert base64.b64decode(data["admin-key"]).decode() == "adm-given-42"
+    router = one(rendered["gpu4"], "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
+    env = container_env(router)
+    assert env["UNICACHE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "uc-unicache-secrets", "key": "admin-key"}
+    [endpoint] = one(rendered["gpu4"], "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "uc-unicache-secrets", "key": "admin-key"}}
 
 
 def test_external_redis_replaces_the_in_cluster_one(rendered):
@@ -454,6 +466,8 @@ def test_gpu_worker_group_and_launcher(rendered):
     assert launcher["image"] == worker["image"]  # Ray client and cluster must match versions
     env = container_env(launcher)
     assert env["UNICACHE_HOST"]["value"] == "0.0.0.0" and "UNICACHE_ADVERTISE_HOST" not in env
+    # the launcher ships the cluster key to the replica actors (ReplicaSettings.cluster_key)
+    assert env["UNICACHE_CLUSTER_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "uc-unicache-secrets", "key": "cluster-key"}
     redis = one(docs, "StatefulSet")
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
     # the default render has no GPU toleration or selector

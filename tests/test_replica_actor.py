@@ -18,6 +18,7 @@ from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.actor import ACTOR_NAMESPACE, actor_name, actor_options
 from unicache.replica.launcher import ReplicaLauncher, wait_healthy
 from unicache.replica.settings import ReplicaSettings
+from unicache.testing.signed_state import CLUSTER_KEY, SIGNER, call_metadata
 
 pytestmark = pytest.mark.slow
 KEYS = RedisKeys("actortest")
@@ -37,12 +38,12 @@ def generate(address: str) -> list[int]:
         req = replica_pb2.GenerateRequest(
             token_ids=replica_pb2.TokenIds(ids=PROMPT), sampling=common_pb2.SamplingParams(max_tokens=4)
         )
-        return [t for m in stub.Generate(req, timeout=60) for t in m.token_ids]
+        return [t for m in stub.Generate(req, timeout=60, metadata=call_metadata()) for t in m.token_ids]
 
 
 def heartbeat(r: redis.Redis, rid: str) -> cache_pb2.Heartbeat | None:
     raw = r.get(KEYS.heartbeat(rid))
-    return cache_pb2.Heartbeat.FromString(raw) if raw else None
+    return cache_pb2.Heartbeat.FromString(SIGNER.open("hb", raw)) if raw else None
 
 
 def info_or_none(handle) -> dict | None:
@@ -71,7 +72,8 @@ def test_actor_options_restart_forever_and_pick_gpu_or_cpu():
 
 def test_launch_generate_kill_restart_stop(ray_local, redis_server):
     r = redis.Redis.from_url(redis_server.url, socket_timeout=5)
-    base = ReplicaSettings(redis_url=redis_server.url, redis_prefix=KEYS.prefix, num_blocks=64, block_size=8, eviction_policy="lru")
+    base = ReplicaSettings(redis_url=redis_server.url, redis_prefix=KEYS.prefix, num_blocks=64, block_size=8, eviction_policy="lru",
+                           cluster_key=CLUSTER_KEY)
     launcher = ReplicaLauncher(base, num=1, id_prefix="t", use_gpu=False, start_timeout_s=120)
     try:
         [rep] = launcher.start()

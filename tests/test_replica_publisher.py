@@ -21,6 +21,7 @@ from unicache.replica.eviction.registry import make_policy
 from unicache.replica.event_batch import PendingBatch
 from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.store import KVStore
+from unicache.testing.signed_state import SIGNER
 from unicache.replica.publisher import CachePublisher
 from unicache.testing.store_source import StoreCacheSource
 from unicache.router.index import LocalityIndex
@@ -50,16 +51,16 @@ def make_publisher(src, url, **kw) -> CachePublisher:
         keys=KEYS, flush_interval_s=SLOW, heartbeat_interval_s=SLOW, summary_interval_s=SLOW, clock=lambda: 1000.0
     )
     args.update(kw)
-    return CachePublisher(src, "r0", url, "127.0.0.1:5000", **args)
+    return CachePublisher(src, "r0", url, "127.0.0.1:5000", signer=SIGNER, **args)
 
 
 async def read_batches(r, rid="r0") -> list[cache_pb2.KVEventBatch]:
-    return [cache_pb2.KVEventBatch.FromString(f[b"b"]) for _, f in await r.xrange(KEYS.events(rid))]
+    return [cache_pb2.KVEventBatch.FromString(SIGNER.open("events", f[b"b"])) for _, f in await r.xrange(KEYS.events(rid))]
 
 
 async def read_summary(r, rid="r0") -> cache_pb2.CacheSummary | None:
     raw = await r.get(KEYS.summary(rid))
-    return cache_pb2.CacheSummary.FromString(raw) if raw is not None else None
+    return cache_pb2.CacheSummary.FromString(SIGNER.open("summary", raw)) if raw is not None else None
 
 
 @pytest.fixture
@@ -93,7 +94,7 @@ async def test_start_writes_summary_and_heartbeat(redis_server, redis_client):
         await eventually(lambda: redis_client.exists(KEYS.heartbeat("r0")))
         ttl = await redis_client.pttl(KEYS.heartbeat("r0"))
         assert 0 < ttl <= 3000
-        hb = cache_pb2.Heartbeat.FromString(await redis_client.get(KEYS.heartbeat("r0")))
+        hb = cache_pb2.Heartbeat.FromString(SIGNER.open("hb", await redis_client.get(KEYS.heartbeat("r0"))))
         assert (hb.address, hb.device, hb.epoch, hb.running, hb.waiting) == ("127.0.0.1:5000", "cpu", 1_000_000, 0, 0)
         assert (hb.cache.capacity_blocks, hb.cache.free_blocks, hb.cache.cached_blocks) == (6, 6, 2)
         assert (hb.cache.block_size, hb.cache.eviction_policy, dict(hb.cache.queue_sizes)) == (BS, "lru", {"lru": 2})

@@ -15,6 +15,7 @@ from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.settings import ReplicaSettings
 from unicache.testing.polling import eventually
+from unicache.testing.signed_state import CLUSTER_KEY, SIGNER, call_metadata
 
 BS = 8
 KEYS = RedisKeys("rt")
@@ -26,7 +27,7 @@ async def generate(address: str, ids: list[int], max_tokens: int = 1) -> list[in
         req = replica_pb2.GenerateRequest(
             token_ids=replica_pb2.TokenIds(ids=ids), sampling=common_pb2.SamplingParams(max_tokens=max_tokens)
         )
-        return [t async for m in stub.Generate(req, timeout=60) for t in m.token_ids]
+        return [t async for m in stub.Generate(req, timeout=60, metadata=call_metadata()) for t in m.token_ids]
 
 
 async def summary(r) -> cache_pb2.CacheSummary | None:
@@ -34,13 +35,13 @@ async def summary(r) -> cache_pb2.CacheSummary | None:
         raw = await r.get(KEYS.summary("rt-0"))
     except (OSError, aioredis.RedisError):
         return None
-    return cache_pb2.CacheSummary.FromString(raw) if raw else None
+    return cache_pb2.CacheSummary.FromString(SIGNER.open("summary", raw)) if raw else None
 
 
 async def test_replica_publishes_exact_events_and_survives_a_redis_outage(redis_server):
     settings = ReplicaSettings(
         replica_id="rt-0", redis_url=redis_server.url, redis_prefix=KEYS.prefix, block_size=BS, num_blocks=64,
-        eviction_policy="lru", device="cpu",
+        eviction_policy="lru", device="cpu", cluster_key=CLUSTER_KEY,
     )
     runtime = ReplicaRuntime(settings)
     address = await runtime.start()
@@ -52,7 +53,7 @@ async def test_replica_publishes_exact_events_and_survives_a_redis_outage(redis_
         assert len(await generate(address, p1)) == 1
         await eventually(lambda: runtime.publisher.seq == 1)
         [(_, fields)] = await r.xrange(KEYS.events("rt-0"))
-        batch = cache_pb2.KVEventBatch.FromString(fields[b"b"])
+        batch = cache_pb2.KVEventBatch.FromString(SIGNER.open("events", fields[b"b"]))
         assert (batch.seq, list(batch.stored), list(batch.removed)) == (1, hash_token_blocks(p1, BS), [])
 
         redis_server.kill()
@@ -68,7 +69,7 @@ async def test_replica_publishes_exact_events_and_survives_a_redis_outage(redis_
         want = hash_token_blocks(p1, BS) + hash_token_blocks(p2, BS)  # 25 + 2 fed-back tokens: 3 full blocks
         assert s.epoch > old_epoch and s.seq == 0
         assert sorted(s.block_hashes) == sorted(want) == sorted(runtime.engine.cached_hashes())
-        hb = cache_pb2.Heartbeat.FromString(await eventually(lambda: r.get(KEYS.heartbeat("rt-0"))))
+        hb = cache_pb2.Heartbeat.FromString(SIGNER.open("hb", await eventually(lambda: r.get(KEYS.heartbeat("rt-0")))))
         assert (hb.address, hb.device, hb.cache.cached_blocks) == (address, "cpu", 5)
     finally:
         await runtime.stop()

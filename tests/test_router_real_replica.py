@@ -17,6 +17,7 @@ from unicache.router.config import build_config
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.support.real_stack import RealReplica
 from unicache.testing.polling import eventually
+from unicache.testing.signed_state import CLUSTER_KEY
 
 BS = 16
 PREFIX = "e2e"
@@ -29,7 +30,7 @@ async def stack(redis_server):
     for r in reps:
         await r.start()
     cfg = build_config(
-        env={"UNICACHE_API_KEYS": "k:acme", "UNICACHE_SALT_SECRET": "x"},
+        env={"UNICACHE_API_KEYS": "k:acme", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
         overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_server.url, "redis_prefix": PREFIX, "block_size": BS},
     )
     app = RouterApp(cfg, subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20, "resync_retry_s": 0.05})

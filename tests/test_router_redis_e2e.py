@@ -4,6 +4,7 @@ a Redis outage, and rebuilding the index when Redis returns."""
 
 from __future__ import annotations
 
+import time
 
 import httpx
 import redis
@@ -15,17 +16,23 @@ from tests.test_router_subscriber import KEYS
 from unicache.block_hash import hash_token_blocks
 from unicache.v1 import cache_pb2
 from unicache.testing.polling import eventually
+from unicache.testing.signed_state import CLUSTER_KEY, sealed
 
 PROMPT = "A shared system prompt that is long enough for three blocks."
 
 
 def publish(r: redis.Redis, reps: list[FakeReplica], holdings: dict[str, list[bytes]]) -> None:
+    """A sealed heartbeat per replica (seq advancing per call) and what each replica's
+    GetCacheSummary will claim."""
     for rep in reps:
-        hb = cache_pb2.Heartbeat(replica_id=rep.replica_id, address=rep.address, epoch=1)
+        seq = _SEQ[rep.replica_id] = _SEQ.get(rep.replica_id, 0) + 1
+        hb = cache_pb2.Heartbeat(replica_id=rep.replica_id, address=rep.address, epoch=1, seq=seq, timestamp=time.time())
         hb.cache.capacity_blocks, hb.cache.free_blocks = 100, 100
-        r.set(KEYS.heartbeat(rep.replica_id), hb.SerializeToString(), ex=30)
-        s = cache_pb2.CacheSummary(replica_id=rep.replica_id, epoch=1, seq=0, block_hashes=holdings.get(rep.replica_id, []))
-        r.set(KEYS.summary(rep.replica_id), s.SerializeToString())
+        r.set(KEYS.heartbeat(rep.replica_id), sealed("hb", hb), ex=30)
+        rep.summary_blocks = holdings.get(rep.replica_id, [])
+
+
+_SEQ: dict[str, int] = {}
 
 
 async def test_prefix_routing_through_redis_outage(redis_server):
@@ -33,7 +40,7 @@ async def test_prefix_routing_through_redis_outage(redis_server):
     for rep in reps:
         await rep.start()
     cfg = build_config(
-        env={"UNICACHE_API_KEYS": "k:tenantA", "UNICACHE_SALT_SECRET": "x"},
+        env={"UNICACHE_API_KEYS": "k:tenantA", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
         overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_server.url, "redis_prefix": KEYS.prefix},
     )
     app = RouterApp(
@@ -41,6 +48,7 @@ async def test_prefix_routing_through_redis_outage(redis_server):
         subscriber_kwargs={
             "heartbeat_interval_s": 0.05, "block_ms": 20, "resync_retry_s": 0.05,
             "backoff_initial_s": 0.02, "backoff_max_s": 0.1, "reconnect_grace_s": 30.0,
+            "heartbeat_ttl_s": 60.0,  # the test beats once per phase
         },
     )
     hashes = hash_token_blocks(list(PROMPT.encode()), 16, cache_salt=app.auth.cache_salt("tenantA"))

@@ -1,8 +1,11 @@
 """The Redis subscriber against a real redis-server on a free port: events, gaps, epochs,
 Redis outages and heartbeat expiry. Payloads are written into Redis directly as the
-replicas' publisher would (protobuf, keys from unicache.redis_keys)."""
+replicas' publisher would (sealed protobuf, keys from unicache.redis_keys); a
+``ReplicaTruth`` answers for the replicas' GetCacheSummary (resyncs come from them)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import redis
@@ -16,6 +19,7 @@ from unicache.router.subscriber import REDIS_ERRORS, RedisSubscriber
 from unicache.block_hash import BlockHash
 from unicache.redis_keys import RedisKeys
 from unicache.v1 import cache_pb2, common_pb2
+from unicache.testing.signed_state import SIGNER, ReplicaTruth, sealed
 
 KEYS = RedisKeys("t1")
 
@@ -48,24 +52,33 @@ class FakeClock:
         return self.t
 
 
-def put_heartbeat(r: redis.Redis, rid: str, epoch: int = 1, port: int = 7000, ttl_s: int = 30) -> None:
-    hb = cache_pb2.Heartbeat(
+_HB_SEQ: dict[str, int] = {}
+
+
+def heartbeat(rid: str, epoch: int = 1, port: int = 7000, capacity: int = 100) -> cache_pb2.Heartbeat:
+    """A replica's next heartbeat (its seq advances on every call, as a publisher's does)."""
+    _HB_SEQ[rid] = _HB_SEQ.get(rid, 0) + 1
+    return cache_pb2.Heartbeat(
         replica_id=rid, address=f"127.0.0.1:{port}", device="cpu", running=2, waiting=1, epoch=epoch,
-        cache=common_pb2.CacheState(replica_id=rid, capacity_blocks=100, used_blocks=10, free_blocks=90, hit_ratio=0.5),
+        cache=common_pb2.CacheState(replica_id=rid, capacity_blocks=capacity, used_blocks=10, free_blocks=90, hit_ratio=0.5),
+        timestamp=time.time(), seq=_HB_SEQ[rid],
     )
-    r.set(KEYS.heartbeat(rid), hb.SerializeToString(), ex=ttl_s)
 
 
-def put_summary(r: redis.Redis, rid: str, epoch: int, seq: int, blocks: list[int]) -> None:
-    s = cache_pb2.CacheSummary(replica_id=rid, epoch=epoch, seq=seq, block_hashes=[h(i) for i in blocks], block_size=16)
-    r.set(KEYS.summary(rid), s.SerializeToString())
+def put_heartbeat(r: redis.Redis, rid: str, epoch: int = 1, port: int = 7000, ttl_s: int = 30, capacity: int = 100) -> None:
+    r.set(KEYS.heartbeat(rid), sealed("hb", heartbeat(rid, epoch, port, capacity)), ex=ttl_s)
 
 
 def add_events(r: redis.Redis, rid: str, epoch: int, seq: int, stored=(), removed=(), cleared=False) -> None:
     b = cache_pb2.KVEventBatch(
         replica_id=rid, epoch=epoch, seq=seq, stored=[h(i) for i in stored], removed=[h(i) for i in removed], cleared=cleared
     )
-    r.xadd(KEYS.events(rid), {"b": b.SerializeToString()})
+    r.xadd(KEYS.events(rid), {"b": sealed("events", b)})
+
+
+def replica_has(truth: ReplicaTruth, rid: str, epoch: int, seq: int, blocks: list[int], port: int = 7000) -> None:
+    """What the replica's GetCacheSummary answers: holdings ``blocks`` as of (epoch, seq)."""
+    truth.set(f"127.0.0.1:{port}", rid, epoch, seq, [h(i) for i in blocks])
 
 
 def held(index: LocalityIndex, rid: str) -> list[int]:
@@ -78,10 +91,12 @@ async def setup(redis_server):
     index = LocalityIndex(max_blocks_per_replica=1000)
     cluster = ClusterView(policy, index)
     clock = FakeClock()
+    truth = ReplicaTruth()
     sub = RedisSubscriber(
         cluster, redis_server.url, KEYS.prefix, timeout_s=2.0, heartbeat_interval_s=0.0, resync_retry_s=0.0,
-        reconnect_grace_s=3.0, clock=clock,
+        reconnect_grace_s=3.0, clock=clock, signer=SIGNER, fetch_summary=truth.fetch,
     )
+    sub.truth = truth
     r = redis.Redis.from_url(redis_server.url, socket_timeout=2)
     yield sub, cluster, index, policy, r, clock
     await sub.close()
@@ -93,7 +108,7 @@ async def test_summary_then_events_then_gap_resync(setup):
     put_heartbeat(r, "a")
     add_events(r, "a", 1, 1, stored=[1])            # folded into the summary already
     add_events(r, "a", 1, 2, stored=[2])            # folded too
-    put_summary(r, "a", 1, 2, [1, 2])
+    replica_has(sub.truth, "a", 1, 2, [1, 2])
     add_events(r, "a", 1, 3, stored=[3, 4])
     await sub.step(block_ms=0)
     assert list(cluster.replicas) == ["a"]
@@ -102,42 +117,36 @@ async def test_summary_then_events_then_gap_resync(setup):
     assert held(index, "a") == [1, 2, 3, 4]
     assert index.holdings("a").applied_seq == 3 and not index.needs_resync("a")
     assert cluster.redis_connected
+    assert sub.truth.calls == [("127.0.0.1:7000", "a")]
 
     add_events(r, "a", 1, 4, stored=[5], removed=[1])
     await sub.step(block_ms=0)
     assert held(index, "a") == [2, 3, 4, 5]
 
-    # seq 5 is lost: seq 6 is a gap -> resync requested on the channel.
-    pubsub = r.pubsub()
-    pubsub.subscribe(KEYS.resync_channel())
-    assert pubsub.get_message(timeout=2)["type"] == "subscribe"
+    # seq 5 is lost: seq 6 is a gap -> resync from the replica itself.
     add_events(r, "a", 1, 6, stored=[7])
     await sub.step(block_ms=0)
-    assert index.needs_resync("a")
-    await sub.step(block_ms=0)  # summary still at seq 2 (stale): ask for a fresh one
-    msg = pubsub.get_message(timeout=2)
-    assert msg["type"] == "message" and msg["data"] == b"a"
-    assert index.needs_resync("a")
-    # The replica answers with a fresh summary at seq 6; then live events continue.
-    put_summary(r, "a", 1, 6, [2, 3, 4, 5, 6, 7])
+    assert index.needs_resync("a") and sub.rejections.counts["gap"] == 1
+    replica_has(sub.truth, "a", 1, 6, [2, 3, 4, 5, 6, 7])
     await sub.step(block_ms=0)
     assert not index.needs_resync("a")
     assert held(index, "a") == [2, 3, 4, 5, 6, 7]
+    assert len(sub.truth.calls) == 2
     add_events(r, "a", 1, 7, removed=[2])
     await sub.step(block_ms=0)
     assert held(index, "a") == [3, 4, 5, 6, 7]
-    pubsub.close()
+    assert sub.rejections.total() == 1
 
 
-async def test_epoch_change_resyncs_from_new_summary(setup):
+async def test_epoch_change_resyncs_from_the_replica(setup):
     sub, cluster, index, _, r, _ = setup
     put_heartbeat(r, "a", epoch=1)
-    put_summary(r, "a", 1, 0, [1, 2, 3])
+    replica_has(sub.truth, "a", 1, 0, [1, 2, 3])
     await sub.step(block_ms=0)
     assert held(index, "a") == [1, 2, 3]
     # The replica restarted: new epoch, empty cache, new events.
     put_heartbeat(r, "a", epoch=2)
-    put_summary(r, "a", 2, 0, [])
+    replica_has(sub.truth, "a", 2, 0, [])
     add_events(r, "a", 2, 1, stored=[9])
     await sub.step(block_ms=0)
     assert index.holdings("a").epoch == 2
@@ -147,10 +156,10 @@ async def test_epoch_change_resyncs_from_new_summary(setup):
 async def test_new_replica_added_and_expired_replica_dropped(setup):
     sub, cluster, index, policy, r, _ = setup
     put_heartbeat(r, "a")
-    put_summary(r, "a", 1, 0, [1])
+    replica_has(sub.truth, "a", 1, 0, [1])
     await sub.step(block_ms=0)
     put_heartbeat(r, "b", port=7001)
-    put_summary(r, "b", 1, 0, [5, 6])
+    replica_has(sub.truth, "b", 1, 0, [5, 6], port=7001)
     await sub.step(block_ms=0)
     assert sorted(cluster.replicas) == ["a", "b"]
     assert held(index, "b") == [5, 6]
@@ -163,10 +172,21 @@ async def test_new_replica_added_and_expired_replica_dropped(setup):
     assert (cluster.loads()[0].running, cluster.loads()[0].waiting, cluster.loads()[0].free_blocks) == (2, 1, 90)
 
 
+async def test_unreachable_new_replica_is_not_admitted_until_it_answers(setup):
+    sub, cluster, _, _, r, _ = setup
+    put_heartbeat(r, "a")
+    await sub.step(block_ms=0)  # nobody answers at 127.0.0.1:7000
+    assert list(cluster.replicas) == []
+    replica_has(sub.truth, "a", 1, 0, [4])
+    put_heartbeat(r, "a")
+    await sub.step(block_ms=0)
+    assert list(cluster.replicas) == ["a"] and held(cluster.index, "a") == [4]
+
+
 async def test_redis_outage_keeps_replicas_then_rebuilds(setup, redis_server):
     sub, cluster, index, _, r, clock = setup
     put_heartbeat(r, "a")
-    put_summary(r, "a", 1, 0, [1, 2])
+    replica_has(sub.truth, "a", 1, 0, [1, 2])
     await sub.step(block_ms=0)
     assert cluster.locality() is index
 
@@ -179,14 +199,14 @@ async def test_redis_outage_keeps_replicas_then_rebuilds(setup, redis_server):
     assert cluster.locality().match("a", [h(1)]) == 0
 
     redis_server.start()  # same port, empty database
+    replica_has(sub.truth, "a", 1, 5, [2, 3])
     await sub.step(block_ms=0)
     assert cluster.redis_connected and sub.reconnects == 1
     assert list(cluster.replicas) == ["a"]  # no heartbeat yet, but inside the grace period
-    assert index.needs_resync("a")
-    # The replica republishes (its next heartbeat, and a summary on the resync request).
+    assert held(index, "a") == [2, 3]       # rebuilt from the replica itself
+    # The replica republishes its heartbeat and keeps publishing events.
     r2 = redis.Redis.from_url(redis_server.url, socket_timeout=2)
     put_heartbeat(r2, "a")
-    put_summary(r2, "a", 1, 5, [2, 3])
     add_events(r2, "a", 1, 6, stored=[4])
     await sub.step(block_ms=0)
     assert held(index, "a") == [2, 3, 4] and not index.needs_resync("a")
@@ -208,7 +228,7 @@ async def test_resync_reads_only_batches_after_the_summary(setup, redis_server):
         add_events(r, "a", 1, seq, stored=[100 + seq])  # an older epoch: ignored
     for seq in range(1, 8):
         add_events(r, "a", 2, seq, stored=[seq])
-    put_summary(r, "a", 2, 4, [1, 2, 3, 4])
+    replica_has(sub.truth, "a", 2, 4, [1, 2, 3, 4])
     await sub.step(block_ms=0)
     assert held(index, "a") == [1, 2, 3, 4, 5, 6, 7]
     assert index.holdings("a").applied_seq == 7 and not index.needs_resync("a")
@@ -218,38 +238,43 @@ async def test_resync_reads_only_batches_after_the_summary(setup, redis_server):
     assert held(index, "a") == [2, 3, 4, 5, 6, 7]
 
 
-async def test_summary_older_than_trimmed_stream_is_requested_again(setup):
+async def test_summary_older_than_trimmed_stream_is_fetched_again(setup):
     sub, cluster, index, _, r, _ = setup
     put_heartbeat(r, "a")
     for seq in (5, 6):  # batches 1..4 were trimmed away
         add_events(r, "a", 1, seq, stored=[seq])
-    put_summary(r, "a", 1, 2, [1, 2])
+    replica_has(sub.truth, "a", 1, 2, [1, 2])
     await sub.step(block_ms=0)
-    assert index.needs_resync("a") and sub.resync_requests == 1
-    put_summary(r, "a", 1, 6, [1, 2, 5, 6])
+    assert index.needs_resync("a") and len(sub.truth.calls) == 1
+    replica_has(sub.truth, "a", 1, 6, [1, 2, 5, 6])
     await sub.step(block_ms=0)
     assert not index.needs_resync("a") and held(index, "a") == [1, 2, 5, 6]
+    assert len(sub.truth.calls) == 2
 
 
 async def test_corrupt_payloads_do_not_stop_the_subscriber(setup):
     sub, cluster, index, _, r, _ = setup
     put_heartbeat(r, "a")
-    r.set(KEYS.summary("a"), b"\xff\xff not a protobuf")
     r.set(KEYS.heartbeat("junk"), b"\xff\xff")
-    await sub.step(block_ms=0)
-    assert list(cluster.replicas) == ["a"] and index.needs_resync("a") and sub.resync_requests == 1
-    put_summary(r, "a", 1, 0, [3])
+    replica_has(sub.truth, "a", 1, 0, [3])
     r.xadd(KEYS.events("a"), {"b": b"\xff\xff"})
+    r.xadd(KEYS.events("a"), {"other": b"x"})
+    await sub.step(block_ms=0)
+    assert list(cluster.replicas) == ["a"]
     add_events(r, "a", 1, 1, stored=[4])
     await sub.step(block_ms=0)
     assert held(index, "a") == [3, 4]
+    # the junk heartbeat on each of the two scans, and the corrupt batch; the entry
+    # without a payload field is unparsable
+    assert sub.rejections.counts["bad_mac"] == 3 and sub.rejections.counts["unparsable"] == 1
 
 
 async def test_block_size_mismatch_is_logged_once(setup, caplog):
     sub, cluster, _, _, r, _ = setup
     sub.expected_block_size = 16
-    hb = cache_pb2.Heartbeat(replica_id="a", address="h:1", cache=common_pb2.CacheState(block_size=32))
-    r.set(KEYS.heartbeat("a"), hb.SerializeToString())
+    hb = heartbeat("a")
+    hb.cache.block_size = 32
+    r.set(KEYS.heartbeat("a"), sealed("hb", hb))
     with caplog.at_level("WARNING", logger="unicache.router.subscriber"):
         await sub.scan_heartbeats()
         await sub.scan_heartbeats()
@@ -264,15 +289,21 @@ async def test_password_protected_redis():
     server.start()
     try:
         cluster = ClusterView(RecordingPolicy(), LocalityIndex())
-        plain_url = f"redis://127.0.0.1:{server.port}/0"
+        truth = ReplicaTruth()
         r = redis.Redis.from_url(server.url, socket_timeout=2)
         put_heartbeat(r, "a")
-        put_summary(r, "a", 1, 0, [1])
-        sub = RedisSubscriber(cluster, plain_url, KEYS.prefix, password="pw-123", heartbeat_interval_s=0.0)
+        replica_has(truth, "a", 1, 0, [1])
+        sub = RedisSubscriber(
+            cluster, server.plain_url, KEYS.prefix, password="pw-123", heartbeat_interval_s=0.0,
+            signer=SIGNER, fetch_summary=truth.fetch,
+        )
         await sub.step(block_ms=0)
         assert list(cluster.replicas) == ["a"] and held(cluster.index, "a") == [1]
         await sub.close()
-        bad = RedisSubscriber(ClusterView(RecordingPolicy(), LocalityIndex()), plain_url, KEYS.prefix, password="wrong")
+        bad = RedisSubscriber(
+            ClusterView(RecordingPolicy(), LocalityIndex()), server.plain_url, KEYS.prefix, password="wrong",
+            signer=SIGNER, fetch_summary=truth.fetch,
+        )
         with pytest.raises(REDIS_ERRORS):
             await bad.step(block_ms=0)
         assert bad.cluster.redis_connected is False
@@ -288,7 +319,6 @@ async def test_password_protected_redis():
             st.sets(st.integers(0, 30), max_size=4),  # stored
             st.sets(st.integers(0, 30), max_size=4),  # removed
             st.booleans(),  # batch lost on the way to Redis
-            st.booleans(),  # replica writes a fresh summary after this batch
         ),
         min_size=1,
         max_size=12,
@@ -298,36 +328,38 @@ async def test_password_protected_redis():
 async def test_index_is_exact_or_flagged_under_lost_batches(redis_server, ops):
     """Model check: after every step the index is flagged for resync or equals the
     replica's true holdings as of the batch it last applied (a lost *last* batch is only
-    visible once a later one arrives); once a fresh summary exists it is exact again."""
+    visible once a later one arrives); a resync (from the replica) makes it exact again."""
     r = redis.Redis.from_url(redis_server.url, socket_timeout=2)
     r.flushall()
     cluster = ClusterView(RecordingPolicy(), LocalityIndex())
-    sub = RedisSubscriber(cluster, redis_server.url, KEYS.prefix, heartbeat_interval_s=0.0, resync_retry_s=0.0)
+    truth = ReplicaTruth()
+    sub = RedisSubscriber(
+        cluster, redis_server.url, KEYS.prefix, heartbeat_interval_s=0.0, resync_retry_s=0.0,
+        signer=SIGNER, fetch_summary=truth.fetch,
+    )
     try:
-        truth: set[int] = set()
+        held_now: set[int] = set()
         truth_at: list[list[int]] = [[]]
         put_heartbeat(r, "a")
-        put_summary(r, "a", 1, 0, [])
-        for seq, (stored, removed, lost, summarize) in enumerate(ops, start=1):
-            truth = (truth - removed) | stored
-            truth_at.append(sorted(truth))
+        replica_has(truth, "a", 1, 0, [])
+        for seq, (stored, removed, lost) in enumerate(ops, start=1):
+            held_now = (held_now - removed) | stored
+            truth_at.append(sorted(held_now))
+            replica_has(truth, "a", 1, seq, sorted(held_now))
             if not lost:
                 add_events(r, "a", 1, seq, stored=sorted(stored), removed=sorted(removed))
-            if summarize:
-                put_summary(r, "a", 1, seq, sorted(truth))
             await sub.step(block_ms=0)
             h = cluster.index.holdings("a")
             assert cluster.index.needs_resync("a") or held(cluster.index, "a") == truth_at[h.applied_seq]
-        # A silently lost last batch shows only when the next one arrives: the replica
-        # keeps publishing (seq n+1) and has a fresh summary (seq n) by then.
+        # A silently lost last batch shows only when the next one arrives.
         n = len(ops)
-        put_summary(r, "a", 1, n, sorted(truth))
-        truth.add(99)
+        held_now.add(99)
         add_events(r, "a", 1, n + 1, stored=[99])
+        replica_has(truth, "a", 1, n + 1, sorted(held_now))
         await sub.step(block_ms=0)
         await sub.step(block_ms=0)
         assert not cluster.index.needs_resync("a")
-        assert held(cluster.index, "a") == sorted(truth)
+        assert held(cluster.index, "a") == sorted(held_now)
     finally:
         await sub.close()
         r.close()

@@ -56,12 +56,21 @@ def test_config_errors_are_usage_errors_without_secrets(tmp_path):
     assert "topsecret" not in json.dumps(shown)
 
 
-def test_every_setting_has_flag_and_env():
+def test_every_setting_has_flag_and_env(tmp_path):
+    from unicache.settings import SECRET_FILE_FIELDS
+
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("secret-from-file-0123456789\n")
     p = argparse.ArgumentParser()
     add_config_arguments(p)
     flags = {a.dest for a in p._actions}
     for f in dataclasses.fields(RouterConfig):
         assert f"cfg_{f.name}" in flags
+        if f.name in SECRET_FILE_FIELDS:  # a path that must exist; it fills its secret
+            cfg = build_config(env={f"UNICACHE_{f.name.upper()}": str(secret_file)})
+            assert getattr(cfg, f.name) == str(secret_file)
+            assert getattr(cfg, f.name[: -len("_file")]) == "secret-from-file-0123456789"
+            continue
         valid = {"routing_policy": "sglang", "http_parser": "h11", "event_loop": "asyncio"}  # checked names
         value = valid.get(f.name) or {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]
         cfg = build_config(env={f"UNICACHE_{f.name.upper()}": value})

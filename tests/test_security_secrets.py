@@ -15,6 +15,7 @@ import pytest
 
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.store import KVStore
+from unicache.testing.signed_state import CLUSTER_KEY, SIGNER
 from unicache.replica.publisher import CachePublisher
 from unicache.replica.settings import ReplicaSettings, add_settings_arguments
 from unicache.testing.store_source import StoreCacheSource
@@ -32,7 +33,7 @@ SALT = "salt-SECRET-77b2"
 REDIS_PW = "redis-PW-91ad3"
 WRONG_PW = "wrong-PW-0c5e1"
 BAD_KEY = "sk-guess-ATTEMPT-5a"
-SECRETS = (API_KEY, SALT, REDIS_PW, WRONG_PW, BAD_KEY)
+SECRETS = (API_KEY, SALT, REDIS_PW, WRONG_PW, BAD_KEY, CLUSTER_KEY)
 PREFIX = "sec"
 
 
@@ -59,7 +60,7 @@ def clean_env(monkeypatch):
 
 
 def router_config(redis_url: str, **overrides):
-    env = {"UNICACHE_API_KEYS": f"{API_KEY}:acme", "UNICACHE_SALT_SECRET": SALT}
+    env = {"UNICACHE_API_KEYS": f"{API_KEY}:acme", "UNICACHE_SALT_SECRET": SALT, "UNICACHE_CLUSTER_KEY": CLUSTER_KEY}
     base = {"grpc_port": 0, "http_port": 0, "redis_url": redis_url, "redis_prefix": PREFIX}
     base.update(overrides)
     return build_config(env=env, overrides=base)
@@ -67,7 +68,9 @@ def router_config(redis_url: str, **overrides):
 
 def publisher(url: str, **kw) -> CachePublisher:
     src = StoreCacheSource(KVStore(8, 4, make_policy("lru")), device="cpu")
-    return CachePublisher(src, "r0", url, "127.0.0.1:5000", RedisKeys(PREFIX), heartbeat_interval_s=0.05, op_timeout_s=0.5, **kw)
+    return CachePublisher(
+        src, "r0", url, "127.0.0.1:5000", RedisKeys(PREFIX), heartbeat_interval_s=0.05, op_timeout_s=0.5, signer=SIGNER, **kw
+    )
 
 
 async def scrape_everything(app: RouterApp) -> str:
@@ -102,6 +105,11 @@ async def test_password_protected_redis_works_for_router_and_replica(protected_r
     pub = publisher(url, password=REDIS_PW)
     await pub.start()
     app = RouterApp(router_config(url, redis_password=REDIS_PW), subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20})
+
+    async def from_the_replica(address, nonce, timeout_s):  # noqa: ARG001 - r0 has no gRPC server here
+        return await pub.signed_summary(nonce)
+
+    app.subscriber.fetch_summary = from_the_replica
     await app.start()
     try:
         await eventually(lambda: "r0" in app.cluster.replicas and app.cluster.redis_connected, "router to see r0")
@@ -256,12 +264,19 @@ def test_logged_redis_url_masks_both_password_forms(url, shown):
     assert build_config(env={}, overrides={"redis_url": url}).describe()["redis_url"] == shown
 
 
-def test_replica_cli_redis_errors_carry_no_secret(clean_env, capsys, caplog):
-    """``unicache replica`` with a TLS CA on a plain URL holding a password: one line, no password."""
+def test_replica_cli_redis_errors_carry_no_secret(clean_env, capsys, caplog, monkeypatch):
+    """``unicache replica`` with a TLS CA on a plain URL holding a password: one line, no
+    password; the password given as a flag works but is warned about."""
     caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("UNICACHE_CLUSTER_KEY", CLUSTER_KEY)
     argv = ["replica", "--model-preset", "tiny", "--num-blocks", "16", "--device", "cpu",
             "--redis-url", f"redis://:{REDIS_PW}@127.0.0.1:1/0", "--redis-password", REDIS_PW, "--redis-tls-ca", "/ca.pem"]
     code, output = run_cli(argv, capsys)
     assert code == 2
-    assert output.strip().splitlines()[-1] == "unicache replica: error: redis_tls_ca needs a rediss:// redis_url"
+    lines = output.strip().splitlines()
+    assert lines[-1] == "unicache replica: error: redis_tls_ca needs a rediss:// redis_url"
+    assert lines.count(
+        "warning: --redis-password on the command line is visible to every local user in /proc/<pid>/cmdline; "
+        "set UNICACHE_REDIS_PASSWORD or UNICACHE_REDIS_PASSWORD_FILE instead"
+    ) == 1
     assert_clean(output + caplog.text, "replica CLI output")

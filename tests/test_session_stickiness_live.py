@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from unicache.testing.polling import eventually
+from unicache.testing.signed_state import CLUSTER_KEY
 from tests.support.real_stack import RealReplica
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
@@ -37,7 +38,7 @@ async def router(redis_server):
     for r in reps:
         await r.start()
     cfg = build_config(
-        env={"UNICACHE_API_KEYS": "k:acme", "UNICACHE_SALT_SECRET": "x"},
+        env={"UNICACHE_API_KEYS": "k:acme", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
         overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_server.url, "redis_prefix": PREFIX,
                    "block_size": BS, "tokenizer": "byte"},
     )

@@ -5,6 +5,12 @@ in-process (bound to loopback, its temp dir private to this run), N replica acto
 the router (gRPC + HTTP). Prints one line starting with ``ready`` once the router answers
 and sees every replica, then the endpoints and example requests. SIGINT/SIGTERM stop
 everything in reverse order and remove every temp dir this run created.
+
+Secrets of a run: the private Redis gets a random password and the cluster a random
+cluster key (state MACs, router->replica credentials), each written to a file in this
+run's private temp dir (0700; files 0600), which the replicas read (``*_file`` settings);
+neither is ever printed or put on a command line. An external ``--redis-url`` brings its
+own password (in the URL, or UNICACHE_REDIS_PASSWORD / redis_password_file).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from unicache import settings as settings_mod
 from unicache.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, LOCAL_ROUTER
 from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
+from unicache.redis_server import write_private
+from unicache.state_auth import new_cluster_key
 
 log = logging.getLogger("unicache.up")
 
@@ -49,12 +57,15 @@ class ClusterSettings:
     )
     served_model_name: str = field(default="", metadata={"help": "model name clients use (default: the model dir's name)"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer.json (empty: byte-level)"})
-    api_keys: str = field(default="", metadata={"help": "'key:tenant,...'; empty: local mode, no auth"})
-    salt_secret: str = field(default="", metadata={"help": "tenant salt secret (empty: random per run)"})
+    api_keys: str = field(default="", metadata={"help": "'key:tenant,...'; empty: local mode, no auth (secret: prefer the env)"})
+    salt_secret: str = field(default="", metadata={"help": "tenant salt secret (empty: random per run; secret: prefer the env)"})
+    redis_password: str = field(default="", metadata={"help": "password of an external --redis-url (secret)"})
+    redis_password_file: str = field(default="", metadata={"help": "file holding the external Redis password"})
+    redis_tls_ca: str = field(default="", metadata={"help": "CA bundle verifying an external rediss:// Redis"})
     ready_timeout_s: float = field(default=300.0, metadata={"help": "deadline for everything to come up"})
 
 
-SECRETS = frozenset({"api_keys", "salt_secret"})
+SECRETS = frozenset({"api_keys", "salt_secret", "redis_password"})
 
 
 def served_model_name(cfg: ClusterSettings) -> str:
@@ -73,13 +84,16 @@ class Endpoints:
     replicas: list[tuple[str, str, str]]  # (id, address, device)
 
 
-def replica_settings(cfg: ClusterSettings, redis_url: str):
-    """The settings every replica of the run starts with."""
+def replica_settings(cfg: ClusterSettings, redis_url: str, redis_password_file: str = "", cluster_key_file: str = ""):
+    """The settings every replica of the run starts with (secrets by file, never by value)."""
     from unicache.replica.settings import ReplicaSettings
 
     return ReplicaSettings(
         redis_url=redis_url,
         redis_prefix=cfg.redis_prefix,
+        redis_password_file=redis_password_file,
+        redis_tls_ca=cfg.redis_tls_ca,
+        cluster_key_file=cluster_key_file,
         eviction_policy=cfg.eviction_policy,
         block_size=cfg.block_size,
         num_blocks=cfg.num_blocks,
@@ -121,6 +135,10 @@ class LocalCluster:
         self._tmp = tempfile.mkdtemp(prefix="unicache-")
         self._extra_tmp: str | None = None
         self.redis_url = cfg.redis_url
+        self.redis_password = settings_mod.resolve_secret(cfg.redis_password, cfg.redis_password_file, "redis_password")
+        self.redis_password_file = cfg.redis_password_file
+        self.cluster_key = new_cluster_key()
+        self.cluster_key_file = write_private(os.path.join(self._tmp, "cluster.key"), self.cluster_key)
 
     # ------------------------------------------------------------------ start
     def _ray_temp_dir(self) -> str:
@@ -143,10 +161,14 @@ class LocalCluster:
 
         cfg = self.cfg
         if not self.redis_url:
-            self.redis = EmbeddedRedis()
+            self.redis = EmbeddedRedis(password=secrets.token_urlsafe(24))
             self.redis.start()
-            self.redis_url = self.redis.url
-            log.info("started redis-server on %s", self.redis_url)
+            self.redis_url = self.redis.plain_url
+            self.redis_password = self.redis.password
+            self.redis_password_file = self.redis.write_password_file(os.path.join(self._tmp, "redis.password"))
+            log.info("started redis-server on %s (password in %s)", self.redis_url, self.redis_password_file)
+        elif self.redis_password and not self.redis_password_file:
+            self.redis_password_file = write_private(os.path.join(self._tmp, "redis.password"), self.redis_password)
         # NOTE: silences Ray's FutureWarning about CUDA_VISIBLE_DEVICES on CPU-only actors.
         os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
@@ -160,7 +182,7 @@ class LocalCluster:
             _temp_dir=self._ray_temp_dir(),
         )
         self._ray_started = True
-        base = replica_settings(cfg, self.redis_url)
+        base = replica_settings(cfg, self.redis_url, self.redis_password_file, self.cluster_key_file)
         self.launcher = ReplicaLauncher(base, cfg.num_replicas, start_timeout_s=cfg.ready_timeout_s)
         return [(r.replica_id, r.address, r.device) for r in self.launcher.start()]
 
@@ -176,6 +198,9 @@ class LocalCluster:
             http_port=cfg.http_port,
             redis_url=self.redis_url,
             redis_prefix=cfg.redis_prefix,
+            redis_password=self.redis_password,
+            redis_tls_ca=cfg.redis_tls_ca,
+            cluster_key=self.cluster_key,
             routing_policy=cfg.routing_policy,
             auth_enabled=bool(cfg.api_keys),
             api_keys=cfg.api_keys,

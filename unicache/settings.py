@@ -4,7 +4,10 @@ A field ``foo_bar`` of a settings dataclass is the flag ``--foo-bar``, the envir
 variable ``UNICACHE_FOO_BAR`` and the config-file key ``foo_bar`` (or ``foo-bar``).
 Precedence, lowest first: the field's default, the config file, the environment, the
 flag, explicit overrides. Field help comes from ``field(metadata={"help": ...})``.
-Secret fields are never echoed in help defaults or error messages.
+Secret fields are never echoed in help defaults or error messages. A secret given as a
+flag still works, but ``build`` prints a warning to stderr: any local user can read a
+process's command line (``/proc/<pid>/cmdline``); the environment or a file (a
+``<name>_file`` setting, read by ``resolve_secret``) is private to the user.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import typing
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -144,9 +148,39 @@ def build(
         for name, kind in types.items():
             value = getattr(args, f"cfg_{name}", None)
             if value is not None:
-                values[name] = convert(name, kind, value, "--" + name.replace("_", "-"), name in secrets)
+                flag = "--" + name.replace("_", "-")
+                values[name] = convert(name, kind, value, flag, name in secrets)
+                if name in secrets and value:
+                    warn_secret_flag(flag, name)
     for name, value in (overrides or {}).items():
         if name not in types:
             raise UsageError(f"unknown setting {name!r}")
         values[name] = value
     return cls(**values)
+
+
+def warn_secret_flag(flag: str, name: str) -> None:
+    """One stderr line: a secret on the command line is readable by every local user."""
+    alt = f"{env_name(name)} or {env_name(name)}_FILE" if name + "_file" in SECRET_FILE_FIELDS else env_name(name)
+    print(
+        f"warning: {flag} on the command line is visible to every local user in /proc/<pid>/cmdline; "
+        f"set {alt} instead",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+# Settings fields that name a file holding a secret (``<secret>_file``); see resolve_secret.
+SECRET_FILE_FIELDS = frozenset({"cluster_key_file", "redis_password_file", "salt_secret_file", "admin_key_file"})
+
+
+def resolve_secret(value: str, path: str, name: str) -> str:
+    """A secret from its value or, when the value is empty, from the file ``path``
+    (surrounding whitespace stripped). A file that cannot be read is a UsageError naming
+    the setting and the path, never the content."""
+    if value or not path:
+        return value
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read {name}_file {path}: {exc.strerror}") from None

@@ -1,7 +1,8 @@
 """Real replicas in-process for router end-to-end tests: an ``AsyncEngine`` with a tiny
 seeded model, a ``ReplicaServer`` on port 0 and a ``CachePublisher`` to a private
 redis-server (the caller's ``redis_server`` fixture). Faster to start than Ray actors
-(``cluster_harness``), and every piece is the production one."""
+(``cluster_harness``), and every piece is the production one, signing with the test
+cluster key (unicache/testing/signed_state.py) as ``ReplicaRuntime`` does."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from unicache.replica.engine.config import EngineConfig
 from unicache.replica.engine.model import ModelConfig
 from unicache.replica.publisher import CachePublisher
 from unicache.replica.server import ReplicaServer
+from unicache.state_auth import parse_cluster_key
+from unicache.testing.signed_state import CLUSTER_KEY
 
 
 class RealReplica:
@@ -31,12 +34,13 @@ class RealReplica:
 
     async def start(self) -> None:
         await self.engine.start()
-        self.server = ReplicaServer(self.engine, self.rid)
+        self.server = ReplicaServer(self.engine, self.rid, cluster_key=parse_cluster_key(CLUSTER_KEY))
         port = await self.server.start()
         self.publisher = CachePublisher(
             self.engine, self.rid, self.redis_url, f"127.0.0.1:{port}", RedisKeys(self.prefix),
-            flush_interval_s=0.02, heartbeat_interval_s=0.1,
+            flush_interval_s=0.02, heartbeat_interval_s=0.1, signer=self.server.signer,
         )
+        self.server.servicer.summary_source = self.publisher.signed_summary
         await self.publisher.start()
 
     async def stop(self) -> None:

@@ -35,6 +35,7 @@ import grpc
 from unicache.router.replica_client import PROBE_REQUEST_ID
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from unicache.testing.polling import eventually
+from unicache.testing.signed_state import CLUSTER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,9 @@ class ReplicaSet:
         from unicache.replica.launcher import ReplicaLauncher
         from unicache.replica.settings import ReplicaSettings
 
-        settings = ReplicaSettings(redis_url=redis_url, redis_prefix=prefix, **{**FAST_REPLICA, **overrides})
+        settings = ReplicaSettings(
+            redis_url=redis_url, redis_prefix=prefix, cluster_key=CLUSTER_KEY, **{**FAST_REPLICA, **overrides}
+        )
         self.settings = settings
         self.launcher = ReplicaLauncher(settings, num, id_prefix=id_prefix, use_gpu=False, start_timeout_s=180)
         self.handles: dict[str, Any] = {}
@@ -188,7 +191,7 @@ class RouterHandle:
         from unicache.router.config import build_config
 
         self.cfg = build_config(
-            env={"UNICACHE_API_KEYS": f"{API_KEY}:{TENANT}", "UNICACHE_SALT_SECRET": "fault-salt"},
+            env={"UNICACHE_API_KEYS": f"{API_KEY}:{TENANT}", "UNICACHE_SALT_SECRET": "fault-salt", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
             overrides={
                 "grpc_port": 0,
                 "http_port": 0,

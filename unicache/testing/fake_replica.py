@@ -6,6 +6,8 @@ of them, default 4) and keeps a real prefix cache of chained block hashes (the s
 ``reusable_prompt_blocks`` as a real replica's scheduler caps them), so
 ``usage.cached_tokens`` is what a real replica would report. It records every request, can fail the next calls with a
 status before the first token, and can hold a stream open to test cancellation.
+``GetCacheSummary`` answers sealed with the test cluster key (unicache/testing/signed_state.py):
+``summary_blocks`` when a test sets it (what the replica claims to hold), else its cache.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import grpc
 
 from unicache.block_hash import hash_token_blocks, reusable_prompt_blocks
 from unicache.router.replica_client import PROBE_REQUEST_ID
-from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
+from unicache.testing.signed_state import SIGNER, sealed
 
 
 class FakeReplica(replica_pb2_grpc.ReplicaServicer):
@@ -31,6 +34,9 @@ class FakeReplica(replica_pb2_grpc.ReplicaServicer):
         self.cancelled = asyncio.Event()
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.epoch = 1
+        self.summary_blocks: list[bytes] | None = None
+        self.signer = SIGNER
 
     @property
     def served(self) -> list[replica_pb2.GenerateRequest]:
@@ -85,3 +91,11 @@ class FakeReplica(replica_pb2_grpc.ReplicaServicer):
 
     async def GetCacheState(self, request, context):
         return common_pb2.CacheState(replica_id=self.replica_id, block_size=self.block_size, cached_blocks=len(self.cached))
+
+    async def GetCacheSummary(self, request, context):
+        blocks = self.summary_blocks if self.summary_blocks is not None else sorted(self.cached)
+        summary = cache_pb2.CacheSummary(
+            replica_id=self.replica_id, epoch=self.epoch, seq=0, block_hashes=blocks, block_size=self.block_size,
+            nonce=request.nonce,
+        )
+        return replica_pb2.GetCacheSummaryResponse(signed_summary=sealed("rpc-summary", summary, self.signer))

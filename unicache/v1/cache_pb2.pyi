@@ -27,23 +27,25 @@ class KVEventBatch(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class CacheSummary(_message.Message):
-    __slots__ = ("replica_id", "epoch", "seq", "block_hashes", "block_size", "timestamp")
+    __slots__ = ("replica_id", "epoch", "seq", "block_hashes", "block_size", "timestamp", "nonce")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     epoch: int
     seq: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_size: int
     timestamp: float
-    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., timestamp: _Optional[float] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens")
+    __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens", "seq")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +55,7 @@ class Heartbeat(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     device: str
@@ -62,4 +65,5 @@ class Heartbeat(_message.Message):
     epoch: int
     timestamp: float
     queued_prefill_tokens: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., epoch: _Optional[int] = ..., timestamp: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    seq: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., epoch: _Optional[int] = ..., timestamp: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...

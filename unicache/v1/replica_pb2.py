@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from unicache.v1 import common_pb2 as unicache_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19unicache/v1/replica.proto\x12\x0bunicache.v1\x1a\x18unicache/v1/common.proto\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.unicache.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.unicache.v1.SamplingParams\x12\x30\n\rrequest_class\x18\x05 \x01(\x0b\x32\x19.unicache.v1.RequestClass\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x12\x12\n\nadapter_id\x18\x07 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc5\x01\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.unicache.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.unicache.v1.Usage\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.unicache.v1.TokenLogprobs\"\x16\n\x14GetCacheStateRequest2\xa1\x01\n\x07Replica\x12I\n\x08Generate\x12\x1c.unicache.v1.GenerateRequest\x1a\x1d.unicache.v1.GenerateResponse0\x01\x12K\n\rGetCacheState\x12!.unicache.v1.GetCacheStateRequest\x1a\x17.unicache.v1.CacheStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19unicache/v1/replica.proto\x12\x0bunicache.v1\x1a\x18unicache/v1/common.proto\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.unicache.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.unicache.v1.SamplingParams\x12\x30\n\rrequest_class\x18\x05 \x01(\x0b\x32\x19.unicache.v1.RequestClass\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x12\x12\n\nadapter_id\x18\x07 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc5\x01\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.unicache.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.unicache.v1.Usage\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.unicache.v1.TokenLogprobs\"\x16\n\x14GetCacheStateRequest\"\'\n\x16GetCacheSummaryRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"1\n\x17GetCacheSummaryResponse\x12\x16\n\x0esigned_summary\x18\x01 \x01(\x0c\x32\xff\x01\n\x07Replica\x12I\n\x08Generate\x12\x1c.unicache.v1.GenerateRequest\x1a\x1d.unicache.v1.GenerateResponse0\x01\x12K\n\rGetCacheState\x12!.unicache.v1.GetCacheStateRequest\x1a\x17.unicache.v1.CacheState\x12\\\n\x0fGetCacheSummary\x12#.unicache.v1.GetCacheSummaryRequest\x1a$.unicache.v1.GetCacheSummaryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,6 +41,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_end=538
   _globals['_GETCACHESTATEREQUEST']._serialized_start=540
   _globals['_GETCACHESTATEREQUEST']._serialized_end=562
-  _globals['_REPLICA']._serialized_start=565
-  _globals['_REPLICA']._serialized_end=726
+  _globals['_GETCACHESUMMARYREQUEST']._serialized_start=564
+  _globals['_GETCACHESUMMARYREQUEST']._serialized_end=603
+  _globals['_GETCACHESUMMARYRESPONSE']._serialized_start=605
+  _globals['_GETCACHESUMMARYRESPONSE']._serialized_end=654
+  _globals['_REPLICA']._serialized_start=657
+  _globals['_REPLICA']._serialized_end=912
 # @@protoc_insertion_point(module_scope)

@@ -51,3 +51,15 @@ class GenerateResponse(_message.Message):
 class GetCacheStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetCacheSummaryRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class GetCacheSummaryResponse(_message.Message):
+    __slots__ = ("signed_summary",)
+    SIGNED_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    signed_summary: bytes
+    def __init__(self, signed_summary: _Optional[bytes] = ...) -> None: ...

@@ -45,6 +45,11 @@ class ReplicaStub:
                 request_serializer=unicache_dot_v1_dot_replica__pb2.GetCacheStateRequest.SerializeToString,
                 response_deserializer=unicache_dot_v1_dot_common__pb2.CacheState.FromString,
                 _registered_method=True)
+        self.GetCacheSummary = channel.unary_unary(
+                '/unicache.v1.Replica/GetCacheSummary',
+                request_serializer=unicache_dot_v1_dot_replica__pb2.GetCacheSummaryRequest.SerializeToString,
+                response_deserializer=unicache_dot_v1_dot_replica__pb2.GetCacheSummaryResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicaServicer:
@@ -63,6 +68,15 @@ class ReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCacheSummary(self, request, context):
+        """Every cached block hash as of (epoch, seq) of the replica's event stream, signed with
+        the cluster's state key over the caller's nonce: the router resyncs its index from
+        this (never from Redis alone) and so checks the peer at an address is that replica.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +89,11 @@ def add_ReplicaServicer_to_server(servicer, server):
                     servicer.GetCacheState,
                     request_deserializer=unicache_dot_v1_dot_replica__pb2.GetCacheStateRequest.FromString,
                     response_serializer=unicache_dot_v1_dot_common__pb2.CacheState.SerializeToString,
+            ),
+            'GetCacheSummary': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCacheSummary,
+                    request_deserializer=unicache_dot_v1_dot_replica__pb2.GetCacheSummaryRequest.FromString,
+                    response_serializer=unicache_dot_v1_dot_replica__pb2.GetCacheSummaryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +150,33 @@ class Replica:
             '/unicache.v1.Replica/GetCacheState',
             unicache_dot_v1_dot_replica__pb2.GetCacheStateRequest.SerializeToString,
             unicache_dot_v1_dot_common__pb2.CacheState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCacheSummary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unicache.v1.Replica/GetCacheSummary',
+            unicache_dot_v1_dot_replica__pb2.GetCacheSummaryRequest.SerializeToString,
+            unicache_dot_v1_dot_replica__pb2.GetCacheSummaryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -118,6 +118,15 @@ expansion: the replicas take their Redis credentials from the URL only.
   value: {{ $url | quote }}
 {{- end }}
 
+{{/* The cluster key (router and launcher; the launcher ships it to the replica actors). */}}
+{{- define "unicache.clusterKeyEnv" -}}
+- name: UNICACHE_CLUSTER_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "unicache.secretName" . }}
+      key: cluster-key
+{{- end }}
+
 {{/* The KubeRay RayCluster name and the head Service KubeRay creates for it. */}}
 {{- define "unicache.rayClusterName" -}}
 {{- include "unicache.componentName" (dict "ctx" . "component" "ray") | trunc 48 | trimSuffix "-" }}
