@@ -31,8 +31,10 @@ from unicache.replica.engine.async_engine import AsyncEngine
 from unicache.replica.engine.config import EngineConfig
 from unicache.replica.kv.events import BlockStored
 from unicache.replica.publisher import CachePublisher
+from unicache.state_auth import StateSigner, new_cluster_key, parse_cluster_key
 
 KEYS = RedisKeys("bench")
+SIGNER = StateSigner(parse_cluster_key(new_cluster_key()))
 
 
 class StampingSource:
@@ -75,7 +77,8 @@ async def reader(url: str, arrived: dict[bytes, float], stop: asyncio.Event) -> 
         for _, entries in resp or []:
             for entry_id, fields in entries:
                 last = entry_id
-                for h in cache_pb2.KVEventBatch.FromString(fields[b"b"]).stored:
+                # the reader verifies the MAC as a router does (part of the measured latency)
+                for h in cache_pb2.KVEventBatch.FromString(SIGNER.open("events", fields[b"b"])).stored:
                     arrived.setdefault(h, now)
     await r.aclose()
 
@@ -104,7 +107,7 @@ async def run(args) -> dict:
     engine = AsyncEngine(EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, eviction_policy="lru", device="cpu"))
     await engine.start()
     source = StampingSource(engine)
-    pub = CachePublisher(source, "r0", server.url, "127.0.0.1:0", KEYS)
+    pub = CachePublisher(source, "r0", server.url, "127.0.0.1:0", KEYS, signer=SIGNER)
     arrived: dict[bytes, float] = {}
     stop = asyncio.Event()
     try:

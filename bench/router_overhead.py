@@ -31,6 +31,7 @@ from unicache.replica.engine.model import ModelConfig
 from unicache.replica.server import ReplicaServer
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
+from unicache.state_auth import CallCredential, new_cluster_key, parse_cluster_key
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 
 
@@ -43,7 +44,8 @@ async def run(args) -> dict:
     model = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=4096)
     engine = AsyncEngine(EngineConfig(model=model, num_blocks=4096, block_size=16, eviction_policy="lru", device=args.device))
     await engine.start()
-    server = ReplicaServer(engine, "r0")
+    key = new_cluster_key()
+    server = ReplicaServer(engine, "r0", cluster_key=parse_cluster_key(key))
     port = await server.start()
     addr = f"127.0.0.1:{port}"
     redis = publisher = None
@@ -54,10 +56,13 @@ async def run(args) -> dict:
 
         redis = EmbeddedRedis()
         redis.start()
-        publisher = CachePublisher(engine, "r0", redis.url, addr)
+        publisher = CachePublisher(engine, "r0", redis.url, addr, signer=server.signer)
+        server.servicer.summary_source = publisher.signed_summary
         await publisher.start()
         overrides.update(use_redis=True, replicas="", redis_url=redis.url)
-    app = RouterApp(build_config(env={"UNICACHE_API_KEYS": "k:bench", "UNICACHE_SALT_SECRET": "s"}, overrides=overrides))
+    env = {"UNICACHE_API_KEYS": "k:bench", "UNICACHE_SALT_SECRET": "s", "UNICACHE_CLUSTER_KEY": key}
+    app = RouterApp(build_config(env=env, overrides=overrides))
+    call_auth = CallCredential(parse_cluster_key(key))
     await app.start()
     for _ in range(500):
         if app.cluster.replicas:
@@ -77,7 +82,7 @@ async def run(args) -> dict:
 
     async def direct() -> None:
         req = replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=tok.encode(prompt())), sampling=sampling)
-        async for _ in replica.Generate(req, timeout=60):
+        async for _ in replica.Generate(req, timeout=60, metadata=call_auth.metadata()):
             pass
 
     async def via_grpc() -> None:
