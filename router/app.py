@@ -95,7 +95,6 @@ class RouterApp:
         cluster_key = config.cluster_key_bytes()
         self.clients = ReplicaClients(config.forward_deadline_s, credential=CallCredential(cluster_key) if cluster_key else None)
         self.state_rejections = StateRejections(self.metrics.registry)
-        self.clients = ReplicaClients(config.forward_deadline_s)
         first_token = None
         if config.first_token_timeout_s > 0:
             first_token = FirstTokenTimeout(
