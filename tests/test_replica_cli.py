@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from unicache.errors import UsageError
 from unicache.redis_keys import RedisKeys
 from unicache.replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
+from unicache.testing.signed_state import CLUSTER_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +69,8 @@ def test_advertised_host():
 @pytest.mark.slow
 def test_unicache_replica_process_serves_and_stops_on_sigterm(redis_server):
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNICACHE_")}
-    env.update(UNICACHE_REDIS_URL=redis_server.url, UNICACHE_REDIS_PREFIX="clitest", UNICACHE_NUM_BLOCKS="64")
+    env.update(UNICACHE_REDIS_URL=redis_server.url, UNICACHE_REDIS_PREFIX="clitest", UNICACHE_NUM_BLOCKS="64",
+               UNICACHE_CLUSTER_KEY=CLUSTER_KEY)
     proc = subprocess.Popen(
         [sys.executable, "-m", "unicache.cli", "replica", "--replica-id", "c0", "--device", "cpu", "--eviction-policy", "lru"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
