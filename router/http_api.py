@@ -193,7 +193,7 @@ class HttpFrontDoor:
         self.token_text = TokenText(core.tokenizer)
 
         def admin(endpoint):
-            return require_admin(admin_key, endpoint, lambda: error_response(401, "admin key required", "invalid_api_key"))
+            return require_admin(admin_key, endpoint, lambda: error_response(ApiError(401, "admin key required", "invalid_api_key")))
 
         self.app = Starlette(
             routes=[

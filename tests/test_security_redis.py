@@ -23,7 +23,7 @@ from unicache.router.routing.round_robin import RoundRobinPolicy
 from unicache.router.subscriber import RedisSubscriber
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import SIGNER
-from tests.support.store_source import StoreCacheSource
+from unicache.testing.store_source import StoreCacheSource
 
 PW = "embedded-PW-7c1d0e"
 PREFIX = "rtls"
