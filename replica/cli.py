@@ -55,6 +55,7 @@ def run_replica(args: argparse.Namespace) -> int:
     from unicache.replica.runtime import ReplicaRuntime
 
     settings = settings_from_args(args)
+    settings.check()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def main() -> None:
@@ -91,6 +92,7 @@ def run_replicas(args: argparse.Namespace) -> int:
     if gpu not in ("auto", "yes", "no"):
         raise UsageError(f"{env_name('gpu')} must be auto, yes or no, got {gpu!r}")
     base = settings_from_args(args)
+    base.check(local_paths=False)  # NOTE: checkpoint paths are the Ray workers', not this launcher's
     if not base.redis_url:
         raise UsageError("--redis-url (or UNICACHE_REDIS_URL) is required: routers find replicas through Redis")
     ray_address = _flag_or_env(args, "ray_address", "") or None

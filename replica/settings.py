@@ -77,11 +77,13 @@ class ReplicaSettings:
         default=0.0, metadata=_help("fault injection (tests): delay each streamed message after the first")
     )
 
-    def check(self) -> None:
+    def check(self, local_paths: bool = True) -> None:
         """Refuse now what the engine would refuse only once Ray and the actors are up: an
-        unknown eviction policy (naming the valid ones), a size that is not positive, a
-        checkpoint or tokenizer that is not there, an unknown engine, a vllm engine without
-        a model directory. Raises ``UsageError``."""
+        unknown eviction policy (naming the valid ones), a size that is not positive, an
+        unknown engine, a vllm engine without a model directory, and (``local_paths``: the
+        engine runs on this machine) a checkpoint or tokenizer that is not there. A launcher
+        (``unicache replicas``) passes ``local_paths=False``: the paths are the worker
+        pods'. Raises ``UsageError``."""
         from unicache.replica.engines import ENGINES
 
         if self.engine not in ENGINES:
@@ -100,9 +102,14 @@ class ReplicaSettings:
                 EVICTION_POLICIES.get(self.eviction_policy)
             except ValueError as exc:
                 raise UsageError(f"eviction_policy: {exc}") from None
+            if self.eviction_policy not in replica_eviction_policies():
+                raise UsageError(f"eviction_policy: {self.eviction_policy!r} needs the future (simulator only); "
+                                 f"a replica runs one of {', '.join(replica_eviction_policies())}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
+        if not local_paths:
+            return
         if self.checkpoint and not os.path.isdir(self.checkpoint):
             raise UsageError(f"checkpoint {self.checkpoint} is not a directory")
         if self.tokenizer and self.tokenizer != "byte" and not os.path.isfile(self.tokenizer):
@@ -155,6 +162,20 @@ SECRET_FIELDS = frozenset({"redis_password", "cluster_key"})
 FLAG_ALIASES = {"checkpoint": ["--model"]}
 
 
+def replica_eviction_policies() -> list[str]:
+    """The registered eviction policies a replica can run: those built from no arguments
+    (``opt`` needs the trace's future, so it runs only in the simulator). The Helm
+    schema's ``replicas.evictionPolicy`` enum is this list (a test keeps it so)."""
+    names = []
+    for name in EVICTION_POLICIES.names():
+        try:
+            EVICTION_POLICIES.make(name)
+        except TypeError:
+            continue
+        names.append(name)
+    return names
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """Add ``--config`` and ``--<field>`` for every ``ReplicaSettings`` field (unicache/settings.py);
     ``--model`` is another name of ``--checkpoint``."""
@@ -163,7 +184,5 @@ def add_settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...
 
 def settings_from_args(args: argparse.Namespace, **overrides) -> ReplicaSettings:
     """Flag, else ``UNICACHE_<NAME>``, else the config file, else the default; then
-    ``overrides``; checked (``ReplicaSettings.check``) before anything starts."""
-    built = settings.build(ReplicaSettings, args, overrides=overrides, secrets=SECRET_FIELDS)
-    built.check()
-    return built
+    ``overrides``. Callers run ``ReplicaSettings.check`` before they start anything."""
+    return settings.build(ReplicaSettings, args, overrides=overrides, secrets=SECRET_FIELDS)

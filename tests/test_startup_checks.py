@@ -38,6 +38,7 @@ def nothing_starts(monkeypatch):
     [
         (["--routing-policy", "nope"], f"routing_policy: unknown routing policy 'nope' (choose from {ROUTING})"),
         (["--eviction-policy", "nope"], f"eviction_policy: unknown eviction policy 'nope' (choose from {EVICTION})"),
+        (["--eviction-policy", "opt"], "eviction_policy: 'opt' needs the future (simulator only); a replica runs one of lru, radix-lru, unicache"),
         (["--block-size", "0"], "block_size must be positive, got 0"),
         (["--num-blocks", "-1"], "num_blocks must be positive, got -1"),
         (["--replicas", "0"], "--replicas must be at least 1"),
@@ -67,6 +68,7 @@ def test_the_router_and_replica_settings_check_their_policies():
 
 
 def test_unicache_replicas_refuses_a_bad_policy_before_ray(capsys, monkeypatch):
+    # (a checkpoint path is the Ray workers', so the launcher leaves it to them)
     import ray
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ray.init called")))
@@ -80,3 +82,9 @@ def test_the_real_command_exits_with_one_line_and_no_traceback():
     assert out.returncode == 2
     assert out.stdout == ""
     assert out.stderr.splitlines() == [f"unicache up: error: routing_policy: unknown routing policy 'nope' (choose from {ROUTING})"]
+
+
+def test_a_launcher_leaves_checkpoint_paths_to_the_workers():
+    ReplicaSettings(checkpoint="/models/on-the-workers").check(local_paths=False)
+    with pytest.raises(UsageError, match="checkpoint /models/on-the-workers is not a directory"):
+        ReplicaSettings(checkpoint="/models/on-the-workers").check()

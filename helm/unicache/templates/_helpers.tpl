@@ -66,11 +66,20 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* An image reference from {repository, tag, digest}: the digest wins when set. */}}
+{{/*
+An image reference: `repository@digest` when a digest is given, else `repository:tag`;
+an empty tag falls back to `defaultTag` (the chart's appVersion for the images this
+project builds, so chart and images are released together), and fails when there is none.
+Call as (dict "image" .Values.x.image "defaultTag" .Chart.AppVersion).
+*/}}
 {{- define "unicache.image" -}}
-{{- if .digest }}
-{{- printf "%s@%s" .repository .digest }}
+{{- $img := .image }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $img.repository $img.digest }}
 {{- else }}
-{{- printf "%s:%s" .repository (toString .tag) }}
+{{- $tag := toString ($img.tag | default .defaultTag) }}
+{{- if not $tag }}{{ fail (printf "image %s needs a tag or a digest" $img.repository) }}{{ end }}
+{{- printf "%s:%s" $img.repository $tag }}
 {{- end }}
 {{- end }}
 
