@@ -178,3 +178,70 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
+
+{{/*
+Model weights (values `model`): the checkpoint directory the replicas (and the router,
+for the tokenizer) read, and the volume, mount and init container that provide it.
+`replicas.checkpoint` wins when set; else `model.mountPath` (+ `model.subPath`) when a
+source is configured; else none (the seeded random model).
+*/}}
+{{- define "unicache.checkpointPath" -}}
+{{- if .Values.replicas.checkpoint }}
+{{- .Values.replicas.checkpoint }}
+{{- else if ne .Values.model.source "none" }}
+{{- if .Values.model.subPath }}{{ printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.model.subPath }}{{ else }}{{ .Values.model.mountPath }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{- define "unicache.modelVolume" -}}
+{{- $m := .Values.model }}
+{{- if eq $m.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required when model.source is pvc" $m.pvc.claimName | quote }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ required "model.hostPath.path is required when model.source is hostPath" $m.hostPath.path | quote }}
+    type: {{ $m.hostPath.type }}
+{{- else if eq $m.source "initContainer" }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ $m.initContainer.sizeLimit | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "unicache.modelMount" -}}
+{{- if ne .Values.model.source "none" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "unicache.modelInitContainer" -}}
+{{- $m := .Values.model }}
+{{- if eq $m.source "initContainer" }}
+- name: fetch-model
+  image: {{ include "unicache.image" (dict "image" $m.initContainer.image "defaultTag" "") | quote }}
+  imagePullPolicy: {{ $m.initContainer.image.pullPolicy }}
+  command:
+    {{- toYaml (required "model.initContainer.command is required when model.source is initContainer" $m.initContainer.command) | nindent 4 }}
+  env:
+    - name: MODEL_DIR
+      value: {{ $m.mountPath | quote }}
+    {{- with $m.initContainer.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  resources:
+    {{- toYaml $m.initContainer.resources | nindent 4 }}
+  securityContext:
+    {{- include "unicache.containerSecurityContext" . | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $m.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
