@@ -4,7 +4,8 @@
 # One image for every Ray role in the chart: the KubeRay head, the GPU workers that host
 # the replica actors, and the launcher that runs `unicache replicas` as a Ray client.
 # Ray client and server must share the Ray and Python versions, so they all use this
-# image; RAY_VERSION must equal the chart's rayCluster.rayVersion (a test checks).
+# image; RAY_VERSION must equal the chart's rayCluster.rayVersion and the ray pin of
+# constraints.txt, which every pip install here uses (tests check).
 # torch comes from the PyTorch CUDA index (TORCH_INDEX_URL), matching the CUDA base.
 #
 # Build from the repository root:
@@ -35,14 +36,15 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # torch first, from the CUDA index (same specifier as pyproject.toml), so that the
 # `pip install .` below finds it satisfied and never pulls a build from PyPI.
+COPY constraints.txt ./
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch>=2.4,<2.14" \
-    && pip install --no-cache-dir "ray[default]==${RAY_VERSION}" \
+    && pip install --no-cache-dir -c constraints.txt "ray[default]==${RAY_VERSION}" \
     && pip install --no-cache-dir "vllm==${VLLM_VERSION}"
 COPY pyproject.toml README.md ./
 COPY unicache unicache
 COPY router router
 COPY replica replica
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir -c constraints.txt . \
     && python -c "import ray, torch, vllm, unicache.replica, unicache.router, unicache.cli"
 
 # ---- runtime: the virtualenv on a clean CUDA runtime base, as an unprivileged user ----

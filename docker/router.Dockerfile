@@ -18,8 +18,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-COPY docker/requirements-router.txt docker/requirements-router.txt
-RUN pip install --no-cache-dir -r docker/requirements-router.txt
+COPY constraints.txt docker/requirements-router.txt ./
+RUN pip install --no-cache-dir -c constraints.txt -r requirements-router.txt
 COPY pyproject.toml README.md ./
 COPY unicache unicache
 COPY router router
