@@ -281,7 +281,7 @@ def test_dockerignore_sends_what_the_images_copy_and_nothing_heavy():
         for op, args in instructions(path):
             if op == "COPY" and not args.startswith("--from"):
                 sources |= set(args.split()[:-1])
-    assert sources == {"docker/requirements-router.txt", "pyproject.toml", "README.md", "unicache", "router", "replica"}
+    assert sources == {"constraints.txt", "docker/requirements-router.txt", "pyproject.toml", "README.md", "unicache", "router", "replica"}
     for src in sorted(sources):
         target = REPO / src
         assert target.exists(), src
