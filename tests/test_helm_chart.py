@@ -60,14 +60,15 @@ VALUE_SETS = {"default": {}, "external-redis": EXTERNAL_REDIS, "gpu4": GPU4}
 
 
 
-def _load_dashboard_builder():
-    spec = importlib.util.spec_from_file_location("build_dashboard", REPO / "helm" / "tools" / "build_dashboard.py")
+def load_tool(stem: str):
+    """A script of helm/tools (not a package) loaded as a module."""
+    spec = importlib.util.spec_from_file_location(stem, REPO / "helm" / "tools" / f"{stem}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-DASHBOARD = _load_dashboard_builder()
+DASHBOARD = load_tool("build_dashboard")
 
 
 def render(values: dict, name: str = RELEASE) -> dict[str, str]:

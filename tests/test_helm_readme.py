@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import yaml
 
 from tests.support.source_tree import REPO
+from tests.test_helm_chart import load_tool
 
 CHART = REPO / "helm" / "unicache"
 
 
-def load_generator():
-    spec = importlib.util.spec_from_file_location("gen_readme", REPO / "helm" / "tools" / "gen_readme.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = load_generator()
+GEN = load_tool("gen_readme")
 
 
 def test_committed_readme_is_what_the_generator_writes():
