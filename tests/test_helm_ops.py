@@ -38,7 +38,7 @@ def test_schema_policy_enums_equal_the_registries():
     assert SCHEMA["properties"]["replicas"]["properties"]["evictionPolicy"]["enum"] == replica_eviction_policies()
     assert "opt" not in replica_eviction_policies()  # needs the future: simulator only
     with helm.Chart.load(CHART) as chart:
-        for bad in ({"replicas": {"evictionPolicy": "fifo"}}, {"replicas": {"evictionPolicy": "opt"}},
+        for bad in ({"replicas": {"evictionPolicy": "mru"}}, {"replicas": {"evictionPolicy": "opt"}},
                     {"router": {"routingPolicy": "random"}}):
             with pytest.raises(helm.HelmValuesError):
                 chart.validate_schema(bad)

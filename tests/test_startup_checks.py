@@ -13,11 +13,14 @@ import pytest
 from unicache import local_cluster
 from unicache.cli import main
 from unicache.errors import UsageError
-from unicache.replica.settings import ReplicaSettings
+from unicache.replica.eviction.registry import policy_names
+from unicache.replica.settings import ReplicaSettings, replica_eviction_policies
+from unicache.router.routing.registry import routing_policy_names
 from unicache.router.config import build_config
 
 ROUTING = "cache_aware, least_loaded, round_robin, session_affinity, sglang"
 EVICTION = "arc, fifo, lecar, lfu, lru, opt, radix-lru, s3fifo, unicache"
+REPLICA_EVICTION = ", ".join(replica_eviction_policies())
 
 
 @pytest.fixture
@@ -38,7 +41,7 @@ def nothing_starts(monkeypatch):
     [
         (["--routing-policy", "nope"], f"routing_policy: unknown routing policy 'nope' (choose from {ROUTING})"),
         (["--eviction-policy", "nope"], f"eviction_policy: unknown eviction policy 'nope' (choose from {EVICTION})"),
-        (["--eviction-policy", "opt"], "eviction_policy: 'opt' needs the future (simulator only); a replica runs one of lru, radix-lru, unicache"),
+        (["--eviction-policy", "opt"], f"eviction_policy: 'opt' needs the future (simulator only); a replica runs one of {REPLICA_EVICTION}"),
         (["--block-size", "0"], "block_size must be positive, got 0"),
         (["--num-blocks", "-1"], "num_blocks must be positive, got -1"),
         (["--replicas", "0"], "--replicas must be at least 1"),
