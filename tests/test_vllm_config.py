@@ -110,3 +110,21 @@ def test_settings_check_refuses_a_bad_engine_before_anything_starts(model_dir):
     ReplicaSettings(engine="vllm", checkpoint=model_dir, eviction_policy="vllm", block_size=32).check()
     with pytest.raises(UsageError, match="eviction_policy"):
         ReplicaSettings(eviction_policy="vllm").check()  # vLLM's own order needs vLLM
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (dict(checkpoint="/models/tiny-llama/"), "tiny-llama"),
+        (dict(checkpoint="/models/x", served_model_name="prod"), "prod"),
+        (dict(), "unicache-default"),
+    ],
+)
+def test_unicache_up_gives_the_router_the_served_model_name(settings, expected):
+    from unicache.local_cluster import LocalCluster
+
+    cluster = LocalCluster(ClusterSettings(**settings))
+    try:
+        assert cluster.router_config().served_model_name == expected
+    finally:
+        cluster.stop_backends()

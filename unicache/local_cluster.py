@@ -186,12 +186,12 @@ class LocalCluster:
         self.launcher = ReplicaLauncher(base, cfg.num_replicas, start_timeout_s=cfg.ready_timeout_s)
         return [(r.replica_id, r.address, r.device) for r in self.launcher.start()]
 
-    async def start_router(self) -> tuple[str, str]:
-        from unicache.router.app import RouterApp
+    def router_config(self):
+        """The router's settings for this cluster (its served model name included)."""
         from unicache.router.config import RouterConfig
 
         cfg = self.cfg
-        rcfg = RouterConfig(
+        return RouterConfig(
             grpc_host=cfg.host,
             grpc_port=cfg.grpc_port,
             http_host=cfg.host,
@@ -208,10 +208,15 @@ class LocalCluster:
             block_size=cfg.block_size,
             tokenizer=cfg.tokenizer,
             checkpoint=cfg.checkpoint,
-            **({"model_name": name} if (name := served_model_name(cfg)) else {}),
+            **({"served_model_name": name} if (name := served_model_name(cfg)) else {}),
         )
-        self.router = RouterApp(rcfg)
+
+    async def start_router(self) -> tuple[str, str]:
+        from unicache.router.app import RouterApp
+
+        self.router = RouterApp(self.router_config())
         await self.router.start()
+        cfg = self.cfg
         return f"{cfg.host}:{self.router.grpc_port}", f"http://{cfg.host}:{self.router.http_port}"
 
     async def wait_ready(self, grpc_addr: str, want_replicas: int) -> None:
