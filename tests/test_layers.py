@@ -5,7 +5,7 @@ Layers, bottom to top:
            reader, tokenizer, protobuf stubs, Redis keys, settings): imports only core.
   replica  ``unicache.replica``: imports core and itself, never the router.
   router   ``unicache.router``: imports core and itself, never the replica.
-  top      the simulator, ``up``, ``demo``, the CLI and the shared test and bench
+  top      the simulator, ``up``, ``demo``, ``bench``, the CLI and the shared test and bench
            harnesses (``unicache.testing``): may import anything.
 """
 
@@ -23,7 +23,8 @@ from tests.support.source_tree import (
     package_dirs,
 )
 
-TOP = ("unicache.sim", "unicache.testing", "unicache.cli", "unicache.local_cluster", "unicache.demo")
+TOP = ("unicache.sim", "unicache.testing", "unicache.cli", "unicache.local_cluster", "unicache.demo", "unicache.bench_client",
+       "unicache.bench_stats")
 ALLOWED = {
     "core": {"core"},
     "replica": {"core", "replica"},

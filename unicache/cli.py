@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "unicache.replica.cli",  # unicache replica, unicache replicas
     "unicache.local_cluster",  # unicache up
     "unicache.demo",  # unicache demo
+    "unicache.bench_client",  # unicache bench
 ]
 
 
