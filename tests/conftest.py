@@ -29,3 +29,15 @@ def redis_server():
         yield proc
     finally:
         proc.close()
+
+
+@pytest.fixture
+async def one_replica_stack():
+    """A ``LoadStack`` (router + one real in-process replica, auth keys ``API_KEYS``)."""
+    from tests.support.load_stack import LoadStack
+
+    st = await LoadStack.start(num_replicas=1)
+    try:
+        yield st
+    finally:
+        await st.close()

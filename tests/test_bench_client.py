@@ -10,7 +10,6 @@ import os
 
 import pytest
 
-from tests.support.load_stack import LoadStack
 from unicache.bench_client import BenchConfig, run_bench, synthetic_requests
 from unicache.bench_prompts import block_text, prompt_text
 from unicache.bench_stats import RequestRecord, format_table, summarize
@@ -90,16 +89,7 @@ def test_synthetic_requests_come_from_the_generated_mix():
     assert synthetic_requests(5, 0, 16)[3].hash_ids == reqs[3].hash_ids
 
 
-@pytest.fixture
-async def stack():
-    st = await LoadStack.start(num_replicas=1)
-    try:
-        yield st
-    finally:
-        await st.close()
-
-
-async def test_cli_replays_a_trace_through_the_router(stack, tmp_path, monkeypatch, capsys):
+async def test_cli_replays_a_trace_through_the_router(one_replica_stack, tmp_path, monkeypatch, capsys):
     trace = tmp_path / "t.jsonl"
     # words per block 4: request 1 repeats request 0's first two blocks; request 2 shares nothing
     write_trace(trace, [
@@ -108,6 +98,7 @@ async def test_cli_replays_a_trace_through_the_router(stack, tmp_path, monkeypat
         {"timestamp": 2, "input_length": 4, "output_length": 2, "hash_ids": [5]},
         {"timestamp": 3, "input_length": 4, "output_length": 2, "hash_ids": [6]},
     ])
+    stack = one_replica_stack
     monkeypatch.setenv("UNICACHE_API_KEY", "key-acme")
     out, plot = tmp_path / "b.json", tmp_path / "b.png"
     rc = await asyncio.to_thread(main, [

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from tests.support.load_stack import LoadStack, fast_engine_config
+from tests.support.load_stack import fast_engine_config
 from unicache.replica.engine.api import EngineRequest, SamplingParams
 from unicache.replica.engine.engine import LLMEngine
 from unicache.tokenizer import load_tokenizer
@@ -49,12 +49,8 @@ def reference(prompt: str, max_tokens: int, **sampling) -> tuple[list[int], list
 
 
 @pytest.fixture
-async def stack():
-    st = await LoadStack.start(num_replicas=1)
-    try:
-        yield st
-    finally:
-        await st.close()
+def stack(one_replica_stack):
+    return one_replica_stack
 
 
 @pytest.fixture
