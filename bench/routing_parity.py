@@ -24,14 +24,10 @@ from pathlib import Path
 from bench.paths import RESULTS, mooncake_trace
 from bench.report_files import write_report
 from unicache.redis_server import EmbeddedRedis
-from unicache.router.app import RouterApp
-from unicache.router.config import build_config
-from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.suite import SuiteTrace, load_suite_trace
-from unicache.testing.routing_parity import ParityDriver
+from unicache.testing.routing_parity import run_parity
 
-FAST = {"heartbeat_interval_s": 0.02, "block_ms": 10, "resync_retry_s": 0.02}
 SLICES = [SuiteTrace("balanced", "report", 0, 11), SuiteTrace("agent", "report", 1, 11),
           SuiteTrace("template", "report", 1, 11), SuiteTrace("mooncake", "report", 1, 0)]
 
@@ -41,16 +37,8 @@ async def one(redis: EmbeddedRedis, st: SuiteTrace, replicas: int, args, prefix:
                              duration=args.duration)
     largest = max(-(-r.num_tokens // trace.block_size) for r in trace.requests)
     cfg = ReplayConfig("unicache", 2 * largest, replicas=replicas, router=args.router, rate_scale=args.rate_scale)
-    app = RouterApp(build_config(env={}, overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis.url,
-                                                    "redis_prefix": prefix, "block_size": trace.block_size,
-                                                    "auth_enabled": False}),
-                    policy=make_routing_policy(args.router), subscriber_kwargs=FAST)
-    await app.start()
     t0 = time.perf_counter()
-    try:
-        rec = await ParityDriver(app, redis.url, prefix, trace, cfg).run()
-    finally:
-        await app.stop()
+    rec = await run_parity(redis.url, prefix, trace, cfg)
     out = {"slice": st.name, "replicas": replicas, "requests": len(trace.requests), "capacity_blocks": 2 * largest,
            "decisions": len(rec.steps), "agreement": rec.agreement,
            "reasons": dict(collections.Counter(s.sim_reason for s in rec.steps)),

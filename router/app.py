@@ -75,7 +75,8 @@ class RouterApp:
     Args:
         config: settings (``unicache.router.config``).
         policy: a routing policy object (default: built from ``config.routing_policy``).
-        subscriber_kwargs: extra ``RedisSubscriber`` tunables (tests shorten intervals).
+        subscriber_kwargs: extra ``RedisSubscriber`` arguments, which replace the defaults
+            (tests shorten intervals, or answer ``fetch_summary`` for simulated replicas).
     """
 
     def __init__(self, config: RouterConfig, policy: RoutingPolicy | None = None, subscriber_kwargs: dict | None = None):
@@ -141,10 +142,12 @@ class RouterApp:
                 tls_ca=config.redis_tls_ca or None,
                 timeout_s=config.redis_timeout_s,
                 expected_block_size=config.block_size,
-                signer=StateSigner(cluster_key),
-                fetch_summary=self.clients.cache_summary,
-                rejections=self.state_rejections,
-                **(subscriber_kwargs or {}),
+                **{
+                    "signer": StateSigner(cluster_key),
+                    "fetch_summary": self.clients.cache_summary,
+                    "rejections": self.state_rejections,
+                    **(subscriber_kwargs or {}),
+                },
             )
         self.http = HttpFrontDoor(
             self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes,

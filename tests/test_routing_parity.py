@@ -5,16 +5,12 @@ the simulator's decisions on the same trace slice when its index is fresh
 
 from __future__ import annotations
 
-from unicache.router.app import RouterApp
-from unicache.router.config import build_config
-from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.suite import SuiteTrace, load_suite_trace
 from unicache.sim.timing import TimingModel
-from unicache.testing.routing_parity import ParityDriver
+from unicache.testing.routing_parity import run_parity
 
 PREFIX = "parity"
-FAST = {"heartbeat_interval_s": 0.02, "block_ms": 10, "resync_retry_s": 0.02}
 
 
 async def test_live_policy_path_makes_the_simulators_decisions(redis_server):
@@ -23,17 +19,7 @@ async def test_live_policy_path_makes_the_simulators_decisions(redis_server):
     largest = max(-(-r.num_tokens // trace.block_size) for r in trace.requests)
     cfg = ReplayConfig("unicache", 2 * largest, replicas=2, router="cache_aware", rate_scale=4.0,
                        timing=TimingModel(decode_s_per_token=0.01))
-    app = RouterApp(
-        build_config(env={}, overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_server.url,
-                                        "redis_prefix": PREFIX, "block_size": trace.block_size,
-                                        "auth_enabled": False}),
-        policy=make_routing_policy("cache_aware"), subscriber_kwargs=FAST,
-    )
-    await app.start()
-    try:
-        rec = await ParityDriver(app, redis_server.url, PREFIX, trace, cfg).run()
-    finally:
-        await app.stop()
+    rec = await run_parity(redis_server.url, PREFIX, trace, cfg)
     n = len(trace.requests)
     assert [s.request_id for s in rec.steps] == [str(i) for i in range(n)]
     assert [(s.live, s.live_reason) for s in rec.steps] == [(s.sim, s.sim_reason) for s in rec.steps]

@@ -31,6 +31,8 @@ from unicache.replica.vllm_engine.config import VLLMEngineConfig
 from unicache.replica.vllm_engine.engine import VLLMEngine
 from unicache.request_class import RequestClass, Task
 from unicache.router.app import RouterApp
+from unicache.state_auth import parse_cluster_key
+from unicache.testing.signed_state import CLUSTER_KEY, SIGNER
 from unicache.router.config import build_config
 from unicache.testing.polling import eventually
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
@@ -98,6 +100,7 @@ async def stack(model_dir, reference):
     settings = ReplicaSettings(
         replica_id="v0", engine="vllm", checkpoint=model_dir, block_size=BS, num_blocks=NUM_BLOCKS, eviction_policy="unicache",
         device="cpu", dtype="float32", max_num_seqs=8, redis_url=redis.url, redis_prefix=PREFIX,
+        cluster_key=CLUSTER_KEY,
     )
     runtime = ReplicaRuntime(settings)
     address = await runtime.start()
@@ -109,15 +112,18 @@ async def stack(model_dir, reference):
         )
     )
     await torch_engine.start()
-    torch_server = ReplicaServer(torch_engine, "t0")
+    torch_server = ReplicaServer(torch_engine, "t0", cluster_key=parse_cluster_key(CLUSTER_KEY))
     port = await torch_server.start()
-    torch_pub = CachePublisher(torch_engine, "t0", redis.url, f"127.0.0.1:{port}", RedisKeys(PREFIX), heartbeat_interval_s=0.1)
+    torch_pub = CachePublisher(
+        torch_engine, "t0", redis.url, f"127.0.0.1:{port}", RedisKeys(PREFIX), heartbeat_interval_s=0.1, signer=SIGNER
+    )
+    torch_server.servicer.summary_source = torch_pub.signed_summary
     await torch_pub.start()
     cfg = build_config(
         env={"UNICACHE_API_KEYS": "ka:acme,kb:beta", "UNICACHE_SALT_SECRET": "s"},
         overrides={
             "grpc_port": 0, "http_port": 0, "redis_url": redis.url, "redis_prefix": PREFIX, "block_size": BS,
-            "tokenizer": f"{model_dir}/tokenizer.json",
+            "tokenizer": f"{model_dir}/tokenizer.json", "cluster_key": CLUSTER_KEY,
         },
     )
     app = RouterApp(cfg, subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20, "resync_retry_s": 0.05})

@@ -32,6 +32,7 @@ from unicache.sim.prepare import PreparedTrace
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.replica import SimReplica
 from unicache.testing.polling import eventually
+from unicache.testing.signed_state import SIGNER
 from unicache.testing.store_source import StoreCacheSource
 
 _NEVER_S = 3600.0
@@ -124,7 +125,7 @@ class ParityDriver:
     async def run(self) -> ParityRecord:
         self.loop = asyncio.get_running_loop()
         for rid, src in self.sources.items():
-            pub = CachePublisher(src, rid, self.redis_url, f"127.0.0.1:{rid}", RedisKeys(self.prefix),
+            pub = CachePublisher(src, rid, self.redis_url, self.address(rid), RedisKeys(self.prefix), signer=SIGNER,
                                  flush_interval_s=_NEVER_S, heartbeat_interval_s=_NEVER_S, summary_interval_s=_NEVER_S)
             await pub.start()
             self.publishers[rid] = pub
@@ -135,6 +136,19 @@ class ParityDriver:
             for pub in self.publishers.values():
                 await pub.stop()
         return self.record
+
+    @staticmethod
+    def address(replica_id: str) -> str:
+        """The address a simulated replica advertises (nothing listens there)."""
+        return f"127.0.0.1:{replica_id}"
+
+    async def fetch_summary(self, address: str, nonce: bytes, timeout_s: float) -> bytes:  # noqa: ARG002
+        """The router's ``GetCacheSummary`` call, answered by the simulated replica's publisher
+        (a real replica's servicer answers with the same ``signed_summary``)."""
+        for rid, pub in self.publishers.items():
+            if self.address(rid) == address:
+                return await pub.signed_summary(nonce)
+        raise ConnectionError(address)
 
     def live_decision(self, request: RoutingRequest) -> RouteDecision:
         """Called on the replay thread: publish, wait for the router, take its decision."""
@@ -166,3 +180,37 @@ class ParityDriver:
     async def _live(self, request: RoutingRequest) -> RouteDecision:
         await self._publish()
         return self.app.core.choose(request, set())
+
+
+# Router tunables for parity runs: the router follows Redis within a few milliseconds.
+PARITY_SUBSCRIBER = {"heartbeat_interval_s": 0.02, "block_ms": 10, "resync_retry_s": 0.02}
+
+
+async def run_parity(redis_url: str, prefix: str, trace: PreparedTrace, config: ReplayConfig) -> ParityRecord:
+    """Starts a live ``RouterApp`` (the config's routing policy, a fresh instance) that
+    follows ``redis_url``, runs the parity replay against it and stops it. The simulated
+    replicas sign their state with the test cluster key and answer the router's
+    ``GetCacheSummary`` through their publishers, as real replicas do."""
+    from unicache.router.app import RouterApp
+    from unicache.router.config import build_config
+    from unicache.router.routing.registry import make_routing_policy
+    from unicache.testing.signed_state import CLUSTER_KEY
+
+    drivers: list[ParityDriver] = []
+
+    async def fetch_summary(address: str, nonce: bytes, timeout_s: float) -> bytes:
+        return await drivers[0].fetch_summary(address, nonce, timeout_s)
+
+    app = RouterApp(
+        build_config(env={}, overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_url, "redis_prefix": prefix,
+                                        "block_size": trace.block_size, "auth_enabled": False,
+                                        "cluster_key": CLUSTER_KEY}),
+        policy=make_routing_policy(config.router, **config.router_kwargs),
+        subscriber_kwargs={**PARITY_SUBSCRIBER, "fetch_summary": fetch_summary},
+    )
+    drivers.append(ParityDriver(app, redis_url, prefix, trace, config))
+    await app.start()
+    try:
+        return await drivers[0].run()
+    finally:
+        await app.stop()
