@@ -32,7 +32,7 @@ from unicache.replica.vllm_engine.engine import VLLMEngine
 from unicache.request_class import RequestClass, Task
 from unicache.router.app import RouterApp
 from unicache.state_auth import parse_cluster_key
-from unicache.testing.signed_state import CLUSTER_KEY, SIGNER
+from unicache.testing.signed_state import CLUSTER_KEY, SIGNER, call_metadata
 from unicache.router.config import build_config
 from unicache.testing.polling import eventually
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
@@ -156,7 +156,7 @@ async def generate(stub, prompt: str | list[int], salt: bytes = b"", cls: Reques
         req.text = prompt
     else:
         req.token_ids.ids.extend(prompt)
-    msgs = [m async for m in stub.Generate(req, timeout=120)]
+    msgs = [m async for m in stub.Generate(req, metadata=call_metadata(), timeout=120)]
     return [t for m in msgs for t in m.token_ids], msgs[-1].usage
 
 
@@ -220,7 +220,7 @@ async def test_evicted_blocks_leave_the_index(stack):
     _, again = await generate(stack.replica, text(7 * 13, 290, 8), salt=salt, max_tokens=2)
     assert again.cached_tokens == 288  # the newest prompt's 9 full blocks are all still there
     await eventually(lambda: set(app.index.holdings("v0").blocks) == set(engine.cached_hashes()), "index equals vLLM's cache")
-    state = await stack.replica.GetCacheState(replica_pb2.GetCacheStateRequest(), timeout=10)
+    state = await stack.replica.GetCacheState(replica_pb2.GetCacheStateRequest(), metadata=call_metadata(), timeout=10)
     assert (state.replica_id, state.block_size, state.capacity_blocks, state.eviction_policy) == ("v0", BS, NUM_BLOCKS, "unicache")
     assert state.used_blocks == 0 and state.free_blocks == NUM_BLOCKS
     assert state.evictions > 0 and 0.0 < state.hit_ratio < 1.0
