@@ -106,18 +106,21 @@ async def ttft_part(model_dir: str, reps: int) -> dict:
     from unicache.replica.settings import ReplicaSettings
     from unicache.router.app import RouterApp
     from unicache.router.config import build_config
+    from unicache.state_auth import CallCredential, new_cluster_key, parse_cluster_key
     from unicache.testing.polling import eventually
     from unicache.tokenizer import load_tokenizer
     from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 
     tok = load_tokenizer(f"{model_dir}/tokenizer.json")
+    key = new_cluster_key()  # a fresh cluster: replicas sign their state, calls carry the credential
+    credential = CallCredential(parse_cluster_key(key)).metadata()
     redis = EmbeddedRedis()
     redis.start()
     runtime = ReplicaRuntime(
-        ReplicaSettings(replica_id="v0", engine="vllm", checkpoint=model_dir, block_size=BS, num_blocks=256, device="cpu", dtype="float32", redis_url=redis.url, redis_prefix="bench")
+        ReplicaSettings(replica_id="v0", engine="vllm", checkpoint=model_dir, block_size=BS, num_blocks=256, device="cpu", dtype="float32", redis_url=redis.url, redis_prefix="bench", cluster_key=key)
     )
     address = await runtime.start()
-    app = RouterApp(build_config(env={}, overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis.url, "redis_prefix": "bench", "block_size": BS, "tokenizer": f"{model_dir}/tokenizer.json", "auth_enabled": False}))
+    app = RouterApp(build_config(env={}, overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis.url, "redis_prefix": "bench", "block_size": BS, "tokenizer": f"{model_dir}/tokenizer.json", "auth_enabled": False, "cluster_key": key}))
     await app.start()
     try:
         await eventually(lambda: "v0" in app.cluster.replicas, "replica seen", timeout_s=60)
@@ -128,7 +131,7 @@ async def ttft_part(model_dir: str, reps: int) -> dict:
         async def via_replica(ids):
             req = replica_pb2.GenerateRequest(sampling=sampling)
             req.token_ids.ids.extend(ids)
-            return await first_token(replica.Generate(req, timeout=300))
+            return await first_token(replica.Generate(req, metadata=credential, timeout=300))
 
         async def via_router(ids):
             # NOTE: text of the word tokenizer: one token per word, so the router's ids are these.
