@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -29,9 +30,10 @@ def config(replicas: list[FakeReplica], **overrides):
     return build_config(env=env, overrides=base)
 
 
-@pytest.fixture
-async def cluster2():
-    reps = [FakeReplica("r0"), FakeReplica("r1")]
+@contextlib.asynccontextmanager
+async def fake_cluster(n: int):
+    """A router (round robin, static replicas) in front of ``n`` fake replicas r0..r{n-1}."""
+    reps = [FakeReplica(f"r{i}") for i in range(n)]
     for r in reps:
         await r.start()
     app = RouterApp(config(reps))
@@ -44,6 +46,12 @@ async def cluster2():
         await app.stop()
         for r in reps:
             await r.stop()
+
+
+@pytest.fixture
+async def cluster2():
+    async with fake_cluster(2) as stack:
+        yield stack
 
 
 async def collect(call):
@@ -90,19 +98,8 @@ async def test_grpc_rejects_missing_or_wrong_key(cluster2, metadata):
 
 @pytest.fixture
 async def cluster3():
-    reps = [FakeReplica("r0"), FakeReplica("r1"), FakeReplica("r2")]
-    for r in reps:
-        await r.start()
-    app = RouterApp(config(reps))
-    await app.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
-    try:
-        yield app, reps, router_pb2_grpc.RouterStub(channel)
-    finally:
-        await channel.close()
-        await app.stop()
-        for r in reps:
-            await r.stop()
+    async with fake_cluster(3) as stack:
+        yield stack
 
 
 def served(reps: list[FakeReplica]) -> list[int]:
