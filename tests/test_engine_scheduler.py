@@ -87,3 +87,14 @@ def test_usage_times_come_from_the_engine_clock():
                 usage[out.request_id] = (out.usage.queue_time_s, out.usage.prefill_time_s)
     assert usage == {"A": (2.0, 2.5), "B": (10.0, 0.0)}
     assert not eng.has_unfinished()
+
+
+def test_usage_of_a_request_aborted_before_scheduling_reads_the_engine_clock():
+    # Aborted while still waiting: its whole life (arrival 10 s to abort 17 s) is queue
+    # time by the engine's clock, whatever time.monotonic() says.
+    now = [10.0]
+    eng = LLMEngine(tiny_config(max_num_seqs=1, max_num_batched_tokens=8), clock=lambda: now[0])
+    eng.add_request(make_request("A", list(range(20)), max_tokens=1))
+    now[0] = 17.0
+    (out,) = eng.abort("A")
+    assert (out.finish_reason, out.usage.queue_time_s, out.usage.prefill_time_s) == ("abort", 7.0, 0.0)

@@ -188,11 +188,12 @@ class LLMEngine:
             if group is None:
                 return []
             dropped = self.scheduler.remove_group(group)
-        outs = [s.abort_output() for s in dropped]
+        now = self.clock()
+        outs = [s.abort_output(now) for s in dropped]
         present = {s.index for s in group.seqs}
         for idx in range(group.request.sampling.n):
             if idx not in present:
-                outs.append(EngineOutput(request_id, idx, [], "", True, "abort", group.seqs[0].usage()))
+                outs.append(EngineOutput(request_id, idx, [], "", True, "abort", group.seqs[0].usage(now)))
         return outs
 
     def has_unfinished(self) -> bool:
@@ -263,7 +264,7 @@ class LLMEngine:
                 logits_s = apply_penalties(row_logits, s.output_counts, params) if params.penalized else row_logits
                 tok = sample(logits_s, params, s.generator)
                 lp = token_logprob(row_logits, tok, params.logprobs) if params.logprobs is not None else None
-                out = s.append_token(tok, self.tokenizer.eos_token_id, params.ignore_eos, self.max_model_len, lp)
+                out = s.append_token(tok, self.tokenizer.eos_token_id, params.ignore_eos, self.max_model_len, now, lp)
                 outputs.append(out)
                 if out.finished:
                     self.scheduler.finish(s)

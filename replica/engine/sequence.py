@@ -14,7 +14,6 @@ Invariants:
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +120,7 @@ class Sequence:
         eos_token_id: int | None,
         ignore_eos: bool,
         max_model_len: int,
+        now: float,
         logprob: TokenLogprob | None = None,
     ) -> EngineOutput:
         """Record a sampled token, decide whether the sample is done, build its output.
@@ -174,18 +174,20 @@ class Sequence:
             text_delta=delta,
             finished=reason is not None,
             finish_reason=reason,
-            usage=self.usage() if reason is not None else None,
+            usage=self.usage(now) if reason is not None else None,
             logprobs=[logprob] if logprob is not None else None,
         )
 
-    def abort_output(self) -> EngineOutput:
+    def abort_output(self, now: float) -> EngineOutput:
         self.status = SeqStatus.FINISHED
         self.finish_reason = "abort"
-        return EngineOutput(self.group.request_id, self.index, [], "", True, "abort", self.usage())
+        return EngineOutput(self.group.request_id, self.index, [], "", True, "abort", self.usage(now))
 
-    def usage(self) -> Usage:
+    def usage(self, now: float) -> Usage:
+        """Token counts and timings at ``now``, a reading of the engine's clock (the clock
+        ``arrival`` came from): a phase not yet reached (never scheduled, no first token)
+        ends at ``now``."""
         g = self.group
-        now = time.monotonic()
         started = g.first_scheduled if g.first_scheduled is not None else now
         first = g.first_token if g.first_token is not None else now
         return Usage(
