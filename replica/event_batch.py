@@ -8,6 +8,9 @@ top of any state that already reflects a prefix of its events gives the same res
 applying the events one by one -- which is what lets a summary snapshot be taken while
 the engine keeps storing blocks (events after the snapshot are replayed harmlessly).
 
+Each stored hash keeps its parent's hash (``BlockStored.parent_hash``), published as
+``stored_parents`` so the router's index knows the chains and trims them from the tail.
+
 Invariant: a hash is never in both ``stored`` and ``removed``.
 """
 
@@ -25,7 +28,7 @@ from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStor
 class PendingBatch:
     """Events taken from the engine and not yet published."""
 
-    stored: dict[BlockHash, None] = field(default_factory=dict)
+    stored: dict[BlockHash, BlockHash | None] = field(default_factory=dict)  # hash -> parent
     removed: dict[BlockHash, None] = field(default_factory=dict)
     cleared: bool = False
     num_events: int = 0
@@ -35,7 +38,7 @@ class PendingBatch:
             self.num_events += 1
             if isinstance(ev, BlockStored):
                 self.removed.pop(ev.block_hash, None)
-                self.stored[ev.block_hash] = None
+                self.stored[ev.block_hash] = ev.parent_hash
             elif isinstance(ev, BlockRemoved):
                 self.stored.pop(ev.block_hash, None)
                 self.removed[ev.block_hash] = None
@@ -56,6 +59,7 @@ class PendingBatch:
             epoch=epoch,
             seq=seq,
             stored=list(self.stored),
+            stored_parents=[p or b"" for p in self.stored.values()],
             removed=list(self.removed),
             cleared=self.cleared,
             timestamp=timestamp,

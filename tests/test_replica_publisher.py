@@ -80,6 +80,11 @@ def test_pending_batch_keeps_net_effect():
     assert (list(p.stored), list(p.removed), p.cleared) == ([a], [], True)
     msg = p.to_proto("r", 7, 3, 1.5)
     assert (msg.epoch, msg.seq, list(msg.stored), list(msg.removed), msg.cleared) == (7, 3, [a], [], True)
+    assert list(msg.stored_parents) == [b""]  # a first block
+    p = PendingBatch()
+    p.add([BlockStored(a, None, 0), BlockStored(b, a, 0), BlockStored(c, b, 0), BlockRemoved(b, 0)])
+    msg = p.to_proto("r", 7, 4, 1.5)
+    assert (list(msg.stored), list(msg.stored_parents), list(msg.removed)) == ([a, c], [b"", b], [b])
 
 
 # ----------------------------------------------------------------- against Redis
@@ -120,6 +125,7 @@ async def test_batches_have_consecutive_seq_and_exact_content(redis_server, redi
         batches = await read_batches(redis_client)
         assert [(b.epoch, b.seq) for b in batches] == [(1_000_000, 1), (1_000_000, 2), (1_000_000, 3)]
         assert [list(b.stored) for b in batches] == [h1, h2, h3]
+        assert [list(b.stored_parents) for b in batches] == [[b"", h1[0]], [b"", h2[0]], [b"", h3[0]]]
         assert [list(b.removed) for b in batches] == [[], [], [h1[1], h1[0]]]
         assert pub.seq == 3
     finally:
@@ -145,7 +151,8 @@ async def test_summary_plus_stream_rebuild_the_store_in_a_locality_index(redis_s
         index.apply_summary("r0", s.epoch, s.seq, s.block_hashes)
         batches = await read_batches(redis_client)
         for b in batches:
-            assert index.apply_events("r0", b.epoch, b.seq, b.stored, b.removed, b.cleared)
+            parents = [p or None for p in b.stored_parents]
+            assert index.apply_events("r0", b.epoch, b.seq, b.stored, b.removed, b.cleared, parents)
         assert set(index.holdings("r0").blocks) == set(src.store.cached_hashes())
         # 13 of the 13 flushes had events (q4 repeats q0's one block: a pure hit, no batch).
         assert [b.seq for b in batches] == list(range(1, 14)) and s.seq == 6

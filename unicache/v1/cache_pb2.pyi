@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("replica_id", "epoch", "seq", "stored", "removed", "cleared", "timestamp")
+    __slots__ = ("replica_id", "epoch", "seq", "stored", "removed", "cleared", "timestamp", "stored_parents")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class KVEventBatch(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    STORED_PARENTS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     epoch: int
     seq: int
@@ -24,7 +25,8 @@ class KVEventBatch(_message.Message):
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     cleared: bool
     timestamp: float
-    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    stored_parents: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., timestamp: _Optional[float] = ..., stored_parents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CacheSummary(_message.Message):
     __slots__ = ("replica_id", "epoch", "seq", "block_hashes", "block_size", "timestamp", "nonce")
