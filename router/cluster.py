@@ -50,6 +50,9 @@ class EmptyView(LocalityView):
     def match(self, replica_id: str, block_hashes) -> int:  # noqa: ARG002
         return 0
 
+    def prefix_matches(self, block_hashes) -> dict[str, int]:  # noqa: ARG002
+        return {}
+
     def is_stale(self, replica_id: str) -> bool:  # noqa: ARG002
         # NOTE: it vouches for nothing, so policies fall back on their own memory
         # (cache_aware's session stickiness) instead of treating every replica as cold.

@@ -1,38 +1,77 @@
-"""The locality index: per replica, the set of block hashes it is believed to hold.
+"""The locality index: block hash -> the replicas believed to hold it.
 
 Pure in-memory state fed by whoever reads the replicas' events (the Redis subscriber in
 the live router, the simulator's event pump). No I/O here.
 
+Layout. ``_holders`` maps a block hash to ``{replica id: entry}``, one entry per (block,
+replica); each replica's ``ReplicaHoldings.blocks`` maps its hashes to the same entries.
+``prefix_matches`` walks a request's chained hashes through ``_holders`` and narrows the
+candidate set as it goes, so its cost is the sum of the matched lengths of the replicas
+that hold a prefix, whatever the fleet's size.
+
 Invariants:
+    * ``e in _holders[h].values()`` iff ``e is holdings(r).blocks[h]`` for exactly one r;
+      no hash maps to an empty dict.
+    * An entry's ``parent`` is the entry of its parent block on the same replica if that
+      block was indexed there when the child was stored (else None: a first block, or a
+      parent unknown to the index); once the parent leaves first (a replica may evict a
+      parent before its child) it is a dead entry (``children == -1``) that nothing
+      counts. ``children`` counts the live entries whose parent it is; a *leaf* has 0.
+    * Trimming removes leaves only, least recently used first (``tick``: the index's
+      clock at its last store or match; ties: the one pushed last, so an old sender's
+      chain, stored root first without parents, still loses its tail first). Removing a
+      leaf can make its parent a leaf. Dropping a root would zero every descendant's
+      match, so a chain shrinks from its tail.
     * ``applied_seq[r]`` is the seq of the last event batch applied for replica r in its
       current epoch; a batch with another epoch or a seq gap marks r as needing resync.
-    * A replica's set never exceeds ``max_blocks_per_replica``, so memory is bounded even
-      if a remove event is lost. Each set is kept in least-recently-used order: a stored
-      block is the most recent, and ``match`` refreshes the prefix it found deepest
-      first, so within a used chain a block is always less recent than its ancestors.
-      Trimming drops the least recent block, hence a leaf of a used prefix before its
-      parent (dropping a root would zero every descendant's match).
-    * Nor its ``capacity`` (the KV blocks its signed heartbeat announces, 0 = unknown): a
-      summary or batch that would leave more is an impossible claim; the index trims it,
-      marks the replica for resync and records ``fault = "over_capacity"``.
+    * A replica never holds more than ``max_blocks_per_replica`` entries, so memory is
+      bounded even if a remove event is lost; nor more than its ``capacity`` (the KV
+      blocks its signed heartbeat announces, 0 = unknown): a summary or batch that would
+      leave more is an impossible claim; the index trims it, marks the replica for
+      resync and records ``fault = "over_capacity"``.
     * ``fault`` says why the last failed apply marked a resync: "gap", "epoch" or
       "over_capacity" (the subscriber counts it; a gap or impossible claim is resynced
       from the replica itself).
+    * A replica's leaf heap is rebuilt from its live leaves whenever a push leaves it
+      above ``2 * len(blocks) + 64`` items (stale items are otherwise dropped lazily when
+      popped), so it stays proportional to the entries.
+
+Without parents (``parents=None``: a batch from a sender older than
+``KVEventBatch.stored_parents``, or a ``CacheSummary``, which lists hashes only) every
+block is indexed as a root and trimming falls back to the tie rule above: within one
+batch or summary the block listed last goes first. Replicas list a chain root first (a
+store caches a prompt's blocks in order), so even then a chain loses its tail first.
+Later batches link their blocks to summary blocks as usual.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
 from unicache.router.routing.base import LocalityView
 
+_HEAP_SLACK = 64
+
+
+@dataclass(slots=True, eq=False)
+class IndexEntry:
+    """One (block, replica) entry. ``children == -1`` once it left the index."""
+
+    block_hash: BlockHash
+    parent: IndexEntry | None
+    children: int
+    tick: int
+
 
 @dataclass(slots=True)
 class ReplicaHoldings:
-    blocks: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
+    """One replica's entries plus its stream position and bounds."""
+
+    blocks: dict[BlockHash, IndexEntry] = field(default_factory=dict)
+    leaves: list[tuple[int, int, BlockHash]] = field(default_factory=list)  # (tick, -order, hash)
     epoch: int = -1
     applied_seq: int = -1
     needs_resync: bool = True
@@ -41,26 +80,50 @@ class ReplicaHoldings:
 
 
 class LocalityIndex(LocalityView):
-    """Block hashes per replica with gap detection.
+    """Block hash -> replicas, with per-replica leaf-first LRU bounds and gap detection.
 
     Args:
-        max_blocks_per_replica: bound on each replica's set (default 2,000,000 hashes,
-            about 200 MB of Python objects in the worst case).
+        max_blocks_per_replica: bound on each replica's entries (default 2,000,000;
+            ``bench.fleet_scale`` measures the bytes per entry).
     """
 
     def __init__(self, max_blocks_per_replica: int = 2_000_000):
+        if max_blocks_per_replica <= 0:
+            raise ValueError("max_blocks_per_replica must be positive")
         self.max_blocks = max_blocks_per_replica
         self._replicas: dict[str, ReplicaHoldings] = {}
+        self._holders: dict[BlockHash, dict[str, IndexEntry]] = {}
+        self._tick = 0
+        self._order = 0
 
+    # ------------------------------------------------------------------ reading
     def replicas(self) -> list[str]:
         return list(self._replicas)
 
+    def has_replica(self, replica_id: str) -> bool:
+        return replica_id in self._replicas
+
     def holdings(self, replica_id: str) -> ReplicaHoldings:
-        return self._replicas.setdefault(replica_id, ReplicaHoldings())
+        h = self._replicas.get(replica_id)
+        if h is None:
+            h = self._replicas[replica_id] = ReplicaHoldings()
+        return h
+
+    def holders(self, block_hash: BlockHash) -> set[str]:
+        """The replicas that hold ``block_hash`` (a copy)."""
+        return set(self._holders.get(block_hash, ()))
 
     def num_blocks(self, replica_id: str) -> int:
         h = self._replicas.get(replica_id)
         return len(h.blocks) if h else 0
+
+    def num_entries(self) -> int:
+        """(block, replica) entries in the index."""
+        return sum(len(h.blocks) for h in self._replicas.values())
+
+    def num_hashes(self) -> int:
+        """Distinct block hashes in the index."""
+        return len(self._holders)
 
     def needs_resync(self, replica_id: str) -> bool:
         h = self._replicas.get(replica_id)
@@ -70,48 +133,97 @@ class LocalityIndex(LocalityView):
         return self.needs_resync(replica_id)
 
     def match(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading ``block_hashes`` the replica holds; refreshes them (a use)."""
         h = self._replicas.get(replica_id)
         if h is None:
             return 0
         blocks = h.blocks
+        self._tick += 1
+        tick = self._tick
         n = 0
         for bh in block_hashes:
-            if bh not in blocks:
+            e = blocks.get(bh)
+            if e is None:
                 break
+            e.tick = tick
             n += 1
-        if n:
-            touch = blocks.move_to_end
-            for i in range(n - 1, -1, -1):  # NOTE: deepest first: the root ends most recent
-                touch(block_hashes[i])
         return n
 
+    def prefix_matches(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """Every replica holding at least the first block, with how many leading blocks
+        it holds; refreshes the matched entries. Cost: the walk visits each matching
+        replica once per block it matched, never the replicas that match nothing."""
+        if not block_hashes:
+            return {}
+        holders = self._holders
+        level = holders.get(block_hashes[0])
+        if not level:
+            return {}
+        self._tick += 1
+        tick = self._tick
+        out: dict[str, int] = {}
+        alive = list(level)
+        for e in level.values():
+            e.tick = tick
+        depth = 1
+        for bh in block_hashes[1:]:
+            level = holders.get(bh)
+            if not level:
+                break
+            nxt = []
+            for rid in alive:
+                e = level.get(rid)
+                if e is None:
+                    out[rid] = depth
+                else:
+                    e.tick = tick
+                    nxt.append(rid)
+            alive = nxt
+            if not alive:
+                break
+            depth += 1
+        for rid in alive:
+            out[rid] = depth
+        return out
+
+    # ------------------------------------------------------------------ writing
     def set_capacity(self, replica_id: str, capacity_blocks: int) -> None:
         """The replica's KV capacity in blocks (from its heartbeat); 0 leaves it unknown."""
         self.holdings(replica_id).capacity = capacity_blocks
 
-    def apply_summary(self, replica_id: str, epoch: int, seq: int, block_hashes: Iterable[BlockHash]) -> bool:
+    def apply_summary(
+        self,
+        replica_id: str,
+        epoch: int,
+        seq: int,
+        block_hashes: Iterable[BlockHash],
+        parents: Sequence[BlockHash | None] | None = None,
+    ) -> bool:
         """Replace a replica's holdings by a full summary taken at (epoch, seq).
 
-        Returns False (trimmed to capacity, resync marked) when it claims more blocks than
-        the replica's capacity."""
+        ``parents[i]`` is the parent hash of ``block_hashes[i]`` (None: a first block);
+        ``parents=None``: unknown (an old sender). Returns False (trimmed to capacity,
+        resync marked) when it claims more blocks than the replica's capacity."""
         h = self.holdings(replica_id)
-        h.blocks = OrderedDict.fromkeys(block_hashes)
+        self._clear(replica_id, h)
         h.epoch, h.applied_seq, h.needs_resync = epoch, seq, False
-        return self._trim(h)
+        self._store(replica_id, h, block_hashes, parents)
+        return self._trim(h, replica_id)
 
     def apply_events(
         self,
         replica_id: str,
         epoch: int,
         seq: int,
-        stored: Iterable[BlockHash],
+        stored: Sequence[BlockHash],
         removed: Iterable[BlockHash],
         cleared: bool = False,
+        parents: Sequence[BlockHash | None] | None = None,
     ) -> bool:
-        """Apply one event batch. Returns False (and marks resync) on a gap or epoch change.
-
-        Batches at or below the applied seq are duplicates and ignored (returns True).
-        """
+        """Apply one event batch: ``cleared``, then ``removed``, then ``stored`` (with
+        ``parents`` as in ``apply_summary``). Returns False (and marks resync) on a gap
+        or epoch change, or when the result exceeds the capacity. Batches at or below the
+        applied seq are duplicates and ignored (returns True)."""
         h = self.holdings(replica_id)
         if epoch != h.epoch or h.needs_resync:
             h.needs_resync, h.fault = True, "epoch"
@@ -122,39 +234,155 @@ class LocalityIndex(LocalityView):
             h.needs_resync, h.fault = True, "gap"
             return False
         if cleared:
-            h.blocks.clear()
-        blocks = h.blocks
-        for bh in removed:
-            blocks.pop(bh, None)
-        for bh in stored:
-            blocks[bh] = None
+            self._clear(replica_id, h)
+        self._remove(replica_id, h, removed)
+        self._store(replica_id, h, stored, parents)
         h.applied_seq = seq
-        return self._trim(h)
+        return self._trim(h, replica_id)
 
-    def apply_events_unchecked(self, replica_id: str, stored: Iterable[BlockHash], removed: Iterable[BlockHash]) -> None:
+    def apply_events_unchecked(
+        self,
+        replica_id: str,
+        stored: Sequence[BlockHash],
+        removed: Iterable[BlockHash],
+        parents: Sequence[BlockHash | None] | None = None,
+        cleared: bool = False,
+    ) -> None:
         """Apply events from a lossless in-process source (the simulator)."""
         h = self.holdings(replica_id)
         h.needs_resync = False
-        for bh in removed:
-            h.blocks.pop(bh, None)
-        for bh in stored:
-            h.blocks[bh] = None
-        self._trim(h)
+        if cleared:
+            self._clear(replica_id, h)
+        self._remove(replica_id, h, removed)
+        self._store(replica_id, h, stored, parents)
+        self._trim(h, replica_id)
 
     def mark_resync(self, replica_id: str) -> None:
         self.holdings(replica_id).needs_resync = True
 
     def drop_replica(self, replica_id: str) -> None:
-        self._replicas.pop(replica_id, None)
+        """Forget the replica: it leaves every block's holder set."""
+        h = self._replicas.pop(replica_id, None)
+        if h is not None:
+            self._clear(replica_id, h)
 
-    def _trim(self, h: ReplicaHoldings) -> bool:
-        """Drop the least recently used blocks (leaves of used prefixes first) down to both
-        bounds. Returns False when the capacity bound had to cut (an impossible claim)."""
+    # ------------------------------------------------------------------ internals
+    def _clear(self, rid: str, h: ReplicaHoldings) -> None:
+        holders = self._holders
+        for bh, e in h.blocks.items():
+            e.children, e.parent = -1, None
+            level = holders[bh]
+            del level[rid]
+            if not level:
+                del holders[bh]
+        h.blocks = {}
+        h.leaves = []
+
+    def _remove(self, rid: str, h: ReplicaHoldings, removed: Iterable[BlockHash]) -> None:
+        blocks = h.blocks
+        for bh in removed:
+            e = blocks.get(bh)
+            if e is not None:
+                self._drop(rid, h, e)
+
+    def _drop(self, rid: str, h: ReplicaHoldings, e: IndexEntry) -> None:
+        bh = e.block_hash
+        del h.blocks[bh]
+        level = self._holders[bh]
+        del level[rid]
+        if not level:
+            del self._holders[bh]
+        p = e.parent
+        e.children, e.parent = -1, None
+        if p is not None and p.children > 0:
+            p.children -= 1
+            if p.children == 0:
+                self._push(h, p)
+
+    def _push(self, h: ReplicaHoldings, e: IndexEntry) -> None:
+        self._order += 1
+        heapq.heappush(h.leaves, (e.tick, -self._order, e.block_hash))
+        if len(h.leaves) > 2 * len(h.blocks) + _HEAP_SLACK:
+            self._compact(h)
+
+    def _store(
+        self,
+        rid: str,
+        h: ReplicaHoldings,
+        stored: Iterable[BlockHash],
+        parents: Sequence[BlockHash | None] | None,
+    ) -> None:
+        stored = stored if isinstance(stored, Sequence) else list(stored)
+        if parents is not None and len(parents) != len(stored):
+            raise ValueError(f"{len(parents)} parents for {len(stored)} stored blocks")
+        if not stored:
+            return
+        self._tick += 1
+        tick = self._tick
+        blocks = h.blocks
+        holders = self._holders
+        new: list[tuple[IndexEntry, BlockHash | None]] = []
+        for i, bh in enumerate(stored):
+            e = blocks.get(bh)
+            if e is not None:
+                e.tick = tick  # stored again: a use
+                continue
+            e = blocks[bh] = IndexEntry(bh, None, 0, tick)
+            level = holders.get(bh)
+            if level is None:
+                holders[bh] = {rid: e}
+            else:
+                level[rid] = e
+            new.append((e, parents[i] if parents is not None else None))
+        # NOTE: link after inserting the whole batch: a batch is a set, and a parent
+        # stored in it may come after its child.
+        for e, ph in new:
+            if ph:
+                p = blocks.get(ph)
+                if p is not None and p is not e:
+                    e.parent = p
+                    p.children += 1
+        for e, _ph in new:
+            if e.children == 0:
+                self._push(h, e)
+
+    def _compact(self, h: ReplicaHoldings) -> None:
+        """Rebuild the leaf heap from the live leaves (drops every stale item)."""
+        items = []
+        for e in h.blocks.values():
+            if e.children == 0:
+                self._order += 1
+                items.append((e.tick, -self._order, e.block_hash))
+        heapq.heapify(items)
+        h.leaves = items
+
+    def _pop_leaf(self, h: ReplicaHoldings) -> IndexEntry:
+        """The least recently used leaf (see the module invariants)."""
+        blocks = h.blocks
+        while True:
+            if not h.leaves:
+                self._compact(h)
+                if not h.leaves:
+                    # NOTE: only a parent cycle (a corrupt sender) leaves entries and no
+                    # leaf; the bound still holds: drop the oldest-inserted entry.
+                    return next(iter(blocks.values()))
+            tick, _neg, bh = heapq.heappop(h.leaves)
+            e = blocks.get(bh)
+            if e is None or e.children != 0:
+                continue  # gone, or no longer a leaf
+            if e.tick != tick:
+                self._push(h, e)  # used since it was pushed: requeue at its last use
+                continue
+            return e
+
+    def _trim(self, h: ReplicaHoldings, rid: str) -> bool:
+        """Drop least recently used leaves down to both bounds. Returns False when the
+        capacity bound had to cut (an impossible claim)."""
         while len(h.blocks) > self.max_blocks:
-            h.blocks.popitem(last=False)
+            self._drop(rid, h, self._pop_leaf(h))
         if h.capacity and len(h.blocks) > h.capacity:
             while len(h.blocks) > h.capacity:
-                h.blocks.popitem(last=False)
+                self._drop(rid, h, self._pop_leaf(h))
             h.needs_resync, h.fault = True, "over_capacity"
             return False
         return True

@@ -451,6 +451,12 @@ class RedisSubscriber:
         if not h.needs_resync and (batch.epoch < h.epoch or (batch.epoch == h.epoch and batch.seq <= h.applied_seq)):
             self.rejections.reject("replay", replica_id, "event batch")
             return True
+        try:
+            parents = _parents(batch.stored_parents, len(batch.stored))
+        except ValueError:
+            self.rejections.reject("unparsable", replica_id, "event batch")
+            index.mark_resync(replica_id)
+            return False
         ok = index.apply_events(
             replica_id,
             batch.epoch,
@@ -458,6 +464,7 @@ class RedisSubscriber:
             [BlockHash(h) for h in batch.stored],
             [BlockHash(h) for h in batch.removed],
             batch.cleared,
+            parents,
         )
         if not ok and h.fault in ("gap", "over_capacity"):
             self.rejections.reject(h.fault, replica_id, "event batch")
@@ -469,3 +476,14 @@ class RedisSubscriber:
             self.rejections.reject("unparsable", replica_id, "event batch")
             return None
         return self._open(replica_id, "events", raw, cache_pb2.KVEventBatch, "event batch")
+
+
+def _parents(raw, n: int) -> list[BlockHash | None] | None:
+    """A batch's parent hashes for the index: None when the sender sent
+    none (older than the field: every block is indexed as a root). Raises ValueError
+    when the list does not match its ``n`` blocks one to one (the payload is refused)."""
+    if not raw:
+        return None
+    if len(raw) != n:
+        raise ValueError(f"{len(raw)} parents for {n} blocks")
+    return [BlockHash(p) if p else None for p in raw]

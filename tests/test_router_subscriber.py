@@ -69,9 +69,12 @@ def put_heartbeat(r: redis.Redis, rid: str, epoch: int = 1, port: int = 7000, tt
     r.set(KEYS.heartbeat(rid), sealed("hb", heartbeat(rid, epoch, port, capacity)), ex=ttl_s)
 
 
-def add_events(r: redis.Redis, rid: str, epoch: int, seq: int, stored=(), removed=(), cleared=False) -> None:
+def add_events(r: redis.Redis, rid: str, epoch: int, seq: int, stored=(), removed=(), cleared=False, parents=()) -> None:
+    """``parents``: block numbers parallel to ``stored`` (0: a first block), or () as an
+    old sender writes it."""
     b = cache_pb2.KVEventBatch(
-        replica_id=rid, epoch=epoch, seq=seq, stored=[h(i) for i in stored], removed=[h(i) for i in removed], cleared=cleared
+        replica_id=rid, epoch=epoch, seq=seq, stored=[h(i) for i in stored], removed=[h(i) for i in removed], cleared=cleared,
+        stored_parents=[h(p) if p else b"" for p in parents],
     )
     r.xadd(KEYS.events(rid), {"b": sealed("events", b)})
 
@@ -363,3 +366,19 @@ async def test_index_is_exact_or_flagged_under_lost_batches(redis_server, ops):
     finally:
         await sub.close()
         r.close()
+
+
+async def test_batches_carry_parents_into_the_index_and_a_mismatch_resyncs(setup):
+    sub, cluster, index, _, r, _ = setup
+    put_heartbeat(r, "a")
+    replica_has(sub.truth, "a", 1, 0, [])
+    add_events(r, "a", 1, 1, stored=[1, 2, 3], parents=[0, 1, 2])
+    await sub.step(block_ms=0)
+    blocks = index.holdings("a").blocks
+    assert held(index, "a") == [1, 2, 3]
+    assert [blocks[h(i)].children for i in (1, 2, 3)] == [1, 1, 0]
+    assert blocks[h(3)].parent is blocks[h(2)] and blocks[h(1)].parent is None
+    add_events(r, "a", 1, 2, stored=[4, 5], parents=[3])  # one parent for two blocks
+    await sub.step(block_ms=0)
+    assert index.needs_resync("a") and sub.rejections.counts["unparsable"] == 1
+    assert held(index, "a") == [1, 2, 3]

@@ -185,3 +185,24 @@ def test_router_kwargs_build_the_routing_policy():
     assert sim.router.ring.members == {"r0", "r1"}
     with pytest.raises(ValueError, match="does not take no_such_knob"):
         Replay(prepared, ReplayConfig("lru", 4, replicas=2, router="cache_aware", router_kwargs={"no_such_knob": 1}))
+
+
+def test_the_event_pump_hands_the_index_each_blocks_parent():
+    from unicache.block_hash import hash_token_blocks
+    from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+    from unicache.router.index import LocalityIndex
+    from unicache.sim.replay import _pump
+
+    a, b, c = hash_token_blocks([1, 2, 3], 1)
+    x = hash_token_blocks([9], 1)[0]
+    index = LocalityIndex()
+    _pump(index, "r", [BlockStored(x, None, 0), BlockStored(a, None, 0), BlockStored(b, a, 0), BlockRemoved(x, 0),
+                       BlockStored(c, b, 0)])
+    blocks = index.holdings("r").blocks
+    assert list(blocks) == [a, b, c]
+    assert [blocks[a].parent, blocks[b].parent, blocks[c].parent] == [None, blocks[a], blocks[b]]
+    assert [blocks[h].children for h in (a, b, c)] == [1, 1, 0]
+    _pump(index, "r", [BlockStored(x, None, 1), AllBlocksCleared(1), BlockStored(a, None, 1)])
+    assert list(index.holdings("r").blocks) == [a] and not index.needs_resync("r")
+    _pump(index, "fresh", [])
+    assert index.has_replica("fresh") and index.num_blocks("fresh") == 0

@@ -72,6 +72,13 @@ class LocalityView(ABC):
     def match(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> int:
         """Number of leading ``block_hashes`` the replica holds."""
 
+    @abstractmethod
+    def prefix_matches(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """Every replica holding at least the first of ``block_hashes``, with the number
+        of leading blocks it holds (a replica left out matches 0). Policies call this
+        once per decision instead of ``match`` per replica: the index walks the prefix
+        through its hash -> replicas map and never visits a replica that matches nothing."""
+
     def match_all(self, replica_ids: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         return {r: self.match(r, block_hashes) for r in replica_ids}
 

@@ -5,7 +5,7 @@ For a request of N prompt tokens and chained block hashes h[0..L), block size B,
 every live replica r:
 
     m_r      = blocks of h the replica holds or will hold:
-                 index    = LocalityView.match(r, h)          (published holdings)
+                 index    = LocalityView.prefix_matches(h)[r]  (published holdings)
                  inflight = index extended while h[i] is in a prompt routed to r and not
                             finished yet (being computed: it will be cached; only with
                             ``track_inflight``)
@@ -250,8 +250,9 @@ class CacheAwarePolicy(RoutingPolicy):
 
         prev = self._sessions.get(session_key(cls.tenant, cls.session_id)) if cls.session_id is not None else None
         admissible = self._admissible(replicas)
+        matches = index.prefix_matches(hashes)  # NOTE: one walk; replicas left out match 0
         if prev is not None and self.session_sticky:
-            home = self._session_home(prev, hashes, admissible, index)
+            home = self._session_home(prev, hashes, admissible, index, matches)
             if home is not None:
                 return home
         sticky_id, sticky_blocks = None, 0.0
@@ -272,7 +273,7 @@ class CacheAwarePolicy(RoutingPolicy):
         n_hashes = len(hashes)
         for r in admissible:
             rid = r.replica_id
-            m_index = index.match(rid, hashes)
+            m_index = matches.get(rid, 0)
             m, reason = float(m_index), ("index_prefix" if m_index else "load")
             pend = self._pending.get(rid)
             if pend:
@@ -303,7 +304,7 @@ class CacheAwarePolicy(RoutingPolicy):
         return RouteDecision(best_r.replica_id, best_reason, matched_blocks=int(best_m), score=best[0])
 
     def _session_home(self, prev: _Session, hashes: Sequence[BlockHash], admissible: Sequence[ReplicaLoad],
-                      index: LocalityView) -> RouteDecision | None:
+                      index: LocalityView, matches: dict[str, int]) -> RouteDecision | None:
         """The decision that keeps the session on its replica, or None when the replica is
         dead or overloaded (not in ``admissible``) or lost the session's blocks."""
         rid = prev.replica_id
@@ -314,7 +315,7 @@ class CacheAwarePolicy(RoutingPolicy):
             # NOTE: the reason and the credited blocks are the cost path's for a stale view
             # (``sticky_trust`` of the shared prefix), so metrics read the same either way.
             return RouteDecision(rid, "session_sticky", matched_blocks=int(self.sticky_trust * shared))
-        m = index.match(rid, hashes)
+        m = matches.get(rid, 0)
         if m >= max(1.0, self.session_hold_frac * shared):
             prev.confirmed = True
         elif prev.confirmed:

@@ -349,24 +349,23 @@ class Replay:
 
 
 def _pump(index: LocalityIndex, replica_id: str, events: list) -> None:
-    """Apply store events to the index in order (a batch applies removes before stores,
-    so a remove that follows a store starts a new batch)."""
+    """Apply store events to the index in order, parents included (a batch applies
+    removes before stores, so a remove that follows a store starts a new batch)."""
     stored: list = []
+    parents: list = []
     removed: list = []
     for ev in events:
         kind = type(ev)
         if kind is BlockStored:
             stored.append(ev.block_hash)
+            parents.append(ev.parent_hash)
         elif kind is BlockRemoved:
             if stored:
-                index.apply_events_unchecked(replica_id, stored, removed)
-                stored, removed = [], []
+                index.apply_events_unchecked(replica_id, stored, removed, parents)
+                stored, parents, removed = [], [], []
             removed.append(ev.block_hash)
-        else:  # AllBlocksCleared
-            index.apply_events_unchecked(replica_id, stored, removed)
-            stored, removed = [], []
-            index.apply_summary(replica_id, 0, 0, ())
-    if stored or removed:
-        index.apply_events_unchecked(replica_id, stored, removed)
-    elif replica_id not in index.replicas():
-        index.apply_events_unchecked(replica_id, (), ())
+        else:  # AllBlocksCleared: what came before it is superseded
+            stored, parents, removed = [], [], []
+            index.apply_events_unchecked(replica_id, (), (), cleared=True)
+    if stored or removed or not index.has_replica(replica_id):
+        index.apply_events_unchecked(replica_id, stored, removed, parents)
