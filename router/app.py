@@ -173,7 +173,7 @@ class RouterApp:
             # and hash (a 64 MiB prompt became a 64M-element token list).
             options=[("grpc.max_receive_message_length", cfg.max_request_bytes), ("grpc.max_send_message_length", 64 << 20)]
         )
-        add_servicer(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(self.core, self.policy.name), server)
+        add_servicer(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(self.core, self.policy.name, cfg.admin_key), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

@@ -55,9 +55,9 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from unicache.router.status import fetch_cluster_state, format_table
+    from unicache.router.status import admin_key_from_env, fetch_cluster_state, format_table
 
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
-    print(format_table(fetch_cluster_state(args.router, args.timeout)))
+    print(format_table(fetch_cluster_state(args.router, args.timeout, admin_key_from_env())))
     return 0

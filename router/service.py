@@ -3,7 +3,7 @@
 ``Generate`` authenticates from metadata (``authorization: Bearer KEY`` or
 ``x-api-key``), renders chat JSON if given, and streams ``RouterCore.forward``; the first
 response carries ``RouteInfo``. ``ListReplicas`` and ``GetClusterState`` expose no tenant
-data and need no key (like ``/metrics``).
+data; like ``/metrics`` they need the admin key when one is set (router/admin.py).
 
 Invariants:
     * Every error reaches the client through ``grpc_status``, the one table from
@@ -21,6 +21,7 @@ import logging
 
 import grpc
 
+from unicache.router.admin import presents_admin_key
 from unicache.router.auth import AuthError, api_key_from_headers
 from unicache.chat_template import ChatFormatError
 from unicache.router.chat_template import render_chat_json
@@ -67,9 +68,14 @@ def _metadata_getter(context: grpc.aio.ServicerContext):
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, core: RouterCore, policy_name: str):
+    def __init__(self, core: RouterCore, policy_name: str, admin_key: str = ""):
         self.core = core
         self.policy_name = policy_name
+        self.admin_key = admin_key
+
+    async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
+        if not presents_admin_key(self.admin_key, api_key_from_headers(_metadata_getter(context))):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin key required")
 
     async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext):
         core = self.core
@@ -100,6 +106,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             core.metrics.labelled(core.metrics.requests, "grpc", outcome).inc()
 
     async def ListReplicas(self, request, context):
+        await self._require_admin(context)
         cluster = self.core.cluster
         out = router_pb2.ListReplicasResponse()
         for rid in sorted(cluster.replicas):
@@ -112,4 +119,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return out
 
     async def GetClusterState(self, request, context):
+        await self._require_admin(context)
         return await cluster_state(self.core, self.policy_name)

@@ -1,26 +1,45 @@
 """``unicache status --router ADDR``: the router's cluster state as a terminal table.
 
 Fetches ``GetClusterState`` over gRPC (with a deadline) and formats it; ``format_table``
-is pure so tests check the exact text.
+is pure so tests check the exact text. A router with an admin key wants it presented:
+``admin_key_from_env`` reads ``UNICACHE_ADMIN_KEY`` or the file ``UNICACHE_ADMIN_KEY_FILE``
+(never a flag: a flag is visible in /proc/<pid>/cmdline).
 """
 
 from __future__ import annotations
 
+import os
+
 import grpc
 
 from unicache.errors import UsageError
+from unicache.settings import env_name, resolve_secret
 from unicache.v1 import router_pb2, router_pb2_grpc
 
 COLUMNS = ("replica", "address", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "indexed", "queues")
 
 
-def fetch_cluster_state(address: str, timeout_s: float = 5.0) -> router_pb2.ClusterState:
-    """GetClusterState from the router at ``address``; unreachable -> UsageError (one line)."""
+def admin_key_from_env() -> str:
+    """The admin key from ``UNICACHE_ADMIN_KEY`` or the file ``UNICACHE_ADMIN_KEY_FILE``;
+    "" when neither is set."""
+    name = "admin_key"
+    return resolve_secret(os.environ.get(env_name(name), ""), os.environ.get(env_name(name + "_file"), ""), name)
+
+
+def fetch_cluster_state(address: str, timeout_s: float = 5.0, admin_key: str = "") -> router_pb2.ClusterState:
+    """GetClusterState from the router at ``address``, presenting ``admin_key`` when given.
+
+    Unreachable, or refused for want of the admin key -> UsageError (one line)."""
+    metadata = (("authorization", f"Bearer {admin_key}"),) if admin_key else None
     with grpc.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         try:
-            return stub.GetClusterState(router_pb2.GetClusterStateRequest(), timeout=timeout_s)
+            return stub.GetClusterState(router_pb2.GetClusterStateRequest(), timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise UsageError(
+                    f"router {address} wants its admin key: set {env_name('admin_key')} or {env_name('admin_key_file')}"
+                ) from None
             raise UsageError(f"router {address} unreachable: {exc.code().name}") from None
 
 

@@ -351,3 +351,46 @@ async def test_admin_key_guards_operator_endpoints():
             assert 'unicache_router_state_rejected_total{reason="bad_mac"} 0.0' in metrics
     finally:
         await app.stop()
+
+
+async def test_admin_key_guards_grpc_cluster_state_and_status_presents_it(monkeypatch, tmp_path):
+    import asyncio
+
+    from unicache.errors import UsageError
+    from unicache.router.app import RouterApp
+    from unicache.router.config import build_config
+    from unicache.router.status import admin_key_from_env, fetch_cluster_state
+    from unicache.v1 import router_pb2, router_pb2_grpc
+
+    cfg = build_config(
+        env={"UNICACHE_ADMIN_KEY": "adm-key-93e1"},
+        overrides={"grpc_port": 0, "http_port": 0, "use_redis": False, "auth_enabled": False},
+    )
+    app = RouterApp(cfg)
+    await app.start()
+    address = f"127.0.0.1:{app.grpc_port}"
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            calls = {
+                "ListReplicas": lambda md: stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=10, metadata=md),
+                "GetClusterState": lambda md: stub.GetClusterState(router_pb2.GetClusterStateRequest(), timeout=10, metadata=md),
+            }
+            for name, call in calls.items():
+                for md in (None, (("authorization", "Bearer wrong"),)):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call(md)
+                    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, "admin key required"), name
+                await call((("x-api-key", "adm-key-93e1"),))  # the key opens both
+        # `unicache status` reads the key from the environment or a file, and says which
+        # setting is missing when the router wants one.
+        monkeypatch.delenv("UNICACHE_ADMIN_KEY", raising=False)
+        monkeypatch.delenv("UNICACHE_ADMIN_KEY_FILE", raising=False)
+        with pytest.raises(UsageError, match="wants its admin key: set UNICACHE_ADMIN_KEY or UNICACHE_ADMIN_KEY_FILE"):
+            await asyncio.to_thread(fetch_cluster_state, address, 10, admin_key_from_env())
+        (tmp_path / "admin").write_text("adm-key-93e1\n")
+        monkeypatch.setenv("UNICACHE_ADMIN_KEY_FILE", str(tmp_path / "admin"))
+        state = await asyncio.to_thread(fetch_cluster_state, address, 10, admin_key_from_env())
+        assert state.routing_policy == app.policy.name
+    finally:
+        await app.stop()

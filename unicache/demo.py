@@ -78,7 +78,7 @@ def _send(stub: router_pb2_grpc.RouterStub, req: DemoRequest, max_tokens: int, m
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from unicache.router.status import fetch_cluster_state, format_table
+    from unicache.router.status import admin_key_from_env, fetch_cluster_state, format_table
 
     workload = build_workload(args.seed, args.sessions, args.turns, args.templated, args.single)
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
@@ -104,7 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
     # NOTE: replicas report load and cache state in their heartbeats; wait one period so
     # the table shows the state after this workload rather than during it.
     time.sleep(HEARTBEAT_INTERVAL_S + 0.2)
-    print(format_table(fetch_cluster_state(args.router, args.timeout)))
+    print(format_table(fetch_cluster_state(args.router, args.timeout, admin_key_from_env())))
     print()
     print(f"{'requests':10s} {'n':>4s} {'prompt tok':>11s} {'cached tok':>11s} {'hit%':>6s}")
     for kind in ("session", "template", "single", "all"):
