@@ -89,7 +89,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         if which is None:
             raise EngineInputError("invalid", "missing prompt: set either text or token_ids")
         if which == "text":
-            token_ids = list(self.engine.encode(request.text))
+            token_ids = list(self.engine.encode(request.text, add_special_tokens=True))  # a completion prompt
         else:
             token_ids = list(request.token_ids.ids)
         if not token_ids:

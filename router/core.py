@@ -237,8 +237,10 @@ class RouterCore:
     def policy(self):
         return self.cluster.policy
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``text``'s token ids; ``add_special_tokens=True`` for a completion prompt (the
+        tokenizer's BOS, as vLLM), False for a rendered chat template (unicache/tokenizer.py)."""
+        return list(self.tokenizer.encode(text, add_special_tokens))
 
     def prepare(self, tenant: str, token_ids: list[int], labels: Labelled) -> Prepared:
         """Classify and hash; raises RouterError("invalid") for empty prompts or bad labels."""

@@ -289,7 +289,9 @@ class HttpFrontDoor:
             tenant = core.auth.authenticate(api_key_from_headers(request.headers.get))
             body = parse_body(await read_body(request, self.max_body_bytes), self.max_json_depth)
             req = self._parse(body, chat, request)
-            token_ids = [core.encode(p) if isinstance(p, str) else p for p in req.prompts]
+            # NOTE: vLLM's rule: a completion prompt gets the tokenizer's special tokens (BOS),
+            # a rendered chat template already carries them.
+            token_ids = [core.encode(p, add_special_tokens=not chat) if isinstance(p, str) else p for p in req.prompts]
             preps = [core.prepare(tenant, ids, req.labels) for ids in token_ids]
             if not req.generate:
                 return self._echo_only(req, token_ids, preps[0].request_id, api)

@@ -92,7 +92,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     task=request.task or None,
                     template=request.template if request.HasField("template") else None,
                 )
-                prep = core.prepare(tenant, core.encode(text), labels)
+                prep = core.prepare(tenant, core.encode(text, add_special_tokens=which == "text"), labels)
                 async for route, msg in core.forward(prep, request.sampling, context.time_remaining()):
                     out = router_response(msg)
                     if route is not None:

@@ -234,3 +234,41 @@ def test_metrics_per_replica_gauges_follow_membership():
     cluster.remove("a")
     text = m.render(cluster).decode()
     assert 'replica="a"' not in text and 'unicache_router_replica_load{replica="b"} 0.0' in text
+
+
+async def test_completion_prompts_get_the_tokenizers_bos_and_chat_templates_do_not(tmp_path):
+    # vLLM's rule: a completion prompt is tokenized with the tokenizer's special tokens (a
+    # Llama tokenizer.json's post-processor prepends BOS); a rendered chat template carries
+    # its own and is tokenized without; token-id prompts are taken as given.
+    import httpx
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from unicache.router.app import RouterApp
+    from unicache.tokenizer import ByteTokenizer, HFTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    tok = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "[UNK]": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(ckpt / "tokenizer.json"))
+    hf = HFTokenizer(str(ckpt))
+    assert (hf.encode("hello world"), hf.encode("hello world", add_special_tokens=True)) == ([2, 3], [0, 2, 3])
+    assert hf.encode("<s> hello") == [0, 2]  # special tokens in the text are recognised either way
+    assert ByteTokenizer().encode("hi", add_special_tokens=True) == [104, 105]  # no post-processor
+
+    app = RouterApp(build_config(env={"UNICACHE_CHECKPOINT": str(ckpt)}, overrides={"use_redis": False, "auth_enabled": False, "grpc_port": 0, "http_port": 0}))
+    await app.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10) as c:
+            body = {"model": app.config.served_model_name, "max_tokens": 0, "echo": True}
+            got = []
+            for prompt in ("hello world", [2, 3]):
+                r = await c.post("/v1/completions", json={**body, "prompt": prompt})
+                assert r.status_code == 200, r.text
+                got.append(r.json()["usage"]["prompt_tokens"])
+            assert got == [3, 2]
+    finally:
+        await app.stop()
+    assert app.core.encode("hello world", add_special_tokens=True) == [0, 2, 3]

@@ -8,9 +8,12 @@ one in the tokenizer's directory, or None) and ``detokenizer()``: an incremental
 for streaming whose deltas never split a UTF-8 character (concatenated deltas equal
 ``decode`` of all ids).
 
-``encode`` adds no special tokens but recognises them in the text (a rendered chat
-template's ``<|begin_of_text|>`` becomes its id), as transformers' ``apply_chat_template``
-tokenizes with ``add_special_tokens=False``.
+``encode`` recognises special tokens in the text (a rendered chat template's
+``<|begin_of_text|>`` becomes its id). It adds none unless ``add_special_tokens=True``,
+which applies the tokenizer's post-processor (a Llama ``tokenizer.json`` prepends BOS):
+vLLM's rule is True for a completion prompt and False for a rendered chat template (which
+carries its own BOS), as transformers' ``apply_chat_template`` tokenizes. The byte-level
+tokenizer has no post-processor: both give the same ids.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class Tokenizer(Protocol):
     bos_token_id: int | None
     chat_template: ChatTemplate | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -56,7 +59,8 @@ class ByteTokenizer:
         self.vocab_size = 259
         self.chat_template = BYTE_CHAT_TEMPLATE
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """UTF-8 bytes; no post-processor, so ``add_special_tokens`` adds nothing."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -98,8 +102,8 @@ class HFTokenizer:
         self.bos_token_id = self._tok.token_to_id(bos) if bos else None
         self.chat_template = ChatTemplate.from_directory(directory, cfg)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -134,8 +134,8 @@ class AsyncEngine:
         """Requests accepted by ``generate`` without output yet (see the module invariants)."""
         return self._waiting
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

@@ -220,8 +220,8 @@ class VLLMEngine:
         when some request still holds blocks."""
         return await self._require_started().reset_prefix_cache()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
