@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unicache.block_hash import BlockHash
+from unicache.replica.eviction.base import ReleaseInfo
 
 
 @dataclass(slots=True, eq=False)
@@ -23,6 +24,11 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     parent_id: int = -1
+    # The parent's hash when the block was cached (kept for a demotion's event).
+    parent_hash: BlockHash | None = None
+    # The block's last release (class, position, time), kept only under a host tier: a
+    # demoted block joins the host tier's policy with it.
+    release: ReleaseInfo | None = None
     # Intrusive links of the uncached free queue.
     prev: "KVBlock | None" = None
     next: "KVBlock | None" = None

@@ -5,28 +5,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unicache.block_hash import BlockHash
+from unicache.kv_tier import Tier
 
 
 @dataclass(slots=True, frozen=True)
 class BlockStored:
-    """A block entered the prefix cache."""
+    """A block entered the prefix cache in ``tier`` (a demotion is a GPU ``BlockRemoved``
+    followed by a HOST ``BlockStored``; a promotion the reverse)."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None
     timestamp: float
+    tier: Tier = Tier.GPU
 
 
 @dataclass(slots=True, frozen=True)
 class BlockRemoved:
-    """A block left the prefix cache (evicted or cleared)."""
+    """A block left the prefix cache's ``tier`` (evicted, cleared, demoted or promoted)."""
 
     block_hash: BlockHash
     timestamp: float
+    tier: Tier = Tier.GPU
 
 
 @dataclass(slots=True, frozen=True)
 class AllBlocksCleared:
-    """The whole prefix cache was dropped (reset); subscribers must forget this replica's blocks."""
+    """The whole prefix cache, both tiers, was dropped (reset); subscribers must forget this
+    replica's blocks."""
 
     timestamp: float
 

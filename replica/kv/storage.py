@@ -1,4 +1,5 @@
-"""Where block contents live. The store calls ``copy_block`` for copy-on-write and nothing else.
+"""Where block contents live. The store calls ``copy_block`` for copy-on-write and, with a
+host tier whose transfers it records, ``run_transfers`` (``unicache.replica.kv.transfers``).
 
 ``MetadataOnlyStorage`` keeps no tensors (the simulator and the router's tests);
 ``unicache.replica.kv.torch_storage.TorchKVStorage`` holds real K/V tensors. Keeping the torch
@@ -9,12 +10,19 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from unicache.replica.kv.transfers import TransferRun
+
 
 class KVStorage(Protocol):
     num_blocks: int
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src``'s contents into block ``dst`` (copy-on-write)."""
+
+
+class TieredKVStorage(KVStorage, Protocol):
+    def run_transfers(self, runs: list[TransferRun]) -> None:
+        """Run the batched copies between the GPU pool and the host buffer, in order."""
 
 
 class MetadataOnlyStorage:

@@ -3,6 +3,13 @@
 One code path for the engine (with ``TorchKVStorage``) and the simulator (metadata only).
 The store never does I/O: cache events queue up until ``take_events`` (unless built with
 ``collect_events=False``, for a caller that has no subscriber).
+
+With a host tier (``host=HostTier(...)``) a GPU victim is demoted to it instead of dropped,
+and ``allocate`` promotes the host blocks a prefix match runs into. With
+``record_transfers`` those copies queue up (``unicache.replica.kv.transfers``) until
+``flush_transfers`` hands them, batched, to the storage; the engine flushes before every
+forward pass, and the store itself before a copy-on-write (which may reuse a block whose
+demotion is still queued).
 """
 
 from __future__ import annotations
@@ -10,11 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
+from unicache.kv_tier import Tier
 from unicache.request_class import RequestClass
-from unicache.replica.eviction.base import EvictionPolicy
+from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
 from unicache.replica.kv.block import FreeBlockQueue, KVBlock
+from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from unicache.replica.kv.storage import KVStorage, MetadataOnlyStorage
+from unicache.replica.kv.transfers import Transfer, transfer_runs
 
 
 class OutOfBlocks(RuntimeError):
@@ -40,15 +50,24 @@ class RequestBlocks:
 
 @dataclass(slots=True, frozen=True)
 class Allocation:
-    """What ``allocate`` hands back: the block table and how much of the prompt hit."""
+    """What ``allocate`` hands back: the block table and how much of the prompt hit.
+
+    ``num_hit_blocks`` counts every leading block the request need not compute, GPU hits
+    then ``num_host_hit_blocks`` promoted ones (their copies are queued transfers).
+    """
 
     block_ids: tuple[int, ...]
     num_hit_blocks: int
     num_hit_tokens: int
+    num_host_hit_blocks: int = 0
 
 
 @dataclass(slots=True)
 class CacheStats:
+    """GPU-tier counters (the host tier's are ``HostTier.stats``).
+
+    ``hit_blocks`` are GPU hits; ``evictions`` GPU victims, demoted or dropped."""
+
     query_blocks: int = 0
     hit_blocks: int = 0
     evictions: int = 0
@@ -65,13 +84,18 @@ class KVStore:
         * every block is in exactly one of: a request's table (ref_cnt > 0), the uncached
           free queue (ref_cnt 0, no hash), the policy's candidates (ref_cnt 0, hash);
         * ``_cached[h].block_hash == h`` and every hashed block is in ``_cached``;
-        * ref_cnt equals the number of request tables holding the block.
+        * ref_cnt equals the number of request tables holding the block;
+        * with a host tier, a hash is in the GPU cache or the host tier, never both.
 
     Args:
         collect_events: queue cache events for ``take_events`` (default). Off, nothing is
             queued and ``take_events`` returns ``[]``: for callers without a subscriber
             (the single-replica simulator), where building the event records cost as
             much as the eviction itself.
+        host: the host-memory tier under the GPU pool (None: single tier).
+        record_transfers: queue a ``Transfer`` per demotion and promotion for
+            ``flush_transfers`` (an engine with host tensors: the storage must have
+            ``run_transfers``); off, only the bookkeeping moves (the simulator).
     """
 
     def __init__(
@@ -82,6 +106,8 @@ class KVStore:
         storage: KVStorage | None = None,
         enable_prefix_caching: bool = True,
         collect_events: bool = True,
+        host: HostTier | None = None,
+        record_transfers: bool = False,
     ):
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
@@ -99,6 +125,9 @@ class KVStore:
         self._events: list[KVEvent] = []
         self.collect_events = collect_events
         self.stats = CacheStats()
+        self.host = host
+        self.record_transfers = record_transfers
+        self._transfers: list[Transfer] = []
 
     # ---------------------------------------------------------------- queries
     @property
@@ -129,9 +158,21 @@ class KVStore:
             n += 1
         return n
 
+    def match_tiers(self, block_hashes: list[BlockHash]) -> tuple[int, int]:
+        """``(gpu, host)``: leading hashes in the GPU cache, then how many of the next ones,
+        consecutively, the host tier holds. No side effects."""
+        gpu = self.match_prefix(block_hashes)
+        if self.host is None or not self.enable_prefix_caching:
+            return gpu, 0
+        return gpu, self.host.match(block_hashes, gpu)
+
     def cached_hashes(self) -> list[BlockHash]:
-        """Every hash in the prefix cache (for full summaries)."""
+        """Every hash in the GPU prefix cache (for full summaries)."""
         return list(self._cached)
+
+    def host_hashes(self) -> list[BlockHash]:
+        """Every hash in the host tier (empty without one)."""
+        return self.host.hashes() if self.host is not None else []
 
     def request(self, request_id: str) -> RequestBlocks:
         return self._requests[request_id]
@@ -164,7 +205,9 @@ class KVStore:
         """Give ``request_id`` a block table covering ``num_tokens`` tokens.
 
         The longest cached prefix of ``block_hashes`` is shared (a hit); the rest are new
-        blocks. Raises ``OutOfBlocks`` without changing anything when space is short.
+        blocks. With a host tier, the hashes after the GPU hit that the host tier holds
+        are promoted into the first of the new blocks (host hits). Raises ``OutOfBlocks``
+        without changing anything when space is short.
 
         Args:
             block_hashes: hashes of the prompt's full blocks, in order.
@@ -192,7 +235,19 @@ class KVStore:
             on_access(block.block_id, cls, now)
             block.ref_cnt += 1
             table.append(block)
+        host = self.host
+        host_hits = 0
+        if host is not None and hits < total and self.enable_prefix_caching:
+            host.policy.on_request(cls, now)
+            host_hits = min(host.match(block_hashes, hits), total - hits)
+        if host_hits:
+            # NOTE: taken (pinned) before the new blocks are, so the demotions that making
+            # room may cause can neither evict nor overwrite a slot being promoted.
+            slots = [host.take(h, cls, now) for h in block_hashes[hits : hits + host_hits]]
         self._take_free_blocks(total - hits, now, table)
+        if host_hits:
+            self._promote(block_hashes, hits, slots, table, now)
+            hits += host_hits
         prompt_tokens = num_tokens if num_prompt_tokens is None else num_prompt_tokens
         self._requests[request_id] = RequestBlocks(
             request_id=request_id,
@@ -203,7 +258,32 @@ class KVStore:
             hashes=list(block_hashes),
             num_cached=hits,
         )
-        return Allocation(tuple(b.block_id for b in table), hits, hits * self.block_size)
+        return Allocation(tuple(b.block_id for b in table), hits, hits * self.block_size, host_hits)
+
+    def _promote(
+        self, block_hashes: list[BlockHash], start: int, slots: list[int], table: list[KVBlock], now: float
+    ) -> None:
+        """Cache ``block_hashes[start + k]`` in ``table[start + k]`` (fresh blocks), copied
+        from host slot ``slots[k]``; then the slots are free again."""
+        assert self.host is not None
+        cached, on_cached = self._cached, self.policy.on_cached
+        events = self._events if self.collect_events else None
+        for k, slot in enumerate(slots):
+            i = start + k
+            block, h = table[i], block_hashes[i]
+            parent_hash = block_hashes[i - 1] if i else None
+            parent = cached.get(parent_hash) if i else None
+            block.block_hash = h
+            block.parent_hash = parent_hash
+            block.parent_id = parent_id = parent.block_id if parent is not None else -1
+            cached[h] = block
+            on_cached(block.block_id, h, parent_id, now)
+            if events is not None:
+                events.append(BlockRemoved(h, now, Tier.HOST))
+                events.append(BlockStored(h, parent_hash, now))
+            if self.record_transfers:
+                self._transfers.append(Transfer(Tier.GPU, block.block_id, slot))
+        self.host.release(slots)
 
     def _take_free_block(self, now: float) -> KVBlock:
         taken: list[KVBlock] = []
@@ -226,6 +306,7 @@ class KVStore:
         victims = self.policy.pop_victims(n - from_free)
         blocks, cached, stats = self.blocks, self._cached, self.stats
         events = self._events if self.collect_events else None
+        host = self.host
         for victim in victims:
             block = blocks[victim]
             h = block.block_hash
@@ -236,11 +317,28 @@ class KVStore:
             block.parent_id = -1
             if events is not None:
                 events.append(BlockRemoved(h, now))
+            if host is not None:
+                self._demote(block, h, now)
             stats.evictions += 1
             block.ref_cnt = 1
             out.append(block)
         if len(victims) < n - from_free:
             raise OutOfBlocks("no evictable block")
+
+    def _demote(self, block: KVBlock, h: BlockHash, now: float) -> None:
+        """Store victim ``block``'s hash ``h`` (already uncached) in the host tier."""
+        assert self.host is not None
+        info = block.release or ReleaseInfo(RequestClass(), 0, 1, False, now)
+        slot, evicted = self.host.put(h, block.parent_hash, info, now)
+        block.release = None
+        if slot is None:
+            return
+        if self.collect_events:
+            if evicted is not None:
+                self._events.append(BlockRemoved(evicted, now, Tier.HOST))
+            self._events.append(BlockStored(h, block.parent_hash, now, Tier.HOST))
+        if self.record_transfers:
+            self._transfers.append(Transfer(Tier.HOST, block.block_id, slot))
 
     def _uncache(self, block: KVBlock, now: float) -> None:
         h = block.block_hash
@@ -268,6 +366,7 @@ class KVStore:
         if cow:
             assert last is not None
             private = self._take_free_block(now)
+            self.flush_transfers()  # the private block may be a victim whose demotion is queued
             self.storage.copy_block(last.block_id, private.block_id)
             last.ref_cnt -= 1
             req.blocks[-1] = private
@@ -298,13 +397,21 @@ class KVStore:
         joined = 0
         blocks, hashes, cached, on_cached = req.blocks, req.hashes, self._cached, self.policy.on_cached
         events = self._events if self.collect_events else None
+        host = self.host
         for i in range(req.num_cached, limit):
             block = blocks[i]
             h = hashes[i]
             if block.block_hash is None and h not in cached:
+                if host is not None and h in host:
+                    # Recomputed on the GPU (the host copy lay past a broken chain): the
+                    # GPU copy wins, the tiers stay exclusive.
+                    host.discard(h)
+                    if events is not None:
+                        events.append(BlockRemoved(h, now, Tier.HOST))
                 parent_hash = hashes[i - 1] if i else None
                 parent = cached.get(parent_hash) if i else None
                 block.block_hash = h
+                block.parent_hash = parent_hash
                 block.parent_id = parent_id = parent.block_id if parent is not None else -1
                 cached[h] = block
                 on_cached(block.block_id, h, parent_id, now)
@@ -359,16 +466,26 @@ class KVStore:
                 positions.append(pos)
         if released:
             self.policy.on_release_many(released, positions, req.cls, n, req.num_prompt_blocks, now)
+            if self.host is not None:
+                blocks_by_id, cls, n_prompt = self.blocks, req.cls, req.num_prompt_blocks
+                for block_id, pos in zip(released, positions):
+                    blocks_by_id[block_id].release = ReleaseInfo(cls, pos, n, pos >= n_prompt, now)
 
     def reset_cache(self, now: float) -> int:
-        """Evict every evictable cached block. Returns how many were dropped."""
+        """Evict every evictable cached block and empty the host tier (nothing is demoted).
+        Returns how many GPU blocks were dropped."""
         dropped = 0
         for block in list(self._cached.values()):
             if block.ref_cnt == 0:
                 self.policy.on_removed(block.block_id)
                 self._uncache(block, now)
+                block.release = None
                 self._free.append(block)
                 dropped += 1
+        if self.host is not None:
+            for h in self.host.clear():
+                if self.collect_events:
+                    self._events.append(BlockRemoved(h, now, Tier.HOST))
         if not self._cached and self.collect_events:
             self._events.append(AllBlocksCleared(now))
         return dropped
@@ -377,6 +494,20 @@ class KVStore:
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
+
+    def take_transfers(self) -> list[Transfer]:
+        """The queued copies, oldest first (empty unless ``record_transfers``)."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
+
+    def flush_transfers(self) -> int:
+        """Run the queued copies on the storage as batched runs, in order. Returns how
+        many copies were queued."""
+        if not self._transfers:
+            return 0
+        transfers = self.take_transfers()
+        self.storage.run_transfers(transfer_runs(transfers))  # type: ignore[attr-defined]
+        return len(transfers)
 
     # ------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
@@ -403,3 +534,7 @@ class KVStore:
         assert len(self._cached) == sum(1 for b in self.blocks if b.block_hash is not None)
         assert n_candidates == len(self.policy), f"policy holds {len(self.policy)} candidates, store {n_candidates}"
         assert self.num_free_blocks + sum(1 for r in refs if r) == self.num_blocks
+        if self.host is not None:
+            self.host.check_invariants()
+            both = [h for h in self._cached if h in self.host]
+            assert not both, f"{len(both)} hashes in both tiers"

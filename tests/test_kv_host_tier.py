@@ -1,0 +1,169 @@
+"""Exact outcomes of the KV store's host tier: demotion, promotion, events, transfers, order."""
+
+from __future__ import annotations
+
+from unicache.block_hash import hash_token_blocks
+from unicache.kv_tier import Tier
+from unicache.request_class import SINGLE_TURN, RequestClass, Task
+from unicache.replica.eviction.base import ReleaseInfo
+from unicache.replica.eviction.registry import make_policy
+from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.replica.kv.host_tier import HostTier
+from unicache.replica.kv.store import Allocation, KVStore
+from unicache.replica.kv.transfers import Transfer, TransferRun, transfer_runs
+
+BS = 4
+CHAT = RequestClass(session_id="s", turn=1, task=Task.CHAT)
+
+
+def toks(*block_values: int) -> list[int]:
+    return [v for v in block_values for _ in range(BS)]
+
+
+def two_tier(gpu_blocks: int = 4, host_blocks: int = 4, host_policy: str = "lru") -> KVStore:
+    host = HostTier(host_blocks, make_policy(host_policy))
+    return KVStore(gpu_blocks, BS, make_policy("lru"), host=host, record_transfers=True)
+
+
+def admit(store, rid, tokens, now, cls=SINGLE_TURN):
+    hashes = hash_token_blocks(tokens, BS)
+    alloc = store.allocate(rid, hashes, len(tokens), cls, now)
+    store.cache_blocks(rid, now)
+    return alloc, hashes
+
+
+def test_victims_are_demoted_and_a_match_promotes_them():
+    store = two_tier()
+    _, ha = admit(store, "a", toks(1, 2), 0.0)
+    store.free("a", 1.0)
+    _, hb = admit(store, "b", toks(3, 4), 1.0)
+    store.free("b", 2.0)
+    store.take_events()
+    c, hc = admit(store, "c", toks(5, 6, 7), 2.0)
+    # LRU victims 1, 0, 3 (a's tail, a's head, b's tail) go to host slots 0, 1, 2.
+    assert c.block_ids == (1, 0, 3)
+    assert store.take_transfers() == [Transfer(Tier.HOST, 1, 0), Transfer(Tier.HOST, 0, 1), Transfer(Tier.HOST, 3, 2)]
+    assert sorted(store.host_hashes()) == sorted([ha[1], ha[0], hb[1]])
+    assert store.match_tiers(ha) == (0, 2)
+    store.free("c", 3.0)
+    store.take_events()
+
+    a2, _ = admit(store, "a2", toks(1, 2), 3.0)
+    # Two host hits promoted into GPU victims 2 (b's head) and 3 (c's last block); those
+    # are demoted first: b's head to free slot 3, c's block by evicting b's tail (the
+    # host LRU's oldest unpinned block) from slot 2.
+    assert a2 == Allocation((2, 3), 2, 8, 2)
+    assert store.take_transfers() == [
+        Transfer(Tier.HOST, 2, 3),
+        Transfer(Tier.HOST, 3, 2),
+        Transfer(Tier.GPU, 2, 1),
+        Transfer(Tier.GPU, 3, 0),
+    ]
+    assert store.take_events() == [
+        BlockRemoved(hb[0], 3.0),
+        BlockStored(hb[0], None, 3.0, Tier.HOST),
+        BlockRemoved(hc[2], 3.0),
+        BlockRemoved(hb[1], 3.0, Tier.HOST),
+        BlockStored(hc[2], hc[1], 3.0, Tier.HOST),
+        BlockRemoved(ha[0], 3.0, Tier.HOST),
+        BlockStored(ha[0], None, 3.0),
+        BlockRemoved(ha[1], 3.0, Tier.HOST),
+        BlockStored(ha[1], ha[0], 3.0),
+    ]
+    assert (store.stats.hit_blocks, store.stats.evictions) == (0, 5)
+    h = store.host.stats
+    assert (h.hit_blocks, h.demotions, h.evictions, h.dropped_demotions) == (2, 5, 1, 0)
+    assert store.match_tiers(ha) == (2, 0)
+    store.check_invariants()
+
+
+def test_transfer_runs_batch_one_direction_and_keep_the_last_write():
+    runs = transfer_runs([
+        Transfer(Tier.HOST, 2, 3),
+        Transfer(Tier.HOST, 5, 3),
+        Transfer(Tier.HOST, 3, 2),
+        Transfer(Tier.GPU, 2, 1),
+        Transfer(Tier.HOST, 2, 1),
+    ])
+    assert runs == [
+        TransferRun(Tier.HOST, (5, 3), (3, 2)),
+        TransferRun(Tier.GPU, (1,), (2,)),
+        TransferRun(Tier.HOST, (2,), (1,)),
+    ]
+
+
+def _info(cls, now, is_decode=False):
+    return ReleaseInfo(cls, 0, 1, is_decode, now)
+
+
+def test_host_unicache_evicts_by_class_where_lru_evicts_by_age():
+    """A session block demoted first outlives a later one-off block under unicache; LRU
+    evicts the older one."""
+    victims = {}
+    for name in ("unicache", "lru"):
+        tier = HostTier(2, make_policy(name))
+        tier.put(b"session", None, _info(CHAT, 1.0), 1.0)
+        tier.put(b"one-off", None, _info(SINGLE_TURN, 2.0, is_decode=True), 2.0)
+        slot, evicted = tier.put(b"new", None, _info(SINGLE_TURN, 3.0), 3.0)
+        victims[name] = (slot, evicted)
+        tier.check_invariants()
+    assert victims == {"unicache": (1, b"one-off"), "lru": (0, b"session")}
+
+
+def test_a_demotion_finding_every_slot_pinned_is_dropped():
+    tier = HostTier(1, make_policy("lru"))
+    assert tier.put(b"x", None, _info(SINGLE_TURN, 1.0), 1.0) == (0, None)
+    assert tier.take(b"x", SINGLE_TURN, 2.0) == 0
+    assert tier.put(b"y", None, _info(SINGLE_TURN, 2.0), 2.0) == (None, None)
+    assert tier.stats.dropped_demotions == 1 and len(tier) == 0
+    tier.release([0])
+    assert tier.put(b"y", None, _info(SINGLE_TURN, 3.0), 3.0) == (0, None)
+    tier.check_invariants()
+
+
+def test_a_hash_recomputed_on_the_gpu_leaves_the_host_tier():
+    store = two_tier()
+    ha = hash_token_blocks(toks(1, 2), BS)
+    # The host holds a's second block but not its first: the chain is broken, no hit.
+    store.host.put(ha[1], ha[0], _info(SINGLE_TURN, 0.0), 0.0)
+    alloc, _ = admit(store, "a", toks(1, 2), 1.0)
+    assert alloc == Allocation((0, 1), 0, 0, 0)
+    assert store.take_events() == [
+        BlockStored(ha[0], None, 1.0),
+        BlockRemoved(ha[1], 1.0, Tier.HOST),
+        BlockStored(ha[1], ha[0], 1.0),
+    ]
+    assert store.host_hashes() == []
+    store.check_invariants()
+
+
+def test_reset_empties_both_tiers():
+    store = two_tier(gpu_blocks=2)
+    _, ha = admit(store, "a", toks(1, 2), 0.0)
+    store.free("a", 1.0)
+    _, hb = admit(store, "b", toks(3), 1.0)  # demotes a's tail
+    store.free("b", 2.0)
+    store.take_events()
+    assert store.reset_cache(3.0) == 2
+    assert store.take_events() == [
+        BlockRemoved(ha[0], 3.0),
+        BlockRemoved(hb[0], 3.0),
+        BlockRemoved(ha[1], 3.0, Tier.HOST),
+        AllBlocksCleared(3.0),
+    ]
+    assert store.match_tiers(ha) == (0, 0)
+    store.check_invariants()
+
+
+def test_host_hits_stop_where_the_request_needs_no_more_blocks():
+    store = two_tier(gpu_blocks=2)
+    admit(store, "a", toks(1, 2), 0.0)
+    store.free("a", 1.0)
+    admit(store, "x", toks(8, 9), 1.0)  # both of a's blocks go to the host
+    store.free("x", 2.0)
+    ha = hash_token_blocks(toks(1, 2), BS)
+    # A request holding one block's worth of tokens promotes only the first block.
+    alloc = store.allocate("a1", ha, BS, SINGLE_TURN, 2.0)
+    assert (alloc.num_hit_blocks, alloc.num_host_hit_blocks) == (1, 1)
+    assert store.match_tiers(ha) == (1, 1)
+    store.check_invariants()
