@@ -101,3 +101,29 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_checkpoint(str(tmp_path))
+
+
+def test_generation_config_eos_ids_end_a_sample_like_the_tokenizers_eos(tmp_path):
+    # The byte tokenizer's EOS is 257; a checkpoint's generation_config.json may name more
+    # end ids (Llama-3-Instruct: <|eot_id|>). vLLM stops on each, and returns no text for
+    # the stopping token; ignore_eos ignores them all.
+    import json
+
+    cfg = tiny_config(checkpoint=str(tmp_path))
+    save_checkpoint(LlamaForCausalLM.random(tiny_config().model, 7), str(tmp_path))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    free = run_one(LLMEngine(cfg), make_request("a", prompt, max_tokens=6))
+    t = free.tokens[0]
+    first_new = next(i for i, tok in enumerate(t) if tok not in t[:i] and tok != 257)  # a token not seen before it
+    assert first_new < 5
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [250, t[first_new]]}))
+    eng = LLMEngine(cfg)
+    assert eng.eos_token_ids == frozenset({257, 250, t[first_new]})
+    stopped = run_one(eng, make_request("a", prompt, max_tokens=6, ignore_eos=False))
+    assert stopped.tokens[0] == t[: first_new + 1]
+    assert stopped.last[0].finish_reason == "stop"
+    assert stopped.text[0] == eng.tokenizer.decode(t[:first_new])  # the stopping token's text is not returned
+    assert run_one(LLMEngine(cfg), make_request("a", prompt, max_tokens=6)).tokens == free.tokens  # ignore_eos
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(CheckpointError, match="eos_token_id must be a token id"):
+        LLMEngine(cfg)

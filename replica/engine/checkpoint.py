@@ -22,7 +22,30 @@ from safetensors.torch import load_file, save_file
 from unicache.replica.engine.hf_config import CheckpointError, config_from_hf, config_to_hf
 from unicache.replica.engine.model import LlamaForCausalLM
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "generation_eos_ids", "load_checkpoint", "save_checkpoint"]
+
+
+def generation_eos_ids(path: str) -> frozenset[int]:
+    """The end-of-sequence ids the checkpoint's generation config names, as vLLM reads them:
+    ``generation_config.json``'s ``eos_token_id`` (an int or a list; Llama-3-Instruct lists
+    ``<|eot_id|>`` beside ``<|end_of_text|>``), else ``config.json``'s; empty when neither
+    names one. A file that is not valid JSON is a CheckpointError."""
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            continue
+        with open(file, encoding="utf-8") as f:
+            try:
+                eos = json.load(f).get("eos_token_id")
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{name} is not valid JSON (line {exc.lineno})") from None
+        if eos is None:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise CheckpointError(f"{name}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        return frozenset(ids)
+    return frozenset()
 
 
 def load_checkpoint(path: str) -> LlamaForCausalLM:

@@ -72,10 +72,14 @@ class LLMEngine:
         if config.cpu_threads and self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         self.tokenizer = load_tokenizer(config.tokenizer_path())
+        # A sample ends on any of these (unless ignore_eos): the tokenizer's EOS and every id
+        # the checkpoint's generation config names (vLLM adds the latter as stop tokens).
+        self.eos_token_ids = frozenset(i for i in (self.tokenizer.eos_token_id,) if i is not None)
         if config.checkpoint is not None:
-            from unicache.replica.engine.checkpoint import load_checkpoint
+            from unicache.replica.engine.checkpoint import generation_eos_ids, load_checkpoint
 
             self.model = load_checkpoint(config.checkpoint)
+            self.eos_token_ids |= generation_eos_ids(config.checkpoint)
         else:
             self.model = LlamaForCausalLM.random(config.model, config.seed)
         mcfg: ModelConfig = self.model.config
@@ -264,7 +268,7 @@ class LLMEngine:
                 logits_s = apply_penalties(row_logits, s.output_counts, params) if params.penalized else row_logits
                 tok = sample(logits_s, params, s.generator)
                 lp = token_logprob(row_logits, tok, params.logprobs) if params.logprobs is not None else None
-                out = s.append_token(tok, self.tokenizer.eos_token_id, params.ignore_eos, self.max_model_len, now, lp)
+                out = s.append_token(tok, self.eos_token_ids, params.ignore_eos, self.max_model_len, now, lp)
                 outputs.append(out)
                 if out.finished:
                     self.scheduler.finish(s)

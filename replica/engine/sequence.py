@@ -117,7 +117,7 @@ class Sequence:
     def append_token(
         self,
         token_id: int,
-        eos_token_id: int | None,
+        eos_token_ids: frozenset[int],
         ignore_eos: bool,
         max_model_len: int,
         now: float,
@@ -125,8 +125,9 @@ class Sequence:
     ) -> EngineOutput:
         """Record a sampled token, decide whether the sample is done, build its output.
 
-        A token in ``stop_token_ids`` finishes the sample; its text is not returned
-        (vLLM's rule without ``include_stop_str_in_output``).
+        A token in ``stop_token_ids``, or in ``eos_token_ids`` unless ``ignore_eos``,
+        finishes the sample with "stop"; its text is not returned (vLLM's rule: a
+        stop-terminated sample's last token is not detokenized).
         """
         params = self.group.request.sampling
         self.token_ids.append(token_id)
@@ -135,7 +136,7 @@ class Sequence:
         piece = self.detok.step(token_id)
         reason = None
         cut = None
-        if params.stop_token_ids and token_id in params.stop_token_ids:
+        if (params.stop_token_ids and token_id in params.stop_token_ids) or (token_id in eos_token_ids and not ignore_eos):
             reason = "stop"
             cut = len(self.text)
         else:
@@ -150,9 +151,7 @@ class Sequence:
             if cut is not None:
                 reason = "stop"
         if reason is None:
-            if token_id == eos_token_id and not ignore_eos:
-                reason = "stop"
-            elif (params.max_tokens is not None and self.num_output >= params.max_tokens) or len(self.token_ids) >= max_model_len:
+            if (params.max_tokens is not None and self.num_output >= params.max_tokens) or len(self.token_ids) >= max_model_len:
                 reason = "length"
         if reason is not None:
             self.finish_reason = reason
