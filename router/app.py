@@ -33,6 +33,7 @@ from unicache.router.replica_client import ReplicaClients
 from unicache.router.routing.base import RoutingPolicy
 from unicache.router.routing.registry import make_routing_policy
 from unicache.router.service import RouterServicer
+from unicache.router.session_store import SessionStore
 from unicache.router.rejections import StateRejections
 from unicache.router.subscriber import RedisSubscriber
 from unicache.state_auth import CallCredential, StateSigner
@@ -101,28 +102,6 @@ class RouterApp:
             first_token = FirstTokenTimeout(
                 config.first_token_timeout_s, config.first_token_timeout_floor_s, config.first_token_timeout_multiplier
             )
-        self.core = RouterCore(
-            self.cluster,
-            self.auth,
-            tokenizer,
-            RequestClassifier(),
-            self.clients,
-            self.metrics,
-            block_size=config.block_size,
-            max_in_flight=config.max_in_flight,
-            first_token_timeout=first_token,
-            retry_replicas=config.retry_replicas,
-            limits=limiter_from_config(
-                config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits
-            ),
-        )
-        # NOTE: without a first-token timeout a probe gets the forward deadline's share a
-        # request would wait for its first message at most.
-        self.prober = QuarantineProber(
-            self.cluster, self.clients, first_token.timeout_s if first_token else lambda _rid: min(config.forward_deadline_s, 10.0)
-        )
-        for rid, addr in config.static_replicas().items():
-            self.cluster.upsert(rid, addr, static=True)
         self.subscriber: RedisSubscriber | None = None
         if config.use_redis and not config.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise UsageError("redis_url must start with redis://, rediss:// or unix://")
@@ -149,6 +128,34 @@ class RouterApp:
                     **(subscriber_kwargs or {}),
                 },
             )
+        self.sessions: SessionStore | None = None
+        if self.subscriber is not None and config.shared_sessions:
+            self.sessions = SessionStore(
+                self.subscriber.redis, config.redis_prefix, cluster_key, timeout_s=config.session_timeout_s, ttl_s=config.session_ttl_s
+            )
+        self.core = RouterCore(
+            self.cluster,
+            self.auth,
+            tokenizer,
+            RequestClassifier(),
+            self.clients,
+            self.metrics,
+            block_size=config.block_size,
+            max_in_flight=config.max_in_flight,
+            first_token_timeout=first_token,
+            retry_replicas=config.retry_replicas,
+            sessions=self.sessions,
+            limits=limiter_from_config(
+                config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits
+            ),
+        )
+        # NOTE: without a first-token timeout a probe gets the forward deadline's share a
+        # request would wait for its first message at most.
+        self.prober = QuarantineProber(
+            self.cluster, self.clients, first_token.timeout_s if first_token else lambda _rid: min(config.forward_deadline_s, 10.0)
+        )
+        for rid, addr in config.static_replicas().items():
+            self.cluster.upsert(rid, addr, static=True)
         self.http = HttpFrontDoor(
             self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes,
             admin_key=config.admin_key,
@@ -171,7 +178,13 @@ class RouterApp:
         server = grpc.aio.server(
             # NOTE: the receive limit bounds what one request can make the router tokenize
             # and hash (a 64 MiB prompt became a 64M-element token list).
-            options=[("grpc.max_receive_message_length", cfg.max_request_bytes), ("grpc.max_send_message_length", 64 << 20)]
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_request_bytes),
+                ("grpc.max_send_message_length", 64 << 20),
+                # NOTE: grpc core sets SO_REUSEPORT by default, so a second router on the
+                # same port would silently share it; only --workers asks for that.
+                ("grpc.so_reuseport", 1 if cfg.reuse_port else 0),
+            ]
         )
         add_servicer(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(self.core, self.policy.name, cfg.admin_key), server)
         health = health_aio.HealthServicer()
@@ -191,6 +204,8 @@ class RouterApp:
         family = socket.AF_INET6 if ":" in cfg.http_host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if cfg.reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((cfg.http_host, cfg.http_port))
         except OSError as exc:

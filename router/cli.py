@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 
 from unicache.router.config import add_config_arguments, build_config
 from unicache.endpoints import LOCAL_ROUTER, ROUTER_ENV, default_router
@@ -30,27 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from unicache.router.app import RouterApp
+    from unicache.router.workers import LOG_FORMAT, run_workers, serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     cfg = build_config(args)
     logging.getLogger("router").info("config: %s", cfg.describe())
-    app = RouterApp(cfg)
-
-    async def main() -> None:
-        task = asyncio.create_task(app.serve_forever())
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-
-    from unicache.router.http_server import loop_factory
-
-    with asyncio.Runner(loop_factory=loop_factory(cfg.event_loop)) as runner:
-        runner.run(main())
+    if cfg.workers > 1:
+        return run_workers(cfg, args.log_level)
+    serve(cfg)
     return 0
 
 

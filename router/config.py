@@ -48,6 +48,19 @@ class RouterConfig:
     use_redis: bool = field(default=True, metadata={"help": "follow replicas through Redis"})
     replicas: str = field(default="", metadata={"help": "static replicas 'id=host:port,...' (no Redis needed)"})
     routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
+    workers: int = field(
+        default=1, metadata={"help": "router processes sharing the listening ports (SO_REUSEPORT) and, through Redis, session placement; >1 needs fixed ports"}
+    )
+    reuse_port: bool = field(
+        default=False, metadata={"help": "set SO_REUSEPORT on both listening sockets so several router processes share them (--workers sets it)"}
+    )
+    shared_sessions: bool = field(
+        default=True, metadata={"help": "share explicit sessions' placement with the cluster's other routers through Redis (router/session_store.py)"}
+    )
+    session_ttl_s: float = field(default=3600.0, metadata={"help": "a shared session record expires this long after the session's latest turn"})
+    session_timeout_s: float = field(
+        default=0.05, metadata={"help": "deadline of a shared-session Redis read/write on the request path (beyond it the turn uses this router's memory)"}
+    )
     auth_enabled: bool = field(default=True, metadata={"help": "require API keys (off: every request is tenant 'default')"})
     api_keys: str = field(default="", metadata={"help": "API keys 'key1:tenantA,key2:tenantB' (secret)"})
     api_keys_file: str = field(default="", metadata={"help": "file of 'key:tenant' lines or a JSON object"})
@@ -188,6 +201,12 @@ def build_config(
     cfg = settings.build(RouterConfig, args, env, overrides, secrets=SECRET_FIELDS).resolve_secrets()
     if cfg.block_size <= 0:
         raise UsageError("block_size must be positive")
+    if cfg.workers < 1:
+        raise UsageError(f"workers must be >= 1, got {cfg.workers}")
+    if cfg.workers > 1 and (cfg.grpc_port == 0 or cfg.http_port == 0):
+        raise UsageError("--workers > 1 needs fixed --grpc-port and --http-port (with port 0 each process would pick its own)")
+    if cfg.session_ttl_s <= 0 or cfg.session_timeout_s <= 0:
+        raise UsageError("session_ttl_s and session_timeout_s must be positive")
     check_routing_policy(cfg.routing_policy)
     check_http_settings(cfg)
     return cfg

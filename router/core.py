@@ -20,12 +20,20 @@ Invariants:
       are passed on.
     * Every routed request is matched by exactly one ``cluster.finished`` and one
       ``policy.on_request_finished`` (in a finally), including cancellation.
+    * A request with an explicit session id is decided on the cluster's record of the
+      session's latest turn (``unicache.router.session_store``, when the router has one
+      and Redis is up): it is imported into the policy before the first choice, and the
+      policy's record after routing is saved before the request's first message is
+      passed on, so a client that sends the next turn after reading this one's response
+      finds it through any router. Inferred sessions (``auto-...`` ids) are per router
+      and stay local.
     * Every request admitted by the tenant limiter (``unicache.router.limits``) releases its lease
       exactly once, whatever ends it (finish, error, client cancel).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -41,6 +49,8 @@ from unicache.router.limits import LimitExceeded, TenantLimiter
 from unicache.router.metrics import RouterMetrics
 from unicache.router.replica_client import RETRYABLE, ReplicaClients, ReplicaStream
 from unicache.router.routing.base import RouteDecision, RoutingRequest
+from unicache.router.routing.session_affinity import session_key
+from unicache.router.session_store import SessionStore
 from unicache.block_hash import hash_token_blocks
 from unicache.classifier import Labels, RequestClassifier
 from unicache.request_class import RequestClass, Task
@@ -138,6 +148,7 @@ class Prepared:
     routing: RoutingRequest
     prepare_s: float = 0.0  # time spent hashing and classifying
     arrival: float = 0.0  # perf_counter when preparation began (TTFT origin)
+    shared_session: str | None = None  # session key shared with other routers (explicit ids)
 
 
 @dataclass(slots=True)
@@ -192,6 +203,8 @@ class RouterCore:
         retry_replicas: failures before the first message are retried on up to this many
             other replicas (default 2), each tried once, within the request's deadline;
             refusals (UNAVAILABLE) move on to another replica without counting.
+        sessions: the session placement shared with the cluster's other routers (None:
+            this router's policy memory only).
     """
 
     def __init__(
@@ -209,6 +222,7 @@ class RouterCore:
         limits: TenantLimiter | None = None,
         first_token_timeout: FirstTokenTimeout | None = None,
         retry_replicas: int = 2,
+        sessions: SessionStore | None = None,
     ):
         if retry_replicas < 0:
             raise ValueError("retry_replicas must be >= 0")
@@ -225,6 +239,7 @@ class RouterCore:
         self.limits = limits or TenantLimiter()
         self.first_token_timeout = first_token_timeout
         self.retry_replicas = retry_replicas
+        self.sessions = sessions
         cluster.removal_hooks.append(self._forget_replica)
 
     def _forget_replica(self, replica_id: str) -> None:
@@ -267,7 +282,8 @@ class RouterCore:
         )
         request_id = uuid.uuid4().hex
         routing = RoutingRequest(request_id, cls, hashes, len(token_ids), self.block_size)
-        return Prepared(request_id, tenant, token_ids, salt, cls, routing, time.perf_counter() - t0, t0)
+        shared = session_key(tenant, labels.session_id) if labels.session_id and self.sessions is not None else None
+        return Prepared(request_id, tenant, token_ids, salt, cls, routing, time.perf_counter() - t0, t0, shared)
 
     def choose(self, routing: RoutingRequest, exclude: set[str], extra_s: float = 0.0) -> RouteDecision:
         """The policy's choice among live replicas not in ``exclude``; the routing-latency
@@ -365,6 +381,10 @@ class RouterCore:
         tried: set[str] = set()
         worked = 0  # failed attempts at replicas that may have worked on the request
         last_error: RouterError | None = None
+        if prep.shared_session is not None and self.cluster.redis_connected:
+            record = await self.sessions.load(prep.shared_session)
+            if record is not None:
+                self.policy.import_session(prep.shared_session, record)
         while True:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
@@ -406,6 +426,13 @@ class RouterCore:
         rec = self.cluster.replicas[rid]
         self.cluster.started(rid)
         self.policy.on_request_routed(prep.routing, decision)
+        saving = None
+        if prep.shared_session is not None and self.cluster.redis_connected:
+            record = self.policy.export_session(prep.shared_session)
+            if record is not None:
+                # NOTE: written while the replica works on the request, awaited before its
+                # first message is passed on (so it never delays the request itself).
+                saving = asyncio.ensure_future(self.sessions.save(prep.shared_session, record))
         self.metrics.labelled(self.metrics.decisions, decision.reason, rid).inc()
         ftt = self.first_token_timeout
         first_timeout = ftt.timeout_s(rid) if ftt is not None else None
@@ -417,6 +444,8 @@ class RouterCore:
                 first = await stream.first(first_timeout, lambda: rec.last_message, ftt.ceiling_s)
             else:
                 first = await stream.first()
+            if saving is not None:
+                await saving
         except grpc.aio.AioRpcError as exc:
             self._end_attempt(prep, rid, stream)
             raise self._failed_attempt(rid, rec.address, exc, stream.timed_out) from None

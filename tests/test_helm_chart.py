@@ -323,7 +323,7 @@ def test_router_ports_probes_and_wiring(rendered):
     dep = one(docs, "Deployment", "router")
     svc = one(docs, "Service", "router")
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert c["args"] == ["router", "--grpc-port", "50051", "--http-port", "8000"]
+    assert c["args"] == ["router", "--grpc-port", "50051", "--http-port", "8000", "--workers", "1"]
     assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
         ("grpc", 50051, "grpc"),
         ("http", 8000, "http"),

@@ -9,6 +9,10 @@ Keys (``P`` is the prefix, default ``unicache``):
                             protobuf; trimmed to about ``EVENT_STREAM_MAXLEN`` entries.
     P:summary:<replica_id>  string, a ``CacheSummary`` protobuf (all cached hashes as of
                             (epoch, seq)); rewritten periodically and on request.
+    P:session:<digest>      string, a sealed ``SessionPlacement`` (router/session_store.py):
+                            where one session's latest turn went, shared by every router;
+                            ``<digest>`` is a keyed hash of (tenant, session id); TTL
+                            ``session_ttl_s``, refreshed by every turn.
     P:resync                pub/sub channel; a router publishes a replica id (or ``*``
                             for all) to ask that replica for a fresh summary now.
 
@@ -54,6 +58,9 @@ class RedisKeys:
 
     def summary(self, replica_id: str) -> str:
         return f"{self.prefix}:summary:{replica_id}"
+
+    def session(self, digest_hex: str) -> str:
+        return f"{self.prefix}:session:{digest_hex}"
 
     def resync_channel(self) -> str:
         return f"{self.prefix}:resync"

@@ -65,6 +65,17 @@ class RouteDecision:
     score: float = 0.0
 
 
+@dataclass(slots=True)
+class SessionRecord:
+    """A session's latest turn as a policy remembers it, in the form routers share
+    (``unicache.router.session_store``): where the turn went, its prompt's chained
+    hashes, and whether the index had confirmed the session's prefix there."""
+
+    replica_id: str
+    hashes: list[BlockHash]
+    confirmed: bool = False
+
+
 class LocalityView(ABC):
     """Read-only view of which prefix blocks each replica holds (``unicache.router.index``)."""
 
@@ -111,3 +122,14 @@ class RoutingPolicy(ABC):
 
     def on_replica_died(self, replica_id: str) -> None:
         """The replica's heartbeat expired or its stream failed."""
+
+    # Session memory shared between routers (several processes or pods): before choosing
+    # for a request of session ``key`` (``session_affinity.session_key``) the router
+    # imports the cluster's record of it, after routing it exports the policy's. A policy
+    # that keeps no per-session memory keeps these defaults.
+    def export_session(self, key: str) -> SessionRecord | None:
+        """The policy's record of session ``key`` (None: it remembers none)."""
+        return None
+
+    def import_session(self, key: str, record: SessionRecord) -> None:
+        """Adopt ``record`` (written by any router) as the session's latest turn."""

@@ -94,7 +94,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unicache.block_hash import BlockHash
-from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from unicache.router.routing.base import (
+    LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest, SessionRecord,
+)
 from unicache.router.routing.least_loaded import load_key
 from unicache.router.routing.registry import register_routing_policy
 from unicache.router.routing.session_affinity import HashRing, session_key
@@ -371,6 +373,26 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def on_request_finished(self, request: RoutingRequest, replica_id: str) -> None:
         self._release(request.request_id)
+
+    def export_session(self, key: str) -> SessionRecord | None:
+        s = self._sessions.get(key)
+        return SessionRecord(s.replica_id, s.hashes, s.confirmed) if s is not None else None
+
+    def import_session(self, key: str, record: SessionRecord) -> None:
+        """The record replaces this policy's memory of the session, as if this router had
+        routed that turn just now (its footprint share moves with it)."""
+        sessions = self._sessions
+        prev = sessions.pop(key, None)
+        if prev is not None:
+            if (prev.replica_id, prev.hashes, prev.confirmed) == (record.replica_id, record.hashes, record.confirmed):
+                sessions[key] = prev  # this router wrote it: keep its age
+                return
+            self._drop_footprint(prev)
+        sessions[key] = _Session(record.replica_id, record.hashes, self._routed, record.confirmed)
+        fp = self._footprint
+        fp[record.replica_id] = fp.get(record.replica_id, 0.0) + len(record.hashes)
+        while len(sessions) > self.max_sessions:
+            self._drop_footprint(sessions.popitem(last=False)[1])
 
     def _release(self, request_id: str) -> None:
         fl = self._inflight.pop(request_id, None)

@@ -107,3 +107,17 @@ class ClusterState(_message.Message):
     redis_connected: bool
     routing_policy: str
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., redis_connected: _Optional[bool] = ..., routing_policy: _Optional[str] = ...) -> None: ...
+
+class SessionPlacement(_message.Message):
+    __slots__ = ("session", "replica_id", "hashes", "confirmed", "updated_ms")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_MS_FIELD_NUMBER: _ClassVar[int]
+    session: bytes
+    replica_id: str
+    hashes: bytes
+    confirmed: bool
+    updated_ms: int
+    def __init__(self, session: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., confirmed: _Optional[bool] = ..., updated_ms: _Optional[int] = ...) -> None: ...
