@@ -52,6 +52,19 @@ def test_sim_writes_json_table_and_plot(trace_path, tmp_path, capsys):
     assert len(stdout) == 2 + 4
 
 
+def test_sim_host_tier_grid(trace_path, tmp_path, capsys):
+    """Host capacities are a grid axis; at 3 GPU blocks lru's victim, block 2 of [1, 2],
+    waits in a 2-block host tier and the last request promotes it."""
+    out = tmp_path / "out.json"
+    rc = sim("--trace", trace_path, "--capacity-blocks", "3", "--host-capacity-blocks", "0,2", "--policies", "lru",
+             "--host-eviction-policy", "lru", "--json", out)
+    assert rc == 0
+    rows = [(r["host_capacity_blocks"], r["host_policy"], r["hit_blocks"], r["host_hit_blocks"])
+            for r in json.loads(out.read_text())["results"]]
+    assert rows == [(0, None, 1, 0), (2, "lru", 2, 1)]
+    assert capsys.readouterr().out.splitlines()[1].split()[:4] == ["policy", "capacity", "cap%", "host"]
+
+
 def test_sim_capacity_fraction_and_replicas(trace_path, tmp_path):
     out = tmp_path / "out.json"
     rc = sim("--trace", trace_path, "--capacity-frac", "0.5", "--policies", "lru", "--replicas", "2",
@@ -101,6 +114,9 @@ def _bad_line(tmp_path, line: str):
         (lambda p, t: ["--trace", p, "--capacity-frac", "0.01"], "--capacity-frac: capacity 0.01 of 5 unique blocks is 0 blocks"),
         (lambda p, t: ["--trace", p, "--capacity-blocks", "x"], "--capacity-blocks: 'x' is not a number"),
         (lambda p, t: ["--trace", p, "--block-size", "0"], "--block-size must be positive"),
+        (lambda p, t: ["--trace", p, "--host-capacity-blocks", "-1"], "--host-capacity-blocks: blocks must not be negative, got -1"),
+        (lambda p, t: ["--trace", p, "--host-eviction-policy", "nope"], "--host-eviction-policy: unknown policy 'nope'"),
+        (lambda p, t: ["--trace", p, "--model-preset", "gpt-9"], "unknown model preset 'gpt-9'"),
     ],
 )
 def test_usage_errors_are_one_line_exit_2(trace_path, tmp_path, capsys, make_args, expected):

@@ -68,6 +68,26 @@ def test_overlapping_requests_queue_or_miss(lanes, hits, ttft1):
     assert sorted(sim.counters.ttfts) == pytest.approx(sorted([1.0, ttft1]))
 
 
+def test_host_tier_promotion_costs_its_copy_in_ttft():
+    """GPU of 2 blocks, host of 4. [3, 4] demotes [1, 2]; [1, 2] again promotes block 1
+    (its last block holds the last token, always computed): its TTFT is 4 computed
+    tokens (0.5 s) plus 1 block * 4 tokens * 1 byte at 16 B/s (0.25 s), instead of
+    recomputing 8 tokens (1.0 s)."""
+    timing = TimingModel(prefill_coef=0.125, batch_exp=1.0, token_exp=1.0, decode_s_per_token=0.5,
+                         h2d_bytes_per_s=16.0, kv_bytes_per_token=1)
+    assert timing.promote_s(2, BS) == pytest.approx(0.5)
+    trace = [req(0, [1, 2]), req(10, [3, 4]), req(20, [1, 2])]
+    res, sim = run(trace, capacity=2, timing=timing, host_capacity_blocks=4, host_policy="lru")
+    assert sim.counters.ttfts == pytest.approx([1.0, 1.0, 0.75])
+    assert (res["hit_blocks"], res["host_hit_blocks"], res["demotions"], res["evictions"]) == (1, 1, 4, 4)
+    assert (res["gpu_hit_ratio"], res["host_hit_ratio"], res["block_hit_ratio"]) == pytest.approx((0, 1 / 6, 1 / 6))
+    assert (res["host_capacity_blocks"], res["host_policy"]) == (4, "lru")
+    single, _ = run(trace, capacity=2, timing=timing)
+    assert (single["hit_blocks"], single["host_hit_blocks"], single["host_policy"]) == (0, 0, None)
+    assert single["ttft_mean_s"] == pytest.approx(1.0)
+    sim.replicas[0].store.check_invariants()
+
+
 def test_running_blocks_are_pinned_and_requests_wait_for_blocks():
     # r0 reserves 3 blocks (2 prompt + 1 for 4 output tokens): prefill ends at 1.0,
     # decode at 1.0 + 4 * 0.5 = 3.0. r1 needs one block: it waits until 3.0.

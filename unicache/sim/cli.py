@@ -14,7 +14,7 @@ from unicache.sim.goodput import add_goodput, default_slo_s, unloaded_median_ttf
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.runner import capacities_from_fracs, run_grid
-from unicache.sim.timing import TimingModel
+from unicache.sim.timing import DEFAULT_H2D_BYTES_PER_S, DEFAULT_MODEL_PRESET, KV_BYTES_PER_TOKEN, TimingModel, kv_bytes_per_token
 from unicache.sim.workload import WorkloadConfig, generate
 from unicache.trace import TraceError, read_trace, write_trace
 
@@ -29,6 +29,16 @@ def register(subparsers) -> None:
     cap = sim.add_mutually_exclusive_group()
     cap.add_argument("--capacity-frac", help=f"comma list of capacities as fractions of unique blocks (default {DEFAULT_FRACS})")
     cap.add_argument("--capacity-blocks", help="comma list of capacities in blocks (per replica)")
+    host = sim.add_mutually_exclusive_group()
+    host.add_argument("--host-capacity-frac",
+                      help="comma list of host-tier sizes per replica as fractions of unique blocks (default: no host tier)")
+    host.add_argument("--host-capacity-blocks", help="comma list of host-tier sizes per replica in blocks (0: none)")
+    sim.add_argument("--host-eviction-policy", default="unicache",
+                     help="the host tier's eviction policy (default unicache; lru is vLLM's and LMCache's)")
+    sim.add_argument("--model-preset", default=DEFAULT_MODEL_PRESET,
+                     help=f"KV bytes per token of this model ({', '.join(KV_BYTES_PER_TOKEN)}; default {DEFAULT_MODEL_PRESET})")
+    sim.add_argument("--h2d-gbps", type=float, default=DEFAULT_H2D_BYTES_PER_S / 1e9,
+                     help=f"host-to-device GB/s a promotion copies at (default {DEFAULT_H2D_BYTES_PER_S / 1e9:g})")
     sim.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma list of eviction policies (default {DEFAULT_POLICIES})")
     sim.add_argument("--json", dest="json_out", help="write the results here")
     sim.add_argument("--plot", help="draw hit ratio against capacity into this PNG")
@@ -83,6 +93,20 @@ def _numbers(text: str, what: str, kind: type, noun: str = "capacity") -> list:
     return out
 
 
+def _counts(text: str, what: str) -> list[int]:
+    """Comma list of block counts, 0 allowed (no host tier)."""
+    out = []
+    for item in _split(text, what):
+        try:
+            value = int(item)
+        except ValueError:
+            raise UsageError(f"{what}: {item!r} is not a whole number") from None
+        if value < 0:
+            raise UsageError(f"{what}: blocks must not be negative, got {item}")
+        out.append(value)
+    return out
+
+
 def _check_names(names: list[str], known: list[str], flag: str, noun: str) -> None:
     for name in names:
         if name not in known:
@@ -116,8 +140,15 @@ def run_sim(args: argparse.Namespace) -> int:
         if len(slo_s) != 1:
             raise UsageError("--goodput-slo-s: one value (seconds) or 'auto'")
         slo_s = slo_s[0]
+    _check_names([args.host_eviction_policy], policy_names(), "--host-eviction-policy", "policy")
+    host_capacities, host_fracs = [0], None
+    if args.host_capacity_blocks is not None:
+        host_capacities = _counts(args.host_capacity_blocks, "--host-capacity-blocks")
+    elif args.host_capacity_frac is not None:
+        host_fracs = _numbers(args.host_capacity_frac, "--host-capacity-frac", float)
     try:
-        timing = TimingModel(args.prefill_coef, args.batch_exp, args.token_exp, args.decode_s_per_token)
+        timing = TimingModel(args.prefill_coef, args.batch_exp, args.token_exp, args.decode_s_per_token,
+                             h2d_bytes_per_s=args.h2d_gbps * 1e9, kv_bytes_per_token=kv_bytes_per_token(args.model_preset))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -128,9 +159,12 @@ def run_sim(args: argparse.Namespace) -> int:
         capacities = blocks if blocks is not None else capacities_from_fracs(fracs, trace.unique_blocks)
     except ValueError as exc:
         raise UsageError(f"--capacity-frac: {exc}") from None
+    if host_fracs is not None:
+        host_capacities = [int(f * trace.unique_blocks) for f in host_fracs]
     base = ReplayConfig(
         policy=policies[0], capacity_blocks=capacities[0], replicas=args.replicas, lanes=args.lanes,
         max_batch_requests=args.max_batch_requests, max_batch_tokens=args.max_batch_tokens, timing=timing,
+        host_policy=args.host_eviction_policy,
     )
     print(
         f"trace {args.trace}: {len(trace.requests)} requests, {trace.unique_blocks} unique blocks, "
@@ -142,7 +176,7 @@ def run_sim(args: argparse.Namespace) -> int:
     results = run_grid(
         trace, policies, capacities, base, routers=routers, pooled=args.pooled and multi,
         progress=not args.no_progress, on_result=lambda r: print(_row(r, trace.unique_blocks, multi), flush=True),
-        rate_scales=rate_scales,
+        rate_scales=rate_scales, host_capacities=host_capacities,
     )
     goodput_rows = None
     if args.goodput_slo_s is not None:
@@ -207,19 +241,20 @@ def _write(path: str, dump) -> None:
 
 
 def _header(multi: bool) -> str:
-    cols = f"{'policy':<10} {'capacity':>9} {'cap%':>6}"
+    cols = f"{'policy':<10} {'capacity':>9} {'cap%':>6} {'host':>8}"
     if multi:
         cols += f" {'router':<16} {'imbal':>6}"
-    return cols + (f" {'hit%':>6} {'tok%':>6} {'ttft_mean':>9} {'ttft_p90':>9} {'ttft_p99':>9}"
+    return cols + (f" {'hit%':>6} {'host%':>6} {'tok%':>6} {'ttft_mean':>9} {'ttft_p90':>9} {'ttft_p99':>9}"
                    f" {'evictions':>9} {'acc/s':>9} {'rate':>5}")
 
 
 def _row(r: dict, unique_blocks: int, multi: bool) -> str:
-    row = f"{r['policy']:<10} {r['capacity_blocks']:>9} {100.0 * r['capacity_blocks'] / unique_blocks:>6.2f}"
+    row = (f"{r['policy']:<10} {r['capacity_blocks']:>9} {100.0 * r['capacity_blocks'] / unique_blocks:>6.2f}"
+           f" {r['host_capacity_blocks']:>8}")
     if multi:
         row += f" {r.get('router', '-'):<16} {r.get('load_imbalance', 1.0):>6.2f}"
     return row + (
-        f" {100 * r['block_hit_ratio']:>6.2f} {100 * r['token_hit_ratio']:>6.2f}"
+        f" {100 * r['block_hit_ratio']:>6.2f} {100 * r['host_hit_ratio']:>6.2f} {100 * r['token_hit_ratio']:>6.2f}"
         f" {r['ttft_mean_s']:>9.3f} {r['ttft_p90_s']:>9.3f} {r['ttft_p99_s']:>9.3f} {r['evictions']:>9}"
         f" {r['accesses_per_s']:>9.0f} {r['rate_scale']:>5g}"
     )

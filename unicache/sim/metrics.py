@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 class ReplayCounters:
     """Counters a replay fills in; ``result`` turns them into the report record."""
 
-    hit_blocks: int = 0
+    hit_blocks: int = 0  # GPU and host hits
+    host_hit_blocks: int = 0
     hit_tokens: int = 0
     input_tokens: int = 0
     rejected: int = 0
@@ -43,6 +44,9 @@ def result_record(
     elapsed_s: float,
     cpu_s: float,
     rate_scale: float = 1.0,
+    demotions: int = 0,
+    host_capacity_blocks: int = 0,
+    host_policy: str | None = None,
 ) -> dict:
     """The per-(policy, capacity) entry of the ``results`` list (see the CLI contract).
 
@@ -51,12 +55,16 @@ def result_record(
     jobs share the machine); ``elapsed_s`` is wall time. ``rate_scale`` is the factor the
     trace's arrival times were divided by (1: as recorded). TTFT percentiles are nearest
     rank over every admitted request (rejected requests have no first token).
+    ``block_hit_ratio`` counts every block not computed, GPU hits plus host hits
+    (promotions), split as ``gpu_hit_ratio`` and ``host_hit_ratio``.
     """
     ttfts = counters.ttfts
     return {
         "policy": policy,
         "capacity_blocks": capacity_blocks,
         "block_hit_ratio": counters.hit_blocks / block_accesses if block_accesses else 0.0,
+        "gpu_hit_ratio": (counters.hit_blocks - counters.host_hit_blocks) / block_accesses if block_accesses else 0.0,
+        "host_hit_ratio": counters.host_hit_blocks / block_accesses if block_accesses else 0.0,
         "token_hit_ratio": counters.hit_tokens / counters.input_tokens if counters.input_tokens else 0.0,
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
         "ttft_p50_s": percentile(ttfts, 50.0),
@@ -69,7 +77,11 @@ def result_record(
             if n
         },
         "hit_blocks": counters.hit_blocks,
+        "host_hit_blocks": counters.host_hit_blocks,
         "evictions": evictions,
+        "demotions": demotions,
+        "host_capacity_blocks": host_capacity_blocks,
+        "host_policy": host_policy,
         "rejected": counters.rejected,
         "elapsed_s": elapsed_s,
         "cpu_s": cpu_s,

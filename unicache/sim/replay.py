@@ -6,6 +6,10 @@ the ``TimingModel`` gives, then decodes for ``output_length`` tokens. Prompt blo
 the prefix cache when prefill ends, decode blocks when the request finishes; then the
 request's blocks are released to the eviction policy with its class.
 
+With a host tier (``host_capacity_blocks`` per replica) a GPU victim is demoted instead of
+dropped and a match into host blocks promotes them; the promotion's copy time
+(``TimingModel.promote_s``) is added to that request's TTFT and delays its decode.
+
 With several replicas a routing policy (``unicache.router.routing``) picks one per request from
 load snapshots and a ``LocalityIndex`` fed by the replicas' own store events: the same
 policy objects the live router runs.
@@ -32,7 +36,9 @@ from tqdm import tqdm
 from unicache.replica.eviction.base import EvictionPolicy
 from unicache.replica.eviction.opt import FutureAccesses
 from unicache.replica.eviction.registry import make_policy
-from unicache.replica.kv.events import BlockRemoved, BlockStored
+from unicache.kv_tier import Tier
+from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
@@ -74,6 +80,8 @@ class ReplayConfig:
         rate_scale: arrival times are divided by this (default 1.0: as recorded; 2.0:
             the same requests arrive twice as fast). Session gaps shrink with it; the
             classes stay those ``prepare`` computed from the recorded times.
+        host_capacity_blocks: host-tier blocks per replica (0: no host tier).
+        host_policy: the host tier's eviction policy (registry name; default unicache).
     """
 
     policy: str
@@ -90,6 +98,8 @@ class ReplayConfig:
     router_kwargs: dict = field(default_factory=dict)
     label: str | None = None
     rate_scale: float = 1.0
+    host_capacity_blocks: int = 0
+    host_policy: str = "unicache"
 
 
 class Replay:
@@ -118,13 +128,16 @@ class Replay:
             raise ValueError("lanes and max_batch_requests must be positive")
         if not config.rate_scale > 0:
             raise ValueError("rate_scale must be positive")
+        if config.host_capacity_blocks < 0:
+            raise ValueError("host capacity must not be negative")
         self.trace = trace
         self.config = config
         self.progress = progress
         self.block_size = trace.block_size
         self.timing = config.timing
-        self.future = future if config.policy == "opt" else None
-        if config.policy == "opt" and future is None:
+        uses_opt = config.policy == "opt" or (config.host_capacity_blocks > 0 and config.host_policy == "opt")
+        self.future = future if uses_opt else None
+        if uses_opt and future is None:
             raise ValueError("the opt policy needs a FutureAccesses oracle")
         if self.future is not None:
             self.future.clock = -1
@@ -135,7 +148,7 @@ class Replay:
                 replica_id=f"r{i}",
                 # NOTE: one store has no subscriber; its events would only be dropped.
                 store=KVStore(config.capacity_blocks * scale, self.block_size, self._make_policy(),
-                              collect_events=n_stores > 1),
+                              collect_events=n_stores > 1, host=self._make_host(scale)),
                 lanes=config.lanes * scale,
             )
             for i in range(n_stores)
@@ -155,6 +168,7 @@ class Replay:
         self._arrival = [r.arrival_s / scale for r in trace.requests] if scale != 1.0 else [r.arrival_s for r in trace.requests]
         self._heap: list = []
         self._seq = itertools.count()
+        self._promote_s: dict[int, float] = {}  # request index -> its promotion's copy time
 
     def _make_policy(self):
         kwargs = dict(self.config.policy_kwargs)
@@ -163,6 +177,13 @@ class Replay:
         if self.config.policy == "opt":
             kwargs["future"] = self.future
         return make_policy(self.config.policy, **kwargs)
+
+    def _make_host(self, scale: int) -> HostTier | None:
+        cfg = self.config
+        if not cfg.host_capacity_blocks:
+            return None
+        kwargs = {"future": self.future} if cfg.host_policy == "opt" else {}
+        return HostTier(cfg.host_capacity_blocks * scale, make_policy(cfg.host_policy, **kwargs))
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict:
@@ -204,6 +225,9 @@ class Replay:
             capacity_blocks=cfg.capacity_blocks,
             block_accesses=self.trace.block_accesses,
             evictions=sum(r.store.stats.evictions for r in self.replicas),
+            demotions=sum(r.store.host.stats.demotions for r in self.replicas if r.store.host is not None),
+            host_capacity_blocks=cfg.host_capacity_blocks,
+            host_policy=cfg.host_policy if cfg.host_capacity_blocks else None,
             elapsed_s=elapsed,
             cpu_s=cpu,
             rate_scale=cfg.rate_scale,
@@ -261,6 +285,10 @@ class Replay:
                 rep.running += 1
                 hits = alloc.num_hit_blocks
                 hit_tokens = min(hits * bs, req.input_length)
+                host_hits = alloc.num_host_hit_blocks
+                if host_hits:
+                    counters.host_hit_blocks += host_hits
+                    self._promote_s[req.index] = self.timing.promote_s(host_hits, bs)
                 counters.hit_blocks += hits
                 counters.hit_tokens += hit_tokens
                 counters.input_tokens += req.input_length
@@ -280,10 +308,14 @@ class Replay:
         ttfts = self.counters.ttfts
         decode_s = self.timing.decode_s
         arrival = self._arrival
+        promote = self._promote_s
         for req in batch:
-            ttfts.append(t - arrival[req.index])
+            # NOTE: a promotion's copy delays only its own request (copies run on the
+            # copy engine, beside the lane's compute).
+            delay = promote.pop(req.index, 0.0) if promote else 0.0
+            ttfts.append(t + delay - arrival[req.index])
             store.cache_blocks(req.rid, t, len(req.prompt_hashes))
-            heapq.heappush(self._heap, (t + decode_s(req.output_length), next(self._seq), _FINISH, rep, req))
+            heapq.heappush(self._heap, (t + delay + decode_s(req.output_length), next(self._seq), _FINISH, rep, req))
         self._schedule(rep, t)
 
     def _finish(self, rep: SimReplica, req: SimRequest, t: float) -> None:
@@ -356,6 +388,8 @@ def _pump(index: LocalityIndex, replica_id: str, events: list) -> None:
     removed: list = []
     for ev in events:
         kind = type(ev)
+        if kind is not AllBlocksCleared and ev.tier is not Tier.GPU:
+            continue  # the index is of GPU holdings
         if kind is BlockStored:
             stored.append(ev.block_hash)
             parents.append(ev.parent_hash)

@@ -33,24 +33,28 @@ def run_grid(
     progress: bool = False,
     on_result: Callable[[dict], None] | None = None,
     rate_scales: Sequence[float] = (1.0,),
+    host_capacities: Sequence[int] = (0,),
 ) -> list[dict]:
-    """One result record per (policy, capacity[, router], rate scale); ``pooled`` adds a
-    pooled run. Rate scales vary fastest, so one (policy, capacity, router)'s goodput
-    points are adjacent.
+    """One result record per (policy, capacity, host capacity[, router], rate scale);
+    ``pooled`` adds a pooled run. Rate scales vary fastest, so one (policy, capacity,
+    router)'s goodput points are adjacent. ``host_capacities`` are host-tier blocks per
+    replica (0: none); the host policy is ``base.host_policy``.
 
     The opt oracle is built once here (outside the per-policy loop).
     """
-    future = future_accesses(trace) if "opt" in policies else None
+    host_opt = base.host_policy == "opt" and any(host_capacities)
+    future = future_accesses(trace) if "opt" in policies or host_opt else None
     results = []
     variants: list[ReplayConfig] = []
     for policy in policies:
         for cap in capacities:
-            for router in routers:
-                variants += [replace(base, policy=policy, capacity_blocks=cap, router=router, pooled=False,
-                                     rate_scale=s) for s in rate_scales]
-            if pooled and base.replicas > 1:
-                variants += [replace(base, policy=policy, capacity_blocks=cap, router=None, pooled=True,
-                                     rate_scale=s) for s in rate_scales]
+            for host in host_capacities:
+                for router in routers:
+                    variants += [replace(base, policy=policy, capacity_blocks=cap, router=router, pooled=False,
+                                         rate_scale=s, host_capacity_blocks=host) for s in rate_scales]
+                if pooled and base.replicas > 1:
+                    variants += [replace(base, policy=policy, capacity_blocks=cap, router=None, pooled=True,
+                                         rate_scale=s, host_capacity_blocks=host) for s in rate_scales]
     for cfg in variants:
         rec = Replay(trace, cfg, future=future, progress=progress).run()
         results.append(rec)
