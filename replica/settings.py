@@ -52,6 +52,14 @@ class ReplicaSettings:
     )
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
     num_blocks: int = field(default=1024, metadata=_help("KV blocks in the cache"))
+    host_blocks: int = field(
+        default=0,
+        metadata=_help("KV blocks of a host-memory tier under the cache (0: none; torch engine only): victims are "
+                       "demoted to it, prefix matches promote them back"),
+    )
+    host_eviction_policy: str = field(
+        default="unicache", metadata=_help("the host tier's eviction policy (unicache with each block's class; lru: vLLM's/LMCache's)")
+    )
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
     dtype: str = field(default="auto", metadata=_help("auto, float32, bfloat16, float16"))
     checkpoint: str = field(
@@ -88,8 +96,15 @@ class ReplicaSettings:
 
         if self.engine not in ENGINES:
             raise UsageError(f"engine: unknown engine {self.engine!r} (choose from {', '.join(ENGINES)})")
+        if self.host_blocks < 0:
+            raise UsageError(f"host_blocks must be >= 0, got {self.host_blocks}")
         if self.engine == "vllm":
+            if self.host_blocks:
+                raise UsageError("host_blocks: the vllm engine has no host tier (vLLM 0.32.0's CPU offloading keeps "
+                                 "its own copy policy and needs CUDA; see docs/host_tier.md); use --engine torch "
+                                 "or --host-blocks 0")
             from unicache.replica.vllm_engine.config import VLLMEngineConfig
+
 
             try:
                 VLLMEngineConfig(
@@ -98,13 +113,16 @@ class ReplicaSettings:
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         else:
-            try:
-                EVICTION_POLICIES.get(self.eviction_policy)
-            except ValueError as exc:
-                raise UsageError(f"eviction_policy: {exc}") from None
-            if self.eviction_policy not in replica_eviction_policies():
-                raise UsageError(f"eviction_policy: {self.eviction_policy!r} needs the future (simulator only); "
-                                 f"a replica runs one of {', '.join(replica_eviction_policies())}")
+            for flag, name in (("eviction_policy", self.eviction_policy), ("host_eviction_policy", self.host_eviction_policy)):
+                if flag == "host_eviction_policy" and not self.host_blocks:
+                    continue
+                try:
+                    EVICTION_POLICIES.get(name)
+                except ValueError as exc:
+                    raise UsageError(f"{flag}: {exc}") from None
+                if name not in replica_eviction_policies():
+                    raise UsageError(f"{flag}: {name!r} needs the future (simulator only); "
+                                     f"a replica runs one of {', '.join(replica_eviction_policies())}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
@@ -129,6 +147,8 @@ class ReplicaSettings:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_waiting=self.max_waiting,
             seed=self.seed,
+            host_blocks=self.host_blocks,
+            host_eviction_policy=self.host_eviction_policy,
         )
 
     def resolved_redis_password(self) -> str:

@@ -47,6 +47,14 @@ def nothing_starts(monkeypatch):
         (["--replicas", "0"], "--replicas must be at least 1"),
         (["--http-port", "70000"], "http_port must be 0-65535, got 70000"),
         (["--checkpoint", "/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt is not a directory"),
+        (["--host-blocks", "-1"], "host_blocks must be >= 0, got -1"),
+        (["--host-blocks", "8", "--host-eviction-policy", "nope"],
+         f"host_eviction_policy: unknown eviction policy 'nope' (choose from {EVICTION})"),
+        (["--host-blocks", "8", "--host-eviction-policy", "opt"],
+         f"host_eviction_policy: 'opt' needs the future (simulator only); a replica runs one of {REPLICA_EVICTION}"),
+        (["--engine", "vllm", "--checkpoint", "/tmp", "--host-blocks", "8"],
+         "host_blocks: the vllm engine has no host tier (vLLM 0.32.0's CPU offloading keeps its own copy policy and "
+         "needs CUDA; see docs/host_tier.md); use --engine torch or --host-blocks 0"),
     ],
 )
 def test_up_refuses_bad_settings_before_starting_anything(argv, message, nothing_starts, capsys):
@@ -68,6 +76,8 @@ def test_the_router_and_replica_settings_check_their_policies():
     with pytest.raises(UsageError, match=r"eviction_policy: unknown eviction policy 'nope'"):
         ReplicaSettings(eviction_policy="nope").check()
     ReplicaSettings(eviction_policy="radix-lru").check()
+    ReplicaSettings(host_blocks=64, host_eviction_policy="lru").check()
+    assert ReplicaSettings(host_blocks=64, host_eviction_policy="lru").engine_config().host_blocks == 64
 
 
 def test_unicache_replicas_refuses_a_bad_policy_before_ray(capsys, monkeypatch):

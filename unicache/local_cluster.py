@@ -51,6 +51,8 @@ class ClusterSettings:
     eviction_policy: str = field(default="unicache", metadata={"help": "KV-cache eviction policy of the replicas"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     num_blocks: int = field(default=2048, metadata={"help": "KV blocks per replica"})
+    host_blocks: int = field(default=0, metadata={"help": "host-memory KV tier blocks per replica (0: none; torch engine)"})
+    host_eviction_policy: str = field(default="unicache", metadata={"help": "the host tier's eviction policy"})
     engine: str = field(default="torch", metadata={"help": "replica engine: torch (built-in) or vllm (needs --model)"})
     checkpoint: str = field(
         default="", metadata={"help": "local Hugging Face model dir, also --model (empty: small seeded model, torch engine)"}
@@ -97,6 +99,8 @@ def replica_settings(cfg: ClusterSettings, redis_url: str, redis_password_file: 
         eviction_policy=cfg.eviction_policy,
         block_size=cfg.block_size,
         num_blocks=cfg.num_blocks,
+        host_blocks=cfg.host_blocks,
+        host_eviction_policy=cfg.host_eviction_policy,
         checkpoint=cfg.checkpoint,
         tokenizer=cfg.tokenizer,
         engine=cfg.engine,

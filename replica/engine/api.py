@@ -114,7 +114,37 @@ class EngineLoad:
 
 
 @dataclass(slots=True)
+class HostTierInfo:
+    """The host tier's state (``CacheStateInfo.host``).
+
+    ``hit_ratio`` is host-hit blocks over all prompt blocks queried (the GPU's
+    ``CacheStateInfo.hit_ratio`` has the same denominator, so the two add up); every host
+    hit is one promotion.
+    """
+
+    capacity_blocks: int
+    used_blocks: int
+    hit_ratio: float
+    promotions: int
+    demotions: int
+    evictions: int
+    eviction_policy: str
+
+    @classmethod
+    def of_store(cls, store, eviction_policy: str) -> "HostTierInfo | None":
+        """From a ``KVStore`` (None without a host tier). The caller holds its lock."""
+        host = store.host
+        if host is None:
+            return None
+        q = store.stats.query_blocks
+        return cls(host.num_blocks, host.num_used_blocks, host.stats.hit_blocks / q if q else 0.0,
+                   host.stats.hit_blocks, host.stats.demotions, host.stats.evictions, eviction_policy)
+
+
+@dataclass(slots=True)
 class CacheStateInfo:
+    """The GPU pool's state, and the host tier's (``host``) when the replica has one."""
+
     block_size: int
     capacity_blocks: int
     used_blocks: int
@@ -124,6 +154,7 @@ class CacheStateInfo:
     queue_sizes: dict[str, int]
     eviction_policy: str
     evictions: int
+    host: HostTierInfo | None = None
 
 
 @runtime_checkable

@@ -37,6 +37,10 @@ class EngineConfig:
             RESOURCE_EXHAUSTED), so overload is shed instead of queued without bound.
             None: unbounded.
         seed: seeds the random weights and the sampler of requests without a seed.
+        host_blocks: KV blocks of the host-memory tier under the pool (0: none). GPU victims
+            are demoted to it and prefix matches promote them back before prefill.
+        host_eviction_policy: the host tier's registered eviction policy (default
+            unicache, with each block's class; lru is what vLLM's and LMCache's offloading do).
         cpu_threads: torch intra-op threads for a CPU engine (process-wide); None keeps
             torch's default. On a crowded host 1 is often fastest (no spinning OpenMP peers).
     """
@@ -59,12 +63,16 @@ class EngineConfig:
     max_waiting: int | None = 1024
     seed: int = 0
     cpu_threads: int | None = None
+    host_blocks: int = 0
+    host_eviction_policy: str = "unicache"
 
     def __post_init__(self) -> None:
         positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_n")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_blocks < 0:
+            raise ValueError(f"EngineConfig.host_blocks must be >= 0, got {self.host_blocks}")
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"EngineConfig.max_waiting must be >= 1 or None, got {self.max_waiting}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:

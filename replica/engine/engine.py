@@ -23,6 +23,7 @@ from unicache.replica.engine.api import (
     EngineLoad,
     EngineOutput,
     EngineRequest,
+    HostTierInfo,
 )
 from unicache.replica.engine.attention import build_metadata
 from unicache.replica.engine.config import EngineConfig
@@ -33,6 +34,7 @@ from unicache.replica.engine.sequence import RequestGroup, Sequence
 from unicache.tokenizer import load_tokenizer
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.events import KVEvent
+from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore
 from unicache.replica.kv.torch_storage import TorchKVStorage
 from unicache.block_hash import BlockHash
@@ -97,13 +99,17 @@ class LLMEngine:
             mcfg.dim_per_head,
             dtype=self.dtype,
             device=self.device,
+            host_blocks=config.host_blocks,
         )
+        host = HostTier(config.host_blocks, make_policy(config.host_eviction_policy)) if config.host_blocks else None
         self.store = KVStore(
             config.total_blocks,
             config.block_size,
             make_policy(self.policy_name),
             storage=self.storage,
             enable_prefix_caching=config.enable_prefix_caching,
+            host=host,
+            record_transfers=host is not None,
         )
         self.scheduler = Scheduler(
             self.store,
@@ -211,6 +217,9 @@ class LLMEngine:
         """Run one iteration: schedule, forward, sample. Returns this step's outputs."""
         with self.lock:
             chunks = self.scheduler.schedule()
+            # This step's demotions and promotions, batched, before the forward pass that
+            # reads the promoted blocks (and the prefill that overwrites demoted ones).
+            self.store.flush_transfers()
             if not chunks:
                 return []
             tables = [self.store.block_table(c.seq.seq_id) for c in chunks]
@@ -337,6 +346,7 @@ class LLMEngine:
                 queue_sizes=s.policy.queue_sizes(),
                 eviction_policy=self.policy_name,
                 evictions=s.stats.evictions,
+                host=HostTierInfo.of_store(s, self.config.host_eviction_policy),
             )
 
     def check_invariants(self) -> None:

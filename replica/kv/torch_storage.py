@@ -5,12 +5,20 @@ A token's *slot* is ``block_id * block_size + offset``; ``layer_views(layer)`` g
 layer's cache flattened to ``[num_blocks * block_size, num_kv_heads, head_dim]`` so the
 attention kernel can scatter/gather by slot.
 
+With ``host_blocks`` > 0 it also holds the host tier's tensors, ``host_k`` / ``host_v``
+``[num_layers, host_blocks, block_size, num_kv_heads, head_dim]`` in CPU memory (pinned when
+the pool is on CUDA, so copies can use DMA). Only ``run_transfers`` touches them: the
+forward pass reads the pool alone.
+
 Invariant: the tensors are never reallocated (views handed out stay valid).
 """
 
 from __future__ import annotations
 
 import torch
+
+from unicache.kv_tier import Tier
+from unicache.replica.kv.transfers import TransferRun
 
 
 class TorchKVStorage:
@@ -25,6 +33,7 @@ class TorchKVStorage:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        host_blocks: int = 0,
     ):
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -35,6 +44,14 @@ class TorchKVStorage:
         flat = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self._k_flat = self.k.view(flat)
         self._v_flat = self.v.view(flat)
+        self.device = self.k.device
+        self.host_blocks = host_blocks
+        self.host_k = self.host_v = None
+        if host_blocks > 0:
+            host_shape = (num_layers, host_blocks, block_size, num_kv_heads, head_dim)
+            pin = self.device.type == "cuda"
+            self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+            self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V caches as ``[slots, kv_heads, head_dim]`` views."""
@@ -44,6 +61,33 @@ class TorchKVStorage:
         self.k[:, dst].copy_(self.k[:, src])
         self.v[:, dst].copy_(self.v[:, src])
 
+    def run_transfers(self, runs: list[TransferRun]) -> None:
+        """Each run as one gather and one scatter per tensor, in order (``transfer_runs``).
+
+        A demotion run's device-to-host copy is synchronous (the source block may be
+        overwritten by the next prefill); a promotion run's copy goes on the pool's stream
+        ahead of the forward pass that reads it."""
+        assert self.host_k is not None and self.host_v is not None, "no host tier"
+        for run in runs:
+            if run.tier is Tier.HOST:
+                src = torch.tensor(run.src, dtype=torch.long, device=self.device)
+                dst = torch.tensor(run.dst, dtype=torch.long)
+                self.host_k.index_copy_(1, dst, self.k.index_select(1, src).cpu())
+                self.host_v.index_copy_(1, dst, self.v.index_select(1, src).cpu())
+            else:
+                src = torch.tensor(run.src, dtype=torch.long)
+                dst = torch.tensor(run.dst, dtype=torch.long, device=self.device)
+                pin = self.device.type == "cuda"
+                k, v = self.host_k.index_select(1, src), self.host_v.index_select(1, src)
+                if pin:
+                    k, v = k.pin_memory(), v.pin_memory()
+                self.k.index_copy_(1, dst, k.to(self.device, non_blocking=pin))
+                self.v.index_copy_(1, dst, v.to(self.device, non_blocking=pin))
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    @property
+    def host_nbytes(self) -> int:
+        return 0 if self.host_k is None else self.host_k.numel() * self.host_k.element_size() * 2

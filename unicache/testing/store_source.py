@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 from unicache.block_hash import BlockHash
-from unicache.replica.engine.api import CacheStateInfo, EngineLoad
+from unicache.replica.engine.api import CacheStateInfo, EngineLoad, HostTierInfo
 from unicache.replica.kv.events import KVEvent
 from unicache.replica.kv.store import KVStore
 
@@ -45,4 +45,5 @@ class StoreCacheSource:
                 queue_sizes=s.policy.queue_sizes(),
                 eviction_policy=s.policy.name,
                 evictions=s.stats.evictions,
+                host=HostTierInfo.of_store(s, s.host.policy.name if s.host is not None else ""),
             )

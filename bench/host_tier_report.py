@@ -1,0 +1,179 @@
+"""The host-memory KV tier measured by trace replay: GPU hits, host hits, TTFT.
+
+Replays (1) the Mooncake conversation trace (block size 512, classes from the classifier)
+and (2) a generated labelled mix (block size 16) through ``unicache.sim`` with the GPU
+pool at 5% and 10% of each trace's unique blocks and a host tier of 0, 4 and 10 x the GPU
+pool, for unicache on both tiers against lru on both tiers; once on one replica and once
+on 4 replicas routed by ``cache_aware`` (each replica a quarter of the pool, so the fleet
+holds what the one replica does). Promotions cost their KV bytes over the host-to-device
+link (``TimingModel``: 128 KiB per token, 25 GB/s) in the promoted request's TTFT.
+
+Targets (issue 14), checked per (trace, GPU size, replicas):
+    * with a host tier of 4 x GPU, mean TTFT <= 0.6 x the same configuration without one
+      (each policy);
+    * unicache on both tiers >= lru on both tiers in block hit ratio (GPU + host), at
+      every host size.
+
+Run (from the repository root):
+    nice -n 10 .venv/bin/python -m bench.host_tier_report [--trace PATH] [--out-dir bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from unicache.sim.prepare import prepare
+from unicache.sim.replay import ReplayConfig
+from unicache.sim.runner import run_grid
+from unicache.sim.workload import WorkloadConfig, generate
+from unicache.trace import read_trace, write_trace
+from bench.paths import RESULTS, mooncake_trace
+from bench.report_files import git_commit, save_figure, write_report
+
+POLICIES = ["lru", "unicache"]  # each on both tiers
+GPU_FRACS = [0.05, 0.10]
+HOST_MULTIPLES = [0, 4, 10]
+REPLICAS = [1, 4]
+TTFT_TARGET = 0.6
+
+
+def measure(name: str, path: Path, block_size: int, replicas: list[int], progress: bool) -> dict:
+    trace = prepare(read_trace(path), block_size)
+    print(f"[{name}] {len(trace.requests)} requests, {trace.unique_blocks} unique blocks", file=sys.stderr)
+    results = []
+    for n in replicas:
+        for frac in GPU_FRACS:
+            gpu = int(frac * trace.unique_blocks) // n
+            hosts = [m * gpu for m in HOST_MULTIPLES]
+            for policy in POLICIES:
+                base = ReplayConfig(policy, gpu, replicas=n, router="cache_aware" if n > 1 else None,
+                                    host_policy=policy)
+                t0 = time.perf_counter()
+                recs = run_grid(trace, [policy], [gpu], base, routers=[base.router], host_capacities=hosts,
+                                progress=progress)
+                for rec, m in zip(recs, HOST_MULTIPLES):
+                    rec.update(gpu_frac=frac, host_multiple=m, replicas=n)
+                    print(f"  {n}x {policy:<9} gpu {frac:.2f} host {m:>2}x: hit {rec['block_hit_ratio']:.4f} "
+                          f"(host {rec['host_hit_ratio']:.4f}) ttft {rec['ttft_mean_s']:.3f}", file=sys.stderr)
+                print(f"    {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+                results += recs
+    return {"name": name, "trace": str(path), "block_size": block_size, "requests": len(trace.requests),
+            "unique_blocks": trace.unique_blocks, "block_accesses": trace.block_accesses, "results": results}
+
+
+def _get(results, policy, frac, multiple, replicas):
+    for r in results:
+        if (r["policy"], r["gpu_frac"], r["host_multiple"], r["replicas"]) == (policy, frac, multiple, replicas):
+            return r
+    raise KeyError((policy, frac, multiple, replicas))
+
+
+def check_targets(runs: dict[str, dict]) -> list[dict]:
+    checks = []
+    for key, run in runs.items():
+        res = run["results"]
+        for n in sorted({r["replicas"] for r in res}):
+            for frac in GPU_FRACS:
+                where = f"{key}, {n} replica{'s' if n > 1 else ''}, GPU {frac:.0%}"
+                for policy in POLICIES:
+                    ratio = _get(res, policy, frac, 4, n)["ttft_mean_s"] / _get(res, policy, frac, 0, n)["ttft_mean_s"]
+                    checks.append({"target": f"{policy}: mean TTFT with host 4x / without <= {TTFT_TARGET}",
+                                   "where": where, "value": ratio, "ok": ratio <= TTFT_TARGET})
+                for m in HOST_MULTIPLES[1:]:
+                    uc, lru = _get(res, "unicache", frac, m, n), _get(res, "lru", frac, m, n)
+                    diff = uc["block_hit_ratio"] - lru["block_hit_ratio"]
+                    checks.append({"target": f"unicache - lru block hit ratio, host {m}x >= 0", "where": where,
+                                   "value": diff, "ok": diff >= 0})
+    return checks
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Host KV tier (commit {report['commit']})", "",
+             "Hit ratios are of all prompt block accesses; total = GPU + host (promoted). TTFT in seconds; "
+             "a promotion's copy (128 KiB/token at 25 GB/s) is in its request's TTFT.", ""]
+    for key, run in report["runs"].items():
+        lines += [f"## {key} ({run['requests']} requests, {run['unique_blocks']} unique blocks, "
+                  f"block size {run['block_size']})", "",
+                  "| replicas | GPU | host | policy | GPU hit % | host hit % | total % | TTFT mean | TTFT p99 | "
+                  "mean vs host 0 |", "|---|---|---|---|---|---|---|---|---|---|"]
+        res = run["results"]
+        for r in res:
+            base = _get(res, r["policy"], r["gpu_frac"], 0, r["replicas"])["ttft_mean_s"]
+            lines.append(f"| {r['replicas']} | {r['gpu_frac']:.0%} ({r['capacity_blocks']}) | {r['host_multiple']}x "
+                         f"({r['host_capacity_blocks']}) | {r['policy']} | {100 * r['gpu_hit_ratio']:.2f} | "
+                         f"{100 * r['host_hit_ratio']:.2f} | {100 * r['block_hit_ratio']:.2f} | "
+                         f"{r['ttft_mean_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['ttft_mean_s'] / base:.2f} |")
+        lines.append("")
+    lines += ["## Targets", "", "| target | where | value | met |", "|---|---|---|---|"]
+    for c in report["checks"]:
+        lines.append(f"| {c['target']} | {c['where']} | {c['value']:+.4f} | {'yes' if c['ok'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    cols = [(key, frac) for key in runs for frac in GPU_FRACS]
+    fig, axes = plt.subplots(2, len(cols), figsize=(4.2 * len(cols), 6.4), squeeze=False)
+    for j, (key, frac) in enumerate(cols):
+        res = runs[key]["results"]
+        for n in sorted({r["replicas"] for r in res}):
+            for policy, color in (("lru", "tab:blue"), ("unicache", "tab:red")):
+                rows = [_get(res, policy, frac, m, n) for m in HOST_MULTIPLES]
+                style = "-" if n == 1 else "--"
+                label = f"{policy} both tiers, {n} replica{'s' if n > 1 else ''}"
+                axes[0][j].plot(HOST_MULTIPLES, [100 * r["block_hit_ratio"] for r in rows], style, color=color,
+                                marker="o", label=label)
+                axes[1][j].plot(HOST_MULTIPLES, [r["ttft_mean_s"] for r in rows], style, color=color, marker="o",
+                                label=label)
+        axes[0][j].set_title(f"{key}, GPU {frac:.0%} of unique blocks")
+        axes[0][j].set_ylabel("block hit % (GPU + host)")
+        axes[1][j].set_ylabel("mean TTFT (s)")
+        axes[1][j].set_xlabel("host tier (x GPU pool)")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xticks(HOST_MULTIPLES)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", type=Path, default=None, help="Mooncake conversation trace (default: shared/traces)")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--mix-seed", type=int, default=0)
+    ap.add_argument("--mix-duration", type=float, default=1200.0)
+    ap.add_argument("--replicas", default="1,4", help="comma list of fleet sizes (default 1,4)")
+    ap.add_argument("--skip", default="", help="comma list of runs to skip: mooncake, mix")
+    ap.add_argument("--progress", action="store_true")
+    args = ap.parse_args(argv)
+    skip = {s for s in args.skip.split(",") if s}
+    replicas = [int(x) for x in args.replicas.split(",")]
+    out_dir = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, dict] = {}
+    if "mooncake" not in skip:
+        runs["mooncake"] = measure("mooncake", args.trace or mooncake_trace(), 512, replicas, args.progress)
+    if "mix" not in skip:
+        mix_path = out_dir / f"host_mix_seed{args.mix_seed}.jsonl"
+        write_trace(mix_path, generate(WorkloadConfig(seed=args.mix_seed, duration=args.mix_duration, block_size=16)))
+        try:
+            runs["mix"] = measure("mix", mix_path, 16, replicas, args.progress)
+        finally:
+            mix_path.unlink()  # reproducible from the seed
+    report = {"commit": git_commit(Path(__file__).resolve().parents[1]), "policies": POLICIES,
+              "gpu_fracs": GPU_FRACS, "host_multiples": HOST_MULTIPLES, "runs": runs}
+    report["checks"] = check_targets(runs)
+    write_report(out_dir, "host_tier_report", report, markdown(report), plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
