@@ -4,8 +4,8 @@ The variants are ``bench/unicache_variants.py``'s ``AblationUniCache`` (the prod
 policy has no switches).
 
 Runs ``unicache sim``'s replay (``unicache.sim``) on the Mooncake trace (block size 512,
-classes inferred) and on a generated labelled mix (block size 16) at 5% and 10% of the
-unique blocks, for lru, opt and every unicache variant. Writes JSON and a markdown table;
+classes inferred) and on a generated mix (block size 16; labelled, and with labels hidden
+so that the classifier infers the classes) at 5% and 10% of the unique blocks, for lru, opt and every unicache variant. Writes JSON and a markdown table;
 also reports each variant's gap closure (unicache - lru) / (opt - lru).
 
     .venv/bin/python -m bench.unicache_ablation --out bench/results/unicache_ablation
@@ -35,6 +35,8 @@ VARIANTS: dict[str, dict] = {
     "- turn-depth lanes": {"turn_lanes": False},
     "- hit-count lanes": {"freq_lanes": False},
     "- last-prompt-block lane": {"tail_lane": False},
+    "- novel-prefix lane": {"novel_lane": False},
+    "+ ghost re-cache counts as a hit": {"ghost_uses": True},
     "- online gap fit (priors)": {"online_fit": False},
     "gaps arrival to arrival (not from release)": {"gap_from_release": False},
     "- global weights (alpha=1)": {"weighting": "none"},
@@ -45,8 +47,8 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def run_trace(name: str, trace_path: str, block_size: int, fracs: list[float]) -> list[dict]:
-    prepared = prepare(read_trace(trace_path), block_size)
+def run_trace(name: str, trace_path: str, block_size: int, fracs: list[float], ignore_labels: bool = False) -> list[dict]:
+    prepared = prepare(read_trace(trace_path), block_size, ignore_labels=ignore_labels)
     future = future_accesses(prepared)
     rows = []
     for frac in fracs:
@@ -72,7 +74,8 @@ def run_trace(name: str, trace_path: str, block_size: int, fracs: list[float]) -
 
 
 def markdown(rows: list[dict]) -> str:
-    cols = sorted({(r["trace"], r["capacity_frac"]) for r in rows}, key=lambda c: (c[0] != "mooncake", c[1]))
+    order = {"mooncake": 0, "mix": 1, "mix-inferred": 2}
+    cols = sorted({(r["trace"], r["capacity_frac"]) for r in rows}, key=lambda c: (order.get(c[0], 3), c[1]))
     head = "| variant | " + " | ".join(f"{t} {f:.0%}" for t, f in cols) + " |"
     lines = [head, "|" + "---|" * (len(cols) + 1)]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
@@ -103,7 +106,8 @@ def main() -> int:
     mix_path = out.with_name(out.name + "_mix.jsonl")
     write_trace(mix_path, generate(WorkloadConfig(seed=args.mix_seed, duration=args.mix_duration)))
     t0 = time.perf_counter()
-    rows = run_trace("mooncake", args.mooncake, 512, fracs) + run_trace("mix", str(mix_path), 16, fracs)
+    rows = (run_trace("mooncake", args.mooncake, 512, fracs) + run_trace("mix", str(mix_path), 16, fracs)
+            + run_trace("mix-inferred", str(mix_path), 16, fracs, ignore_labels=True))
     mix_path.unlink()
     meta = {"fracs": fracs, "mix_seed": args.mix_seed, "mix_duration_s": args.mix_duration,
             "elapsed_s": time.perf_counter() - t0}

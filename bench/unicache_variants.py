@@ -32,10 +32,11 @@ class AblationPlacement(LanePlacement):
     """Lane placement with queues or lane splits switched off."""
 
     def __init__(self, session_queues: bool, split_agent: bool, structural: bool, turn_lanes: bool,
-                 freq_lanes: bool, tail_lane: bool):
+                 freq_lanes: bool, tail_lane: bool, novel_lane: bool = True):
         super().__init__()
         self.session_queues, self.split_agent, self.structural = session_queues, split_agent, structural
         self.turn_lanes, self.freq_lanes, self.tail_lane = turn_lanes, freq_lanes, tail_lane
+        self.novel_lane = novel_lane
 
     def session_queue(self, cls: RequestClass) -> int:
         return super().session_queue(cls) if self.split_agent else CHAT
@@ -45,12 +46,13 @@ class AblationPlacement(LanePlacement):
             return self.session_queue(cls), 0
         return -1, (cls.template_blocks if self.structural and cls.template else 0)
 
-    def lane(self, queue: int, is_tail: bool, turn: int, uses: int) -> int:
+    def lane(self, queue: int, is_tail: bool, turn: int, uses: int, novel: bool = False) -> int:
         if is_tail and not self.tail_lane:
             is_tail = False
-        lane = super().lane(queue, is_tail, turn, uses)
+        novel = novel and self.novel_lane
+        lane = super().lane(queue, is_tail, turn, uses, novel)
         session = queue == CHAT or queue == AGENT
-        if not is_tail and ((session and not self.turn_lanes) or (not session and not self.freq_lanes)):
+        if not is_tail and not novel and ((session and not self.turn_lanes) or (not session and not self.freq_lanes)):
             return queue * NUM_LANES
         return lane
 
@@ -139,7 +141,9 @@ class AblationUniCache(UniCachePolicy):
     Args:
         session_queues / split_agent / structural: route session blocks to the session
             queues / agent sessions apart from chat / template prefixes to structural.
-        turn_lanes / freq_lanes / tail_lane: the lane splits (lanes.py).
+        turn_lanes / freq_lanes / tail_lane / novel_lane: the lane splits (lanes.py).
+        ghost_uses: a block cached again from a ghost starts at one hit (its re-cache
+            was a reuse), so it joins a hit-count lane above the fresh blocks'.
         online_fit: fit the session gaps online (off: the paper's priors).
         gap_from_release: gaps from the previous turn's release (off: arrival to arrival).
         weighting: "reuse" (production), "efficiency" (the paper's) or "none" (alpha = 1).
@@ -156,15 +160,24 @@ class AblationUniCache(UniCachePolicy):
                  turn_lanes: bool = True, freq_lanes: bool = True, tail_lane: bool = True,
                  online_fit: bool = True, gap_from_release: bool = True, weighting: str = "reuse",
                  horizon_scoring: bool = True, structural_rate: bool = True, strict_evict_first: bool = False,
-                 efficiency_kwargs: dict | None = None, **kwargs):
+                 efficiency_kwargs: dict | None = None, ghost_uses: bool = False, novel_lane: bool = True,
+                 **kwargs):
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}")
-        self._placement_flags = (session_queues, split_agent, structural, turn_lanes, freq_lanes, tail_lane)
+        self._placement_flags = (session_queues, split_agent, structural, turn_lanes, freq_lanes, tail_lane,
+                                 novel_lane)
         self.online_fit, self.gap_from_release, self.weighting = online_fit, gap_from_release, weighting
         self.horizon_on = horizon_scoring and weighting != "efficiency"
         self.structural_rate, self.strict_evict_first = structural_rate, strict_evict_first
         self._efficiency_kwargs = efficiency_kwargs or {}
+        self.ghost_uses = ghost_uses
         super().__init__(**kwargs)
+
+    def on_cached(self, block_id, block_hash, parent_id, now) -> None:
+        ghost = self.weights.ghosts.get(block_hash)
+        super().on_cached(block_id, block_hash, parent_id, now)
+        if ghost is not None and self.ghost_uses:
+            self._uses[block_id] = 1  # the re-cache is a reuse: the hit-count lanes see it
 
     def _make_placement(self) -> LanePlacement:
         return AblationPlacement(*self._placement_flags)

@@ -11,7 +11,16 @@ from unicache.request_class import RequestClass, Task
 from unicache.replica.eviction.base import ReleaseInfo
 from unicache.replica.eviction.lognormal import OnlineLogNormal
 from unicache.replica.eviction.registry import make_policy
-from unicache.replica.eviction.unicache import AGENT, CHAT, EVICT_FIRST, NUM_LANES, STRUCTURAL, TAIL_LANE, UniCachePolicy
+from unicache.replica.eviction.unicache import (
+    AGENT,
+    CHAT,
+    EVICT_FIRST,
+    NOVEL_LANE,
+    NUM_LANES,
+    STRUCTURAL,
+    TAIL_LANE,
+    UniCachePolicy,
+)
 from bench.unicache_variants import AblationUniCache
 
 SINGLE = RequestClass()
@@ -112,7 +121,10 @@ def test_ghost_reuse_counts_for_the_queue_that_evicted_it():
     assert drain(p) == [1, 0]
     p.on_cached(5, h[1], -1, 9.0)  # the evicted prefix was needed again: a missed reuse
     p.on_request(SINGLE, 9.0)
-    assert p.weight(EVICT_FIRST) == pytest.approx(1.1 / 3.0)
+    # Cached from the root and never hit, blocks 0 and 1 were a novel prefix: the missed
+    # reuse counts for the novel lane (two releases plus the prior's one).
+    assert p.alpha[EVICT_FIRST * NUM_LANES + NOVEL_LANE] == pytest.approx(1.1 / 3.0)
+    assert p.weight(EVICT_FIRST) == pytest.approx(0.1)
 
 
 def test_structural_queue_cold_template_before_hot_and_deep_before_shallow():
@@ -314,10 +326,14 @@ def _mixed_history(p):
     [
         # From a cold start evict-first (0-3, and 11: the template's suffix) weighs 0.1
         # against 0.5 elsewhere, so it goes first; then the structural blocks 10, 9.
-        ({"gap_from_release": False}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
+        # 11 was cached from the root and never hit (a novel prefix): alone in the novel
+        # lane, its head is the youngest evict-first block, 3 s old, scored below the
+        # 6 s old head of lane 0 (the chat fit's hazard still rises at those ages).
+        ({"gap_from_release": False}, [11, 3, 1, 0, 2, 10, 9, 4, 12, 6, 13, 7, 8]),
+        ({"gap_from_release": False, "novel_lane": False}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
         # Strict evict-first: every evict-first block (0-3 and 11, the template's
-        # suffix) before the rest, the tail-lane blocks 2 and 11 included.
-        ({"gap_from_release": False, "strict_evict_first": True}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
+        # suffix) before the rest, the tail-lane block 2 and the novel block 11 included.
+        ({"gap_from_release": False, "strict_evict_first": True}, [11, 3, 1, 0, 2, 10, 9, 4, 12, 6, 13, 7, 8]),
         ({"gap_from_release": False, "weighting": "efficiency"}, [10, 9, 7, 8, 3, 1, 0, 2, 4, 6, 11, 12, 13]),
         ({}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
     ],
@@ -381,3 +397,69 @@ def test_residence_time_averages_ages_since_release_not_effective_times():
     assert p.pop_victims(1) == [0]
     p.on_request(SINGLE, 50.0)
     assert p.residence.ema == pytest.approx(0.99 * 60.0 + 0.01 * 48.0)
+
+
+# ------------------------------------------------------------ novel prefixes
+def _cache(p, block_id, parent_id, now):
+    """Cache ``block_id`` under ``parent_id`` (-1: the root) with a hash of its own."""
+    p.on_cached(block_id, hash_id_blocks([block_id], 1)[0], parent_id, now)
+
+
+def _lane_of(p, block_id):
+    return p._live[block_id][3] - EVICT_FIRST * NUM_LANES
+
+
+def test_novel_prefix_blocks_are_chains_from_the_root_never_hit_never_ghosts():
+    p = plain(weighting="reuse")
+    _cache(p, 0, -1, 0.0)  # a prompt that shares nothing: 0 <- 1
+    _cache(p, 1, 0, 0.0)
+    release(p, [0, 1], SINGLE, 0.0)
+    assert [_lane_of(p, b) for b in (0, 1)] == [NOVEL_LANE, NOVEL_LANE]
+    p.on_access(0, SINGLE, 1.0)  # another request shares block 0: no longer novel
+    _cache(p, 2, 0, 1.0)  # ... and its own block under it is not novel either
+    release(p, [0, 2], SINGLE, 1.0)
+    assert [_lane_of(p, b) for b in (0, 1, 2)] == [1, NOVEL_LANE, 0]  # 0: hit once
+    assert p.pop_victims(3) == [1, 2, 0]
+    _cache(p, 7, -1, 2.0)  # block 1's hash again, cached from its ghost: seen before
+    p.on_cached(8, hash_id_blocks([1], 1)[0], 7, 2.0)
+    release(p, [7, 8], SINGLE, 2.0)
+    assert [_lane_of(p, b) for b in (7, 8)] == [NOVEL_LANE, 0]
+    # Only evict-first blocks take the novel lane: a session's own prompt keeps its queue.
+    _cache(p, 9, -1, 3.0)
+    release(p, [9], CHAT_CLS, 3.0)
+    assert p._live[9][3] // NUM_LANES == CHAT
+    assert p.pop_victims(10) and p._novel == set()
+
+
+def test_one_off_prompts_leave_before_older_blocks_of_a_shared_prefix():
+    # Requests share the head block 0 and each adds a block under it (1, then 2); later
+    # one-off prompts (10 <- 11, then 12) share nothing. Their lane's measured reuse is
+    # 1.1 / 5 (block 0's hit while it was novel) against lane 0's 1.1 / 3, so the
+    # one-off blocks go first although blocks 1 and 2 are older; in one lane (the
+    # ablation without it) age decides and the older shared-prefix block 2 goes first.
+    # Block 0 (hit twice) goes first either way: its lane has no evidence yet beyond
+    # evict-first's prior (0.1 / 2).
+    def run(novel_lane):
+        p = plain(weighting="reuse", update_every=1, novel_lane=novel_lane)
+        _cache(p, 0, -1, 0.0)
+        release(p, [0], SINGLE, 0.0)
+        p.on_access(0, SINGLE, 1.0)
+        _cache(p, 1, 0, 1.0)
+        release(p, [0, 1], SINGLE, 1.0)
+        p.on_access(0, SINGLE, 2.0)
+        p.on_access(1, SINGLE, 2.0)
+        _cache(p, 2, 1, 2.0)
+        release(p, [0, 1, 2], SINGLE, 2.0)
+        _cache(p, 10, -1, 3.0)
+        _cache(p, 11, 10, 3.0)
+        release(p, [10, 11], SINGLE, 3.0)
+        _cache(p, 12, -1, 4.0)
+        release(p, [12], SINGLE, 4.0)
+        p.on_request(SINGLE, 5.0)
+        return p, drain(p)
+
+    p, order = run(True)
+    assert p.alpha[EVICT_FIRST * NUM_LANES + NOVEL_LANE] == pytest.approx(1.1 / 5.0)
+    assert p.alpha[EVICT_FIRST * NUM_LANES] == pytest.approx(1.1 / 3.0)
+    assert order == [0, 11, 10, 12, 2, 1]
+    assert run(False)[1] == [0, 2, 11, 10, 12, 1]

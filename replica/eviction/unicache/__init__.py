@@ -1,6 +1,6 @@
 """UniCache eviction, one job per module:
 
-    lanes.py    queue/lane placement of released blocks
+    lanes.py    queue/lane placement of released blocks (novel prefixes apart)
     scoring.py  lane scores (horizon score, structural decayed-count rate, residence time)
     weights.py  the reuse-probability weights alpha per lane (with the ghost list)
     gaps.py     the session-gap fits
@@ -15,6 +15,7 @@ from unicache.replica.eviction.unicache.lanes import (
     AGENT,
     CHAT,
     EVICT_FIRST,
+    NOVEL_LANE,
     NUM_LANES,
     NUM_QUEUES,
     QUEUE_NAMES,
@@ -28,6 +29,7 @@ __all__ = [
     "AGENT",
     "CHAT",
     "EVICT_FIRST",
+    "NOVEL_LANE",
     "NUM_LANES",
     "NUM_QUEUES",
     "QUEUE_NAMES",

@@ -1,6 +1,7 @@
 """The UniCache eviction policy: class-aware lanes and a global choice by reuse probability.
 
-A released block joins a lane (``lanes.LanePlacement``); each lane is a heap ordered by
+A released block joins a lane (``lanes.LanePlacement``), by its request's class, its
+hits and whether it belongs to a novel prefix (``_novel``); each lane is a heap ordered by
 its key: the block's last use, or for structural lanes its effective time
 (``scoring.StructuralRate``); ties go by release order, so a request's tail leaves before
 its head, as in vLLM. ``pop_victim`` scores each lane's head and evicts the lowest,
@@ -15,6 +16,9 @@ Invariants:
     * Within a lane, alpha and the fit are shared and scores fall with the key past the
       gap distribution's mode (the hazard of a log-normal falls after it), so the head
       is the lane's lowest-scored block among those, which is where victims come from.
+    * ``_novel`` holds exactly the cached blocks of novel prefixes: a block joins it when
+      cached if it was no ghost and its parent is the root or in ``_novel``, and leaves
+      it when hit or evicted (so a subset of the cached blocks, O(1) per operation).
     * Every operation is O(log n) amortised; ``pop_victim`` rescores only the lanes that
       changed since the last call (all of them when the clock, a fit or the weights
       moved) and takes the minimum; ``pop_victims(n)`` is n of them in one loop.
@@ -103,6 +107,7 @@ class UniCachePolicy(EvictionPolicy):
         self._now = 0.0
         self._hash: dict[int, BlockHash] = {}
         self._uses: dict[int, int] = {}  # cached block -> hits since it was cached
+        self._novel: set[int] = set()  # cached blocks of novel prefixes (lanes.py)
 
     # --------------------------------------------------------- the parts
     # NOTE: factories, so a study (bench/unicache_variants.py) swaps one part.
@@ -142,7 +147,10 @@ class UniCachePolicy(EvictionPolicy):
         self._hash[block_id] = block_hash
         self._uses[block_id] = 0
         ghost = self.weights.recall(block_hash)
-        if ghost is not None and LANE_QUEUE[ghost[0]] == STRUCTURAL:
+        if ghost is None:
+            if parent_id < 0 or parent_id in self._novel:
+                self._novel.add(block_id)
+        elif LANE_QUEUE[ghost[0]] == STRUCTURAL:
             self.rate.resume(block_id, ghost[1], now)
 
     def on_release(self, block_id: int, info: ReleaseInfo) -> None:
@@ -175,7 +183,7 @@ class UniCachePolicy(EvictionPolicy):
             return
         self._advance(now)
         self.gaps.on_release(cls, now)
-        lanes = self.placement.place(block_ids, positions, cls, num_prompt_blocks, self._uses)
+        lanes = self.placement.place(block_ids, positions, cls, num_prompt_blocks, self._uses, self._novel)
         self.weights.on_released(lanes)
         structural_key = self.rate.key
         tokens, heaps, live = self._tokens, self._heaps, self._live
@@ -201,6 +209,7 @@ class UniCachePolicy(EvictionPolicy):
         uses = self._uses
         if block_id in uses:
             uses[block_id] += 1
+        self._novel.discard(block_id)
         self.rate.on_access(block_id, now)
         entry = self._live.pop(block_id, None)
         if entry is None:
@@ -233,6 +242,7 @@ class UniCachePolicy(EvictionPolicy):
         live, dirty, scores, heaps = self._live, self._dirty, self._scores, self._heaps
         sizes, lane_sizes = self._sizes, self._lane_sizes
         uses, hashes, forget, remember = self._uses, self._hash, self.rate.forget, self.weights.remember
+        not_novel = self._novel.discard
         score, choose = self._score, self._choose
         now, age_sum = self._now, 0.0
         heappop, inf = heapq.heappop, math.inf
@@ -266,6 +276,7 @@ class UniCachePolicy(EvictionPolicy):
             lane_sizes[best] -= 1
             dirty.add(best)
             uses.pop(block_id, None)
+            not_novel(block_id)
             forget(block_id)
             hash_ = hashes.pop(block_id, None)
             if hash_ is not None:
@@ -290,6 +301,7 @@ class UniCachePolicy(EvictionPolicy):
     def on_removed(self, block_id: int) -> None:
         self._hash.pop(block_id, None)
         self._uses.pop(block_id, None)
+        self._novel.discard(block_id)
         self.rate.forget(block_id)
         entry = self._live.pop(block_id, None)
         if entry is not None:
