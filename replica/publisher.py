@@ -105,6 +105,7 @@ class CachePublisher:
         password: Redis password when it is not in the URL (a secret: never logged).
         tls_ca: CA bundle that verifies the server of a ``rediss://`` URL.
         signer: seals every payload with the cluster's state key (required).
+        metrics_url: the replica's Prometheus endpoint, announced in every heartbeat.
     """
 
     def __init__(
@@ -126,6 +127,7 @@ class CachePublisher:
         tls_ca: str | None = None,
         *,
         signer: StateSigner,
+        metrics_url: str = "",
     ):
         if tls_ca and not redis_url.startswith("rediss://"):
             raise ValueError("redis_tls_ca needs a rediss:// redis_url")
@@ -133,6 +135,7 @@ class CachePublisher:
         self.replica_id = replica_id
         self.redis_url = redis_url
         self.address = address
+        self.metrics_url = metrics_url
         self.keys = keys or RedisKeys()
         self.flush_interval_s = flush_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -240,6 +243,7 @@ class CachePublisher:
         return cache_pb2.Heartbeat(
             replica_id=self.replica_id,
             address=self.address,
+            metrics_url=self.metrics_url,
             device=str(self.source.device),
             running=load.running,
             waiting=load.waiting,

@@ -17,10 +17,25 @@ from unicache.redis_keys import RedisKeys
 from unicache.replica.engine.api import ServingEngine
 from unicache.replica.engines import make_engine
 from unicache.replica.publisher import CachePublisher
+from unicache.replica.metrics import ReplicaMetrics
+from unicache.replica.metrics_server import MetricsServer
 from unicache.replica.server import ReplicaServer
 from unicache.replica.settings import ReplicaSettings
 
 log = logging.getLogger(__name__)
+
+
+def replica_metrics(engine: ServingEngine, s: ReplicaSettings) -> tuple[ReplicaMetrics, list]:
+    """The replica's metrics and the registries its endpoint serves. The vLLM engine's own
+    Prometheus logger writes vLLM's series to prometheus_client's global registry: served
+    as they are, and ours then defines only the ``unicache_replica_*`` series."""
+    own = s.engine == "vllm"
+    metrics = ReplicaMetrics(engine, s.model_name(), s.replica_id, s.engine, request_series=not own)
+    if not own:
+        return metrics, [metrics.registry]
+    from prometheus_client import REGISTRY
+
+    return metrics, [metrics.registry, REGISTRY]
 
 
 class ReplicaRuntime:
@@ -29,6 +44,7 @@ class ReplicaRuntime:
         self.engine: ServingEngine | None = None
         self.server: ReplicaServer | None = None
         self.publisher: CachePublisher | None = None
+        self.metrics_server: MetricsServer | None = None
         self.address = ""
         self._drain: asyncio.Task | None = None
 
@@ -52,8 +68,14 @@ class ReplicaRuntime:
         password = s.resolved_redis_password()
         self.engine = make_engine(s)
         await self.engine.start()
+        metrics = None
+        if s.metrics_port >= 0:
+            metrics, registries = replica_metrics(self.engine, s)
+            self.metrics_server = MetricsServer(registries, s.host, s.metrics_port, advertise_host=s.advertised_host())
+            await self.metrics_server.start()
         self.server = ReplicaServer(
-            self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults(), cluster_key=key
+            self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults(), cluster_key=key,
+            metrics=metrics,
         )
         port = await self.server.start()
         self.address = f"{s.advertised_host()}:{port}"
@@ -61,6 +83,7 @@ class ReplicaRuntime:
             self.publisher = CachePublisher(
                 self.engine, s.replica_id, s.redis_url, self.address, RedisKeys(s.redis_prefix),
                 password=password or None, tls_ca=s.redis_tls_ca or None, signer=self.server.signer,
+                metrics_url=self.metrics_url,
             )
             self.server.servicer.summary_source = self.publisher.signed_summary
             await self.publisher.start()
@@ -70,10 +93,16 @@ class ReplicaRuntime:
         log.info("replica %s up at %s on %s", s.replica_id, self.address, self.engine.device)
         return self.address
 
+    @property
+    def metrics_url(self) -> str:
+        """``http://host:port/metrics`` of this replica's Prometheus endpoint ("" when none)."""
+        return self.metrics_server.url if self.metrics_server is not None else ""
+
     def info(self) -> dict:
         return {
             "replica_id": self.settings.replica_id,
             "address": self.address,
+            "metrics_url": self.metrics_url,
             "device": str(self.engine.device) if self.engine else "",
             "epoch": self.publisher.epoch if self.publisher else 0,
         }
@@ -94,6 +123,9 @@ class ReplicaRuntime:
         if self.server is not None:
             await self.server.stop()
             self.server = None
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+            self.metrics_server = None
         if self.engine is not None:
             await self.engine.stop()
             self.engine = None

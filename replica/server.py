@@ -40,6 +40,7 @@ from unicache.replica.faults import FaultInjection
 
 if TYPE_CHECKING:
     from unicache.replica.engine.api import ServingEngine
+    from unicache.replica.metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         faults: delays for reliability tests (replica/faults.py); default none.
         summary_source: ``nonce -> sealed summary`` (the publisher's ``signed_summary``,
             set once it exists); None: ``GetCacheSummary`` is FAILED_PRECONDITION.
+        metrics: the replica's Prometheus series (replica/metrics.py) every ``Generate``
+            records into; None records nothing.
     """
 
     def __init__(
@@ -76,12 +79,14 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         default_max_tokens: int = 16,
         faults: FaultInjection | None = None,
         summary_source: Callable[[bytes], Awaitable[bytes]] | None = None,
+        metrics: "ReplicaMetrics | None" = None,
     ):
         self.engine = engine
         self.replica_id = replica_id
         self.default_max_tokens = default_max_tokens
         self.faults = faults or FaultInjection()
         self.summary_source = summary_source
+        self.metrics = metrics
 
     def to_engine_request(self, request: replica_pb2.GenerateRequest) -> EngineRequest:
         """Build the engine request; raises ``EngineInputError`` for a missing/empty prompt."""
@@ -111,6 +116,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         except EngineInputError as exc:
             await context.abort(STATUS_CODES[exc.kind], str(exc), trailing_metadata=refusal_metadata(exc))
             return
+        timer = self.metrics.start_request() if self.metrics is not None else None
         faults = self.faults
         if faults.first_token_delay_s:
             await asyncio.sleep(faults.first_token_delay_s)
@@ -121,8 +127,12 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                 async for out in stream:
                     if sent and faults.token_delay_s:
                         await asyncio.sleep(faults.token_delay_s)
+                    if timer is not None:
+                        timer.output(out)
                     yield output_to_proto(out)
                     sent = True
+                if timer is not None:
+                    timer.finish()
             except EngineInputError as exc:
                 await context.abort(STATUS_CODES[exc.kind], str(exc), trailing_metadata=refusal_metadata(exc))
             except Exception as exc:  # noqa: BLE001 - an engine failure must reach the client as a status
@@ -163,6 +173,7 @@ class ReplicaServer:
         cluster_key: when set, every Replica call needs the cluster credential
             (UNAUTHENTICATED otherwise) and ``GetCacheSummary`` can answer once
             ``servicer.summary_source`` is set.
+        metrics: see ``ReplicaServicer``.
     """
 
     def __init__(
@@ -176,12 +187,13 @@ class ReplicaServer:
         max_message_bytes: int = 64 * 1024 * 1024,
         faults: FaultInjection | None = None,
         cluster_key: bytes | None = None,
+        metrics: "ReplicaMetrics | None" = None,
     ):
         self.host = host
         self.requested_port = port
         self.port = 0
         self.grace_s = grace_s
-        self.servicer = ReplicaServicer(engine, replica_id, default_max_tokens, faults)
+        self.servicer = ReplicaServicer(engine, replica_id, default_max_tokens, faults, metrics=metrics)
         self.health = health_aio.HealthServicer()
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from unicache import settings
 from unicache.errors import UsageError
+from unicache.model_name import served_model_name
 from unicache.state_auth import parse_cluster_key
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
@@ -32,6 +33,9 @@ class ReplicaSettings:
     replica_id: str = field(default="replica-0", metadata=_help("stable replica id (survives restarts)"))
     host: str = field(default="127.0.0.1", metadata=_help("interface the gRPC server binds (0.0.0.0 in a pod)"))
     port: int = field(default=0, metadata=_help("gRPC port; 0 picks a free one"))
+    metrics_port: int = field(
+        default=0, metadata=_help("Prometheus /metrics port (same interface as gRPC); 0 picks a free one, -1 serves none")
+    )
     advertise_host: str = field(
         default="", metadata=_help("host routers dial (default: host, or $POD_IP / this host's IP when host is 0.0.0.0)")
     )
@@ -123,6 +127,8 @@ class ReplicaSettings:
                 if name not in replica_eviction_policies():
                     raise UsageError(f"{flag}: {name!r} needs the future (simulator only); "
                                      f"a replica runs one of {', '.join(replica_eviction_policies())}")
+        if self.metrics_port < -1 or self.metrics_port > 65535:
+            raise UsageError(f"metrics_port must be -1 (none), 0 (a free port) or a port number, got {self.metrics_port}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
@@ -163,6 +169,10 @@ class ReplicaSettings:
             return parse_cluster_key(text)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+
+    def model_name(self) -> str:
+        """The served model name (the ``model_name`` label of the replica's metrics)."""
+        return served_model_name(self.served_model_name, self.checkpoint)
 
     def faults(self) -> FaultInjection:
         return FaultInjection(self.fault_first_token_delay_s, self.fault_token_delay_s)

@@ -11,6 +11,17 @@ from unicache.v1 import common_pb2, router_pb2
 STATIC_STATE_DEADLINE_S = 1.0
 
 
+def replica_info(cluster, rid: str) -> router_pb2.ReplicaInfo:
+    """What the router tells about replica ``rid`` (``ListReplicas`` and the cluster state):
+    device and metrics URL come from its last verified heartbeat (empty for a static one)."""
+    rec = cluster.replicas[rid]
+    hb = rec.heartbeat
+    return router_pb2.ReplicaInfo(
+        replica_id=rid, address=rec.address, healthy=cluster.healthy(rid),
+        device=hb.device if hb else "", metrics_url=hb.metrics_url if hb else "",
+    )
+
+
 async def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.ClusterState:
     """The cluster as the router sees it (shared by gRPC, HTTP JSON and the dashboard).
 
@@ -30,7 +41,7 @@ async def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.Cluste
         rec = cluster.replicas[rid]
         hb = rec.heartbeat
         state = router_pb2.ReplicaState(
-            info=router_pb2.ReplicaInfo(replica_id=rid, address=rec.address, healthy=cluster.healthy(rid), device=hb.device if hb else ""),
+            info=replica_info(cluster, rid),
             running=hb.running if hb else 0,
             waiting=hb.waiting if hb else 0,
             indexed_blocks=cluster.index.num_blocks(rid),

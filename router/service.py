@@ -25,7 +25,7 @@ from unicache.router.admin import presents_admin_key
 from unicache.router.auth import AuthError, api_key_from_headers
 from unicache.chat_template import ChatFormatError
 from unicache.router.chat_template import render_chat_json
-from unicache.router.cluster_state import cluster_state
+from unicache.router.cluster_state import cluster_state, replica_info
 from unicache.router.core import Labelled, RouterCore, RouterError
 from unicache.v1 import replica_pb2, router_pb2, router_pb2_grpc
 
@@ -110,12 +110,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         cluster = self.core.cluster
         out = router_pb2.ListReplicasResponse()
         for rid in sorted(cluster.replicas):
-            rec = cluster.replicas[rid]
-            out.replicas.append(
-                router_pb2.ReplicaInfo(
-                    replica_id=rid, address=rec.address, healthy=cluster.healthy(rid), device=rec.heartbeat.device if rec.heartbeat else ""
-                )
-            )
+            out.replicas.append(replica_info(cluster, rid))
         return out
 
     async def GetClusterState(self, request, context):

@@ -143,7 +143,10 @@ class HostTierInfo:
 
 @dataclass(slots=True)
 class CacheStateInfo:
-    """The GPU pool's state, and the host tier's (``host``) when the replica has one."""
+    """The GPU pool's state, and the host tier's (``host``) when the replica has one.
+    ``queue_evictions`` / ``queue_hits`` are cumulative per eviction queue
+    (``EvictionPolicy.queue_counters``); a policy that keeps no per-queue counts reports
+    its total evictions under its own name and no hits."""
 
     block_size: int
     capacity_blocks: int
@@ -155,6 +158,8 @@ class CacheStateInfo:
     eviction_policy: str
     evictions: int
     host: HostTierInfo | None = None
+    queue_evictions: dict[str, int] = field(default_factory=dict)
+    queue_hits: dict[str, int] = field(default_factory=dict)
 
 
 @runtime_checkable

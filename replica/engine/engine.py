@@ -336,6 +336,7 @@ class LLMEngine:
     def cache_state(self) -> CacheStateInfo:
         with self.lock:
             s = self.store
+            counters = s.policy.queue_counters()
             return CacheStateInfo(
                 block_size=s.block_size,
                 capacity_blocks=s.num_blocks,
@@ -347,6 +348,8 @@ class LLMEngine:
                 eviction_policy=self.policy_name,
                 evictions=s.stats.evictions,
                 host=HostTierInfo.of_store(s, self.config.host_eviction_policy),
+                queue_evictions=counters.evictions if counters else {self.policy_name: s.stats.evictions},
+                queue_hits=counters.hits if counters else {},
             )
 
     def check_invariants(self) -> None:

@@ -53,6 +53,19 @@ class ReleaseInfo:
     now: float
 
 
+@dataclass(slots=True)
+class QueueCounters:
+    """Cumulative counts per eviction queue, since the policy was built.
+
+    ``evictions[q]``: victims taken from queue ``q``. ``hits[q]``: prefix-cache hits on a
+    block while it waited in queue ``q`` (a hit on a block another request holds is in no
+    queue, so it is not counted here). Both keyed by the names of ``queue_sizes``.
+    """
+
+    evictions: dict[str, int]
+    hits: dict[str, int]
+
+
 class EvictionPolicy(ABC):
     """Orders evictable blocks. Subclasses register themselves in ``unicache.replica.eviction.registry``."""
 
@@ -125,6 +138,12 @@ class EvictionPolicy(ABC):
     def queue_sizes(self) -> dict[str, int]:
         """Candidates per internal queue (shown in cache-state APIs)."""
         return {self.name: len(self)}
+
+    def queue_counters(self) -> "QueueCounters | None":
+        """Cumulative evictions and hits per internal queue (replica metrics), or None for
+        a policy that keeps no per-queue counts (the engine then reports its total
+        evictions under the policy's name, exact for a one-queue policy)."""
+        return None
 
     def on_request(self, cls: RequestClass, now: float) -> None:
         """Hook called once per admitted request (policies that adapt use it)."""

@@ -98,7 +98,9 @@ class VLLMEngineConfig:
             max_model_len=self.context_length(),
             enforce_eager=True,  # NOTE: torch.compile costs minutes per start on a CPU
             distributed_executor_backend="uni",  # the worker inside the engine-core process
-            disable_log_stats=True,
+            # NOTE: stats on: vLLM's Prometheus logger fills the global registry the replica's
+            # /metrics serves (replica/runtime.py), so vLLM's own series are exported.
+            disable_log_stats=False,
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint, replay_endpoint=replay_endpoint
             ),

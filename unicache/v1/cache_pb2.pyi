@@ -47,7 +47,7 @@ class CacheSummary(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., timestamp: _Optional[float] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens", "seq")
+    __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens", "seq", "metrics_url")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class Heartbeat(_message.Message):
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     device: str
@@ -68,4 +69,5 @@ class Heartbeat(_message.Message):
     timestamp: float
     queued_prefill_tokens: int
     seq: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., epoch: _Optional[int] = ..., timestamp: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    metrics_url: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., epoch: _Optional[int] = ..., timestamp: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., seq: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...

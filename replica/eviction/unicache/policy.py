@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
-from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
+from unicache.replica.eviction.base import EvictionPolicy, QueueCounters, ReleaseInfo
 from unicache.replica.eviction.registry import register_policy
 from unicache.replica.eviction.unicache.gaps import SessionGaps
 from unicache.replica.eviction.unicache.lanes import (
@@ -108,6 +108,9 @@ class UniCachePolicy(EvictionPolicy):
         self._hash: dict[int, BlockHash] = {}
         self._uses: dict[int, int] = {}  # cached block -> hits since it was cached
         self._novel: set[int] = set()  # cached blocks of novel prefixes (lanes.py)
+        # Cumulative per queue (QueueCounters): victims taken, hits while waiting.
+        self._queue_evictions = [0] * NUM_QUEUES
+        self._queue_hits = [0] * NUM_QUEUES
 
     # --------------------------------------------------------- the parts
     # NOTE: factories, so a study (bench/unicache_variants.py) swaps one part.
@@ -215,7 +218,9 @@ class UniCachePolicy(EvictionPolicy):
         if entry is None:
             return
         lane = entry[3]
-        self._sizes[LANE_QUEUE[lane]] -= 1
+        queue = LANE_QUEUE[lane]
+        self._sizes[queue] -= 1
+        self._queue_hits[queue] += 1
         self._lane_sizes[lane] -= 1
         self._dirty.add(lane)
         self.weights.on_hit(lane)
@@ -240,7 +245,7 @@ class UniCachePolicy(EvictionPolicy):
         pop only the popped lane is rescored.
         """
         live, dirty, scores, heaps = self._live, self._dirty, self._scores, self._heaps
-        sizes, lane_sizes = self._sizes, self._lane_sizes
+        sizes, lane_sizes, evicted = self._sizes, self._lane_sizes, self._queue_evictions
         uses, hashes, forget, remember = self._uses, self._hash, self.rate.forget, self.weights.remember
         not_novel = self._novel.discard
         score, choose = self._score, self._choose
@@ -272,7 +277,9 @@ class UniCachePolicy(EvictionPolicy):
             if now > released:
                 age_sum += now - released
             del live[block_id]
-            sizes[LANE_QUEUE[best]] -= 1
+            queue = LANE_QUEUE[best]
+            sizes[queue] -= 1
+            evicted[queue] += 1
             lane_sizes[best] -= 1
             dirty.add(best)
             uses.pop(block_id, None)
@@ -315,6 +322,9 @@ class UniCachePolicy(EvictionPolicy):
 
     def queue_sizes(self) -> dict[str, int]:
         return dict(zip(QUEUE_NAMES, self._sizes))
+
+    def queue_counters(self) -> QueueCounters:
+        return QueueCounters(dict(zip(QUEUE_NAMES, self._queue_evictions)), dict(zip(QUEUE_NAMES, self._queue_hits)))
 
     def _compact(self, lane: int) -> None:
         """Drop a lane's stale entries (amortised O(1): runs after >= n stale pushes)."""
