@@ -178,6 +178,47 @@ async def test_second_identical_request_reports_cached_tokens_and_tenants_share_
     assert first == second == other  # same model, same greedy tokens; only the cache differs
 
 
+async def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        body = (await client.get(url)).text
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "engine"))): s.value
+        for f in text_string_to_metric_families(body) for s in f.samples
+    }
+
+
+async def test_replica_metrics_are_vllms_own_series(stack):
+    """With the vLLM engine the endpoint serves vLLM's own stat logger's series (labels
+    model_name and engine) beside ours; one request moves them by exactly its usage."""
+    url = stack.runtime.metrics_url
+    m = (("model_name", stack.runtime.engine.served_model_name),)
+    before = await scrape(url)
+    prompt = text(420, 70)  # 70 tokens, new to the cache
+    toks, usage = await generate(stack.replica, prompt, salt=b"metrics")
+
+    async def moved():
+        after = await scrape(url)
+        return after if after[("vllm:prompt_tokens_total", m)] - before[("vllm:prompt_tokens_total", m)] == 70 else None
+
+    after = await eventually(moved, "vLLM's logger to record the request")
+    delta = {k: after[k] - before.get(k, 0.0) for k in (
+        ("vllm:generation_tokens_total", m), ("vllm:prefix_cache_queries_total", m), ("vllm:prefix_cache_hits_total", m),
+        ("vllm:time_to_first_token_seconds_count", m), ("vllm:e2e_request_latency_seconds_count", m),
+    )}
+    assert delta == {
+        ("vllm:generation_tokens_total", m): len(toks),
+        ("vllm:prefix_cache_queries_total", m): 70,
+        ("vllm:prefix_cache_hits_total", m): usage.cached_tokens,
+        ("vllm:time_to_first_token_seconds_count", m): 1,
+        ("vllm:e2e_request_latency_seconds_count", m): 1,
+    }
+    assert ("vllm:kv_cache_usage_perc", m) in after and ("vllm:num_requests_running", m) in after
+    assert after[("unicache_replica_capacity_blocks", m)] == NUM_BLOCKS
+
+
 async def test_events_feed_the_router_index_and_the_next_request_routes_by_it(stack):
     app, engine = stack.router, stack.runtime.engine
     prompt = text(11, 130, 5)  # 130 tokens: 4 full blocks
