@@ -23,6 +23,7 @@ from unicache.router.cluster import ClusterView
 from unicache.router.config import RouterConfig, resolve_tokenizer_path
 from unicache.router.core import RouterCore
 from unicache.router.first_token import FirstTokenTimeout
+from unicache.router.history import ClusterHistory
 from unicache.router.http_api import HttpFrontDoor
 from unicache.router.http_server import HttpLimits, parser_protocol, uvicorn_config
 from unicache.router.index import LocalityIndex
@@ -156,9 +157,10 @@ class RouterApp:
         )
         for rid, addr in config.static_replicas().items():
             self.cluster.upsert(rid, addr, static=True)
+        self.history = ClusterHistory(self.metrics, self.cluster)
         self.http = HttpFrontDoor(
             self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes,
-            admin_key=config.admin_key,
+            admin_key=config.admin_key, history=self.history,
         )
         self.http_limits = HttpLimits(
             header_timeout_s=config.http_header_timeout_s,
@@ -223,6 +225,7 @@ class RouterApp:
                 self._tasks[-1].result()
             await asyncio.sleep(0.01)
         self._tasks.append(asyncio.create_task(self.prober.run(), name="router-prober"))
+        self._tasks.append(asyncio.create_task(self.history.run(), name="router-history"))
         if self.subscriber is not None:
             self._tasks.append(asyncio.create_task(self.subscriber.run(), name="router-redis"))
         log.info("router serving gRPC on %s:%d and HTTP on %s:%d", cfg.grpc_host, self.grpc_port, cfg.http_host, self.http_port)
@@ -232,7 +235,7 @@ class RouterApp:
             self._uvicorn.should_exit = True
         # The Redis follower and the prober are cancelled; uvicorn exits by itself once
         # should_exit is set.
-        background = ("router-redis", "router-prober")
+        background = ("router-redis", "router-prober", "router-history")
         await cancel_and_wait([t for t in self._tasks if t.get_name() in background])
         http = [t for t in self._tasks if t.get_name() not in background]
         if http:

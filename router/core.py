@@ -457,6 +457,7 @@ class RouterCore:
         if ftt is not None:
             ftt.observe(rid, now - t0)
         self.metrics.ttft.observe(now - prep.arrival)
+        self.metrics.labelled(self.metrics.replica_ttft, rid).observe(now - prep.arrival)
         self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
         return Attempt(decision, rec, stream, first)
 

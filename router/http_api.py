@@ -4,7 +4,7 @@ Routes:
     POST /v1/completions, POST /v1/chat/completions   (``stream: true`` -> server-sent
         events ending with ``data: [DONE]``; otherwise one JSON body)
     GET  /v1/models, /v1/models/{model}, /healthz, /readyz, /metrics, /v1/cluster/state,
-        /dashboard
+        /dashboard, /dashboard/history
 
 Request fields are parsed in ``openai_request`` (what is supported, refused, defaulted:
 docs/openai.md), responses built in ``openai_response``, and every error goes through
@@ -43,6 +43,7 @@ from unicache.router.admin import require_admin
 from unicache.router.cluster_state import cluster_state
 from unicache.router.core import RouterCore
 from unicache.router.dashboard import DASHBOARD_HTML
+from unicache.router.history import ClusterHistory
 from unicache.router.openai_errors import (
     CLIENT_CLOSED,
     MAPPED,
@@ -172,6 +173,8 @@ class HttpFrontDoor:
         max_json_depth: deeper JSON nesting is a 400 (64).
         max_batch_prompts: most prompts in one completions request (64).
         admin_key: when set, the operator endpoints need it (router/admin.py).
+        history: the dashboard's history (router/history.py) ``/dashboard/history`` serves;
+            None: a fresh one, sampled only when asked (tests).
     """
 
     def __init__(
@@ -183,8 +186,10 @@ class HttpFrontDoor:
         max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
         max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
         admin_key: str = "",
+        history: ClusterHistory | None = None,
     ):
         self.core = core
+        self.history = history if history is not None else ClusterHistory(core.metrics, core.cluster)
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
         self.max_batch_prompts = max_batch_prompts
@@ -206,6 +211,7 @@ class HttpFrontDoor:
                 Route("/metrics", admin(self.metrics), methods=["GET"]),
                 Route("/v1/cluster/state", admin(self.state), methods=["GET"]),
                 Route("/dashboard", admin(self.dashboard), methods=["GET"]),
+                Route("/dashboard/history", admin(self.dashboard_history), methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_exception, Exception: self._server_error},
         )
@@ -264,6 +270,9 @@ class HttpFrontDoor:
 
     async def dashboard(self, request: Request) -> Response:
         return HTMLResponse(DASHBOARD_HTML)
+
+    async def dashboard_history(self, request: Request) -> Response:
+        return JSONResponse(self.history.to_json())
 
     # --- generation -------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:

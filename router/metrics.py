@@ -61,6 +61,13 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.replica_ttft = Histogram(
+            "unicache_router_replica_ttft_seconds",
+            "Time from the request reaching the router to the first message, by the replica that sent it",
+            ["replica"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.replica_hit_ratio = Gauge(
             "unicache_router_replica_hit_ratio", "Replica block hit ratio (heartbeat)", ["replica"], registry=r
         )
@@ -88,12 +95,13 @@ class RouterMetrics:
         # Position of the ``replica`` label in each counter that has one.
         self._replica_label_at = {
             self.decisions: 1, self.cached_tokens: 0, self.computed_tokens: 0, self.first_token_timeouts: 0, self.quarantines: 0,
+            self.replica_ttft: 0,
         }
 
     def labelled(self, metric, *values: str):
         """``metric.labels(*values)``, remembered: the request path labels the same few
         children on every request, and ``labels()`` validates and takes a lock each time.
-        Only for the counters (``refresh`` clears the per-replica gauges, so those are
+        Only for the counters and histograms (``refresh`` clears the per-replica gauges, so those are
         labelled afresh); every counter child with a replica label is made here, so
         ``forget_replica`` finds it."""
         key = (metric, values)
