@@ -56,6 +56,9 @@ class StampingSource:
     def cached_hashes(self):
         return self.engine.cached_hashes()
 
+    def host_hashes(self):
+        return self.engine.host_hashes()
+
     def load(self):
         return self.engine.load()
 

@@ -85,4 +85,13 @@ def cache_state_to_proto(info: CacheStateInfo, replica_id: str) -> common_pb2.Ca
         queue_sizes=dict(info.queue_sizes),
         eviction_policy=info.eviction_policy,
         evictions=info.evictions,
+        host=None if info.host is None else common_pb2.HostTierState(
+            capacity_blocks=info.host.capacity_blocks,
+            used_blocks=info.host.used_blocks,
+            hit_ratio=info.host.hit_ratio,
+            promotions=info.host.promotions,
+            demotions=info.host.demotions,
+            evictions=info.host.evictions,
+            eviction_policy=info.host.eviction_policy,
+        ),
     )

@@ -51,7 +51,7 @@ DASHBOARD_HTML = """<!doctype html>
 <div id="meta">loading&hellip;</div>
 <table>
  <thead><tr><th>replica</th><th>address</th><th>device</th><th>health</th><th>running</th><th>waiting</th>
- <th>blocks (used | cached | free)</th><th>capacity</th><th>hit ratio</th><th>evictions</th><th>indexed</th>
+ <th>blocks (used | cached | free)</th><th>capacity</th><th>hit ratio</th><th>evictions</th><th>host tier (used/cap, hit, promoted, demoted)</th><th>indexed</th>
  <th>eviction queues</th></tr></thead>
  <tbody id="rows"></tbody>
 </table>
@@ -150,6 +150,11 @@ function bar(c) {
   return `<div class="bar" title="used ${c.used_blocks||0}, cached ${c.cached_blocks||0}, free ${c.free_blocks||0}">` +
          `<div class="used" style="width:${used}%"></div><div class="cached" style="width:${cached}%"></div></div>`;
 }
+function host(h) {
+  if (!h) return '-';
+  return `${h.used_blocks || 0}/${h.capacity_blocks || 0}, ${((h.hit_ratio || 0) * 100).toFixed(1)}%, ` +
+         `${h.promotions || 0}, ${h.demotions || 0}`;
+}
 function drawState(s) {
   document.getElementById('meta').innerHTML =
     `policy <b>${esc(s.routing_policy)}</b> &middot; redis ` +
@@ -161,7 +166,7 @@ function drawState(s) {
     return `<tr><td>${esc(x.info.replica_id)}</td><td>${esc(x.info.address)}</td><td>${esc(x.info.device)}</td>` +
            `<td class="${x.info.healthy ? '' : 'bad'}">${x.info.healthy ? 'ok' : 'down'}</td>` +
            `<td>${x.running}</td><td>${x.waiting}</td><td>${bar(c)}</td><td>${c.capacity_blocks || 0}</td>` +
-           `<td>${((c.hit_ratio || 0) * 100).toFixed(1)}%</td><td>${c.evictions || 0}</td><td>${x.indexed_blocks}</td>` +
+           `<td>${((c.hit_ratio || 0) * 100).toFixed(1)}%</td><td>${c.evictions || 0}</td><td>${host(c.host)}</td><td>${x.indexed_blocks}</td>` +
            `<td class="queues">${q}</td></tr>`;
   }).join('');
 }

@@ -36,6 +36,15 @@ Invariants:
       above ``2 * len(blocks) + 64`` items (stale items are otherwise dropped lazily when
       popped), so it stays proportional to the entries.
 
+Host tier. A replica with a host-memory tier also publishes which hashes it holds there
+(``KVEventBatch.host_stored`` / ``host_removed``, ``CacheSummary.host_block_hashes``).
+They live apart from the GPU entries, in ``ReplicaHoldings.host`` (insertion-ordered; a
+set, no chains: a host block is only ever used as the continuation of a GPU match, read by
+``host_match``). A replica's host hashes follow the same epoch/seq gating as its GPU ones
+(one batch carries both), are dropped with them (clear, summary, replica drop), and are
+bounded by ``max_blocks_per_replica`` and by the host capacity its heartbeat announces
+(``set_host_capacity``), oldest first.
+
 Without parents (``parents=None``: a batch from a sender older than
 ``KVEventBatch.stored_parents``, or a ``CacheSummary``, which lists hashes only) every
 block is indexed as a root and trimming falls back to the tie rule above: within one
@@ -47,6 +56,7 @@ Later batches link their blocks to summary blocks as usual.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -77,6 +87,8 @@ class ReplicaHoldings:
     needs_resync: bool = True
     capacity: int = 0
     fault: str = ""
+    host: dict[BlockHash, None] = field(default_factory=dict)  # host-tier hashes, oldest first
+    host_capacity: int = 0
 
 
 class LocalityIndex(LocalityView):
@@ -149,6 +161,23 @@ class LocalityIndex(LocalityView):
             n += 1
         return n
 
+    def host_match(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> int:
+        """How many of ``block_hashes[start:]``, consecutively, the replica holds in its
+        host tier (the blocks a request matching ``start`` GPU blocks would promote)."""
+        h = self._replicas.get(replica_id)
+        if h is None or not h.host:
+            return 0
+        host, n = h.host, 0
+        for bh in block_hashes[start:]:
+            if bh not in host:
+                break
+            n += 1
+        return n
+
+    def num_host_blocks(self, replica_id: str) -> int:
+        h = self._replicas.get(replica_id)
+        return len(h.host) if h else 0
+
     def prefix_matches(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         """Every replica holding at least the first block, with how many leading blocks
         it holds; refreshes the matched entries. Cost: the walk visits each matching
@@ -191,6 +220,10 @@ class LocalityIndex(LocalityView):
         """The replica's KV capacity in blocks (from its heartbeat); 0 leaves it unknown."""
         self.holdings(replica_id).capacity = capacity_blocks
 
+    def set_host_capacity(self, replica_id: str, capacity_blocks: int) -> None:
+        """The replica's host-tier capacity in blocks (from its heartbeat; 0: unknown)."""
+        self.holdings(replica_id).host_capacity = capacity_blocks
+
     def apply_summary(
         self,
         replica_id: str,
@@ -198,16 +231,19 @@ class LocalityIndex(LocalityView):
         seq: int,
         block_hashes: Iterable[BlockHash],
         parents: Sequence[BlockHash | None] | None = None,
+        host_hashes: Iterable[BlockHash] = (),
     ) -> bool:
         """Replace a replica's holdings by a full summary taken at (epoch, seq).
 
         ``parents[i]`` is the parent hash of ``block_hashes[i]`` (None: a first block);
-        ``parents=None``: unknown (an old sender). Returns False (trimmed to capacity,
-        resync marked) when it claims more blocks than the replica's capacity."""
+        ``parents=None``: unknown (an old sender). ``host_hashes``: its host tier's.
+        Returns False (trimmed to capacity, resync marked) when it claims more blocks
+        than the replica's capacity."""
         h = self.holdings(replica_id)
         self._clear(replica_id, h)
         h.epoch, h.applied_seq, h.needs_resync = epoch, seq, False
         self._store(replica_id, h, block_hashes, parents)
+        self._host_update(h, (), host_hashes)
         return self._trim(h, replica_id)
 
     def apply_events(
@@ -219,9 +255,11 @@ class LocalityIndex(LocalityView):
         removed: Iterable[BlockHash],
         cleared: bool = False,
         parents: Sequence[BlockHash | None] | None = None,
+        host_stored: Iterable[BlockHash] = (),
+        host_removed: Iterable[BlockHash] = (),
     ) -> bool:
         """Apply one event batch: ``cleared``, then ``removed``, then ``stored`` (with
-        ``parents`` as in ``apply_summary``). Returns False (and marks resync) on a gap
+        ``parents`` as in ``apply_summary``), and the same for the host tier. Returns False (and marks resync) on a gap
         or epoch change, or when the result exceeds the capacity. Batches at or below the
         applied seq are duplicates and ignored (returns True)."""
         h = self.holdings(replica_id)
@@ -237,6 +275,7 @@ class LocalityIndex(LocalityView):
             self._clear(replica_id, h)
         self._remove(replica_id, h, removed)
         self._store(replica_id, h, stored, parents)
+        self._host_update(h, host_removed, host_stored)
         h.applied_seq = seq
         return self._trim(h, replica_id)
 
@@ -247,6 +286,8 @@ class LocalityIndex(LocalityView):
         removed: Iterable[BlockHash],
         parents: Sequence[BlockHash | None] | None = None,
         cleared: bool = False,
+        host_stored: Iterable[BlockHash] = (),
+        host_removed: Iterable[BlockHash] = (),
     ) -> None:
         """Apply events from a lossless in-process source (the simulator)."""
         h = self.holdings(replica_id)
@@ -255,6 +296,7 @@ class LocalityIndex(LocalityView):
             self._clear(replica_id, h)
         self._remove(replica_id, h, removed)
         self._store(replica_id, h, stored, parents)
+        self._host_update(h, host_removed, host_stored)
         self._trim(h, replica_id)
 
     def mark_resync(self, replica_id: str) -> None:
@@ -277,6 +319,21 @@ class LocalityIndex(LocalityView):
                 del holders[bh]
         h.blocks = {}
         h.leaves = []
+        h.host = {}
+
+    def _host_update(self, h: ReplicaHoldings, removed: Iterable[BlockHash], stored: Iterable[BlockHash]) -> None:
+        """Host-tier removes then stores; then the oldest go past the bound."""
+        host = h.host
+        for bh in removed:
+            host.pop(bh, None)
+        for bh in stored:
+            host.pop(bh, None)  # a re-store is the newest
+            host[bh] = None
+        bound = min(self.max_blocks, h.host_capacity) if h.host_capacity else self.max_blocks
+        excess = len(host) - bound
+        if excess > 0:
+            for bh in list(itertools.islice(host, excess)):
+                del host[bh]
 
     def _remove(self, rid: str, h: ReplicaHoldings, removed: Iterable[BlockHash]) -> None:
         blocks = h.blocks

@@ -16,7 +16,16 @@ from unicache.errors import UsageError
 from unicache.settings import env_name, resolve_secret
 from unicache.v1 import router_pb2, router_pb2_grpc
 
-COLUMNS = ("replica", "address", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "indexed", "queues")
+COLUMNS = ("replica", "address", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "host", "indexed", "queues")
+
+
+def host_cell(c) -> str:
+    """The host tier of a ``CacheState``: used/capacity, hit %, promotions (p) and
+    demotions (d); "-" without one."""
+    if not c.HasField("host"):
+        return "-"
+    h = c.host
+    return f"{h.used_blocks}/{h.capacity_blocks} {100 * h.hit_ratio:.1f}% p{h.promotions} d{h.demotions}"
 
 
 def admin_key_from_env() -> str:
@@ -62,6 +71,7 @@ def format_table(state: router_pb2.ClusterState) -> str:
                 str(c.cached_blocks),
                 f"{100 * c.hit_ratio:.1f}",
                 str(c.evictions),
+                host_cell(c),
                 str(rs.indexed_blocks),
                 queues,
             )
@@ -71,5 +81,5 @@ def format_table(state: router_pb2.ClusterState) -> str:
         f"routing policy: {state.routing_policy or '-'}   redis: {'connected' if state.redis_connected else 'DISCONNECTED'}   replicas: {len(state.replicas)}"
     ]
     for r in rows:
-        lines.append("  ".join(cell.ljust(w) if i in (0, 1, 2, 3, 13) else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append("  ".join(cell.ljust(w) if i in (0, 1, 2, 3, 12, 14) else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
     return "\n".join(lines)

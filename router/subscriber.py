@@ -267,6 +267,7 @@ class RedisSubscriber:
                 continue
             self.cluster.upsert(rid, hb.address, hb)
             self.cluster.index.set_capacity(rid, hb.cache.capacity_blocks)
+            self.cluster.index.set_host_capacity(rid, hb.cache.host.capacity_blocks)
             holdings = self.cluster.index.holdings(rid)
             if holdings.epoch >= 0 and hb.epoch and hb.epoch != holdings.epoch:
                 self.cluster.index.mark_resync(rid)
@@ -360,9 +361,11 @@ class RedisSubscriber:
             self._cursors.pop(replica_id, None)
         if hb is not None:
             index.set_capacity(replica_id, hb.cache.capacity_blocks)
+            index.set_host_capacity(replica_id, hb.cache.host.capacity_blocks)
         newest_id, newest_epoch, batches = await self._batches_after(replica_id, summary.epoch, summary.seq)
         self._cursors[replica_id] = newest_id
-        if not index.apply_summary(replica_id, summary.epoch, summary.seq, [BlockHash(h) for h in summary.block_hashes]):
+        if not index.apply_summary(replica_id, summary.epoch, summary.seq, [BlockHash(h) for h in summary.block_hashes],
+                                   host_hashes=[BlockHash(h) for h in summary.host_block_hashes]):
             self.rejections.reject("over_capacity", replica_id, "summary from its address")
             return False
         for batch in batches:
@@ -465,6 +468,8 @@ class RedisSubscriber:
             [BlockHash(h) for h in batch.removed],
             batch.cleared,
             parents,
+            host_stored=[BlockHash(h) for h in batch.host_stored],
+            host_removed=[BlockHash(h) for h in batch.host_removed],
         )
         if not ok and h.fault in ("gap", "over_capacity"):
             self.rejections.reject(h.fault, replica_id, "event batch")

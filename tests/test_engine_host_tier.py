@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from unicache.replica.convert import cache_state_to_proto
 from unicache.replica.engine.engine import LLMEngine
 from tests.support.engine_factory import make_request, run_one, tiny_config
 
@@ -39,6 +40,10 @@ def test_promoted_prefix_generates_the_cold_tokens(host_policy):
     assert (state.host.capacity_blocks, state.host.promotions, state.host.demotions,
             state.host.eviction_policy) == (32, 4, eng.store.host.stats.demotions, host_policy)
     assert state.host.used_blocks == len(eng.store.host_hashes())
+    msg = cache_state_to_proto(state, "r0")  # GetCacheState and the heartbeat carry it
+    assert msg.HasField("host") and (msg.host.capacity_blocks, msg.host.promotions, msg.host.eviction_policy) == (
+        32, 4, host_policy)
+    assert not cache_state_to_proto(LLMEngine(tiny_config()).cache_state(), "r1").HasField("host")
     assert eng.num_referenced_blocks() == 0
     eng.check_invariants()
 

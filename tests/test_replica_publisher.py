@@ -20,6 +20,8 @@ from unicache.v1 import cache_pb2
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.event_batch import PendingBatch
 from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.kv_tier import Tier
+from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore
 from unicache.testing.signed_state import SIGNER
 from unicache.replica.publisher import CachePublisher
@@ -85,6 +87,18 @@ def test_pending_batch_keeps_net_effect():
     p.add([BlockStored(a, None, 0), BlockStored(b, a, 0), BlockStored(c, b, 0), BlockRemoved(b, 0)])
     msg = p.to_proto("r", 7, 4, 1.5)
     assert (list(msg.stored), list(msg.stored_parents), list(msg.removed)) == ([a, c], [b"", b], [b])
+
+
+def test_pending_batch_keeps_each_tiers_net_effect():
+    a, b = (bytes([i]) * 16 for i in (1, 2))
+    p = PendingBatch()
+    # a demoted then promoted back; b demoted.
+    p.add([BlockStored(a, None, 0), BlockStored(b, a, 0), BlockRemoved(a, 0), BlockStored(a, None, 0, Tier.HOST),
+           BlockRemoved(b, 0), BlockStored(b, a, 0, Tier.HOST), BlockRemoved(a, 1, Tier.HOST), BlockStored(a, None, 1)])
+    msg = p.to_proto("r", 7, 3, 1.5)
+    assert (list(msg.stored), list(msg.removed), list(msg.host_stored), list(msg.host_removed)) == ([a], [b], [b], [a])
+    p.add([AllBlocksCleared(2)])
+    assert p.to_proto("r", 7, 4, 2.0).host_stored == [] and not p.empty()
 
 
 # ----------------------------------------------------------------- against Redis
@@ -156,6 +170,33 @@ async def test_summary_plus_stream_rebuild_the_store_in_a_locality_index(redis_s
         assert set(index.holdings("r0").blocks) == set(src.store.cached_hashes())
         # 13 of the 13 flushes had events (q4 repeats q0's one block: a pure hit, no batch).
         assert [b.seq for b in batches] == list(range(1, 14)) and s.seq == 6
+    finally:
+        await pub.stop()
+
+
+async def test_summary_plus_stream_rebuild_both_tiers_in_a_locality_index(redis_server, redis_client):
+    store = KVStore(5, BS, make_policy("lru"), host=HostTier(6, make_policy("unicache")))
+    src = StoreCacheSource(store, device="cpu")
+    pub = make_publisher(src, redis_server.url)
+    await pub.start()
+    try:
+        for i in range(12):
+            serve(src, f"q{i}", [i % 4 * 50 + t for t in range(4 * (1 + i % 3))])
+            await pub.flush()
+            if i == 5:
+                await pub.publish_summary()
+        assert store.host.stats.demotions and store.host.stats.hit_blocks  # both directions happened
+        s = await read_summary(redis_client)
+        index = LocalityIndex()
+        index.apply_summary("r0", s.epoch, s.seq, s.block_hashes, host_hashes=s.host_block_hashes)
+        for b in await read_batches(redis_client):
+            assert index.apply_events("r0", b.epoch, b.seq, b.stored, b.removed, b.cleared,
+                                      [p or None for p in b.stored_parents], host_stored=b.host_stored,
+                                      host_removed=b.host_removed)
+        assert set(index.holdings("r0").blocks) == set(store.cached_hashes())
+        assert set(index.holdings("r0").host) == set(store.host_hashes())
+        state = src.cache_state()
+        assert (state.host.capacity_blocks, state.host.promotions) == (6, store.host.stats.hit_blocks)
     finally:
         await pub.stop()
 

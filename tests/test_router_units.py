@@ -132,10 +132,15 @@ def test_status_table_exact():
     rs.cache.CopyFrom(
         common_pb2.CacheState(capacity_blocks=1000, used_blocks=200, free_blocks=800, cached_blocks=150, hit_ratio=0.4567, evictions=9, queue_sizes={"evict_first": 5, "chat": 7})
     )
+    r1 = state.replicas.add()
+    r1.info.replica_id, r1.info.address, r1.info.healthy, r1.info.device = "r1", "10.0.0.2:50052", True, "cuda:0"
+    r1.cache.CopyFrom(common_pb2.CacheState(capacity_blocks=10, host=common_pb2.HostTierState(
+        capacity_blocks=40, used_blocks=12, hit_ratio=0.125, promotions=30, demotions=52)))
     lines = format_table(state).splitlines()
-    assert lines[0] == "routing policy: cache_aware   redis: connected   replicas: 1"
-    assert lines[1].split() == ["replica", "address", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "indexed", "queues"]
-    assert lines[2].split() == ["r0", "10.0.0.1:50052", "cuda:0", "ok", "3", "1", "1000", "200", "800", "150", "45.7", "9", "120", "chat=7", "evict_first=5"]
+    assert lines[0] == "routing policy: cache_aware   redis: connected   replicas: 2"
+    assert lines[1].split() == ["replica", "address", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "host", "indexed", "queues"]
+    assert lines[2].split() == ["r0", "10.0.0.1:50052", "cuda:0", "ok", "3", "1", "1000", "200", "800", "150", "45.7", "9", "-", "120", "chat=7", "evict_first=5"]
+    assert lines[3].split() == ["r1", "10.0.0.2:50052", "cuda:0", "ok", "0", "0", "10", "0", "0", "0", "0.0", "0", "12/40", "12.5%", "p30", "d52", "0", "-"]
 
 
 def test_hot_path_records_use_slots():

@@ -520,3 +520,21 @@ def test_index_is_stale_until_synced_and_after_a_gap():
     assert not idx.is_stale("r0")
     assert idx.apply_events("r0", 1, 2, hashes(1, 2, 3), []) is False  # seq gap
     assert idx.is_stale("r0")
+
+
+def test_cache_aware_counts_a_host_match_at_its_promotion_cost():
+    """r0: GPU blocks 1-2 and host blocks 3-8 of the prompt; r1: GPU blocks 1-5.
+    r0's hit = 16 * (2 + (1 - host_cost) * 6); r1's = 16 * 5 = 80."""
+    idx = make_index({"r0": [1, 2], "r1": [1, 2, 3, 4, 5]})
+    idx.apply_events_unchecked("r0", [], [], host_stored=hashes(*range(1, 9))[2:])
+    req = make_request("q", range(1, 11))
+    reps = [load("r0"), load("r1")]
+    d = CacheAwarePolicy().choose(req, reps, idx)  # host_cost 0.08: 160 - 16 * 7.52
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r0", "host_prefix", 8)
+    assert d.score == pytest.approx(160 - 16 * (2 + 0.92 * 6))
+    d = CacheAwarePolicy(host_cost=0.75).choose(req, reps, idx)  # r0: 160 - 56 = 104 > 80
+    assert (d.replica_id, d.reason, d.score) == ("r1", "index_prefix", pytest.approx(80))
+    d = CacheAwarePolicy(host_cost=1.0).choose(req, reps, idx)  # the host tier ignored
+    assert (d.replica_id, d.matched_blocks) == ("r1", 5)
+    with pytest.raises(ValueError, match="host_cost"):
+        CacheAwarePolicy(host_cost=1.5)

@@ -155,6 +155,9 @@ class AsyncEngine:
     def cached_hashes(self) -> list[BlockHash]:
         return self._require_started().cached_hashes()
 
+    def host_hashes(self) -> list[BlockHash]:
+        return self._require_started().host_hashes()
+
     def num_referenced_blocks(self) -> int:
         return self._require_started().num_referenced_blocks()
 

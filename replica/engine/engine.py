@@ -321,6 +321,10 @@ class LLMEngine:
         with self.lock:
             return self.store.cached_hashes()
 
+    def host_hashes(self) -> list[BlockHash]:
+        with self.lock:
+            return self.store.host_hashes()
+
     def num_referenced_blocks(self) -> int:
         with self.lock:
             return sum(1 for b in self.store.blocks if b.ref_cnt > 0)

@@ -269,6 +269,10 @@ class VLLMEngine:
         self._require_started()
         return self._translator.cached_hashes()
 
+    def host_hashes(self) -> list[BlockHash]:
+        """Always empty: this engine is single-tier (docs/host_tier.md says why)."""
+        return []
+
     def _require_started(self):
         if self._llm is None:
             raise RuntimeError("VLLMEngine.start() has not been called")

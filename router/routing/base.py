@@ -90,6 +90,11 @@ class LocalityView(ABC):
         once per decision instead of ``match`` per replica: the index walks the prefix
         through its hash -> replicas map and never visits a replica that matches nothing."""
 
+    def host_match(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> int:
+        """How many of ``block_hashes[start:]``, consecutively, the replica holds in its
+        host-memory tier (promotable, not a GPU hit). Default 0: a view without tiers."""
+        return 0
+
     def match_all(self, replica_ids: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         return {r: self.match(r, block_hashes) for r in replica_ids}
 

@@ -19,8 +19,12 @@ every live replica r:
     p_r      = min(1, (queued_prefill_tokens_r / B) / max(1, free_blocks_r))
                (eviction pressure: the share of r's evictable blocks that work already
                queued there claims before this request is admitted)
-    hit_r    = B * m_r * (1 - evict_weight * p_r)    (a matched block likely to be evicted
-               before use counts less)
+    h_r      = host-tier blocks that continue the index match past m_r
+               (``LocalityView.host_match(r, h, m_index_r)``, less what m_r already
+               covers): the replica would promote them, copying their KV from host memory
+    hit_r    = B * (m_r + (1 - host_cost) * h_r) * (1 - evict_weight * p_r)
+               (a matched block likely to be evicted before use counts less; a host block
+               saves its prefill but costs its copy, host_cost of a prefill per token)
     load_r   = queued_prefill_tokens_r + request_cost_tokens * outstanding_r
     churn_r  = N * max(0, inflow_r / mean(inflow) - 1), inflow_r = the uncached prompt
                tokens routed to r, decayed by (1 - 1/churn_window) per routed request
@@ -48,7 +52,7 @@ The request goes to argmin cost_r over the *admissible* replicas, those with
 ``outstanding_r <= max(min_outstanding + balance_slack, balance_ratio * mean_outstanding)``
 (a hard guard so locality never piles requests on one replica); ties go to the less
 loaded replica (``load_key``). Defaults: load_weight 1.0, request_cost_tokens 128,
-evict_weight 0.5, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
+evict_weight 0.5, host_cost 0.08, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
 churn_window 256, footprint_weight 0.5, footprint_window 96, track_inflight off,
 balance_ratio 1.5, balance_slack 4, template_key_blocks 1, session_sticky on,
 session_hold_frac 0.5. The balance ratio, and keeping the churn and footprint terms at
@@ -144,6 +148,10 @@ class CacheAwarePolicy(RoutingPolicy):
         request_cost_tokens: work, in prompt tokens, one outstanding request stands for
             (default 128).
         evict_weight: how much full eviction pressure discounts a matched block (0.5).
+        host_cost: a promoted token's cost in prefilled tokens: H2D copy time per token
+            over prefill time per token (default 0.08: 128 KiB of KV per token at 25 GB/s
+            is 5.2 us, against 68 us per token of the simulator's prefill fit at 512
+            tokens; ``unicache.sim.timing``). 1 ignores host tiers.
         sticky_trust: share of the previous turn's prefix credited to the session's
             last replica while the view is stale for it (default 0.5).
         template_trust: share of a template's blocks credited to its home (default 0.1).
@@ -178,6 +186,7 @@ class CacheAwarePolicy(RoutingPolicy):
         load_weight: float = 1.0,
         request_cost_tokens: float = 128.0,
         evict_weight: float = 0.5,
+        host_cost: float = 0.08,
         sticky_trust: float = 0.5,
         template_trust: float = 0.1,
         churn_weight: float = 0.5,
@@ -205,6 +214,9 @@ class CacheAwarePolicy(RoutingPolicy):
         self.load_weight = load_weight
         self.request_cost_tokens = request_cost_tokens
         self.evict_weight = evict_weight
+        if not 0.0 <= host_cost <= 1.0:
+            raise ValueError("host_cost must be in [0, 1]")
+        self.host_cost = host_cost
         self.sticky_trust = sticky_trust
         self.template_trust = template_trust
         self.churn_weight = churn_weight
@@ -288,10 +300,16 @@ class CacheAwarePolicy(RoutingPolicy):
                 m, reason = sticky_blocks, "session_sticky"
             if rid == home_id and home_blocks > m:
                 m, reason = home_blocks, "template_home"
+            host = 0.0
+            if self.host_cost < 1.0:
+                end = m_index + index.host_match(rid, hashes, m_index)
+                host = max(0.0, end - m)
+                if host and reason in ("index_prefix", "load"):
+                    reason = "host_prefix"
             pressure = 0.0
             if r.queued_prefill_tokens and r.capacity_blocks:
                 pressure = min(1.0, (r.queued_prefill_tokens / bs) / max(1, r.free_blocks))
-            hit = bs * m * (1.0 - self.evict_weight * pressure)
+            hit = bs * (m + (1.0 - self.host_cost) * host) * (1.0 - self.evict_weight * pressure)
             load = r.queued_prefill_tokens + self.request_cost_tokens * r.outstanding
             cost = (n_tokens - hit) + self.load_weight * load
             if churn_scale:
@@ -301,7 +319,7 @@ class CacheAwarePolicy(RoutingPolicy):
                 cost += foot_scale * max(0.0, foot) / r.capacity_blocks
             key = (cost, load_key(r))
             if best is None or key < best:
-                best, best_r, best_m, best_reason = key, r, m, reason
+                best, best_r, best_m, best_reason = key, r, m + host, reason
         assert best is not None  # the least loaded replica is always admissible
         return RouteDecision(best_r.replica_id, best_reason, matched_blocks=int(best_m), score=best[0])
 

@@ -381,25 +381,41 @@ class Replay:
 
 
 def _pump(index: LocalityIndex, replica_id: str, events: list) -> None:
-    """Apply store events to the index in order, parents included (a batch applies
-    removes before stores, so a remove that follows a store starts a new batch)."""
+    """Apply store events to the index in order, parents included, each tier's events to
+    its side (a batch applies removes before stores, so a remove that follows a store of
+    the same tier starts a new batch)."""
     stored: list = []
     parents: list = []
     removed: list = []
+    host_stored: list = []
+    host_removed: list = []
+
+    def flush() -> None:
+        index.apply_events_unchecked(replica_id, stored, removed, parents, host_stored=host_stored,
+                                     host_removed=host_removed)
+        for lst in (stored, parents, removed, host_stored, host_removed):
+            lst.clear()
+
     for ev in events:
         kind = type(ev)
-        if kind is not AllBlocksCleared and ev.tier is not Tier.GPU:
-            continue  # the index is of GPU holdings
         if kind is BlockStored:
-            stored.append(ev.block_hash)
-            parents.append(ev.parent_hash)
+            if ev.tier is Tier.GPU:
+                stored.append(ev.block_hash)
+                parents.append(ev.parent_hash)
+            else:
+                host_stored.append(ev.block_hash)
         elif kind is BlockRemoved:
-            if stored:
-                index.apply_events_unchecked(replica_id, stored, removed, parents)
-                stored, parents, removed = [], [], []
-            removed.append(ev.block_hash)
+            if ev.tier is Tier.GPU:
+                if stored:
+                    flush()
+                removed.append(ev.block_hash)
+            else:
+                if host_stored:
+                    flush()
+                host_removed.append(ev.block_hash)
         else:  # AllBlocksCleared: what came before it is superseded
-            stored, parents, removed = [], [], []
+            for lst in (stored, parents, removed, host_stored, host_removed):
+                lst.clear()
             index.apply_events_unchecked(replica_id, (), (), cleared=True)
-    if stored or removed or not index.has_replica(replica_id):
-        index.apply_events_unchecked(replica_id, stored, removed, parents)
+    if stored or removed or host_stored or host_removed or not index.has_replica(replica_id):
+        flush()

@@ -29,6 +29,10 @@ class StoreCacheSource:
         with self.lock:
             return self.store.cached_hashes()
 
+    def host_hashes(self) -> list[BlockHash]:
+        with self.lock:
+            return self.store.host_hashes()
+
     def load(self) -> EngineLoad:
         return EngineLoad(running=0, waiting=0, queued_prefill_tokens=0)
 

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("replica_id", "epoch", "seq", "stored", "removed", "cleared", "timestamp", "stored_parents")
+    __slots__ = ("replica_id", "epoch", "seq", "stored", "removed", "cleared", "timestamp", "stored_parents", "host_stored", "host_removed")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class KVEventBatch(_message.Message):
     CLEARED_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     STORED_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_STORED_FIELD_NUMBER: _ClassVar[int]
+    HOST_REMOVED_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     epoch: int
     seq: int
@@ -26,10 +28,12 @@ class KVEventBatch(_message.Message):
     cleared: bool
     timestamp: float
     stored_parents: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., timestamp: _Optional[float] = ..., stored_parents: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    host_stored: _containers.RepeatedScalarFieldContainer[bytes]
+    host_removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., timestamp: _Optional[float] = ..., stored_parents: _Optional[_Iterable[bytes]] = ..., host_stored: _Optional[_Iterable[bytes]] = ..., host_removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CacheSummary(_message.Message):
-    __slots__ = ("replica_id", "epoch", "seq", "block_hashes", "block_size", "timestamp", "nonce")
+    __slots__ = ("replica_id", "epoch", "seq", "block_hashes", "block_size", "timestamp", "nonce", "host_block_hashes")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +41,7 @@ class CacheSummary(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     epoch: int
     seq: int
@@ -44,7 +49,8 @@ class CacheSummary(_message.Message):
     block_size: int
     timestamp: float
     nonce: bytes
-    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., timestamp: _Optional[float] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    host_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., timestamp: _Optional[float] = ..., nonce: _Optional[bytes] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens", "seq", "metrics_url")

@@ -94,7 +94,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., prefill_time_s: _Optional[float] = ...) -> None: ...
 
 class CacheState(_message.Message):
-    __slots__ = ("replica_id", "block_size", "capacity_blocks", "used_blocks", "free_blocks", "cached_blocks", "hit_ratio", "queue_sizes", "eviction_policy", "evictions")
+    __slots__ = ("replica_id", "block_size", "capacity_blocks", "used_blocks", "free_blocks", "cached_blocks", "hit_ratio", "queue_sizes", "eviction_policy", "evictions", "host")
     class QueueSizesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class CacheState(_message.Message):
     QUEUE_SIZES_FIELD_NUMBER: _ClassVar[int]
     EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     block_size: int
     capacity_blocks: int
@@ -122,4 +123,23 @@ class CacheState(_message.Message):
     queue_sizes: _containers.ScalarMap[str, int]
     eviction_policy: str
     evictions: int
-    def __init__(self, replica_id: _Optional[str] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., queue_sizes: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., evictions: _Optional[int] = ...) -> None: ...
+    host: HostTierState
+    def __init__(self, replica_id: _Optional[str] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., queue_sizes: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., evictions: _Optional[int] = ..., host: _Optional[_Union[HostTierState, _Mapping]] = ...) -> None: ...
+
+class HostTierState(_message.Message):
+    __slots__ = ("capacity_blocks", "used_blocks", "hit_ratio", "promotions", "demotions", "evictions", "eviction_policy")
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    capacity_blocks: int
+    used_blocks: int
+    hit_ratio: float
+    promotions: int
+    demotions: int
+    evictions: int
+    eviction_policy: str
+    def __init__(self, capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., evictions: _Optional[int] = ..., eviction_policy: _Optional[str] = ...) -> None: ...
