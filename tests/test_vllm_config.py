@@ -128,3 +128,25 @@ def test_unicache_up_gives_the_router_the_served_model_name(settings, expected):
         assert cluster.router_config().served_model_name == expected
     finally:
         cluster.stop_backends()
+
+
+def test_vllm_logprobs_become_ours_top_k_by_rank_with_the_sampled_token_only_if_ranked():
+    from types import SimpleNamespace as LP
+
+    from unicache.replica.engine.api import TokenLogprob
+    from unicache.replica.vllm_engine.outputs import token_logprobs
+
+    per_token = [
+        {7: LP(logprob=-0.1, rank=1), 3: LP(logprob=-2.5, rank=2)},  # sampled token ranked first
+        {9: LP(logprob=-0.2, rank=1), 4: LP(logprob=-1.9, rank=2), 5: LP(logprob=-6.0, rank=40)},  # sampled 5, rank 40
+    ]
+    assert token_logprobs([7, 5], per_token, 2) == [
+        TokenLogprob(-0.1, [(7, -0.1), (3, -2.5)]),
+        TokenLogprob(-6.0, [(9, -0.2), (4, -1.9)]),
+    ]
+    assert token_logprobs([5], per_token[1:], 0) == [TokenLogprob(-6.0, [])]
+    assert token_logprobs([7], None, None) is None  # not asked for
+    with pytest.raises(ValueError, match="logprobs for none of 1 tokens"):
+        token_logprobs([7], None, 2)
+    with pytest.raises(ValueError, match="logprobs for 2 of 1 tokens"):
+        token_logprobs([7], per_token, 2)

@@ -62,9 +62,23 @@ def vllm_config(model_dir: str, policy: str) -> VLLMEngineConfig:
     return VLLMEngineConfig(model=model_dir, block_size=BS, num_blocks=NUM_BLOCKS, eviction_policy=policy, device="cpu", dtype="float32", max_num_seqs=8)
 
 
+# Sampling options beyond greedy, as vLLM's own SamplingParams and as our replica's proto.
+# Negative penalties favour tokens already generated: the greedy outputs here repeat
+# nothing, so positive ones would change nothing.
+OPTIONS = dict(presence_penalty=-1.5, frequency_penalty=-2.0, logprobs=3)
+
+
+@dataclasses.dataclass
+class Reference:
+    greedy: list[list[int]]  # greedy tokens per prompt
+    penalized: list[list[int]]  # per prompt, with OPTIONS
+    penalized_logprobs: list[list[dict[int, tuple[float, int]]]]  # per prompt, per token: {id: (logprob, rank)}
+    stopped: list[int]  # PROMPTS[1] greedy with stop_token_ids = [its third token]
+
+
 @pytest.fixture(scope="module")
-def reference(model_dir) -> list[list[int]]:
-    """Greedy tokens of ``PROMPTS`` from vLLM's own ``LLM.generate`` (no hook of ours)."""
+def reference(model_dir) -> Reference:
+    """Tokens of ``PROMPTS`` from vLLM's own ``LLM.generate`` (no hook of ours)."""
     from vllm import LLM
     from vllm import SamplingParams as VSamplingParams
 
@@ -80,7 +94,17 @@ def reference(model_dir) -> list[list[int]]:
             [{"prompt_token_ids": tok.encode(p)} for p in PROMPTS],
             VSamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
         )
-        return [list(o.outputs[0].token_ids) for o in outs]
+        greedy = [list(o.outputs[0].token_ids) for o in outs]
+        pen = llm.generate([{"prompt_token_ids": tok.encode(p)} for p in PROMPTS], VSamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **OPTIONS))
+        (stop,) = llm.generate(
+            [{"prompt_token_ids": tok.encode(PROMPTS[1])}], VSamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[greedy[1][2]])
+        )
+        return Reference(
+            greedy,
+            [list(o.outputs[0].token_ids) for o in pen],
+            [[{t: (lp.logprob, lp.rank) for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in pen],
+            list(stop.outputs[0].token_ids),
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -144,12 +168,14 @@ async def stack(model_dir, reference):
         redis.close()
 
 
-async def generate(stub, prompt: str | list[int], salt: bytes = b"", cls: RequestClass | None = None, max_tokens: int = MAX_TOKENS):
-    """One request straight to the replica (text or token ids): (token ids, last message's usage)."""
+async def generate(stub, prompt: str | list[int], salt: bytes = b"", cls: RequestClass | None = None, max_tokens: int = MAX_TOKENS,
+                   messages: list | None = None, **sampling):
+    """One request straight to the replica (text or token ids): (token ids, last message's usage).
+    ``messages``, when given, collects every response message."""
     from unicache import wire
 
     req = replica_pb2.GenerateRequest(
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens), cache_salt=salt,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling), cache_salt=salt,
         request_class=wire.request_class_to_proto(cls or RequestClass()),
     )
     if isinstance(prompt, str):
@@ -157,15 +183,37 @@ async def generate(stub, prompt: str | list[int], salt: bytes = b"", cls: Reques
     else:
         req.token_ids.ids.extend(prompt)
     msgs = [m async for m in stub.Generate(req, metadata=call_metadata(), timeout=120)]
+    if messages is not None:
+        messages.extend(msgs)
     return [t for m in msgs for t in m.token_ids], msgs[-1].usage
 
 
 async def test_greedy_tokens_equal_vllm_llm_generate(stack, reference):
-    for prompt, want in zip(PROMPTS, reference):
+    for prompt, want in zip(PROMPTS, reference.greedy):
         got, usage = await generate(stack.replica, prompt, salt=b"parity")
         assert got == want
         assert usage.completion_tokens == len(want)
-    assert any(len(want) == MAX_TOKENS for want in reference)  # not every prompt ends at EOS at once
+    assert any(len(want) == MAX_TOKENS for want in reference.greedy)  # not every prompt ends at EOS at once
+
+
+async def test_penalties_logprobs_and_stop_token_ids_reach_vllm(stack, reference):
+    assert reference.penalized != reference.greedy  # the penalties change some prompt's tokens
+    for prompt, want_tokens, want_lps in zip(PROMPTS, reference.penalized, reference.penalized_logprobs):
+        msgs: list = []
+        got, _ = await generate(stack.replica, prompt, salt=b"options", messages=msgs, **OPTIONS)
+        assert got == want_tokens
+        lps = [lp for m in msgs for lp in m.logprobs]
+        assert len(lps) == len(got)
+        for tok, lp, want in zip(got, lps, want_lps):
+            assert lp.logprob == pytest.approx(want[tok][0], abs=1e-5)
+            top = sorted((rank, t) for t, (_, rank) in want.items() if rank <= OPTIONS["logprobs"])
+            assert [t.token_id for t in lp.top] == [t for _, t in top]
+            assert [t.logprob for t in lp.top] == pytest.approx([want[t][0] for _, t in top], abs=1e-5)
+    msgs = []
+    stop_id = reference.greedy[1][2]
+    got, _ = await generate(stack.replica, PROMPTS[1], salt=b"options", messages=msgs, stop_token_ids=[stop_id])
+    assert got == reference.stopped == reference.greedy[1][: reference.greedy[1].index(stop_id) + 1]
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
 
 async def test_second_identical_request_reports_cached_tokens_and_tenants_share_nothing(stack):

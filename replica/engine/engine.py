@@ -28,7 +28,8 @@ from unicache.replica.engine.api import (
 from unicache.replica.engine.attention import build_metadata
 from unicache.replica.engine.config import EngineConfig
 from unicache.replica.engine.model import LlamaForCausalLM, ModelConfig
-from unicache.replica.engine.sampling import MAX_LOGPROBS, apply_penalties, make_generator, sample, token_logprob
+from unicache.replica.engine.sampling import apply_penalties, make_generator, sample, token_logprob
+from unicache.replica.engine.validation import check_request
 from unicache.replica.engine.scheduler import ScheduledChunk, Scheduler
 from unicache.replica.engine.sequence import RequestGroup, Sequence
 from unicache.tokenizer import load_tokenizer
@@ -39,7 +40,6 @@ from unicache.replica.kv.store import KVStore
 from unicache.replica.kv.torch_storage import TorchKVStorage
 from unicache.block_hash import BlockHash
 
-MAX_SALT_BYTES = 64
 _DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -125,47 +125,10 @@ class LLMEngine:
     # ------------------------------------------------------------ validation
     def validate(self, req: EngineRequest) -> None:
         """Raise ``EngineInputError`` if ``req`` can never be served as given."""
-        p = req.sampling
-        n_prompt = len(req.prompt_token_ids)
-        if n_prompt == 0:
-            raise EngineInputError("invalid", "prompt is empty")
-        if p.max_tokens is not None and (p.max_tokens < 1 or p.max_tokens > self.max_model_len):
-            raise EngineInputError("invalid", f"max_tokens must be in [1, {self.max_model_len}], got {p.max_tokens}")
-        if not p.temperature >= 0.0:
-            raise EngineInputError("invalid", f"temperature must be >= 0, got {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise EngineInputError("invalid", f"top_p must be in (0, 1], got {p.top_p}")
-        max_n = min(self.config.max_n, self.config.max_num_seqs)
-        if p.n < 1 or p.n > max_n:
-            raise EngineInputError("invalid", f"n must be in [1, {max_n}], got {p.n}")
-        if any(not s for s in p.stop):
-            raise EngineInputError("invalid", "stop strings must be non-empty")
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-            raise EngineInputError("invalid", f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(p, name)
-            if not -2.0 <= value <= 2.0:
-                raise EngineInputError("invalid", f"{name} must be in [-2, 2], got {value}")
-        bad_stop = next((t for t in p.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad_stop is not None:
-            raise EngineInputError("invalid", f"stop token id {bad_stop} outside the vocabulary [0, {self.vocab_size})")
-        if req.cache_salt is not None and len(req.cache_salt) > MAX_SALT_BYTES:
-            raise EngineInputError("invalid", f"cache_salt is {len(req.cache_salt)} bytes (at most {MAX_SALT_BYTES})")
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise EngineInputError("invalid", f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        # max_tokens None (up to the context) needs room for at least one new token.
-        total = n_prompt + (p.max_tokens if p.max_tokens is not None else 1)
-        if total > self.max_model_len:
-            raise EngineInputError(
-                "exhausted",
-                f"prompt ({n_prompt} tokens) + max_tokens ({p.max_tokens or 1}) exceeds the context of {self.max_model_len}",
-            )
-        if self.store.blocks_for_tokens(total) > self.store.num_blocks:
-            raise EngineInputError(
-                "exhausted",
-                f"request needs {self.store.blocks_for_tokens(total)} KV blocks, the cache has {self.store.num_blocks}",
-            )
+        check_request(
+            req, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            max_n=min(self.config.max_n, self.config.max_num_seqs), num_blocks=self.store.num_blocks, block_size=self.block_size,
+        )
         if req.request_id in self._groups:
             raise EngineInputError("invalid", f"request id {req.request_id!r} is already in flight")
 

@@ -12,7 +12,6 @@ import torch
 
 from unicache.replica.engine.api import SamplingParams, TokenLogprob
 
-MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 
 
 def make_generator(params: SamplingParams, index: int, fallback_seed: int) -> torch.Generator | None:

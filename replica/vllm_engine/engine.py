@@ -35,12 +35,13 @@ from unicache.replica.engine.api import (
     Usage,
 )
 from unicache.replica.kv.events import KVEvent
+from unicache.replica.engine.validation import check_request
 from unicache.replica.vllm_engine.config import VLLMEngineConfig
+from unicache.replica.vllm_engine.outputs import token_logprobs
 from unicache.replica.vllm_engine.request_meta import class_to_extra_args, salt_to_vllm
 from unicache.replica.vllm_engine.version import check_vllm_version
 from unicache.tokenizer import load_tokenizer
 
-MAX_SALT_BYTES = 64
 MAX_N = 16
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -119,36 +120,12 @@ class VLLMEngine:
     # -------------------------------------------------------------- requests
     def validate(self, req: EngineRequest) -> None:
         """Raise ``EngineInputError`` for a request this engine will not serve."""
-        p = req.sampling
-        n_prompt = len(req.prompt_token_ids)
-        if n_prompt == 0:
-            raise EngineInputError("invalid", "prompt is empty")
         if req.adapter_id:
             raise EngineInputError("invalid", "adapter_id is not supported by the vllm engine")
-        if p.max_tokens < 1 or p.max_tokens > self.max_model_len:
-            raise EngineInputError("invalid", f"max_tokens must be in [1, {self.max_model_len}], got {p.max_tokens}")
-        if not p.temperature >= 0.0:
-            raise EngineInputError("invalid", f"temperature must be >= 0, got {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise EngineInputError("invalid", f"top_p must be in (0, 1], got {p.top_p}")
-        max_n = min(MAX_N, self.config.max_num_seqs)
-        if p.n < 1 or p.n > max_n:
-            raise EngineInputError("invalid", f"n must be in [1, {max_n}], got {p.n}")
-        if any(not s for s in p.stop):
-            raise EngineInputError("invalid", "stop strings must be non-empty")
-        if req.cache_salt is not None and len(req.cache_salt) > MAX_SALT_BYTES:
-            raise EngineInputError("invalid", f"cache_salt is {len(req.cache_salt)} bytes (at most {MAX_SALT_BYTES})")
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise EngineInputError("invalid", f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        total = n_prompt + p.max_tokens
-        if total > self.max_model_len:
-            raise EngineInputError(
-                "exhausted", f"prompt ({n_prompt} tokens) + max_tokens ({p.max_tokens}) exceeds the context of {self.max_model_len}"
-            )
-        need = -(-total // self.block_size)
-        if need > self.config.num_blocks:
-            raise EngineInputError("exhausted", f"request needs {need} KV blocks, the cache has {self.config.num_blocks}")
+        check_request(
+            req, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            max_n=min(MAX_N, self.config.max_num_seqs), num_blocks=self.config.num_blocks, block_size=self.block_size,
+        )
         if req.request_id in self._inflight:
             raise EngineInputError("invalid", f"request id {req.request_id!r} is already in flight")
 
@@ -174,6 +151,10 @@ class VLLMEngine:
             stop=list(p.stop) or None,
             max_tokens=p.max_tokens,
             ignore_eos=p.ignore_eos,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            stop_token_ids=list(p.stop_token_ids) or None,
+            logprobs=p.logprobs,
             output_kind=RequestOutputKind.DELTA,
             extra_args=class_to_extra_args(req.cls),
         )
@@ -210,6 +191,7 @@ class VLLMEngine:
                         finished=done,
                         finish_reason=_FINISH.get(c.finish_reason, "stop") if done else None,
                         usage=usage,
+                        logprobs=token_logprobs(c.token_ids, c.logprobs, p.logprobs),
                     )
         finally:
             self._inflight.pop(req.request_id, None)
