@@ -32,9 +32,10 @@ Invariants:
     * With ``request_series=False`` (the vLLM engine, whose own Prometheus logger exports
       the ``vllm:*`` series) no ``vllm:*`` series is defined here, so none is exported twice.
 
-Host-tier series (a host-memory tier under the pool, DESIGN.md) belong in
-``ReplicaCollector.cache_families`` next to the block gauges, read from the tier fields
-``CacheStateInfo`` will carry.
+With a host tier (``--host-blocks``): ``unicache_replica_host_capacity_blocks`` and
+``unicache_replica_host_used_blocks`` (gauges), ``unicache_replica_host_promotions_total``
+(host hits), ``unicache_replica_host_demotions_total``, ``unicache_replica_host_evictions_total``
+(``CacheStateInfo.host``).
 """
 
 from __future__ import annotations
@@ -122,6 +123,27 @@ class ReplicaCollector(Collector):
         for q in sorted(state.queue_hits):
             hits.add_metric(m + [q], state.queue_hits[q])
         yield from (blocks, capacity, queues, evictions, hits)
+        if state.host is not None:
+            yield from self.host_families(state.host)
+
+    def host_families(self, host) -> Iterator[Metric]:
+        """The host-memory tier under the pool (``CacheStateInfo.host``), when there is one."""
+        m = [self.model_name]
+        for name, doc, value in (
+            ("unicache_replica_host_capacity_blocks", "Blocks in the host tier", host.capacity_blocks),
+            ("unicache_replica_host_used_blocks", "Host-tier blocks holding a demoted prefix block", host.used_blocks),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(m, value)
+            yield g
+        for name, doc, value in (
+            ("unicache_replica_host_promotions", "Host-tier blocks copied back to the pool by a prefix hit (host hits)", host.promotions),
+            ("unicache_replica_host_demotions", "Pool victims demoted to the host tier instead of dropped", host.demotions),
+            ("unicache_replica_host_evictions", "Blocks dropped from the host tier", host.evictions),
+        ):
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(m, value)
+            yield c
 
 
 class ReplicaMetrics:

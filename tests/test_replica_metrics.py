@@ -164,3 +164,28 @@ def test_a_negative_metrics_port_other_than_minus_one_is_refused():
 
     with pytest.raises(UsageError, match="metrics_port must be -1"):
         ReplicaSettings(metrics_port=-2).check()
+
+
+async def test_host_tier_series_follow_demotions_and_promotions(redis_server):
+    """8 pool blocks over 16 host blocks: a prompt that fills the pool demotes the first
+    prompt's 2 cached blocks; repeating the first prompt promotes them back."""
+    rt = ReplicaRuntime(ReplicaSettings(
+        replica_id="met-h", block_size=BS, num_blocks=8, host_blocks=16, eviction_policy="lru", device="cpu",
+        model_preset="tiny", served_model_name=MODEL,
+    ))
+    await rt.start()
+    try:
+        p1 = list(range(1, 21))
+        await generate(rt.address, p1, max_tokens=1)
+        await generate(rt.address, list(range(100, 157)), max_tokens=1)  # 8 blocks: evicts p1's 2
+        _, last = await generate(rt.address, p1, max_tokens=1)
+        async with httpx.AsyncClient(timeout=10) as client:
+            got = samples((await client.get(rt.metrics_url)).text)
+    finally:
+        await rt.stop()
+    assert last.usage.cached_tokens == 16  # served from the host tier
+    assert got[key("unicache_replica_host_capacity_blocks")] == 16
+    assert got[key("unicache_replica_host_promotions_total")] == 2
+    # p1's 2 blocks, then 2 of p2's 7 cached blocks for p1's 3 (its partial block takes the one uncached free block).
+    assert got[key("unicache_replica_host_demotions_total")] == 4
+    assert got[key("unicache_replica_host_evictions_total")] == 0
