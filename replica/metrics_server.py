@@ -11,7 +11,8 @@ Invariants:
       registry given; any other path 404, any other method 405; a request line that does
       not arrive within ``read_timeout_s`` or exceeds ``MAX_REQUEST_BYTES`` closes the
       connection.
-    * Port 0 binds a free port; ``port`` and ``url`` read it back after ``start``.
+    * Port 0 binds a free port; a fixed port binds the first free one of its span (else
+      ``start`` raises the last ``OSError``); ``port`` and ``url`` read it back.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class MetricsServer:
         port: port to bind; 0 picks a free one.
         advertise_host: host part of ``url`` (default ``host``).
         read_timeout_s: deadline for a client to send its request head.
+        port_span: with a fixed ``port``, try ``port .. port + port_span - 1`` and bind the
+            first free one (several replicas on one pod each get one of a declared range).
     """
 
     def __init__(
@@ -46,12 +49,14 @@ class MetricsServer:
         port: int = 0,
         advertise_host: str = "",
         read_timeout_s: float = 5.0,
+        port_span: int = 1,
     ):
         self.registries = list(registries)
         self.host = host
         self.requested_port = port
         self.advertise_host = advertise_host or host
         self.read_timeout_s = read_timeout_s
+        self.port_span = port_span if port else 1
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
 
@@ -60,7 +65,15 @@ class MetricsServer:
         return f"http://{self.advertise_host}:{self.port}/metrics" if self.port else ""
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.host, self.requested_port, limit=MAX_REQUEST_BYTES)
+        for i in range(self.port_span):
+            try:
+                self._server = await asyncio.start_server(
+                    self._handle, self.host, self.requested_port + i if self.requested_port else 0, limit=MAX_REQUEST_BYTES
+                )
+                break
+            except OSError:
+                if i == self.port_span - 1:
+                    raise
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("replica metrics on %s", self.url)
         return self.port

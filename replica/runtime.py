@@ -71,7 +71,9 @@ class ReplicaRuntime:
         metrics = None
         if s.metrics_port >= 0:
             metrics, registries = replica_metrics(self.engine, s)
-            self.metrics_server = MetricsServer(registries, s.host, s.metrics_port, advertise_host=s.advertised_host())
+            self.metrics_server = MetricsServer(
+                registries, s.host, s.metrics_port, advertise_host=s.advertised_host(), port_span=s.metrics_port_span
+            )
             await self.metrics_server.start()
         self.server = ReplicaServer(
             self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults(), cluster_key=key,

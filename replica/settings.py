@@ -36,6 +36,10 @@ class ReplicaSettings:
     metrics_port: int = field(
         default=0, metadata=_help("Prometheus /metrics port (same interface as gRPC); 0 picks a free one, -1 serves none")
     )
+    metrics_port_span: int = field(
+        default=1,
+        metadata=_help("ports tried from metrics_port on, the first free one bound (replicas sharing a host or pod: one each)"),
+    )
     advertise_host: str = field(
         default="", metadata=_help("host routers dial (default: host, or $POD_IP / this host's IP when host is 0.0.0.0)")
     )
@@ -129,6 +133,8 @@ class ReplicaSettings:
                                      f"a replica runs one of {', '.join(replica_eviction_policies())}")
         if self.metrics_port < -1 or self.metrics_port > 65535:
             raise UsageError(f"metrics_port must be -1 (none), 0 (a free port) or a port number, got {self.metrics_port}")
+        if self.metrics_port_span < 1 or self.metrics_port + self.metrics_port_span - 1 > 65535:
+            raise UsageError(f"metrics_port_span must be >= 1 and end at a port number, got {self.metrics_port_span}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name} must be positive, got {getattr(self, name)}")

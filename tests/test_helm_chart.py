@@ -193,6 +193,7 @@ def test_default_render_has_exactly_these_resources(rendered):
         ("NetworkPolicy", "uc-unicache-router"),
         ("Pod", "uc-unicache-test-router"),
         ("PodDisruptionBudget", "uc-unicache-router"),
+        ("PodMonitor", "uc-unicache-replicas"),
         ("PrometheusRule", "uc-unicache-router"),
         ("RayCluster", "uc-unicache-ray"),
         ("Secret", "uc-unicache-redis"),
@@ -217,7 +218,7 @@ def test_templates_are_named_kind_dash_component(rendered):
 def test_core_manifests_validate_strictly(rendered, value_set):
     checked = 0
     for path, doc in rendered[value_set]:
-        if doc["kind"] in ("RayCluster", "ServiceMonitor", "PrometheusRule", "HTTPRoute"):
+        if doc["kind"] in ("RayCluster", "ServiceMonitor", "PodMonitor", "PrometheusRule", "HTTPRoute"):
             continue  # custom resources: checked against their own schemas below
         try:
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
@@ -290,6 +291,26 @@ def test_servicemonitor_shape(rendered):
     assert "http" in port_names
     assert re.fullmatch(r"\d+s", sm["spec"]["endpoints"][0]["interval"])
     assert find(rendered["external-redis"], "ServiceMonitor") == []
+
+
+def test_podmonitor_scrapes_one_metrics_port_per_replica_actor_of_a_worker_pod():
+    """Two GPUs per worker: two replica actors per pod, two declared metrics ports, the
+    replicas told to bind the first free of them, both scraped and open to Prometheus."""
+    docs = documents(render({"rayCluster": {"worker": {"gpusPerWorker": 2}}, "replicas": {"metricsPort": 9500}}))
+    pm = one(docs, "PodMonitor")
+    rc = one(docs, "RayCluster")
+    worker = rc["spec"]["workerGroupSpecs"][0]["template"]
+    [container] = worker["spec"]["containers"]
+    assert [(p["name"], p["containerPort"]) for p in container["ports"]] == [("uc-metrics-0", 9500), ("uc-metrics-1", 9501)]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= worker["metadata"]["labels"].items()
+    assert [(e["port"], e["path"]) for e in pm["spec"]["podMetricsEndpoints"]] == [("uc-metrics-0", "/metrics"), ("uc-metrics-1", "/metrics")]
+    settings = one(docs, "ConfigMap", "settings")["data"]
+    assert (settings["UNICACHE_METRICS_PORT"], settings["UNICACHE_METRICS_PORT_SPAN"]) == ("9500", "2")
+    ray_policy = one(docs, "NetworkPolicy", "ray")["spec"]["ingress"]
+    assert [p["port"] for p in ray_policy[1]["ports"]] == [9500, 9501] and "from" not in ray_policy[1]
+    from unicache.replica.settings import ReplicaSettings
+
+    assert {"metrics_port", "metrics_port_span"} <= set(ReplicaSettings.__dataclass_fields__)
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
@@ -497,7 +518,8 @@ def test_grafana_dashboard_covers_cache_state_routing_and_ttft(rendered):
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     dash = json.loads(cm["data"]["unicache.json"])
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    assert {m for e in exprs for m in re.findall(r"\bunicache_[a-z_]+", e)} == set(DASHBOARD.METRICS)
+    queried = {m for e in exprs for m in re.findall(r"\b(?:unicache_|vllm:)[a-z0-9_]+", e)}
+    assert queried == set(DASHBOARD.METRICS) | set(DASHBOARD.REPLICA_METRICS)
     by_title = {p["title"]: p for p in dash["panels"]}
     for title, grouping, metric in [
         ("Cache hit ratio per replica", "by (replica)", "unicache_router_replica_hit_ratio"),
@@ -525,6 +547,28 @@ def test_router_exports_every_metric_the_dashboard_queries():
         for s in suffix.get(family.type, ("",))
     }
     assert sorted(set(DASHBOARD.METRICS) - exported) == []
+
+
+def test_replicas_export_every_metric_the_dashboard_queries():
+    """The replica panels' contract with replica/metrics.py (the torch engine's registry,
+    after one request so every labelled series exists)."""
+    from unicache.replica.engine.api import CacheStateInfo, EngineLoad, EngineOutput, Usage
+    from unicache.replica.metrics import ReplicaMetrics
+
+    class Engine:
+        def load(self):
+            return EngineLoad(0, 0, 0)
+
+        def cache_state(self):
+            return CacheStateInfo(16, 8, 0, 8, 0, 0.0, {"chat": 0}, "unicache", 0, queue_evictions={"chat": 0}, queue_hits={"chat": 0})
+
+    metrics = ReplicaMetrics(Engine(), "m")
+    timer = metrics.start_request()
+    timer.output(EngineOutput("r", 0, [1], "a", True, "length", Usage(4, 0, 1)))
+    timer.finish()
+    suffix = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    exported = {f.name + s for f in metrics.registry.collect() for s in suffix.get(f.type, ("",))}
+    assert sorted(set(DASHBOARD.REPLICA_METRICS) - exported) == []
 
 
 def test_notes_render_the_quickstart():

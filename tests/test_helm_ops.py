@@ -106,7 +106,7 @@ def pod(docs, kind, component=None, group=0):
 def test_model_weights_reach_workers_and_router(values, volume, checkpoint, raycluster_schema):
     docs = documents(render(values))
     for _, d in docs:
-        if d["kind"] not in ("RayCluster", "ServiceMonitor", "PrometheusRule", "HTTPRoute"):
+        if d["kind"] not in ("RayCluster", "ServiceMonitor", "PodMonitor", "PrometheusRule", "HTTPRoute"):
             kubernetes_validate.validate(d, KUBE_VERSION, strict=True)
     jsonschema.validate(one(docs, "RayCluster"), raycluster_schema)
     settings = next(d for d in find(docs, "ConfigMap") if d["metadata"]["name"].endswith("-settings"))

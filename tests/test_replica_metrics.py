@@ -189,3 +189,21 @@ async def test_host_tier_series_follow_demotions_and_promotions(redis_server):
     # p1's 2 blocks, then 2 of p2's 7 cached blocks for p1's 3 (its partial block takes the one uncached free block).
     assert got[key("unicache_replica_host_demotions_total")] == 4
     assert got[key("unicache_replica_host_evictions_total")] == 0
+
+
+async def test_replicas_sharing_a_port_span_each_bind_the_next_free_port():
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+    servers = [MetricsServer([CollectorRegistry()], port=base, port_span=2) for _ in range(3)]
+    try:
+        assert [await s.start() for s in servers[:2]] == [base, base + 1]
+        with pytest.raises(OSError):
+            await servers[2].start()  # the span is used up
+    finally:
+        for s in servers:
+            await s.stop()

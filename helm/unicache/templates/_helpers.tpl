@@ -245,3 +245,10 @@ source is configured; else none (the seeded random model).
       mountPath: /tmp
 {{- end }}
 {{- end }}
+
+{{/*
+Replica metrics ports per worker pod: one per replica actor the pod hosts (one per GPU, at least one).
+*/}}
+{{- define "unicache.metricsPortSpan" -}}
+{{- max 1 (int .Values.rayCluster.worker.gpusPerWorker) -}}
+{{- end }}
