@@ -17,11 +17,14 @@ Invariants:
       parent unknown to the index); once the parent leaves first (a replica may evict a
       parent before its child) it is a dead entry (``children == -1``) that nothing
       counts. ``children`` counts the live entries whose parent it is; a *leaf* has 0.
-    * Trimming removes leaves only, least recently used first (``tick``: the index's
-      clock at its last store or match; ties: the one pushed last, so an old sender's
-      chain, stored root first without parents, still loses its tail first). Removing a
-      leaf can make its parent a leaf. Dropping a root would zero every descendant's
-      match, so a chain shrinks from its tail.
+    * Trimming removes leaves only, least recently used first (ties: the one pushed
+      last, so an old sender's chain, stored root first without parents, still loses its
+      tail first). An entry's ``tick`` is the index's clock at its last store, at the
+      last match that ended on it, or (taken when it becomes a leaf) at the last use of
+      a child: so a block is never less recent than its used descendants, while a match
+      touches one entry per replica, not the whole prefix. Removing a leaf can make its
+      parent a leaf. Dropping a root would zero every descendant's match, so a chain
+      shrinks from its tail.
     * ``applied_seq[r]`` is the seq of the last event batch applied for replica r in its
       current epoch; a batch with another epoch or a seq gap marks r as needing resync.
     * A replica never holds more than ``max_blocks_per_replica`` entries, so memory is
@@ -105,6 +108,7 @@ class LocalityIndex(LocalityView):
         self.max_blocks = max_blocks_per_replica
         self._replicas: dict[str, ReplicaHoldings] = {}
         self._holders: dict[BlockHash, dict[str, IndexEntry]] = {}
+        self._host_holders: dict[BlockHash, set[str]] = {}  # host-tier hash -> replicas
         self._tick = 0
         self._order = 0
 
@@ -145,21 +149,12 @@ class LocalityIndex(LocalityView):
         return self.needs_resync(replica_id)
 
     def match(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> int:
-        """Leading ``block_hashes`` the replica holds; refreshes them (a use)."""
+        """Leading ``block_hashes`` the replica holds; refreshes the deepest (a use)."""
         h = self._replicas.get(replica_id)
         if h is None:
             return 0
-        blocks = h.blocks
         self._tick += 1
-        tick = self._tick
-        n = 0
-        for bh in block_hashes:
-            e = blocks.get(bh)
-            if e is None:
-                break
-            e.tick = tick
-            n += 1
-        return n
+        return _walk(h.blocks, block_hashes, self._tick)
 
     def host_match(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> int:
         """How many of ``block_hashes[start:]``, consecutively, the replica holds in its
@@ -174,46 +169,44 @@ class LocalityIndex(LocalityView):
             n += 1
         return n
 
+    def host_matches(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int]) -> dict[str, int]:
+        """``host_match(r, block_hashes, m_r)`` for every replica r whose host tier holds
+        block ``m_r`` (its GPU match, 0 when absent from ``gpu_matches``); the others
+        have none. Visits only those replicas (host-tier hash -> replicas)."""
+        host_holders = self._host_holders
+        n = len(block_hashes)
+        if not host_holders or not n:
+            return {}
+        replicas = self._replicas
+        out: dict[str, int] = {}
+        for rid in host_holders.get(block_hashes[0], ()):
+            if rid not in gpu_matches:
+                out[rid] = _host_walk(replicas[rid].host, block_hashes, 0)
+        for rid, m in gpu_matches.items():
+            if m < n:
+                held = host_holders.get(block_hashes[m])
+                if held is not None and rid in held:
+                    out[rid] = _host_walk(replicas[rid].host, block_hashes, m)
+        return out
+
     def num_host_blocks(self, replica_id: str) -> int:
         h = self._replicas.get(replica_id)
         return len(h.host) if h else 0
 
     def prefix_matches(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         """Every replica holding at least the first block, with how many leading blocks
-        it holds; refreshes the matched entries. Cost: the walk visits each matching
-        replica once per block it matched, never the replicas that match nothing."""
+        it holds; refreshes each one's deepest matched entry. Cost: one dict lookup per
+        matched block of each replica holding the first block, never a look at a replica
+        that matches nothing."""
         if not block_hashes:
             return {}
-        holders = self._holders
-        level = holders.get(block_hashes[0])
+        level = self._holders.get(block_hashes[0])
         if not level:
             return {}
         self._tick += 1
         tick = self._tick
-        out: dict[str, int] = {}
-        alive = list(level)
-        for e in level.values():
-            e.tick = tick
-        depth = 1
-        for bh in block_hashes[1:]:
-            level = holders.get(bh)
-            if not level:
-                break
-            nxt = []
-            for rid in alive:
-                e = level.get(rid)
-                if e is None:
-                    out[rid] = depth
-                else:
-                    e.tick = tick
-                    nxt.append(rid)
-            alive = nxt
-            if not alive:
-                break
-            depth += 1
-        for rid in alive:
-            out[rid] = depth
-        return out
+        replicas = self._replicas
+        return {rid: _walk(replicas[rid].blocks, block_hashes, tick) for rid in level}
 
     # ------------------------------------------------------------------ writing
     def set_capacity(self, replica_id: str, capacity_blocks: int) -> None:
@@ -243,7 +236,7 @@ class LocalityIndex(LocalityView):
         self._clear(replica_id, h)
         h.epoch, h.applied_seq, h.needs_resync = epoch, seq, False
         self._store(replica_id, h, block_hashes, parents)
-        self._host_update(h, (), host_hashes)
+        self._host_update(replica_id, h, (), host_hashes)
         return self._trim(h, replica_id)
 
     def apply_events(
@@ -275,7 +268,7 @@ class LocalityIndex(LocalityView):
             self._clear(replica_id, h)
         self._remove(replica_id, h, removed)
         self._store(replica_id, h, stored, parents)
-        self._host_update(h, host_removed, host_stored)
+        self._host_update(replica_id, h, host_removed, host_stored)
         h.applied_seq = seq
         return self._trim(h, replica_id)
 
@@ -296,7 +289,7 @@ class LocalityIndex(LocalityView):
             self._clear(replica_id, h)
         self._remove(replica_id, h, removed)
         self._store(replica_id, h, stored, parents)
-        self._host_update(h, host_removed, host_stored)
+        self._host_update(replica_id, h, host_removed, host_stored)
         self._trim(h, replica_id)
 
     def mark_resync(self, replica_id: str) -> None:
@@ -319,21 +312,42 @@ class LocalityIndex(LocalityView):
                 del holders[bh]
         h.blocks = {}
         h.leaves = []
+        host_holders = self._host_holders
+        for bh in h.host:
+            self._unhost(host_holders, rid, bh)
         h.host = {}
 
-    def _host_update(self, h: ReplicaHoldings, removed: Iterable[BlockHash], stored: Iterable[BlockHash]) -> None:
+    def _host_update(self, rid: str, h: ReplicaHoldings, removed: Iterable[BlockHash],
+                     stored: Iterable[BlockHash]) -> None:
         """Host-tier removes then stores; then the oldest go past the bound."""
-        host = h.host
+        host, host_holders = h.host, self._host_holders
         for bh in removed:
-            host.pop(bh, None)
+            if bh in host:
+                del host[bh]
+                self._unhost(host_holders, rid, bh)
         for bh in stored:
-            host.pop(bh, None)  # a re-store is the newest
+            if bh in host:
+                del host[bh]  # a re-store is the newest
+            else:
+                held = host_holders.get(bh)
+                if held is None:
+                    host_holders[bh] = {rid}
+                else:
+                    held.add(rid)
             host[bh] = None
         bound = min(self.max_blocks, h.host_capacity) if h.host_capacity else self.max_blocks
         excess = len(host) - bound
         if excess > 0:
             for bh in list(itertools.islice(host, excess)):
                 del host[bh]
+                self._unhost(host_holders, rid, bh)
+
+    @staticmethod
+    def _unhost(host_holders: dict[BlockHash, set[str]], rid: str, bh: BlockHash) -> None:
+        held = host_holders[bh]
+        held.discard(rid)
+        if not held:
+            del host_holders[bh]
 
     def _remove(self, rid: str, h: ReplicaHoldings, removed: Iterable[BlockHash]) -> None:
         blocks = h.blocks
@@ -354,6 +368,8 @@ class LocalityIndex(LocalityView):
         if p is not None and p.children > 0:
             p.children -= 1
             if p.children == 0:
+                if e.tick > p.tick:
+                    p.tick = e.tick  # a use of the child was a use of its prefix
                 self._push(h, p)
 
     def _push(self, h: ReplicaHoldings, e: IndexEntry) -> None:
@@ -443,3 +459,25 @@ class LocalityIndex(LocalityView):
             h.needs_resync, h.fault = True, "over_capacity"
             return False
         return True
+
+
+def _walk(blocks: dict[BlockHash, IndexEntry], block_hashes: Sequence[BlockHash], tick: int) -> int:
+    """Leading ``block_hashes`` in ``blocks``; the deepest one found gets ``tick``."""
+    n = 0
+    for bh in block_hashes:
+        if bh not in blocks:
+            break
+        n += 1
+    if n:
+        blocks[block_hashes[n - 1]].tick = tick
+    return n
+
+
+def _host_walk(host: dict[BlockHash, None], block_hashes: Sequence[BlockHash], start: int) -> int:
+    """Consecutive ``block_hashes`` from ``start`` in a replica's host tier."""
+    n = 0
+    for i in range(start, len(block_hashes)):
+        if block_hashes[i] not in host:
+            break
+        n += 1
+    return n

@@ -39,14 +39,17 @@ def test_prefix_matches_names_exactly_the_replicas_that_hold_a_prefix():
     assert index.holders(p[1]) == {"a", "b", "c", "e"}
 
 
-def test_prefix_matches_refreshes_only_the_matched_entries():
+def test_prefix_matches_refreshes_the_deepest_matched_entry_and_parents_inherit_it():
     p = chain(100, 3)
     index = LocalityIndex()
     synced(index, "a", p)  # tick 1
     synced(index, "b", p[:1])  # tick 2
     assert index.prefix_matches(p[:2]) == {"a": 2, "b": 1}  # tick 3
-    assert [index.holdings("a").blocks[x].tick for x in p] == [3, 3, 1]
+    assert [index.holdings("a").blocks[x].tick for x in p] == [1, 3, 1]
     assert index.holdings("b").blocks[p[0]].tick == 3
+    index.apply_events_unchecked("a", [], [p[2]])
+    index.apply_events_unchecked("a", [], [p[1]])  # p[0] becomes a leaf: p[1]'s use is its use
+    assert index.holdings("a").blocks[p[0]].tick == 3
 
 
 def test_drop_replica_removes_it_from_every_blocks_holders():
@@ -162,7 +165,7 @@ def test_the_leaf_heap_stays_bounded_under_churn():
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["store", "remove", "match", "clear", "drop", "summary"]),
+        st.sampled_from(["store", "remove", "match", "clear", "drop", "summary", "host"]),
         st.sampled_from(["a", "b", "c"]),
         st.integers(0, 3),  # chain id
         st.integers(1, 6),  # depth
@@ -185,6 +188,10 @@ def test_invariants_hold_under_random_operations(seq):
         elif op == "match":
             got = index.prefix_matches(p)
             assert got == {r: m for r in index.replicas() if (m := index.match(r, p))}
+            host = {r: m for r in index.replicas() if (m := index.host_match(r, chains[c], got.get(r, 0)))}
+            assert index.host_matches(chains[c], got) == host
+        elif op == "host":
+            index.apply_events_unchecked(rid, [], [], host_stored=p[-2:], host_removed=p[:1])
         elif op == "clear":
             index.apply_events_unchecked(rid, [], [], cleared=True)
         elif op == "drop":
@@ -202,4 +209,6 @@ def test_invariants_hold_under_random_operations(seq):
                 # a parent that left before its child stays behind as a dead entry
                 assert e.parent is None or e.parent.children == -1 or blocks.get(e.parent.block_hash) is e.parent
         assert entries == sum(len(v) for v in index._holders.values()) == index.num_entries()
-        assert all(index._holders.values())
+        assert all(index._holders.values()) and all(index._host_holders.values())
+        assert {(bh, r) for bh, rs in index._host_holders.items() for r in rs} == {
+            (bh, r) for r in index.replicas() for bh in index.holdings(r).host}

@@ -95,6 +95,12 @@ class LocalityView(ABC):
         host-memory tier (promotable, not a GPU hit). Default 0: a view without tiers."""
         return 0
 
+    def host_matches(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int]) -> dict[str, int]:
+        """``host_match(r, block_hashes, gpu_matches.get(r, 0))`` for every replica where
+        it is not 0 (left out: 0), in one call: an index keyed by hash visits only the
+        replicas whose host tier holds the block after their GPU match. Default: no tiers."""
+        return {}
+
     def match_all(self, replica_ids: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         return {r: self.match(r, block_hashes) for r in replica_ids}
 
