@@ -54,7 +54,15 @@ class HashRing:
     def members(self) -> frozenset[str]:
         return frozenset(self._members)
 
+    def __contains__(self, replica_id: str) -> bool:
+        return replica_id in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
     def set_members(self, replica_ids: Iterable[str]) -> None:
+        """Replace the member set with one rebuild (adding N replicas one by one
+        rebuilds N times: quadratic in a 1,024-replica fleet)."""
         members = set(replica_ids)
         if members != self._members:
             self._members = members
