@@ -538,3 +538,21 @@ def test_cache_aware_counts_a_host_match_at_its_promotion_cost():
     assert (d.replica_id, d.matched_blocks) == ("r1", 5)
     with pytest.raises(ValueError, match="host_cost"):
         CacheAwarePolicy(host_cost=1.5)
+
+
+def test_sglang_roots_follow_inserts_evictions_and_departures():
+    from unicache.router.routing.sglang import SGLangPolicy
+
+    p = SGLangPolicy(max_tree_tokens=3 * 16)
+    p.update_replicas(["r0", "r1"])
+    a, b = hashes(1, 2), hashes(5, 6)
+    p.tree("r0").insert(a, tick=1)
+    p.tree("r1").insert(a, tick=2)
+    p.tree("r1").insert(b, tick=3)
+    assert p._roots == {a[0]: {"r0", "r1"}, b[0]: {"r1"}}
+    p.tree("r1").evict_to(1)  # a's tail, a's root, b's tail go: b's root stays
+    assert p._roots == {a[0]: {"r0"}, b[0]: {"r1"}}
+    p.on_replica_died("r0")
+    assert p._roots == {b[0]: {"r1"}}
+    p.update_replicas([])
+    assert p._roots == {} and p.trees == {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from operator import attrgetter
 
 from unicache.block_hash import BlockHash
 from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
@@ -40,14 +41,19 @@ from unicache.router.routing.registry import register_routing_policy
 class ApproxTree:
     """One replica's approximate prefix tree: block hash -> tick of its last touch.
 
-    Invariant: iteration order is LRU order and every block comes before (is less
-    recent than) all of its ancestors, so the first entry is always a leaf.
+    Invariants: iteration order is LRU order and every block comes before (is less
+    recent than) all of its ancestors, so the first entry is always a leaf. ``roots``
+    (shared by all trees of a policy) maps each first block of an inserted prompt that a
+    tree still holds to the replicas whose trees hold it: a request can match only on
+    those, so ``choose`` never looks at a tree without the request's first block.
     """
 
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "replica_id", "roots")
 
-    def __init__(self) -> None:
+    def __init__(self, replica_id: str = "", roots: dict[BlockHash, set[str]] | None = None) -> None:
         self.nodes: OrderedDict[BlockHash, int] = OrderedDict()
+        self.replica_id = replica_id
+        self.roots = roots if roots is not None else {}
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -66,14 +72,34 @@ class ApproxTree:
         for bh in reversed(block_hashes):
             nodes[bh] = tick
             nodes.move_to_end(bh)
+        if block_hashes:
+            self.roots.setdefault(block_hashes[0], set()).add(self.replica_id)
 
     def evict_to(self, max_blocks: int) -> int:
         evicted = 0
-        nodes = self.nodes
+        nodes, roots = self.nodes, self.roots
         while len(nodes) > max_blocks:
-            nodes.popitem(last=False)
+            bh, _tick = nodes.popitem(last=False)
+            self._unroot(roots, bh)
             evicted += 1
         return evicted
+
+    def clear(self) -> None:
+        """Forget every block (the replica left): it leaves ``roots`` too."""
+        roots = self.roots
+        for bh in self.nodes:
+            self._unroot(roots, bh)
+        self.nodes.clear()
+
+    def _unroot(self, roots: dict[BlockHash, set[str]], bh: BlockHash) -> None:
+        held = roots.get(bh)
+        if held is not None:
+            held.discard(self.replica_id)
+            if not held:
+                del roots[bh]
+
+
+_replica_id = attrgetter("replica_id")
 
 
 @register_routing_policy("sglang")
@@ -101,27 +127,30 @@ class SGLangPolicy(RoutingPolicy):
         self.balance_rel_threshold = balance_rel_threshold
         self.max_tree_tokens = max_tree_tokens
         self.trees: dict[str, ApproxTree] = {}
+        self._roots: dict[BlockHash, set[str]] = {}
         self._tick = 0
 
     def tree(self, replica_id: str) -> ApproxTree:
         t = self.trees.get(replica_id)
         if t is None:
-            t = self.trees[replica_id] = ApproxTree()
+            t = self.trees[replica_id] = ApproxTree(replica_id, self._roots)
         return t
 
     def update_replicas(self, replica_ids: Sequence[str]) -> None:
         live = set(replica_ids)
         for r in list(self.trees):
             if r not in live:
-                del self.trees[r]
+                self.trees.pop(r).clear()
         for r in replica_ids:
             self.tree(r)
 
     def on_replica_died(self, replica_id: str) -> None:
-        self.trees.pop(replica_id, None)
+        t = self.trees.pop(replica_id, None)
+        if t is not None:
+            t.clear()
 
     def is_imbalanced(self, replicas: Sequence[ReplicaLoad]) -> bool:
-        loads = [r.outstanding for r in replicas]
+        loads = [max(r.in_flight, r.running + r.waiting) for r in replicas]  # ``outstanding``, inlined
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
 
@@ -132,14 +161,20 @@ class SGLangPolicy(RoutingPolicy):
             return self._commit(chosen, hashes, request.block_size, "imbalanced_shortest_queue", 0, 0.0)
 
         best_id, best_m, best_tick = "", 0, -1
-        for r in replicas:
-            t = self.tree(r.replica_id)
-            m = t.match(hashes)
-            if m == 0:
-                continue
-            tick = t.nodes[hashes[m - 1]]
-            if m > best_m or (m == best_m and (tick, r.replica_id) > (best_tick, best_id)):
-                best_id, best_m, best_tick = r.replica_id, m, tick
+        held = self._roots.get(hashes[0]) if hashes else None
+        if held:
+            # NOTE: only trees holding the first block can match; the order of the visit
+            # does not matter (the winner is the max of (m, tick, id)).
+            live = set(map(_replica_id, replicas))
+            trees = self.trees
+            for rid in held:
+                if rid not in live:
+                    continue
+                t = trees[rid]
+                m = t.match(hashes)
+                tick = t.nodes[hashes[m - 1]]
+                if m > best_m or (m == best_m and (tick, rid) > (best_tick, best_id)):
+                    best_id, best_m, best_tick = rid, m, tick
         rate = best_m * request.block_size / request.num_prompt_tokens if request.num_prompt_tokens else 0.0
         if best_m and rate > self.cache_threshold:
             return self._commit(best_id, hashes, request.block_size, "cache_match", best_m, rate)
