@@ -18,7 +18,8 @@ other jobs on a shared host. ``--profile`` adds the router's top functions (cPro
 its event-loop thread over the router bursts only).
 
     .venv/bin/python -m bench.router_profile [--requests 1000] [--max-tokens 8] [--rounds 3]
-        [--bare] [--baseline-unicache EXE] [--profile] [--top 40] [--json OUT]
+        [--bare] [--baseline-unicache EXE] [--event-loops asyncio,uvloop] [--profile] [--top 40]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 from bench.load_test import burst
+from unicache.testing.procfs import cpu_s
+
+
+# (front door, reference): per-round CPU ratios reported for each pair present.
+PAIRS = (
+    ("router", "router_baseline"), ("router", "bare_proxy"), ("router_uvloop", "bare_proxy_uvloop"),
+    ("router_uvloop", "router"), ("bare_proxy_uvloop", "bare_proxy"),
+)
 
 
 def replicas_main(n: int, ports, stop) -> None:
@@ -83,9 +92,10 @@ async def start_bare_proxy(addresses: list[str]):
     return server, port, channels
 
 
-def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bool = False) -> None:
-    """The router (``bare``: the bare proxy); with ``profile_path``, cProfile runs while
-    the client says "on"."""
+def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bool = False, event_loop: str = "asyncio") -> None:
+    """The router (``bare``: the bare proxy) on ``event_loop``; with ``profile_path``,
+    cProfile runs while the client says "on"."""
+    loop_name = event_loop
 
     async def run() -> None:
         import cProfile
@@ -95,7 +105,7 @@ def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bo
 
         cfg = build_config(env={}, overrides={
             "grpc_port": 0, "http_port": 0, "use_redis": False, "auth_enabled": False,
-            "routing_policy": "round_robin", "replicas": spec,
+            "routing_policy": "round_robin", "replicas": spec, "event_loop": loop_name,
         })
         if bare:
             server, port, channels = await start_bare_proxy([a.split("=", 1)[1] for a in spec.split(",")])
@@ -122,7 +132,10 @@ def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bo
         else:
             await app.stop()
 
-    asyncio.run(run())
+    from unicache.router.http_server import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory(loop_name)) as runner:
+        runner.run(run())
 
 
 def free_port() -> int:
@@ -152,12 +165,6 @@ def start_baseline(exe: str, spec: str, timeout_s: float = 60.0) -> tuple[subpro
             proc.kill()
             raise RuntimeError(f"{exe} router did not listen on port {port} within {timeout_s:g} s") from None
     return proc, port
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all its threads (grpc's too)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], rep_pid: int, ports, cmds) -> dict:
@@ -205,18 +212,18 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
             rnd[name] = r
         for phase in rnd.values():
             assert phase["ok"] == args.requests and not phase["malformed_answers"], phase
-        for ref in ("router_baseline", "bare_proxy"):
-            if ref in rnd:
-                rnd["router"][f"ratio_cpu_vs_{ref}"] = round(rnd["router"]["cpu_ms_per_request"] / rnd[ref]["cpu_ms_per_request"], 3)
+        for name, ref in PAIRS:
+            if name in rnd and ref in rnd:
+                rnd[name][f"ratio_cpu_vs_{ref}"] = round(rnd[name]["cpu_ms_per_request"] / rnd[ref]["cpu_ms_per_request"], 3)
         rounds.append(rnd)
     for c in [*chans, *fchans.values()]:
         await c.close()
     med = lambda name, key: round(statistics.median(x[name][key] for x in rounds), 3)  # noqa: E731
     keys = ("cpu_ms_per_request", "ratio_cpu_per_request", "ratio_req_per_s", "requests_per_s")
     median = {name: {k: med(name, k) for k in keys} for name in front}
-    for ref in ("router_baseline", "bare_proxy"):
-        if ref in front:
-            median["router"][f"ratio_cpu_vs_{ref}"] = med("router", f"ratio_cpu_vs_{ref}")
+    for name, ref in PAIRS:
+        if name in front and ref in front:
+            median[name][f"ratio_cpu_vs_{ref}"] = med(name, f"ratio_cpu_vs_{ref}")
     return {
         "config": {"requests": args.requests, "max_tokens": args.max_tokens, "replicas": args.replicas, "rounds": args.rounds,
                    "cpus": os.cpu_count(), "baseline_unicache": args.baseline_unicache},
@@ -248,11 +255,16 @@ def main() -> None:
     ap.add_argument("--bare", action="store_true", help="also measure a bare forwarding proxy (the grpc.aio floor)")
     ap.add_argument("--baseline-unicache", metavar="EXE",
                     help="also measure `EXE router`: the unicache command of another checkout's venv")
+    ap.add_argument("--event-loops", default="asyncio",
+                    help="comma-separated loops each in-process front door runs on (asyncio, uvloop): "
+                         "router_uvloop, bare_proxy_uvloop are the uvloop runs")
     ap.add_argument("--json")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
-    cmds = {name: ctx.Queue() for name in ("router", "bare_proxy")}  # each in-process front door's own
+    doors = [(name + ("" if loop == "asyncio" else f"_{loop}"), name == "bare_proxy", loop)
+             for loop in args.event_loops.split(",") for name in ["router"] + ["bare_proxy"] * args.bare]
+    cmds = {name: ctx.Queue() for name, _, _ in doors}  # each in-process front door's own
     prof_path = os.path.join(tempfile.mkdtemp(), "router.prof") if args.profile else None
     reps = ctx.Process(target=replicas_main, args=(args.replicas, ports, stop))
     reps.start()
@@ -262,9 +274,9 @@ def main() -> None:
     try:
         _, rep_ports, rep_pid = ports.get(timeout=60)
         spec = ",".join(f"r{i}=127.0.0.1:{p}" for i, p in enumerate(rep_ports))
-        for name in ["router"] + ["bare_proxy"] * args.bare:
+        for name, bare, loop in doors:
             prof = prof_path if name == "router" else None
-            proc = ctx.Process(target=router_main, args=(spec, prof, ports, cmds[name], stop, name == "bare_proxy"))
+            proc = ctx.Process(target=router_main, args=(spec, prof, ports, cmds[name], stop, bare, loop))
             proc.start()
             children.append(proc)
             _, port, pid = ports.get(timeout=60)
@@ -295,10 +307,10 @@ def main() -> None:
     for name, m in result["median"].items():
         print(f"median {name}: CPU {m['cpu_ms_per_request']} ms/req = {m['ratio_cpu_per_request']}x the replicas' CPU per "
               f"direct request; req/s {m['requests_per_s']} = {m['ratio_req_per_s']}x direct")
-    for ref in ("router_baseline", "bare_proxy"):
-        if ref in front:
-            print(f"median per-round router CPU / {ref} CPU: {result['median']['router'][f'ratio_cpu_vs_{ref}']} "
-                  f"(rounds: {[r['router'][f'ratio_cpu_vs_{ref}'] for r in result['rounds']]})")
+    for name, ref in PAIRS:
+        if name in front and ref in front:
+            print(f"median per-round {name} CPU / {ref} CPU: {result['median'][name][f'ratio_cpu_vs_{ref}']} "
+                  f"(rounds: {[r[name][f'ratio_cpu_vs_{ref}'] for r in result['rounds']]})")
     if prof_path:
         print(profile_report(prof_path, args.top))
     if args.json:

@@ -8,6 +8,7 @@ Ports given as 0 are chosen by the OS and read back (``grpc_port``, ``http_port`
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import socket
 
@@ -32,7 +33,8 @@ from unicache.router.metrics import RouterMetrics
 from unicache.router.prober import QuarantineProber
 from unicache.router.replica_client import ReplicaClients
 from unicache.router.routing.base import RoutingPolicy
-from unicache.router.routing.registry import make_routing_policy
+from unicache.router.memory import TableCaps
+from unicache.router.routing.registry import ROUTING_POLICIES, make_routing_policy
 from unicache.router.service import RouterServicer
 from unicache.router.session_store import SessionStore
 from unicache.router.rejections import StateRejections
@@ -50,11 +52,19 @@ SERVICE_NAME = "unicache.v1.Router"
 FALLBACK_POLICY = "round_robin"
 
 
-def build_policy(name: str) -> RoutingPolicy:
-    """``make_routing_policy(name)``; the default ``cache_aware`` falls back to round robin
-    while it is not registered. Unknown names are a UsageError."""
+def build_policy(name: str, caps: TableCaps | None = None) -> RoutingPolicy:
+    """``make_routing_policy(name)``, its session tables capped by ``caps`` when it has
+    them; the default ``cache_aware`` falls back to round robin while it is not
+    registered. Unknown names are a UsageError."""
     try:
-        return make_routing_policy(name)
+        kwargs = {}
+        if caps is not None:
+            params = inspect.signature(ROUTING_POLICIES.get(name)).parameters
+            if "max_session_blocks" in params:
+                kwargs["max_session_blocks"] = caps.policy_session_blocks
+            if "max_sessions" in params:
+                kwargs["max_sessions"] = caps.classifier_sessions
+        return make_routing_policy(name, **kwargs)
     except ValueError as exc:
         if name == "cache_aware":
             log.warning("routing policy cache_aware not available; using %s", FALLBACK_POLICY)
@@ -83,7 +93,8 @@ class RouterApp:
 
     def __init__(self, config: RouterConfig, policy: RoutingPolicy | None = None, subscriber_kwargs: dict | None = None):
         self.config = config.resolve_secrets()
-        self.policy = policy or build_policy(config.routing_policy)
+        self.table_caps = TableCaps.for_budget(config.memory_budget_mib)
+        self.policy = policy or build_policy(config.routing_policy, self.table_caps)
         self.index = LocalityIndex(config.max_index_blocks)
         self.cluster = ClusterView(
             self.policy, self.index, quarantine_initial_s=config.quarantine_initial_s, quarantine_max_s=config.quarantine_max_s
@@ -138,7 +149,11 @@ class RouterApp:
             self.cluster,
             self.auth,
             tokenizer,
-            RequestClassifier(),
+            RequestClassifier(
+                max_prompts=self.table_caps.classifier_prompts,
+                max_sessions=self.table_caps.classifier_sessions,
+                max_blocks=self.table_caps.classifier_blocks,
+            ),
             self.clients,
             self.metrics,
             block_size=config.block_size,

@@ -96,6 +96,9 @@ class RouterConfig:
         default="", metadata={"help": "tokenizer.json path, or 'byte'; empty: the checkpoint's tokenizer.json, else bytes (as the replicas)"}
     )
     checkpoint: str = field(default="", metadata={"help": "the replicas' checkpoint dir (only its tokenizer.json is read)"})
+    memory_budget_mib: int = field(
+        default=256, metadata={"help": "RSS budget of one router process: the classifier's and the policy's tables are capped to fit it (router/memory.py)"}
+    )
     max_index_blocks: int = field(default=2_000_000, metadata={"help": "locality index bound per replica"})
     max_in_flight: int = field(default=4096, metadata={"help": "requests in flight before answering 429"})
     max_request_bytes: int = field(
@@ -107,8 +110,8 @@ class RouterConfig:
     http_max_connections: int = field(default=4096, metadata={"help": "HTTP: open connections beyond which new ones get 503"})
     http_parser: str = field(default="auto", metadata={"help": "HTTP parser: auto (httptools if installed), httptools, h11"})
     event_loop: str = field(
-        default="asyncio",
-        metadata={"help": "`unicache router` event loop: asyncio, or uvloop (less CPU per request, but grpc.aio does not shut down on it: SIGTERM hangs)"},
+        default="auto",
+        metadata={"help": "`unicache router` event loop: auto (uvloop when installed: less CPU per request, bench.router_profile), uvloop, asyncio"},
     )
     tenant_max_concurrent: int = field(default=1024, metadata={"help": "requests one tenant may have in flight (429 beyond; 0: no limit)"})
     tenant_max_prompt_tokens: int = field(default=32768, metadata={"help": "prompt tokens per request (400 beyond; 0: no limit)"})
@@ -201,6 +204,8 @@ def build_config(
     cfg = settings.build(RouterConfig, args, env, overrides, secrets=SECRET_FIELDS).resolve_secrets()
     if cfg.block_size <= 0:
         raise UsageError("block_size must be positive")
+    if cfg.memory_budget_mib < 64:
+        raise UsageError(f"memory_budget_mib must be >= 64, got {cfg.memory_budget_mib}")
     if cfg.workers < 1:
         raise UsageError(f"workers must be >= 1, got {cfg.workers}")
     if cfg.workers > 1 and (cfg.grpc_port == 0 or cfg.http_port == 0):

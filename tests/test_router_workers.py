@@ -23,6 +23,7 @@ import pytest
 
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
+from unicache.testing.procfs import child_pids
 from unicache.testing.signed_state import CLUSTER_KEY
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -37,22 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    """Worker processes of supervisor ``pid`` (multiprocessing's resource tracker left out)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if ppid == pid and b"resource_tracker" not in cmd:
-            out.append(int(d.name))
-    return sorted(out)
 
 
 def tcp_sockets() -> dict[int, tuple[int, str]]:
@@ -123,7 +108,7 @@ async def test_two_workers_share_both_ports_and_keep_sessions_together(redis_ser
     )
     try:
         await wait_http(hport, proc)
-        workers = children(proc.pid)
+        workers = child_pids(proc.pid)
         assert len(workers) == 2, workers
 
         def listening(pid: int) -> set[int]:

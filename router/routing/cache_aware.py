@@ -82,8 +82,9 @@ token hits keyed on the last block, 47.9 without homes, 48.3 keyed on the first 
 Where every template shares a first block (a common system prompt), raise it.
 
 Invariants:
-    * Router-side state is bounded: at most ``max_sessions`` sessions and
-      ``max_inflight`` tracked requests (oldest dropped first).
+    * Router-side state is bounded: at most ``max_sessions`` sessions holding at most
+      ``max_session_blocks`` hashes in all (``session_blocks``), and ``max_inflight``
+      tracked requests (oldest dropped first).
     * ``_footprint[r]`` is the decayed sum, over the remembered sessions whose latest
       turn went to r, of that turn's prompt blocks (a forgotten session's share is
       taken out; it never goes below 0).
@@ -184,6 +185,9 @@ class CacheAwarePolicy(RoutingPolicy):
             key that stays put while the template's known extent grows; 0: the template's
             last block).
         max_sessions / max_inflight: bounds on router-side state.
+        max_session_blocks: bound on the prompt hashes the remembered sessions hold in all
+            (default 4,000,000; the router derives it from its memory budget,
+            ``unicache.router.memory``).
     """
 
     def __init__(
@@ -207,6 +211,7 @@ class CacheAwarePolicy(RoutingPolicy):
         template_key_blocks: int = 1,
         max_sessions: int = 100_000,
         max_inflight: int = 100_000,
+        max_session_blocks: int = 4_000_000,
     ):
         if churn_window <= 0 or footprint_window <= 0:
             raise ValueError("churn_window and footprint_window must be positive")
@@ -230,6 +235,8 @@ class CacheAwarePolicy(RoutingPolicy):
         self.balance_slack = balance_slack
         self.max_sessions = max_sessions
         self.max_inflight = max_inflight
+        self.max_session_blocks = max_session_blocks
+        self.session_blocks = 0  # hashes held by the remembered sessions
         self.ring = HashRing(virtual_nodes)
         self.template_key_blocks = template_key_blocks
         self._decay = 1.0 - 1.0 / churn_window
@@ -386,16 +393,12 @@ class CacheAwarePolicy(RoutingPolicy):
             fp[r] *= fdecay
         if cls.session_id is not None:
             key = session_key(cls.tenant, cls.session_id)
-            sessions = self._sessions
-            prev = sessions.pop(key, None)
+            prev = self._sessions.pop(key, None)
             confirmed = False
             if prev is not None:
-                self._drop_footprint(prev)
+                self._forget_session(prev)
                 confirmed = prev.confirmed and prev.replica_id == rid
-            sessions[key] = _Session(rid, request.block_hashes, self._routed, confirmed)
-            fp[rid] = fp.get(rid, 0.0) + len(request.block_hashes)
-            while len(sessions) > self.max_sessions:
-                self._drop_footprint(sessions.popitem(last=False)[1])
+            self._remember_session(key, _Session(rid, request.block_hashes, self._routed, confirmed))
         inflow = self._inflow
         decay = self._decay
         for r in inflow:
@@ -428,12 +431,24 @@ class CacheAwarePolicy(RoutingPolicy):
             if (prev.replica_id, prev.hashes, prev.confirmed) == (record.replica_id, record.hashes, record.confirmed):
                 sessions[key] = prev  # this router wrote it: keep its age
                 return
-            self._drop_footprint(prev)
-        sessions[key] = _Session(record.replica_id, record.hashes, self._routed, record.confirmed)
+            self._forget_session(prev)
+        self._remember_session(key, _Session(record.replica_id, record.hashes, self._routed, record.confirmed))
+
+    def _remember_session(self, key: str, s: _Session) -> None:
+        """Store ``s`` as session ``key``'s latest turn (not present), add its footprint,
+        and drop the oldest sessions while over a bound."""
+        sessions = self._sessions
+        sessions[key] = s
+        self.session_blocks += len(s.hashes)
         fp = self._footprint
-        fp[record.replica_id] = fp.get(record.replica_id, 0.0) + len(record.hashes)
-        while len(sessions) > self.max_sessions:
-            self._drop_footprint(sessions.popitem(last=False)[1])
+        fp[s.replica_id] = fp.get(s.replica_id, 0.0) + len(s.hashes)
+        while len(sessions) > self.max_sessions or (self.session_blocks > self.max_session_blocks and len(sessions) > 1):
+            self._forget_session(sessions.popitem(last=False)[1])
+
+    def _forget_session(self, s: _Session) -> None:
+        """Account for ``s`` having left ``_sessions``."""
+        self._drop_footprint(s)
+        self.session_blocks -= len(s.hashes)
 
     def _release(self, request_id: str) -> None:
         fl = self._inflight.pop(request_id, None)
@@ -465,4 +480,4 @@ class CacheAwarePolicy(RoutingPolicy):
         for rid in [k for k, f in self._inflight.items() if f.replica_id == replica_id]:
             del self._inflight[rid]
         for key in [k for k, s in self._sessions.items() if s.replica_id == replica_id]:
-            del self._sessions[key]
+            self._forget_session(self._sessions.pop(key))
