@@ -36,6 +36,7 @@ VARIANTS: dict[str, dict] = {
     "- hit-count lanes": {"freq_lanes": False},
     "- last-prompt-block lane": {"tail_lane": False},
     "- novel-prefix lane": {"novel_lane": False},
+    "novel lane weighed (not emptied first)": {"novel_first": False},
     "+ ghost re-cache counts as a hit": {"ghost_uses": True},
     "- online gap fit (priors)": {"online_fit": False},
     "gaps arrival to arrival (not from release)": {"gap_from_release": False},

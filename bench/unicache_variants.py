@@ -142,6 +142,7 @@ class AblationUniCache(UniCachePolicy):
         session_queues / split_agent / structural: route session blocks to the session
             queues / agent sessions apart from chat / template prefixes to structural.
         turn_lanes / freq_lanes / tail_lane / novel_lane: the lane splits (lanes.py).
+        novel_first: empty the novel lane first (off: it competes on its score).
         ghost_uses: a block cached again from a ghost starts at one hit (its re-cache
             was a reuse), so it joins a hit-count lane above the fresh blocks'.
         online_fit: fit the session gaps online (off: the paper's priors).
@@ -161,7 +162,7 @@ class AblationUniCache(UniCachePolicy):
                  online_fit: bool = True, gap_from_release: bool = True, weighting: str = "reuse",
                  horizon_scoring: bool = True, structural_rate: bool = True, strict_evict_first: bool = False,
                  efficiency_kwargs: dict | None = None, ghost_uses: bool = False, novel_lane: bool = True,
-                 **kwargs):
+                 novel_first: bool = True, **kwargs):
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}")
         self._placement_flags = (session_queues, split_agent, structural, turn_lanes, freq_lanes, tail_lane,
@@ -170,7 +171,7 @@ class AblationUniCache(UniCachePolicy):
         self.horizon_on = horizon_scoring and weighting != "efficiency"
         self.structural_rate, self.strict_evict_first = structural_rate, strict_evict_first
         self._efficiency_kwargs = efficiency_kwargs or {}
-        self.ghost_uses = ghost_uses
+        self.ghost_uses, self.novel_first = ghost_uses, novel_first
         super().__init__(**kwargs)
 
     def on_cached(self, block_id, block_hash, parent_id, now) -> None:
@@ -215,6 +216,8 @@ class AblationUniCache(UniCachePolicy):
         return p * fit.survival(age)
 
     def _choose(self, scores: list[float]) -> int:
+        if not self.novel_first:
+            return scores.index(min(scores))  # the novel lane competes on its score
         if self.strict_evict_first and self._sizes[EVICT_FIRST]:
             # The lowest-scored of the evict-first lanes (any of them, not only lane 0).
             first = EVICT_FIRST * NUM_LANES

@@ -326,16 +326,15 @@ def _mixed_history(p):
     [
         # From a cold start evict-first (0-3, and 11: the template's suffix) weighs 0.1
         # against 0.5 elsewhere, so it goes first; then the structural blocks 10, 9.
-        # 11 was cached from the root and never hit (a novel prefix): alone in the novel
-        # lane, its head is the youngest evict-first block, 3 s old, scored below the
-        # 6 s old head of lane 0 (the chat fit's hazard still rises at those ages).
+        # 11 was cached from the root and never hit (a novel prefix): the novel lane is
+        # emptied first, whatever the weights.
         ({"gap_from_release": False}, [11, 3, 1, 0, 2, 10, 9, 4, 12, 6, 13, 7, 8]),
         ({"gap_from_release": False, "novel_lane": False}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
         # Strict evict-first: every evict-first block (0-3 and 11, the template's
         # suffix) before the rest, the tail-lane block 2 and the novel block 11 included.
         ({"gap_from_release": False, "strict_evict_first": True}, [11, 3, 1, 0, 2, 10, 9, 4, 12, 6, 13, 7, 8]),
-        ({"gap_from_release": False, "weighting": "efficiency"}, [10, 9, 7, 8, 3, 1, 0, 2, 4, 6, 11, 12, 13]),
-        ({}, [3, 1, 0, 2, 11, 10, 9, 4, 12, 6, 13, 7, 8]),
+        ({"gap_from_release": False, "weighting": "efficiency"}, [11, 10, 9, 7, 8, 3, 1, 0, 2, 4, 6, 12, 13]),
+        ({}, [11, 3, 1, 0, 2, 10, 9, 4, 12, 6, 13, 7, 8]),
     ],
 )
 def test_pop_victims_is_pop_victim_n_times(kw, order):
@@ -369,7 +368,8 @@ def test_lane_scores_are_the_horizon_formula_over_lognormal_survival():
             s = fit.survival(a)
             want[lane] = alpha * (s - fit.survival(a + tau)) / (1.0 - alpha + alpha * s + 1e-12)
     assert p._scores == want  # exactly: the written-out arithmetic is survival()'s
-    assert victim == [3]  # evict-first (prior 0.1) first
+    assert victim == [11]  # the novel lane first, whatever its score
+    assert p.pop_victims(1) == [3]  # then the lowest score: evict-first (prior 0.1)
 
 
 def test_strict_evict_first_drains_every_evict_first_lane_before_sessions():
@@ -433,14 +433,14 @@ def test_novel_prefix_blocks_are_chains_from_the_root_never_hit_never_ghosts():
 
 def test_one_off_prompts_leave_before_older_blocks_of_a_shared_prefix():
     # Requests share the head block 0 and each adds a block under it (1, then 2); later
-    # one-off prompts (10 <- 11, then 12) share nothing. Their lane's measured reuse is
-    # 1.1 / 5 (block 0's hit while it was novel) against lane 0's 1.1 / 3, so the
-    # one-off blocks go first although blocks 1 and 2 are older; in one lane (the
-    # ablation without it) age decides and the older shared-prefix block 2 goes first.
-    # Block 0 (hit twice) goes first either way: its lane has no evidence yet beyond
-    # evict-first's prior (0.1 / 2).
-    def run(novel_lane):
-        p = plain(weighting="reuse", update_every=1, novel_lane=novel_lane)
+    # one-off prompts (10 <- 11, then 12) share nothing. The novel lane is emptied first:
+    # the one-off blocks go before the older shared-prefix ones. Weighed instead (an
+    # ablation), its measured reuse 1.1 / 5 (block 0's hit while it was novel) against
+    # lane 0's 1.1 / 3 still puts them before blocks 1 and 2 but after block 0, whose
+    # lane (hit twice) has no evidence yet beyond evict-first's prior (0.1 / 2); in one
+    # lane (the ablation without it) age decides: the older block 2 goes before them.
+    def run(novel_lane, novel_first=True):
+        p = plain(weighting="reuse", update_every=1, novel_lane=novel_lane, novel_first=novel_first)
         _cache(p, 0, -1, 0.0)
         release(p, [0], SINGLE, 0.0)
         p.on_access(0, SINGLE, 1.0)
@@ -461,5 +461,6 @@ def test_one_off_prompts_leave_before_older_blocks_of_a_shared_prefix():
     p, order = run(True)
     assert p.alpha[EVICT_FIRST * NUM_LANES + NOVEL_LANE] == pytest.approx(1.1 / 5.0)
     assert p.alpha[EVICT_FIRST * NUM_LANES] == pytest.approx(1.1 / 3.0)
-    assert order == [0, 11, 10, 12, 2, 1]
+    assert order == [11, 10, 12, 0, 2, 1]
+    assert run(True, novel_first=False)[1] == [0, 11, 10, 12, 2, 1]
     assert run(False)[1] == [0, 2, 11, 10, 12, 1]

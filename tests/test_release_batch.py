@@ -74,6 +74,8 @@ VARIANTS = {
     "variant-arrival-gaps-one-session": dict(gap_from_release=False, max_sessions=1),
     "variant-strict-no-sessions": dict(strict_evict_first=True, session_queues=False),
     "variant-efficiency": dict(weighting="efficiency", update_every=1),
+    "variant-novel-weighed-ghost-uses": dict(novel_first=False, ghost_uses=True, update_every=2),
+    "variant-no-novel-lane": dict(novel_lane=False),
 }
 
 

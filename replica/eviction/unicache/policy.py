@@ -6,7 +6,10 @@ its key: the block's last use, or for structural lanes its effective time
 (``scoring.StructuralRate``); ties go by release order, so a request's tail leaves before
 its head, as in vLLM. ``pop_victim`` scores each lane's head and evicts the lowest,
 victim = argmin alpha_lane * s: alpha from ``weights.ReuseWeights``, s from
-``scoring`` with the session-gap fits of ``gaps.SessionGaps``.
+``scoring`` with the session-gap fits of ``gaps.SessionGaps``. The one exception is the
+novel lane, emptied first (the paper's evict-first rule, for the blocks that share
+nothing with the cache's contents or its ghosts): as in S3-FIFO and ARC, a block must
+be seen twice, the second time through the ghost list, to compete on its reuse estimate.
 
 Invariants:
     * A block is a candidate iff it is in ``_live``; it then has exactly one live heap
@@ -40,6 +43,7 @@ from unicache.replica.eviction.unicache.lanes import (
     ALL_LANES,
     EVICT_FIRST,
     LANE_QUEUE,
+    NOVEL_LANE,
     NUM_LANES,
     NUM_QUEUES,
     QUEUE_NAMES,
@@ -54,6 +58,7 @@ from unicache.replica.eviction.unicache.weights import ReuseWeights
 # key is the release time except in structural lanes (an effective time, scoring.py), so
 # a victim's residence is measured from the release time, never from the key.
 _Entry = tuple[float, int, int, int, float]
+_NOVEL = EVICT_FIRST * NUM_LANES + NOVEL_LANE
 
 
 @register_policy("unicache")
@@ -301,7 +306,10 @@ class UniCachePolicy(EvictionPolicy):
         return horizon_score(p, self.gaps.fit(q), age, self.residence.tau)
 
     def _choose(self, scores: list[float]) -> int:
-        """The lane to evict from: the first lowest score."""
+        """The lane to evict from: the novel lane while it holds a candidate, else the
+        first lowest score."""
+        if self._lane_sizes[_NOVEL]:
+            return _NOVEL
         # NOTE: list.index(min(...)) does the comparisons in C.
         return scores.index(min(scores))
 
