@@ -9,7 +9,7 @@ prompt so none is a cache hit. Reports p50/p99 per path and the router's added l
 (router minus direct) at p50 and p99, and the ratio to the direct call.
 
 Run: .venv/bin/python -m bench.router_overhead [--requests 200] [--prompt-tokens 256]
-     [--max-tokens 1] [--with-redis] [--json OUT]
+     [--max-tokens 1] [--with-redis] [--event-loop asyncio|uvloop] [--json OUT]
 """
 
 from __future__ import annotations
@@ -144,9 +144,14 @@ def main() -> None:
     ap.add_argument("--policy", default="cache_aware")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--with-redis", action="store_true")
+    ap.add_argument("--event-loop", default="asyncio", help="asyncio or uvloop (client and router share the loop)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    out = asyncio.run(run(args))
+    from unicache.router.http_server import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+        out = runner.run(run(args))
+    out["event_loop"] = args.event_loop
     print(f"{'path':<12} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'p50/direct':>10}")
     for name, r in out["paths"].items():
         print(f"{name:<12} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['added_p50_ms']:>10.2f} {r['added_p99_ms']:>10.2f} {r['ratio_p50_vs_direct']:>10.2f}")

@@ -147,14 +147,15 @@ def markdown(r: dict) -> str:
     lines = [
         f"Soak of {c['requests']:,} requests through classify + route + bookkeeping (in process, policy {c['policy']}, "
         f"{c['replicas']} replicas, seed {c['seed']}): peak RSS **{r['peak_rss_mib']} MiB**, budget {c['budget_mib']} MiB.",
-        "", "| table | entries at the end | cap (entries) | bytes per entry | cap MiB |", "|---|---|---|---|---|",
+        "", "| table | entries at the end | cap (entries) | bytes per entry (measured) | cap MiB (at router/memory.py's bound per entry) |",
+        "|---|---|---|---|---|",
     ]
     end = r["samples"][-1]["tables"]
     for name, cap in r["caps"].items():
         lines.append(f"| {name} | {end.get(name, 0):,} | {cap['entries']:,} | {cap['bytes_per_entry']} | {cap['mib']:.1f} |")
     lines.append(f"| index (per replica cap: max_index_blocks) | {end.get('index', 0):,} | {c['max_index_blocks']:,} x "
                  f"{c['replicas']} | {r['index_bytes_per_entry']} | "
-                 f"{c['max_index_blocks'] * c['replicas'] * r['index_bytes_per_entry'] / 2**20:.1f} |")
+                 f"{c['max_index_blocks'] * c['replicas'] * r['index_bytes_per_entry'] / 2**20:.1f} (measured) |")
     lines += ["", "| requests | RSS MiB |", "|---|---|"]
     step = max(1, len(r["samples"]) // 10)
     for s in r["samples"][::step] + ([r["samples"][-1]] if (len(r["samples"]) - 1) % step else []):

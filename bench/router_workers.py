@@ -15,7 +15,7 @@ rounds of the per-round ratio req/s(N) / req/s(1). On a shared 2-core machine th
 the replicas and the workers compete for the same cores, so that ratio is the machine's,
 not the router's alone.
 
-    .venv/bin/python -m bench.router_workers [--workers 1,2] [--requests 2000] [--rounds 5]
+    .venv/bin/python -m bench.router_workers [--workers 1,2] [--requests 1000] [--rounds 5]
         [--channels 16] [--max-tokens 8] [--json OUT]
 """
 
@@ -110,7 +110,7 @@ async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", default="1,2", help="comma-separated worker counts (the first is the ratio's base)")
-    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=8)
