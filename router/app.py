@@ -143,7 +143,8 @@ class RouterApp:
         self.sessions: SessionStore | None = None
         if self.subscriber is not None and config.shared_sessions:
             self.sessions = SessionStore(
-                self.subscriber.redis, config.redis_prefix, cluster_key, timeout_s=config.session_timeout_s, ttl_s=config.session_ttl_s
+                self.subscriber.redis, config.redis_prefix, cluster_key, timeout_s=config.session_timeout_s,
+                ttl_s=config.session_ttl_s, counter=self.metrics.session_store,
             )
         self.core = RouterCore(
             self.cluster,

@@ -28,6 +28,12 @@ class RouterMetrics:
             "unicache_router_routing_decisions", "Routing decisions by reason and replica", ["reason", "replica"], registry=r
         )
         self.retries = Counter("unicache_router_retries", "Attempts retried on another replica before a first token", registry=r)
+        self.session_store = Counter(
+            "unicache_router_session_store",
+            "Shared session store calls (router/session_store.py) by op (load, save) and outcome (hit, miss, saved, error, rejected)",
+            ["op", "outcome"],
+            registry=r,
+        )
         self.first_token_timeouts = Counter(
             "unicache_router_first_token_timeouts",
             "Attempts cancelled because the replica sent nothing within its derived first-token timeout",

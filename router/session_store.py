@@ -56,10 +56,12 @@ class SessionStore:
             request path, and a miss only costs the policy's own memory for one turn).
         ttl_s: a session's record expires this long after its latest turn (1 h).
         max_blocks: hashes kept per record (default 4096 = 64 KiB).
+        counter: a Prometheus counter labelled (op, outcome) to count calls in (the
+            router's ``unicache_router_session_store``; None: the attributes only).
     """
 
     def __init__(self, redis, prefix: str, cluster_key: bytes, timeout_s: float = 0.05, ttl_s: float = DEFAULT_TTL_S,
-                 max_blocks: int = 4096):
+                 max_blocks: int = 4096, counter=None):
         if timeout_s <= 0 or ttl_s <= 0 or max_blocks <= 0:
             raise ValueError("timeout_s, ttl_s and max_blocks must be positive")
         self.redis = redis
@@ -70,6 +72,15 @@ class SessionStore:
         self.ttl_ms = int(ttl_s * 1000)
         self.max_blocks = max_blocks
         self.loads = self.hits = self.saves = self.errors = self.rejected = 0
+        self._counter = counter
+        self._children: dict[tuple[str, str], object] = {}
+
+    def _count(self, op: str, outcome: str) -> None:
+        if self._counter is not None:
+            child = self._children.get((op, outcome))
+            if child is None:
+                child = self._children[(op, outcome)] = self._counter.labels(op, outcome)
+            child.inc()
 
     def digest(self, key: str) -> bytes:
         """The 16-byte keyed digest naming session ``key`` in Redis."""
@@ -85,19 +96,24 @@ class SessionStore:
                 raw = await self.redis.get(self.keys.session(digest.hex()))
         except Exception as exc:  # noqa: BLE001 - any failure degrades to local memory
             self.errors += 1
+            self._count("load", "error")
             log.debug("session load failed: %s", type(exc).__name__)
             return None
         if raw is None:
+            self._count("load", "miss")
             return None
         try:
             msg = router_pb2.SessionPlacement.FromString(self.signer.open(KIND, raw))
         except (StateAuthError, ValueError):
             self.rejected += 1
+            self._count("load", "rejected")
             return None
         if msg.session != digest or not msg.replica_id or len(msg.hashes) % HASH_BYTES:
             self.rejected += 1
+            self._count("load", "rejected")
             return None
         self.hits += 1
+        self._count("load", "hit")
         h = msg.hashes
         hashes = [BlockHash(h[i : i + HASH_BYTES]) for i in range(0, len(h), HASH_BYTES)]
         return SessionRecord(msg.replica_id, hashes, msg.confirmed)
@@ -123,7 +139,9 @@ class SessionStore:
                 await self.redis.set(rkey, value, px=self.ttl_ms)
         except Exception as exc:  # noqa: BLE001
             self.errors += 1
+            self._count("save", "error")
             log.debug("session save failed: %s", type(exc).__name__)
             return False
         self.saves += 1
+        self._count("save", "saved")
         return True

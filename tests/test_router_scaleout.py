@@ -55,12 +55,14 @@ async def replicas():
             await f.stop()
 
 
-async def alternate(redis_url: str, spec: str, shared: bool) -> dict[int, list[tuple[str, str]]]:
+async def alternate(redis_url: str, spec: str, shared: bool, keep: list | None = None) -> dict[int, list[tuple[str, str]]]:
     """(replica, reason) of every turn of every session, turn t of session s sent through
     router (s + t) % 2; turn 1 of every session, then turn 2 of every session, ..., each
     turn's sessions in a shuffled order (fixed seeds) so the two routers see different
-    histories."""
+    histories. ``keep`` receives the (stopped) routers."""
     routers = [await start_router(redis_url, spec, shared) for _ in range(2)]
+    if keep is not None:
+        keep.extend(routers)
     try:
         await eventually(lambda: all(r.cluster.redis_connected for r in routers), "both routers on Redis")
         clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{r.http_port}", timeout=30) for r in routers]
@@ -91,6 +93,26 @@ async def test_session_turns_through_two_routers_land_on_one_replica(redis_serve
         home = turns[0][0]
         assert turns[1:] == [(home, "session_sticky")] * (TURNS - 1), (s, turns)
     assert {t[0][0] for t in seen.values()} == {"r0", "r1"}  # placement still spreads sessions
+
+
+async def test_both_routers_count_their_store_calls(redis_server, replicas):
+    """Every turn is one load and one save on the router that took it: a miss for each
+    session's first turn, a hit for every later one, a save for each."""
+    import prometheus_client
+
+    routers: list = []
+    seen = await alternate(redis_server.url, replicas, shared=True, keep=routers)
+    assert len(seen) == SESSIONS
+    totals: dict[tuple[str, str], float] = {}
+    for r in routers:
+        text = prometheus_client.generate_latest(r.metrics.registry).decode()
+        for line in text.splitlines():
+            if line.startswith("unicache_router_session_store_total{"):
+                labels, value = line[len("unicache_router_session_store_total{"):].split("} ")
+                d = dict(kv.split("=") for kv in labels.split(","))
+                key = (d["op"].strip('"'), d["outcome"].strip('"'))
+                totals[key] = totals.get(key, 0) + float(value)
+    assert totals == {("load", "miss"): SESSIONS, ("load", "hit"): SESSIONS * (TURNS - 1), ("save", "saved"): SESSIONS * TURNS}
 
 
 async def test_without_shared_sessions_the_same_traffic_splits_sessions(redis_server, replicas):
