@@ -167,3 +167,29 @@ def test_host_hits_stop_where_the_request_needs_no_more_blocks():
     assert (alloc.num_hit_blocks, alloc.num_host_hit_blocks) == (1, 1)
     assert store.match_tiers(ha) == (1, 1)
     store.check_invariants()
+
+
+class RecordingLRU(type(make_policy("lru"))):
+    """lru that records the parent id each demoted block joins with."""
+
+    def __init__(self):
+        super().__init__()
+        self.parents: list[tuple[int, int]] = []
+
+    def on_cached(self, block_id, block_hash, parent_id, now):
+        self.parents.append((block_id, parent_id))
+
+
+def test_a_demoted_block_names_its_parent_in_the_host_policy_terms():
+    """Parent in the host tier: its slot; parent cached on the GPU: ``outside_parent``
+    (not the root); a first block: -1."""
+    host = HostTier(4, RecordingLRU())
+    store = KVStore(3, BS, make_policy("lru"), host=host)
+    admit(store, "a", toks(1, 2, 3), 0.0)
+    store.free("a", 1.0)  # candidates tail first: blocks 2, 1, 0
+    admit(store, "x", toks(9), 1.0)  # demotes a's block 2 (parent block 1 still on the GPU)
+    store.free("x", 2.0)
+    admit(store, "y", toks(8, 7), 2.0)  # demotes a's block 1 (parent block 0 on the GPU) and 0
+    assert host.outside_parent == 4
+    assert host.policy.parents == [(0, 4), (1, 4), (2, -1)]
+    store.check_invariants()

@@ -9,7 +9,12 @@ Host blocks are never referenced by a request (the forward pass reads only the G
 so every cached slot is an eviction candidate of ``policy``; the policy sees a demoted
 block as ``on_cached`` then ``on_release`` with the ``ReleaseInfo`` of its last GPU
 release (class, position, release time), so a class-aware policy orders the host tier by
-the same classes as the GPU tier.
+the same classes as the GPU tier. Its ``parent_id`` is the parent's slot when the parent
+is in this tier, ``-1`` when the block has no cached parent anywhere (as the GPU tier
+passes it), and ``outside_parent`` (``num_blocks``, an id no slot has) when the parent is
+cached on the GPU: a parent the policy never holds, not the root. (With -1 there, every
+demoted tail looked like the start of a prefix nothing shares, which ``unicache``'s
+novel lane evicts first.)
 
 Invariants (``check_invariants``):
     * every slot is exactly one of: free (in ``_free``), cached (``_cached[h].slot``, a
@@ -59,6 +64,7 @@ class HostTier:
         self._by_slot: dict[int, HostBlock] = {}
         self._pinned: set[int] = set()
         self.stats = HostStats()
+        self.outside_parent = num_blocks
 
     # ---------------------------------------------------------------- queries
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -89,11 +95,13 @@ class HostTier:
 
     # ---------------------------------------------------------------- changes
     def put(
-        self, block_hash: BlockHash, parent_hash: BlockHash | None, info: ReleaseInfo, now: float
+        self, block_hash: BlockHash, parent_hash: BlockHash | None, info: ReleaseInfo, now: float,
+        parent_on_gpu: bool = False,
     ) -> tuple[int | None, BlockHash | None]:
         """Store a demoted block. Returns ``(slot, evicted_hash)``: the slot it now holds
         (None: every slot pinned, the block is dropped) and the hash this tier evicted to
-        make room (None if a slot was free)."""
+        make room (None if a slot was free). ``parent_on_gpu``: the parent is cached in the
+        GPU tier (see the module docstring)."""
         assert block_hash not in self._cached, "a hash is in one tier at most"
         evicted = None
         if self._free:
@@ -112,7 +120,11 @@ class HostTier:
         self._cached[block_hash] = block
         self._by_slot[slot] = block
         parent = self._cached.get(parent_hash) if parent_hash is not None else None
-        self.policy.on_cached(slot, block_hash, parent.slot if parent is not None else -1, now)
+        if parent is not None:
+            parent_id = parent.slot
+        else:
+            parent_id = self.outside_parent if parent_on_gpu else -1
+        self.policy.on_cached(slot, block_hash, parent_id, now)
         self.policy.on_release(slot, info)
         self.stats.demotions += 1
         return slot, evicted

@@ -329,7 +329,8 @@ class KVStore:
         """Store victim ``block``'s hash ``h`` (already uncached) in the host tier."""
         assert self.host is not None
         info = block.release or ReleaseInfo(RequestClass(), 0, 1, False, now)
-        slot, evicted = self.host.put(h, block.parent_hash, info, now)
+        parent = block.parent_hash
+        slot, evicted = self.host.put(h, parent, info, now, parent is not None and parent in self._cached)
         block.release = None
         if slot is None:
             return
