@@ -44,7 +44,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from unicache.block_hash import BlockHash
-from unicache.aio import cancel_and_wait
+from unicache.aio import cancel_and_wait, with_deadline
 from unicache.state_auth import StateSigner
 from unicache.redis_keys import (
     EVENT_FLUSH_INTERVAL_S,
@@ -319,7 +319,7 @@ class CachePublisher:
     async def _call(self, aw: Awaitable[T]) -> T | None:
         """Await one Redis call under the deadline; on any failure mark resync-needed."""
         try:
-            return await asyncio.wait_for(aw, self.op_timeout_s)
+            return await with_deadline(aw, self.op_timeout_s)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             self.stats.redis_errors += 1
             if not self.resync_needed:

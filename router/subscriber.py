@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from unicache.aio import with_deadline
 from unicache.router.cluster import ClusterView
 from unicache.router.rejections import StateRejections
 from unicache.block_hash import BlockHash
@@ -173,7 +174,7 @@ class RedisSubscriber:
         await self.redis.aclose()
 
     async def _call(self, coro, extra_s: float = 0.0):
-        return await asyncio.wait_for(coro, self.timeout_s + extra_s)
+        return await with_deadline(coro, self.timeout_s + extra_s)
 
     # --- the loop ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -186,6 +187,9 @@ class RedisSubscriber:
                 if not waited:
                     await asyncio.sleep(self.block_ms / 1000.0)
             except REDIS_ERRORS as exc:
+                if asyncio.current_task().cancelling():
+                    # Stopping: the connection broke while the call was being cancelled.
+                    raise asyncio.CancelledError from None
                 if self.cluster.redis_connected or not (self._ever_connected or self._warned_at_start):
                     # NOTE: the exception's type only (its text may quote connection details).
                     self._warned_at_start = True

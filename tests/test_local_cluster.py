@@ -115,3 +115,44 @@ def test_up_serves_then_sigterm_leaves_nothing_behind():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["starting", "serving"])
+def test_ctrl_c_to_the_whole_process_group_stops_quietly(moment):
+    """A terminal's Ctrl-C sends SIGINT to every process of the foreground group: Redis and
+    Ray's processes too, unless ``unicache up`` shields them (local_cluster.py). Sent while
+    Ray and the replicas start, or once serving: exit 0, no traceback, nothing left."""
+    tmpdir = Path(tempfile.mkdtemp(prefix="uc-test-", dir="/tmp"))
+    env = dict(os.environ, TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unicache.cli", "up", "--replicas", "1", "--grpc-port", "0", "--http-port", "0",
+         "--num-blocks", "256", "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        # "starting": Redis is up and Ray starting (the Ctrl-C is held until ray.init
+        # returns, then stops the start); "serving": after the endpoint listing.
+        marker = "started redis-server" if moment == "starting" else "Ctrl-C stops everything."
+        for line in proc.stdout:  # bounded by the test's timeout
+            lines.append(line.rstrip("\n"))
+            if marker in line:
+                break
+        assert proc.poll() is None, "\n".join(lines)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        out = "\n".join(lines) + "\n" + rest
+        assert proc.returncode == 0, out
+        assert "Traceback" not in out and "never retrieved" not in out, out
+        for _ in range(50):
+            if not _session_pids(proc.pid):
+                break
+            time.sleep(0.2)
+        assert _session_pids(proc.pid) == []
+        assert list(tmpdir.iterdir()) == [], [str(p) for p in tmpdir.rglob("*")][:20]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(tmpdir, ignore_errors=True)

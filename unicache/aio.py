@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout_s: float = 5.0) -> set[asyncio.Task]:
@@ -25,3 +28,15 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout_s: float = 5.0)
             break
         _, pending = await asyncio.wait(pending, timeout=min(0.1, remaining))
     return pending
+
+
+async def with_deadline(aw: Awaitable[T], timeout_s: float) -> T:
+    """``await aw`` within ``timeout_s`` (TimeoutError after), in the calling task.
+
+    NOTE: not ``asyncio.wait_for``, which on Python 3.11 runs ``aw`` as a task of its own:
+    cancelled at shutdown while its connection is being closed (Ctrl-C reaches Redis too),
+    that task ends with the connection error instead, nobody retrieves it, and asyncio
+    prints "Task exception was never retrieved" with a Redis traceback on the way out.
+    """
+    async with asyncio.timeout(timeout_s):
+        return await aw

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -125,6 +126,24 @@ def check_settings(cfg: ClusterSettings) -> None:
     replica_settings(cfg, cfg.redis_url).check()
 
 
+@contextlib.contextmanager
+def terminal_interrupt_deferred():
+    """Block SIGINT in this thread while the block runs: processes started inside (redis-server,
+    Ray's GCS and raylet, and through the raylet the replica workers) inherit the blocked
+    mask, so a terminal's Ctrl-C, which reaches the whole foreground process group, reaches
+    only ``unicache up``, which then stops them in order. A Ctrl-C pressed inside the block
+    is delivered when it ends.
+
+    NOTE: without it Ctrl-C killed Redis and Ray under the running router and replicas:
+    a Redis traceback on the way out, or a segfault of Ray's driver during start-up.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class LocalCluster:
     """Owns every process and temp dir of a local run. ``start`` then ``stop`` (idempotent)."""
 
@@ -166,7 +185,8 @@ class LocalCluster:
         cfg = self.cfg
         if not self.redis_url:
             self.redis = EmbeddedRedis(password=secrets.token_urlsafe(24))
-            self.redis.start()
+            with terminal_interrupt_deferred():
+                self.redis.start()
             self.redis_url = self.redis.plain_url
             self.redis_password = self.redis.password
             self.redis_password_file = self.redis.write_password_file(os.path.join(self._tmp, "redis.password"))
@@ -176,6 +196,17 @@ class LocalCluster:
         # NOTE: silences Ray's FutureWarning about CUDA_VISIBLE_DEVICES on CPU-only actors.
         os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
+        with terminal_interrupt_deferred():
+            self._init_ray(ray)
+            # NOTE: inside the block: a held Ctrl-C is raised as it ends, and stop_backends
+            # must then know Ray runs.
+            self._ray_started = True
+        base = replica_settings(cfg, self.redis_url, self.redis_password_file, self.cluster_key_file)
+        self.launcher = ReplicaLauncher(base, cfg.num_replicas, start_timeout_s=cfg.ready_timeout_s)
+        return [(r.replica_id, r.address, r.device) for r in self.launcher.start()]
+
+    def _init_ray(self, ray) -> None:
+        cfg = self.cfg
         ray.init(
             address="local",
             _node_ip_address="127.0.0.1",  # NOTE: keep Ray's own sockets on loopback
@@ -185,10 +216,6 @@ class LocalCluster:
             log_to_driver=False,
             _temp_dir=self._ray_temp_dir(),
         )
-        self._ray_started = True
-        base = replica_settings(cfg, self.redis_url, self.redis_password_file, self.cluster_key_file)
-        self.launcher = ReplicaLauncher(base, cfg.num_replicas, start_timeout_s=cfg.ready_timeout_s)
-        return [(r.replica_id, r.address, r.device) for r in self.launcher.start()]
 
     def router_config(self):
         """The router's settings for this cluster (its served model name included)."""
