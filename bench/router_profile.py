@@ -210,8 +210,9 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
             r["ratio_req_per_s"] = round(r["requests_per_s"] / d["requests_per_s"], 3)
             r["ratio_cpu_per_request"] = round(r["cpu_ms_per_request"] / d["cpu_ms_per_request"], 3)
             rnd[name] = r
-        for phase in rnd.values():
-            assert phase["ok"] == args.requests and not phase["malformed_answers"], phase
+        bad = {n: (p["ok"], p["errors"], p["malformed_answers"]) for n, p in rnd.items()
+               if p["ok"] != args.requests or p["malformed_answers"]}
+        assert not bad, f"phases with failed or malformed answers (ok, errors, malformed): {bad}"
         for name, ref in PAIRS:
             if name in rnd and ref in rnd:
                 rnd[name][f"ratio_cpu_vs_{ref}"] = round(rnd[name]["cpu_ms_per_request"] / rnd[ref]["cpu_ms_per_request"], 3)
