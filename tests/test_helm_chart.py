@@ -616,3 +616,11 @@ def test_checkov_skips_are_each_justified(checkov_report):
         assert len(c["check_result"].get("suppress_comment", "")) > 20, c["check_id"]
     # with digests given (gpu4), the digest check runs and passes instead of being skipped
     assert not any(c["check_id"] == "CKV_K8S_43" and "gpu4__" in c["file_path"] for c in skipped)
+
+
+def test_router_workers_value_reaches_the_command_line():
+    docs = documents(render({"router": {"workers": 3, "replicaCount": 4, "autoscaling": {"enabled": False}}}))
+    dep = one(docs, "Deployment", "router")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--workers") + 1] == "3"
+    assert dep["spec"]["replicas"] == 4
