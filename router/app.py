@@ -141,7 +141,10 @@ class RouterApp:
                 },
             )
         self.sessions: SessionStore | None = None
-        if self.subscriber is not None and config.shared_sessions:
+        # NOTE: only a policy that remembers sessions has anything to share; for the others
+        # (round robin, session_affinity's ring) the store would cost Redis calls for nothing.
+        keeps_sessions = type(self.policy).export_session is not RoutingPolicy.export_session
+        if self.subscriber is not None and config.shared_sessions and keeps_sessions:
             self.sessions = SessionStore(
                 self.subscriber.redis, config.redis_prefix, cluster_key, timeout_s=config.session_timeout_s,
                 ttl_s=config.session_ttl_s, counter=self.metrics.session_store,

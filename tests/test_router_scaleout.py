@@ -202,3 +202,16 @@ def test_cache_aware_import_makes_another_router_decide_as_the_first():
     assert b.choose(second, loads, EmptyView()) == RouteDecision("r1", "session_sticky", matched_blocks=1)
     b.import_session(key, record)  # the same record again (this router wrote it): nothing moves
     assert b._footprint["r1"] == 3.0
+
+
+async def test_no_store_for_a_policy_without_session_memory(redis_server):
+    cfg = build_config(
+        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
+        overrides={"redis_url": redis_server.url, "auth_enabled": False, "routing_policy": "round_robin"},
+    )
+    apps = [RouterApp(cfg)]
+    cfg.routing_policy = "cache_aware"
+    apps.append(RouterApp(cfg))
+    assert (apps[0].sessions, apps[1].sessions is not None) == (None, True)
+    for app in apps:
+        await app.subscriber.close()
