@@ -195,6 +195,9 @@ class LocalCluster:
             self.redis_password_file = write_private(os.path.join(self._tmp, "redis.password"), self.redis_password)
         # NOTE: silences Ray's FutureWarning about CUDA_VISIBLE_DEVICES on CPU-only actors.
         os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+        # NOTE: no dashboard, so no metrics agent: without this every Ray process logs that
+        # it cannot reach one. The replicas serve their own /metrics.
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
 
         with terminal_interrupt_deferred():
             self._init_ray(ray)
