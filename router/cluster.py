@@ -17,6 +17,10 @@ Invariants:
       are none.
     * ``removal_hooks`` run once per replica that leaves (``remove``), so per-replica
       state elsewhere (metric series, first-token estimates) goes with it.
+    * ``rec.load`` equals what the heartbeat and ``in_flight`` say (it is rebuilt when a
+      heartbeat arrives and its ``in_flight`` moves with the record's), and ``_order``
+      is the sorted replica ids: ``loads`` only filters, it builds nothing per replica
+      (1,024 replicas: building the snapshot per request cost about 1 ms of CPU).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class ReplicaRecord:
     last_message: float = 0.0  # time.monotonic() of its last message to this router (any stream)
     in_flight: int = 0
     routed: int = 0
+    load: ReplicaLoad | None = None  # what policies see: rebuilt per heartbeat, in_flight kept current
 
 
 class EmptyView(LocalityView):
@@ -92,6 +97,7 @@ class ClusterView:
         self._on_change = on_change
         self._empty = EmptyView()
         self.removal_hooks: list[Callable[[str], None]] = []
+        self._order: list[str] = []
 
     # --- membership -------------------------------------------------------------------
     def upsert(self, replica_id: str, address: str, heartbeat: cache_pb2.Heartbeat | None = None, static: bool = False) -> bool:
@@ -100,12 +106,15 @@ class ClusterView:
         new = rec is None
         if new:
             rec = self.replicas[replica_id] = ReplicaRecord(replica_id, address, static=static)
+            self._order = sorted(self.replicas)
         if address and address != rec.address:
             # NOTE: a new address is a new process (a restarted replica): the quarantine
             # earned by the old one's refusals does not apply to it.
             rec.address, rec.quarantined = address, False
-        if heartbeat is not None:
-            rec.heartbeat = heartbeat
+        if heartbeat is not None or rec.load is None:
+            if heartbeat is not None:
+                rec.heartbeat = heartbeat
+            rec.load = self._load(rec)
         if new:
             self.policy.update_replicas(sorted(self.replicas))
             if self._on_change:
@@ -116,6 +125,7 @@ class ClusterView:
         """The replica died (heartbeat expired): forget it everywhere."""
         if self.replicas.pop(replica_id, None) is None:
             return
+        self._order = sorted(self.replicas)
         self.index.drop_replica(replica_id)
         self.policy.on_replica_died(replica_id)
         self.policy.update_replicas(sorted(self.replicas))
@@ -131,18 +141,17 @@ class ClusterView:
 
     def loads(self, exclude: set[str] | frozenset[str] = frozenset(), quarantined: bool = False) -> list[ReplicaLoad]:
         """Loads of the healthy replicas not in ``exclude``, by id; ``quarantined``: of
-        the quarantined ones instead (the last resort when no healthy one is left)."""
-        out = []
-        for rid in sorted(self.replicas):
-            rec = self.replicas[rid]
-            if rid in exclude or rec.quarantined != quarantined:
-                continue
-            out.append(self._load(rec))
-        return out
+        the quarantined ones instead (the last resort when no healthy one is left).
+
+        NOTE: the records' own load objects, current as of now: read them during one
+        choice, never keep them (their ``in_flight`` moves with the router's)."""
+        replicas = self.replicas
+        return [rec.load for rid in self._order
+                if (rec := replicas[rid]).quarantined == quarantined and rid not in exclude]
 
     def all_loads(self) -> list[ReplicaLoad]:
         """Every replica's load, quarantined or not (for metrics and state pages)."""
-        return [self._load(self.replicas[rid]) for rid in sorted(self.replicas)]
+        return [self.replicas[rid].load for rid in self._order]
 
     @staticmethod
     def _load(rec: ReplicaRecord) -> ReplicaLoad:
@@ -201,12 +210,14 @@ class ClusterView:
         rec = self.replicas.get(replica_id)
         if rec is not None:
             rec.in_flight += 1
+            rec.load.in_flight = rec.in_flight
             rec.routed += 1
 
     def finished(self, replica_id: str) -> None:
         rec = self.replicas.get(replica_id)
         if rec is not None and rec.in_flight > 0:
             rec.in_flight -= 1
+            rec.load.in_flight = rec.in_flight
 
     def total_in_flight(self) -> int:
         return sum(r.in_flight for r in self.replicas.values())

@@ -1,0 +1,39 @@
+"""ClusterView.loads hands out each record's kept ReplicaLoad: it must say what the
+latest heartbeat and the router's in-flight count say, by replica id, every time."""
+
+from __future__ import annotations
+
+from unicache.router.cluster import ClusterView
+from unicache.router.index import LocalityIndex
+from unicache.router.routing.registry import make_routing_policy
+from unicache.v1 import cache_pb2, common_pb2
+
+
+def beat(rid: str, running: int, free: int) -> cache_pb2.Heartbeat:
+    return cache_pb2.Heartbeat(replica_id=rid, address="x", running=running, waiting=1, queued_prefill_tokens=7,
+                               cache=common_pb2.CacheState(replica_id=rid, capacity_blocks=100, free_blocks=free))
+
+
+def view(loads):
+    return [(l.replica_id, l.running, l.waiting, l.queued_prefill_tokens, l.free_blocks, l.in_flight) for l in loads]
+
+
+def test_loads_follow_heartbeats_in_flight_membership_and_quarantine():
+    cv = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
+    cv.upsert("b", "h:2", beat("b", 3, 50))
+    cv.upsert("a", "h:1")  # static, no heartbeat yet
+    assert view(cv.loads()) == [("a", 0, 0, 0, 0, 0), ("b", 3, 1, 7, 50, 0)]
+    cv.started("b")
+    cv.started("b")
+    cv.finished("b")
+    cv.upsert("a", "h:1", beat("a", 5, 20))
+    assert view(cv.loads()) == [("a", 5, 1, 7, 20, 0), ("b", 3, 1, 7, 50, 1)]
+    cv.upsert("b", "h:2", beat("b", 0, 90))  # a new beat keeps the router's own count
+    assert view(cv.loads({"a"})) == [("b", 0, 1, 7, 90, 1)]
+    cv.quarantine("a")
+    assert [l.replica_id for l in cv.loads()] == ["b"]
+    assert [l.replica_id for l in cv.loads(quarantined=True)] == ["a"]
+    cv.remove("b")
+    cv.upsert("c", "h:3", beat("c", 1, 10))
+    assert [l.replica_id for l in cv.all_loads()] == ["a", "c"]
+    assert [l.replica_id for l in cv.loads()] == ["c"]
