@@ -1,0 +1,358 @@
+"""A simulated fleet (issue 17): routing decision cost by fleet size, index bytes per
+(block, replica) entry, and Redis event bandwidth per replica.
+
+Decision cost. For each fleet size R (default 8, 64, 256, 1,024) a ``LocalityIndex`` holds
+``--blocks`` distinct block hashes (default 100,000): the request's 500-block prompt,
+whose first (i + 1) * 500 / 8 blocks replica i of the first 8 holds (long matches, the
+expensive case, and the same 8 holders at every R), plus filler chains of 50 blocks, each
+on ``--copies`` replicas (default 2) spread over the fleet. Every replica reports a load.
+Timed per decision: ``policy.choose`` plus the ``on_request_routed`` and
+``on_request_finished`` hooks the router calls, for requests without a session (the full
+cost path: no session-home shortcut). p50/p99 per policy and R, the ratio of each p50 to
+``round_robin``'s at the same R (measured in the same run), and the index work alone:
+``prefix_matches`` (the hash -> replicas walk) against ``match`` per replica.
+
+Memory. ``tracemalloc`` around building the index: bytes per (block, replica) entry.
+
+Event bandwidth. The simulator replays a trace (default: the Mooncake trace's first
+``--bw-requests`` requests at ``--bw-replicas`` replicas, cache_aware + unicache) and
+folds each replica's store events into one ``KVEventBatch`` per 50 ms of simulated time,
+exactly as the publisher does (``PendingBatch``), then seals it as Redis receives it.
+Reported: bytes per second per replica, with and without ``stored_parents`` (the cost of
+the parent hashes the index trims with).
+
+Run: .venv/bin/python -m bench.fleet_scale [--fleets 8,64,256,1024] [--iters 2000]
+     [--out-dir bench/results]   (writes fleet_scale.{json,md,png})
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.paths import RESULTS, mooncake_trace
+from bench.report_files import git_commit, save_figure, write_report
+from unicache.block_hash import BlockHash
+from unicache.redis_keys import EVENT_FLUSH_INTERVAL_S
+from unicache.request_class import RequestClass
+from unicache.router.index import LocalityIndex
+from unicache.router.routing.base import ReplicaLoad, RoutingRequest
+from unicache.router.routing.registry import make_routing_policy
+
+PROMPT_BLOCKS = 500
+HOLDERS = 8
+FILLER_CHAIN = 50
+BLOCK_SIZE = 16
+
+
+def _hashes(rng: random.Random, n: int) -> list[BlockHash]:
+    return [BlockHash(rng.randbytes(16)) for _ in range(n)]
+
+
+def _parents(chain: list[BlockHash]) -> list[BlockHash | None]:
+    return [None, *chain[:-1]]
+
+
+def build_index(replicas: int, blocks: int, copies: int, seed: int = 0):
+    """The index of the module docstring; returns (prompt, index, loads, entries)."""
+    rng = random.Random(seed)
+    prompt = _hashes(rng, PROMPT_BLOCKS)
+    index = LocalityIndex()
+    rids = [f"replica-{i}" for i in range(replicas)]
+    held: dict[str, tuple[list, list]] = {r: ([], []) for r in rids}
+    for i in range(min(HOLDERS, replicas)):
+        part = prompt[: (i + 1) * PROMPT_BLOCKS // HOLDERS]
+        held[rids[i]][0].extend(part)
+        held[rids[i]][1].extend(_parents(part))
+    left = blocks - PROMPT_BLOCKS
+    k = 0
+    while left > 0:
+        chain = _hashes(rng, min(FILLER_CHAIN, left))
+        left -= len(chain)
+        for c in range(min(copies, replicas)):
+            hs, ps = held[rids[(k + c * 7919) % replicas]]
+            hs.extend(chain)
+            ps.extend(_parents(chain))
+        k += 1
+    for rid in rids:
+        hs, ps = held[rid]
+        index.apply_summary(rid, 1, 0, hs, ps)
+    loads = [
+        ReplicaLoad(rid, running=4 + i % 3, waiting=i % 2, queued_prefill_tokens=512 * (i % 4), free_blocks=20_000,
+                    capacity_blocks=100_000, in_flight=4 + i % 3)
+        for i, rid in enumerate(rids)
+    ]
+    return prompt, index, loads
+
+
+def pct(sorted_vals: list[float], q: float) -> float:
+    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
+
+
+def _summary(samples_us: list[float]) -> dict:
+    s = sorted(samples_us)
+    return {"p50_us": round(pct(s, 0.5), 2), "p99_us": round(pct(s, 0.99), 2), "mean_us": round(sum(s) / len(s), 2)}
+
+
+def _timed(step, iters: int, warmup: int = 200) -> dict:
+    """``step(i)`` timed ``iters`` times after ``warmup``: CPU time of this thread (what a
+    decision costs; on a shared machine wall-clock p99 mostly measures preemption) and
+    wall clock, p50/p99/mean in µs."""
+    # NOTE: the index's objects are long-lived; frozen, a collection of the young
+    # generation does not walk them (a live router would do the same after a resync).
+    gc.collect()
+    gc.freeze()
+    cpu, wall = [], []
+    for i in range(iters + warmup):
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        step(i)
+        c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
+        if i >= warmup:
+            cpu.append((c1 - c0) / 1000.0)
+            wall.append((t1 - t0) / 1000.0)
+    gc.unfreeze()
+    out = _summary(cpu)
+    out.update({f"wall_{k}": v for k, v in _summary(wall).items()})
+    return out
+
+
+def _policy(name: str, index: LocalityIndex, loads):
+    policy = make_routing_policy(name)
+    policy.update_replicas([r.replica_id for r in loads])
+    if name == "sglang":
+        # SGLang's own approximate trees get the index's contents (its worst case too).
+        for rid in index.replicas():
+            policy.tree(rid).insert(list(index.holdings(rid).blocks), tick=0)
+    return policy
+
+
+def time_policy(name: str, prompt, index, loads, iters: int) -> dict:
+    policy = _policy(name, index, loads)
+    n_tokens = len(prompt) * BLOCK_SIZE
+
+    def step(i: int) -> None:
+        req = RoutingRequest(f"q{i}", RequestClass(), prompt, n_tokens, BLOCK_SIZE)
+        decision = policy.choose(req, loads, index)
+        policy.on_request_routed(req, decision)
+        policy.on_request_finished(req, decision.replica_id)
+
+    return _timed(step, iters)
+
+
+def time_live(name: str, prompt, index, loads, iters: int) -> dict:
+    """The live router's choice: ``ClusterView.loads`` (replicas known from heartbeats)
+    then the policy, with the in-flight bookkeeping around the request."""
+    from unicache.router.cluster import ClusterView
+    from unicache.v1 import cache_pb2, common_pb2
+
+    policy = _policy(name, index, loads)
+    cluster = ClusterView(policy, index)
+    cluster.redis_connected = True
+    for r in loads:
+        cluster.upsert(r.replica_id, f"10.0.0.1:{r.replica_id}", cache_pb2.Heartbeat(
+            replica_id=r.replica_id, running=r.running, waiting=r.waiting, queued_prefill_tokens=r.queued_prefill_tokens,
+            cache=common_pb2.CacheState(replica_id=r.replica_id, free_blocks=r.free_blocks,
+                                        capacity_blocks=r.capacity_blocks)))
+    n_tokens = len(prompt) * BLOCK_SIZE
+
+    def step(i: int) -> None:
+        req = RoutingRequest(f"q{i}", RequestClass(), prompt, n_tokens, BLOCK_SIZE)
+        decision = policy.choose(req, cluster.loads(), cluster.locality())
+        policy.on_request_routed(req, decision)
+        cluster.started(decision.replica_id)
+        cluster.finished(decision.replica_id)
+        policy.on_request_finished(req, decision.replica_id)
+
+    return _timed(step, iters)
+
+
+def time_lookup(index: LocalityIndex, loads, prompt, iters: int) -> dict:
+    """The index work alone: one hash -> replicas walk against ``match`` per replica."""
+    rids = [r.replica_id for r in loads]
+    return {"prefix_matches": _timed(lambda i: index.prefix_matches(prompt), iters, warmup=50),
+            "match_per_replica": _timed(lambda i: index.match_all(rids, prompt), iters, warmup=50)}
+
+
+def index_bytes(replicas: int, blocks: int, copies: int) -> dict:
+    gc.collect()
+    tracemalloc.start()
+    prompt, index, loads = build_index(replicas, blocks, copies, seed=1)
+    del prompt, loads
+    gc.collect()
+    current, _peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    # NOTE: the traced bytes include the hash bytes objects themselves (33 bytes each,
+    # shared by every replica holding the block), as a router receiving them keeps them.
+    entries = index.num_entries()
+    return {"replicas": replicas, "entries": entries, "hashes": index.num_hashes(), "bytes": current,
+            "bytes_per_entry": round(current / entries, 1)}
+
+
+def bandwidth(trace_path: Path, requests: int, replicas: int, capacity: int, block_size: int) -> dict:
+    from unicache.replica.event_batch import PendingBatch
+    from unicache.sim.prepare import prepare
+    from unicache.sim.replay import Replay, ReplayConfig
+    from unicache.trace import read_trace
+    from unicache.testing.signed_state import SIGNER
+
+    class Recording(Replay):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.events: dict[str, list] = {}
+
+        def _take_events(self, rep):
+            events = rep.store.take_events()
+            self.events.setdefault(rep.replica_id, []).extend(events)
+            return events
+
+    records = list(read_trace(trace_path))[:requests]
+    trace = prepare(records, block_size)
+    cfg = ReplayConfig(policy="unicache", capacity_blocks=capacity, replicas=replicas, router="cache_aware")
+    sim = Recording(trace, cfg, progress=True)
+    result = sim.run()
+    for rep in sim.replicas:  # what is left after the last decision
+        sim.events.setdefault(rep.replica_id, []).extend(rep.store.take_events())
+    duration = max(r.arrival_s for r in trace.requests)
+    totals = {"proto": 0, "sealed": 0, "proto_no_parents": 0, "batches": 0, "stored": 0, "removed": 0}
+    for rid, events in sim.events.items():
+        buckets: dict[int, PendingBatch] = {}
+        for ev in events:
+            buckets.setdefault(int(ev.timestamp // EVENT_FLUSH_INTERVAL_S), PendingBatch()).add([ev])
+        for seq, key in enumerate(sorted(buckets), start=1):
+            pb = buckets[key]
+            if pb.empty():
+                continue
+            msg = pb.to_proto(rid, 1_700_000_000_000, seq, key * EVENT_FLUSH_INTERVAL_S)
+            raw = msg.SerializeToString()
+            totals["proto"] += len(raw)
+            totals["sealed"] += len(SIGNER.seal("events", raw))
+            del msg.stored_parents[:]
+            totals["proto_no_parents"] += len(msg.SerializeToString())
+            totals["batches"] += 1
+            totals["stored"] += len(msg.stored)
+            totals["removed"] += len(msg.removed)
+    per = {k: round(v / duration / replicas, 1) for k, v in totals.items()}
+    return {"trace": str(trace_path), "requests": len(trace.requests), "replicas": replicas,
+            "capacity_blocks": capacity, "block_size": block_size, "sim_duration_s": round(duration, 1),
+            "token_hit_ratio": result.get("token_hit_ratio"), "per_replica_per_s": per,
+            "parents_overhead": round(totals["proto"] / max(1, totals["proto_no_parents"]), 3)}
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Fleet scale: decision cost, index memory, event bandwidth", "",
+             f"commit {report['commit']}; {report['config']['blocks']:,} indexed block hashes, "
+             f"{report['config']['copies']} copies of each filler chain, a {PROMPT_BLOCKS}-block prompt held by "
+             f"{HOLDERS} replicas; requests without a session; choose + hooks per decision.", "",
+             "CPU time of the deciding thread (wall clock beside it: on a loaded machine its p99 is the "
+             "scheduler's time slice, not the code).", "",
+             "| replicas | entries | policy | CPU p50 µs | CPU p99 µs | wall p50 / p99 µs | p50 / round_robin |",
+             "|---|---|---|---|---|---|---|"]
+    for row in report["decisions"]:
+        lines.append(f"| {row['replicas']} | {row['entries']:,} | {row['policy']} | {row['p50_us']} | {row['p99_us']} | "
+                     f"{row['wall_p50_us']} / {row['wall_p99_us']} | {row['p50_ratio_to_round_robin']} |")
+    lines += ["", "Index work alone (CPU):", "",
+              "| replicas | prefix_matches p50 / p99 µs | match per replica p50 / p99 µs |", "|---|---|---|"]
+    for row in report["lookups"]:
+        w, m = row["prefix_matches"], row["match_per_replica"]
+        lines.append(f"| {row['replicas']} | {w['p50_us']} / {w['p99_us']} | {m['p50_us']} / {m['p99_us']} |")
+    mem = report["memory"]
+    lines += ["", f"Index memory: {mem['bytes']:,} bytes for {mem['entries']:,} (block, replica) entries over "
+              f"{mem['hashes']:,} hashes at {mem['replicas']} replicas = **{mem['bytes_per_entry']} bytes per entry** "
+              "(tracemalloc)."]
+    bw = report.get("bandwidth")
+    if bw:
+        p = bw["per_replica_per_s"]
+        lines += ["", f"Event bandwidth ({bw['requests']} requests of {Path(bw['trace']).name}, {bw['replicas']} replicas "
+                  f"x {bw['capacity_blocks']} blocks, block size {bw['block_size']}, {bw['sim_duration_s']} s simulated, "
+                  f"one batch per replica per {int(EVENT_FLUSH_INTERVAL_S * 1000)} ms): per replica "
+                  f"**{p['sealed']} B/s sealed** ({p['proto']} B/s protobuf, {p['proto_no_parents']} B/s without "
+                  f"stored_parents: x{bw['parents_overhead']}), {p['batches']} batches/s, {p['stored']} stored and "
+                  f"{p['removed']} removed blocks/s."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    policies = sorted({r["policy"] for r in report["decisions"]})
+    for name in policies:
+        rows = [r for r in report["decisions"] if r["policy"] == name]
+        xs = [r["replicas"] for r in rows]
+        line, = ax.plot(xs, [r["p99_us"] / 1000 for r in rows], marker="o", label=f"{name} p99")
+        ax.plot(xs, [r["p50_us"] / 1000 for r in rows], marker=".", linestyle="--", color=line.get_color(),
+                label=f"{name} p50")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":", label="target p99 1 ms")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("decision cost, CPU (ms)")
+    ax.set_title(f"Routing decision vs fleet size ({report['config']['blocks']:,} indexed blocks)")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fleets", default="8,64,256,1024")
+    ap.add_argument("--blocks", type=int, default=100_000, help="distinct block hashes indexed (default 100,000)")
+    ap.add_argument("--copies", type=int, default=2, help="replicas holding each filler chain (default 2)")
+    ap.add_argument("--policies", default="round_robin,least_loaded,cache_aware,sglang")
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--bw-requests", type=int, default=2000, help="0 skips the bandwidth part")
+    ap.add_argument("--bw-replicas", type=int, default=8)
+    ap.add_argument("--bw-capacity", type=int, default=1000, help="KV blocks per replica in the bandwidth replay")
+    ap.add_argument("--bw-block-size", type=int, default=512)
+    ap.add_argument("--trace", type=Path, default=None, help="trace for the bandwidth part (default: Mooncake)")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    fleets = [int(x) for x in args.fleets.split(",")]
+    policies = args.policies.split(",")
+    if "round_robin" not in policies:
+        policies.insert(0, "round_robin")
+    decisions, lookups = [], []
+    steps = tqdm(total=len(fleets) * (len(policies) + 2), desc="decisions", file=sys.stderr, unit="run")
+    for n in fleets:
+        prompt, index, loads = build_index(n, args.blocks, args.copies)
+        entries = index.num_entries()
+        steps.set_postfix_str(f"{n} replicas")
+        rows = []
+        for name in policies:
+            rows.append({"replicas": n, "entries": entries, "policy": name,
+                         **time_policy(name, prompt, index, loads, args.iters)})
+            steps.update()
+        rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (live: ClusterView.loads + choose)",
+                     **time_live("cache_aware", prompt, index, loads, args.iters)})
+        steps.update()
+        base = next(r for r in rows if r["policy"] == "round_robin")["p50_us"]
+        for r in rows:
+            r["p50_ratio_to_round_robin"] = round(r["p50_us"] / base, 1)
+        decisions += rows
+        lookups.append({"replicas": n, **time_lookup(index, loads, prompt, min(args.iters, 500))})
+        steps.update()
+        del prompt, index, loads
+    steps.close()
+    report = {"commit": git_commit(Path(__file__).resolve().parents[1]), "config": vars(args) | {"trace": str(args.trace)},
+              "decisions": decisions, "lookups": lookups,
+              "memory": index_bytes(max(fleets), args.blocks, args.copies)}
+    if args.bw_requests:
+        report["bandwidth"] = bandwidth(args.trace or mooncake_trace(), args.bw_requests, args.bw_replicas,
+                                        args.bw_capacity, args.bw_block_size)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report["config"]["out_dir"] = str(args.out_dir)
+    write_report(args.out_dir, "fleet_scale", report, markdown(report), plot)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()
