@@ -556,3 +556,22 @@ def test_sglang_roots_follow_inserts_evictions_and_departures():
     assert p._roots == {b[0]: {"r1"}}
     p.update_replicas([])
     assert p._roots == {} and p.trees == {}
+
+
+def test_hash_ring_joins_one_at_a_time_equal_one_rebuild():
+    from unicache.router.routing.session_affinity import HashRing, ring_hash
+
+    ids = [f"r{i}" for i in range(40)]
+    one_by_one, at_once, grown = HashRing(16), HashRing(16), HashRing(16)
+    for rid in ids:
+        one_by_one.add(rid)
+        assert one_by_one.owner("k") is not None  # rebuilt between joins too
+    at_once.set_members(ids)
+    grown.set_members(ids[:30])
+    assert grown.owner("k") is not None
+    grown.set_members(ids)
+    expected = sorted((ring_hash(f"{r}#{i}"), r) for r in ids for i in range(16))
+    assert one_by_one.points() == at_once.points() == grown.points() == expected
+    grown.set_members(ids[5:])
+    assert grown.points() == sorted((ring_hash(f"{r}#{i}"), r) for r in ids[5:] for i in range(16))
+    assert set(grown._cached) == set(ids[5:])

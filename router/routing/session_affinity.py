@@ -38,6 +38,11 @@ def session_key(tenant: str, session_id: str) -> str:
 class HashRing:
     """A consistent-hash ring with virtual nodes.
 
+    Membership changes only mark the ring stale; the next ``owner`` (or ``points``)
+    rebuilds it once from each member's cached points. A router that learns 1,024
+    replicas one heartbeat at a time thus sorts the ring once, not once per join (which
+    rehashed 84M points and took minutes).
+
     Args:
         virtual_nodes: points per replica (default 160; more points, smoother shares).
     """
@@ -47,8 +52,10 @@ class HashRing:
             raise ValueError("virtual_nodes must be positive")
         self.virtual_nodes = virtual_nodes
         self._members: set[str] = set()
+        self._cached: dict[str, list[int]] = {}  # member -> its points (members only)
         self._points: list[int] = []
         self._owners: list[str] = []
+        self._stale = False
 
     @property
     def members(self) -> frozenset[str]:
@@ -61,32 +68,46 @@ class HashRing:
         return len(self._members)
 
     def set_members(self, replica_ids: Iterable[str]) -> None:
-        """Replace the member set with one rebuild (adding N replicas one by one
-        rebuilds N times: quadratic in a 1,024-replica fleet)."""
         members = set(replica_ids)
         if members != self._members:
             self._members = members
-            self._rebuild()
+            self._stale = True
 
     def add(self, replica_id: str) -> None:
         if replica_id not in self._members:
             self._members.add(replica_id)
-            self._rebuild()
+            self._stale = True
 
     def remove(self, replica_id: str) -> None:
         if replica_id in self._members:
             self._members.discard(replica_id)
-            self._rebuild()
+            self._stale = True
 
-    def _rebuild(self) -> None:
+    def points(self) -> list[tuple[int, str]]:
+        """The ring: (point, owner) in ring order."""
+        self._fresh()
+        return list(zip(self._points, self._owners))
+
+    def _fresh(self) -> None:
+        if not self._stale:
+            return
+        cached, vn = self._cached, self.virtual_nodes
+        for r in list(cached):
+            if r not in self._members:
+                del cached[r]
+        for r in self._members:
+            if r not in cached:
+                cached[r] = [ring_hash(f"{r}#{i}") for i in range(vn)]
         # NOTE: ties between equal points (astronomically rare) break by replica id, so
         # the ring is a pure function of the member set.
-        pts = sorted((ring_hash(f"{r}#{i}"), r) for r in self._members for i in range(self.virtual_nodes))
+        pts = sorted((p, r) for r in self._members for p in cached[r])
         self._points = [p for p, _ in pts]
         self._owners = [r for _, r in pts]
+        self._stale = False
 
     def owner(self, key: str, live: set[str] | frozenset[str] | None = None) -> str | None:
         """First owner clockwise of ``key`` that is in ``live`` (any member when None)."""
+        self._fresh()
         n = len(self._points)
         if n == 0:
             return None
