@@ -285,7 +285,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.0, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     policies = sorted({r["policy"] for r in report["decisions"]})
     for name in policies:
         rows = [r for r in report["decisions"] if r["policy"] == name]
@@ -299,6 +299,15 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel("decision cost, CPU (ms)")
     ax.set_title(f"Routing decision vs fleet size ({report['config']['blocks']:,} indexed blocks)")
     ax.legend(fontsize=7)
+    xs = [r["replicas"] for r in report["lookups"]]
+    for key, label in (("prefix_matches", "hash -> replicas walk (prefix_matches)"),
+                       ("match_per_replica", "match() per replica")):
+        ax2.plot(xs, [r[key]["p50_us"] / 1000 for r in report["lookups"]], marker="o", label=f"{label} p50")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("replicas")
+    ax2.set_ylabel("index work, CPU (ms)")
+    ax2.set_title("Index lookups (8 replicas hold the prefix)")
+    ax2.legend(fontsize=7)
     save_figure(fig, path)
 
 
