@@ -59,6 +59,9 @@ class StampingSource:
     def host_hashes(self):
         return self.engine.host_hashes()
 
+    def cached_blocks(self):
+        return self.engine.cached_blocks()
+
     def load(self):
         return self.engine.load()
 

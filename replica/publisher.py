@@ -73,6 +73,7 @@ class CacheSource(Protocol):
     def take_events(self) -> list[KVEvent]: ...
     def cached_hashes(self) -> list[BlockHash]: ...
     def host_hashes(self) -> list[BlockHash]: ...
+    def cached_blocks(self) -> list[tuple[BlockHash, BlockHash | None]]: ...
     def load(self) -> EngineLoad: ...
     def cache_state(self) -> CacheStateInfo: ...
 
@@ -295,11 +296,13 @@ class CachePublisher:
         return True
 
     def _summary(self, epoch: int, seq: int) -> cache_pb2.CacheSummary:
+        blocks = self.source.cached_blocks()
         return cache_pb2.CacheSummary(
             replica_id=self.replica_id,
             epoch=epoch,
             seq=seq,
-            block_hashes=self.source.cached_hashes(),
+            block_hashes=[h for h, _p in blocks],
+            parents=[p or b"" for _h, p in blocks],
             host_block_hashes=self.source.host_hashes(),
             block_size=self.source.block_size,
             timestamp=self.clock(),

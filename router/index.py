@@ -48,12 +48,11 @@ set, no chains: a host block is only ever used as the continuation of a GPU matc
 bounded by ``max_blocks_per_replica`` and by the host capacity its heartbeat announces
 (``set_host_capacity``), oldest first.
 
-Without parents (``parents=None``: a batch from a sender older than
-``KVEventBatch.stored_parents``, or a ``CacheSummary``, which lists hashes only) every
-block is indexed as a root and trimming falls back to the tie rule above: within one
-batch or summary the block listed last goes first. Replicas list a chain root first (a
-store caches a prompt's blocks in order), so even then a chain loses its tail first.
-Later batches link their blocks to summary blocks as usual.
+Without parents (``parents=None``: a batch or summary from a sender older than
+``KVEventBatch.stored_parents`` / ``CacheSummary.parents``) every block is indexed as a
+root and trimming falls back to the tie rule above: within one batch or summary the block
+listed last goes first. Replicas list a chain root first (a store caches a prompt's
+blocks in order), so even then a chain mostly loses its tail first.
 """
 
 from __future__ import annotations

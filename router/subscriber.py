@@ -368,8 +368,13 @@ class RedisSubscriber:
             index.set_host_capacity(replica_id, hb.cache.host.capacity_blocks)
         newest_id, newest_epoch, batches = await self._batches_after(replica_id, summary.epoch, summary.seq)
         self._cursors[replica_id] = newest_id
+        try:
+            parents = _parents(summary.parents, len(summary.block_hashes))
+        except ValueError:
+            self.rejections.reject("unparsable", replica_id, "summary from its address")
+            return False
         if not index.apply_summary(replica_id, summary.epoch, summary.seq, [BlockHash(h) for h in summary.block_hashes],
-                                   host_hashes=[BlockHash(h) for h in summary.host_block_hashes]):
+                                   parents, host_hashes=[BlockHash(h) for h in summary.host_block_hashes]):
             self.rejections.reject("over_capacity", replica_id, "summary from its address")
             return False
         for batch in batches:
@@ -488,7 +493,7 @@ class RedisSubscriber:
 
 
 def _parents(raw, n: int) -> list[BlockHash | None] | None:
-    """A batch's parent hashes for the index: None when the sender sent
+    """A batch's or summary's parent hashes for the index: None when the sender sent
     none (older than the field: every block is indexed as a root). Raises ValueError
     when the list does not match its ``n`` blocks one to one (the payload is refused)."""
     if not raw:

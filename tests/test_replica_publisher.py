@@ -110,6 +110,7 @@ async def test_start_writes_summary_and_heartbeat(redis_server, redis_client):
     try:
         s = await read_summary(redis_client)
         assert (s.replica_id, s.epoch, s.seq, list(s.block_hashes), s.block_size) == ("r0", 1_000_000, 0, h1, BS)
+        assert list(s.parents) == [b"", h1[0]]  # the chain, so a router trims it from the tail
         await eventually(lambda: redis_client.exists(KEYS.heartbeat("r0")))
         ttl = await redis_client.pttl(KEYS.heartbeat("r0"))
         assert 0 < ttl <= 3000

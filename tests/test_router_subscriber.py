@@ -382,3 +382,17 @@ async def test_batches_carry_parents_into_the_index_and_a_mismatch_resyncs(setup
     await sub.step(block_ms=0)
     assert index.needs_resync("a") and sub.rejections.counts["unparsable"] == 1
     assert held(index, "a") == [1, 2, 3]
+
+
+async def test_a_summary_carries_the_chains_and_a_mismatch_is_refused(setup):
+    sub, cluster, index, _, r, _ = setup
+    put_heartbeat(r, "a")
+    sub.truth.set("127.0.0.1:7000", "a", 1, 0, [h(1), h(2), h(3)], [None, h(1), h(2)])
+    await sub.step(block_ms=0)
+    blocks = index.holdings("a").blocks
+    assert [blocks[h(i)].children for i in (1, 2, 3)] == [1, 1, 0]
+    assert blocks[h(2)].parent is blocks[h(1)]
+    put_heartbeat(r, "b", port=7001)
+    sub.truth.set("127.0.0.1:7001", "b", 1, 0, [h(1), h(2)], [None])
+    await sub.step(block_ms=0)
+    assert index.needs_resync("b") and sub.rejections.counts["unparsable"] == 1

@@ -195,3 +195,7 @@ class ServingEngine(Protocol):
     def host_hashes(self) -> list[BlockHash]:
         """Every hash the host-memory tier holds (empty without one)."""
         ...
+    def cached_blocks(self) -> list[tuple[BlockHash, BlockHash | None]]:
+        """``cached_hashes`` with each block's parent hash (None: a first block), taken at
+        once: what a summary publishes."""
+        ...

@@ -158,6 +158,9 @@ class AsyncEngine:
     def host_hashes(self) -> list[BlockHash]:
         return self._require_started().host_hashes()
 
+    def cached_blocks(self) -> list[tuple[BlockHash, BlockHash | None]]:
+        return self._require_started().cached_blocks()
+
     def num_referenced_blocks(self) -> int:
         return self._require_started().num_referenced_blocks()
 

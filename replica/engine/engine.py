@@ -288,6 +288,10 @@ class LLMEngine:
         with self.lock:
             return self.store.host_hashes()
 
+    def cached_blocks(self) -> list[tuple[BlockHash, BlockHash | None]]:
+        with self.lock:
+            return self.store.cached_blocks()
+
     def num_referenced_blocks(self) -> int:
         with self.lock:
             return sum(1 for b in self.store.blocks if b.ref_cnt > 0)

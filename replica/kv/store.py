@@ -170,6 +170,11 @@ class KVStore:
         """Every hash in the GPU prefix cache (for full summaries)."""
         return list(self._cached)
 
+    def cached_blocks(self) -> list[tuple[BlockHash, BlockHash | None]]:
+        """(hash, parent hash or None for a first block) of every GPU-cached block, in
+        ``cached_hashes`` order (what a summary publishes, so a router knows the chains)."""
+        return [(h, b.parent_hash) for h, b in self._cached.items()]
+
     def host_hashes(self) -> list[BlockHash]:
         """Every hash in the host tier (empty without one)."""
         return self.host.hashes() if self.host is not None else []

@@ -251,6 +251,11 @@ class VLLMEngine:
         self._require_started()
         return self._translator.cached_hashes()
 
+    def cached_blocks(self) -> list[tuple[BlockHash, BlockHash | None]]:
+        """``cached_hashes`` with each block's parent (our hashes), as the events gave them."""
+        self._require_started()
+        return self._translator.cached_blocks()
+
     def host_hashes(self) -> list[BlockHash]:
         """Always empty: this engine is single-tier (docs/host_tier.md says why)."""
         return []

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 class _Entry:
     ours: BlockHash
     count: int
+    parent: BlockHash | None = None  # our hash of its parent (None: a first block)
 
 
 class EventTranslator:
@@ -66,6 +67,9 @@ class EventTranslator:
 
     def cached_hashes(self) -> list[BlockHash]:
         return [e.ours for e in self._table.values()]
+
+    def cached_blocks(self) -> list[tuple[BlockHash, BlockHash | None]]:
+        return [(e.ours, e.parent) for e in self._table.values()]
 
     def our_hash(self, vllm_hash: object) -> BlockHash | None:
         entry = self._table.get(vllm_hash)
@@ -114,8 +118,9 @@ class EventTranslator:
             if entry is not None:
                 entry.count += 1
             else:
-                self._table[vh] = _Entry(ours, 1)
-                out.append(BlockStored(ours, None if parent == ROOT_HASH else parent, now))
+                our_parent = None if parent == ROOT_HASH else parent
+                self._table[vh] = _Entry(ours, 1, our_parent)
+                out.append(BlockStored(ours, our_parent, now))
             parent = ours
         return True
 

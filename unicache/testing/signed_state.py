@@ -28,19 +28,23 @@ class ReplicaTruth:
 
     def __init__(self, signer: StateSigner = SIGNER):
         self.signer = signer
-        self.by_address: dict[str, tuple[str, int, int, list[BlockHash]]] = {}
+        self.by_address: dict[str, tuple[str, int, int, list[BlockHash], list[bytes]]] = {}
         self.calls: list[tuple[str, str]] = []
 
-    def set(self, address: str, replica_id: str, epoch: int, seq: int, blocks: list[BlockHash]) -> None:
-        self.by_address[address] = (replica_id, epoch, seq, list(blocks))
+    def set(self, address: str, replica_id: str, epoch: int, seq: int, blocks: list[BlockHash],
+            parents: list[BlockHash | None] = ()) -> None:
+        """``parents``: parallel to ``blocks`` (None: a first block), or () as an older
+        replica answers."""
+        self.by_address[address] = (replica_id, epoch, seq, list(blocks), [p or b"" for p in parents])
 
     async def fetch(self, address: str, nonce: bytes, timeout_s: float) -> bytes:  # noqa: ARG002
         if address not in self.by_address:
             raise ConnectionError(address)
-        rid, epoch, seq, blocks = self.by_address[address]
+        rid, epoch, seq, blocks, parents = self.by_address[address]
         self.calls.append((address, rid))
         summary = cache_pb2.CacheSummary(
-            replica_id=rid, epoch=epoch, seq=seq, block_hashes=blocks, block_size=16, timestamp=time.time(), nonce=nonce
+            replica_id=rid, epoch=epoch, seq=seq, block_hashes=blocks, block_size=16, timestamp=time.time(), nonce=nonce,
+            parents=parents,
         )
         return sealed("rpc-summary", summary, self.signer)
 

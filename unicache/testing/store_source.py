@@ -33,6 +33,10 @@ class StoreCacheSource:
         with self.lock:
             return self.store.host_hashes()
 
+    def cached_blocks(self) -> list[tuple[BlockHash, BlockHash | None]]:
+        with self.lock:
+            return self.store.cached_blocks()
+
     def load(self) -> EngineLoad:
         return EngineLoad(running=0, waiting=0, queued_prefill_tokens=0)
 

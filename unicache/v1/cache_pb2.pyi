@@ -33,7 +33,7 @@ class KVEventBatch(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., timestamp: _Optional[float] = ..., stored_parents: _Optional[_Iterable[bytes]] = ..., host_stored: _Optional[_Iterable[bytes]] = ..., host_removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CacheSummary(_message.Message):
-    __slots__ = ("replica_id", "epoch", "seq", "block_hashes", "block_size", "timestamp", "nonce", "host_block_hashes")
+    __slots__ = ("replica_id", "epoch", "seq", "block_hashes", "block_size", "timestamp", "nonce", "host_block_hashes", "parents")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class CacheSummary(_message.Message):
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     epoch: int
     seq: int
@@ -50,7 +51,8 @@ class CacheSummary(_message.Message):
     timestamp: float
     nonce: bytes
     host_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., timestamp: _Optional[float] = ..., nonce: _Optional[bytes] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., timestamp: _Optional[float] = ..., nonce: _Optional[bytes] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ..., parents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens", "seq", "metrics_url")
