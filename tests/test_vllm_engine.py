@@ -265,6 +265,10 @@ async def test_replica_metrics_are_vllms_own_series(stack):
     }
     assert ("vllm:kv_cache_usage_perc", m) in after and ("vllm:num_requests_running", m) in after
     assert after[("unicache_replica_capacity_blocks", m)] == NUM_BLOCKS
+    # vLLM's victims come from our unicache policy: its per-queue counts are ours to export.
+    queues = sorted(q for (name, labels), _ in after.items() if name == "unicache_replica_queue_evictions_total"
+                    for k, q in labels if k == "queue")
+    assert queues == ["agent", "chat", "evict_first", "structural"]
 
 
 async def test_events_feed_the_router_index_and_the_next_request_routes_by_it(stack):

@@ -233,6 +233,8 @@ class VLLMEngine:
             queue_sizes=dict(st.queue_sizes),
             eviction_policy=st.eviction_policy,
             evictions=st.evictions,
+            queue_evictions=dict(st.queue_evictions),
+            queue_hits=dict(st.queue_hits),
         )
 
     def take_events(self) -> list[KVEvent]:

@@ -29,6 +29,7 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+from unicache.replica.eviction.base import QueueCounters
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.vllm_engine.config import NATIVE_POLICY
 from unicache.replica.vllm_engine.free_queue import PolicyFreeQueue
@@ -157,6 +158,9 @@ class UniCacheScheduler(Scheduler):
     def pool_status(self) -> PoolStatus:
         pool = self.kv_cache_manager.block_pool
         queue = self.free_queue
+        counters = queue.policy.queue_counters() if queue is not None else None
+        if counters is None and queue is not None:  # a one-queue policy: its total under its name
+            counters = QueueCounters({self.policy_name: queue.evictions}, {})
         return PoolStatus(
             capacity_blocks=pool.num_gpu_blocks - 1,  # less vLLM's null block
             free_blocks=pool.get_num_free_blocks(),
@@ -166,6 +170,8 @@ class UniCacheScheduler(Scheduler):
             evictions=queue.evictions if queue is not None else 0,
             queue_sizes=queue.queue_sizes() if queue is not None else {NATIVE_POLICY: pool.get_num_free_blocks()},
             eviction_policy=self.policy_name,
+            queue_evictions=counters.evictions if counters else {},
+            queue_hits=counters.hits if counters else {},
         )
 
     def _publish_status(self) -> None:

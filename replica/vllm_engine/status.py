@@ -26,6 +26,8 @@ class PoolStatus:
     evictions: int
     queue_sizes: dict[str, int] = field(default_factory=dict)
     eviction_policy: str = ""
+    queue_evictions: dict[str, int] = field(default_factory=dict)  # CacheStateInfo's meaning
+    queue_hits: dict[str, int] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
