@@ -65,6 +65,8 @@ def run_replica(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             raise UsageError(str(exc)) from None
         print(f"replica {settings.replica_id} serving on {address} ({runtime.engine.device})", flush=True)
+        if runtime.metrics_url:
+            print(f"replica {settings.replica_id} metrics on {runtime.metrics_url}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -104,6 +106,8 @@ def run_replicas(args: argparse.Namespace) -> int:
     try:
         for r in launcher.start():
             print(f"replica {r.replica_id} serving on {r.address} ({r.device})", flush=True)
+            if r.metrics_url:
+                print(f"replica {r.replica_id} metrics on {r.metrics_url}", flush=True)
         _wait_for_signal()
     finally:
         launcher.stop()

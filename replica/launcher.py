@@ -29,6 +29,7 @@ class LaunchedReplica:
     address: str
     device: str
     handle: Any  # ray.actor.ActorHandle
+    metrics_url: str = ""
 
 
 def wait_healthy(address: str, timeout_s: float = 30.0, call_timeout_s: float = 1.0) -> None:
@@ -98,7 +99,7 @@ class ReplicaLauncher:
             for rid, handle in handles:
                 info = ray.get(handle.info.remote(), timeout=self.start_timeout_s)
                 wait_healthy(info["address"], timeout_s=self.start_timeout_s)
-                self.replicas.append(LaunchedReplica(rid, info["address"], info["device"], handle))
+                self.replicas.append(LaunchedReplica(rid, info["address"], info["device"], handle, info.get("metrics_url", "")))
                 log.info("replica %s healthy at %s (%s)", rid, info["address"], info["device"])
         except BaseException:
             self.replicas = [LaunchedReplica(rid, "", "", h) for rid, h in handles]

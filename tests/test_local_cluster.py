@@ -85,6 +85,12 @@ def test_up_serves_then_sigterm_leaves_nothing_behind():
             out = json.loads(resp.read())
             assert resp.headers["x-unicache-replica"] == "replica-0"
         assert out["usage"]["completion_tokens"] == 4
+        # The banner lists the replica's metrics endpoint; it counted exactly that request.
+        metrics_url = next(l.split("metrics ")[-1] for l in lines if l.strip().startswith("replica replica-0"))
+        with urllib.request.urlopen(metrics_url, timeout=30) as resp:
+            scraped = resp.read().decode()
+        prompt_line = next(l for l in scraped.splitlines() if l.startswith("vllm:prompt_tokens_total{"))
+        assert float(prompt_line.split()[-1]) == out["usage"]["prompt_tokens"]
         demo = subprocess.run(
             [sys.executable, "-m", "unicache.cli", "demo", "--router", grpc_addr, "--sessions", "1", "--turns", "2",
              "--templated", "2", "--single", "1", "--max-tokens", "2"],

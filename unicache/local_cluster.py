@@ -84,7 +84,7 @@ class Endpoints:
     grpc: str
     http: str
     redis_url: str
-    replicas: list[tuple[str, str, str]]  # (id, address, device)
+    replicas: list[tuple[str, str, str, str]]  # (id, address, device, metrics URL)
 
 
 def replica_settings(cfg: ClusterSettings, redis_url: str, redis_password_file: str = "", cluster_key_file: str = ""):
@@ -172,7 +172,7 @@ class LocalCluster:
         self._extra_tmp = tempfile.mkdtemp(prefix="uc-ray-", dir="/tmp")
         return self._extra_tmp
 
-    def start_backends(self) -> list[tuple[str, str, str]]:
+    def start_backends(self) -> list[tuple[str, str, str, str]]:
         """Redis, Ray and the replicas (synchronous; call before the event loop runs)."""
         from unicache.replica.engine.cpu_env import prefer_passive_omp_wait
 
@@ -206,7 +206,7 @@ class LocalCluster:
             self._ray_started = True
         base = replica_settings(cfg, self.redis_url, self.redis_password_file, self.cluster_key_file)
         self.launcher = ReplicaLauncher(base, cfg.num_replicas, start_timeout_s=cfg.ready_timeout_s)
-        return [(r.replica_id, r.address, r.device) for r in self.launcher.start()]
+        return [(r.replica_id, r.address, r.device, r.metrics_url) for r in self.launcher.start()]
 
     def _init_ray(self, ray) -> None:
         cfg = self.cfg
@@ -314,8 +314,8 @@ def print_ready(ep: Endpoints, api_key: str | None) -> None:
         f"  dashboard       {ep.http}/dashboard     metrics {ep.http}/metrics",
         f"  redis           {mask_url_password(ep.redis_url)}",
     ]
-    for rid, addr, device in ep.replicas:
-        lines.append(f"  replica {rid:10s} {addr} ({device})")
+    for rid, addr, device, metrics_url in ep.replicas:
+        lines.append(f"  replica {rid:10s} {addr} ({device})" + (f"   metrics {metrics_url}" if metrics_url else ""))
     lines += [
         "",
         "Try:" + ("   (export API_KEY=<one of the --api-keys keys>)" if api_key else ""),
