@@ -77,8 +77,8 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=96, help="KV blocks per replica (small: evictions show)")
     p.add_argument("--routing-policy", default="cache_aware")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--width", type=int, default=1200)
-    p.add_argument("--height", type=int, default=1400)
+    p.add_argument("--width", type=int, default=1400)
+    p.add_argument("--height", type=int, default=1450)
     p.add_argument("--out", default="docs/dashboard.png")
     asyncio.run(main_async(p.parse_args()))
 

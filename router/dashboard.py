@@ -25,13 +25,13 @@ DASHBOARD_HTML = """<!doctype html>
  h1 { font-size: 1.3em; margin: 0 0 0.2em; }
  h2 { font-size: 1.05em; margin: 1.2em 0 0.4em; }
  #meta { color: #555; margin-bottom: 0.8em; }
- table { border-collapse: collapse; width: 100%; max-width: 1200px; background: #fff; }
+ table { border-collapse: collapse; width: 100%; background: #fff; }
  th, td { border-bottom: 1px solid #ddd; padding: 0.3em 0.5em; text-align: right; font-size: 0.9em; }
  th:first-child, td:first-child { text-align: left; }
  .bar { display: flex; height: 0.9em; width: 12em; background: #e6e6e6; }
  .used { background: #d9534f; } .cached { background: #5bc0de; }
  .bad { color: #c00; font-weight: bold; }
- .queues { font-size: 0.85em; color: #444; text-align: left; }
+ .queues { font-size: 0.85em; color: #444; text-align: left; min-width: 14em; }
  .grid { display: flex; flex-wrap: wrap; gap: 0.8em; max-width: 900px; margin-bottom: 0.8em; }
  .panel { box-sizing: border-box; background: #fff; border: 1px solid #ddd; border-radius: 4px; padding: 6px 8px; width: 440px; }
  .panel h3 { font-size: 0.9em; margin: 0.1em 0 0.2em; font-weight: 600; }
