@@ -127,7 +127,11 @@ async def stack(model_dir, reference):
         cluster_key=CLUSTER_KEY,
     )
     runtime = ReplicaRuntime(settings)
-    address = await runtime.start()
+    try:
+        address = await runtime.start()
+    except BaseException:
+        redis.close()  # a failed engine start must not leave the redis-server behind
+        raise
     # The other choice: a built-in torch replica with the same tokenizer and block size.
     torch_engine = AsyncEngine(
         EngineConfig(
