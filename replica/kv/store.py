@@ -271,24 +271,31 @@ class KVStore:
         """Cache ``block_hashes[start + k]`` in ``table[start + k]`` (fresh blocks), copied
         from host slot ``slots[k]``; then the slots are free again."""
         assert self.host is not None
-        cached, on_cached = self._cached, self.policy.on_cached
         events = self._events if self.collect_events else None
         for k, slot in enumerate(slots):
             i = start + k
             block, h = table[i], block_hashes[i]
-            parent_hash = block_hashes[i - 1] if i else None
-            parent = cached.get(parent_hash) if i else None
-            block.block_hash = h
-            block.parent_hash = parent_hash
-            block.parent_id = parent_id = parent.block_id if parent is not None else -1
-            cached[h] = block
-            on_cached(block.block_id, h, parent_id, now)
+            parent_hash = self._cache_as(block, block_hashes, i, now)
             if events is not None:
                 events.append(BlockRemoved(h, now, Tier.HOST))
                 events.append(BlockStored(h, parent_hash, now))
             if self.record_transfers:
                 self._transfers.append(Transfer(Tier.GPU, block.block_id, slot))
         self.host.release(slots)
+
+    def _cache_as(self, block: KVBlock, block_hashes: list[BlockHash], i: int, now: float) -> BlockHash | None:
+        """Make ``block`` the cached copy of ``block_hashes[i]``, linked to its parent block
+        (``block_hashes[i - 1]``, parent id -1 when that is not cached), and tell the policy.
+        Returns the parent hash (None for a first block); the caller emits the events."""
+        h = block_hashes[i]
+        parent_hash = block_hashes[i - 1] if i else None
+        parent = self._cached.get(parent_hash) if i else None
+        block.block_hash = h
+        block.parent_hash = parent_hash
+        block.parent_id = parent.block_id if parent is not None else -1
+        self._cached[h] = block
+        self.policy.on_cached(block.block_id, h, block.parent_id, now)
+        return parent_hash
 
     def _take_free_block(self, now: float) -> KVBlock:
         taken: list[KVBlock] = []
@@ -401,7 +408,7 @@ class KVStore:
         if upto is not None:
             limit = min(limit, upto)
         joined = 0
-        blocks, hashes, cached, on_cached = req.blocks, req.hashes, self._cached, self.policy.on_cached
+        blocks, hashes, cached = req.blocks, req.hashes, self._cached
         events = self._events if self.collect_events else None
         host = self.host
         for i in range(req.num_cached, limit):
@@ -414,13 +421,7 @@ class KVStore:
                     host.discard(h)
                     if events is not None:
                         events.append(BlockRemoved(h, now, Tier.HOST))
-                parent_hash = hashes[i - 1] if i else None
-                parent = cached.get(parent_hash) if i else None
-                block.block_hash = h
-                block.parent_hash = parent_hash
-                block.parent_id = parent_id = parent.block_id if parent is not None else -1
-                cached[h] = block
-                on_cached(block.block_id, h, parent_id, now)
+                parent_hash = self._cache_as(block, hashes, i, now)
                 if events is not None:
                     events.append(BlockStored(h, parent_hash, now))
                 joined += 1
