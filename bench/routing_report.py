@@ -37,6 +37,7 @@ Run (from the repository root, niced, 2 worker processes):
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -44,6 +45,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -61,12 +63,13 @@ from unicache.sim.timing import TimingModel
 OURS = ("cache_aware", "unicache")
 BASELINES = (("sglang", "unicache"), ("sglang", "lru"))
 # Candidate settings of cache_aware chosen among by cross-validation (kwargs over the
-# constructor defaults): how hard the balance guard binds, and whether the churn and
-# session-footprint terms (which trade locality for spreading new work) earn their place.
-# A first round (load_weight 0.5/1/2 x balance_ratio 1.25/1.5) kept load_weight 1.
+# constructor defaults): how far a replica's estimated TTFT may exceed the best one's and
+# stay admissible, and whether the churn and session-footprint terms (which trade
+# locality for spreading new work) earn their place. TTFT admission itself, against the
+# fixed balance ratio it replaced, is bench.studies.routing_admission's question.
 CANDIDATES: dict[str, dict] = {
-    f"br{br}-ch{ch}-fp{fp}": {"balance_ratio": br, "churn_weight": ch, "footprint_weight": fp}
-    for br in (1.1, 1.25, 1.5) for ch in (0.5, 0.0) for fp in (0.5, 0.0)
+    f"af{af}-ch{ch}-fp{fp}": {"admission_factor": af, "churn_weight": ch, "footprint_weight": fp}
+    for af in (1.5, 2.0, 3.0) for ch in (0.5, 0.0) for fp in (0.5, 0.0)
 }
 U_START, U_MIN, U_MAX = 0.5, 1.0 / 16, 8.0
 GOODPUT_FLOOR_U = 1.0 / 32
@@ -83,6 +86,7 @@ class Job:
     configs: tuple[tuple[str, str, str], ...]  # (label, router, eviction)
     kwargs: dict[str, dict] = field(default_factory=dict)  # label -> router kwargs
     args: dict = field(default_factory=dict)
+    factories: dict[str, Callable] = field(default_factory=dict)  # label -> a study's router class
 
 
 def capacity_blocks(trace: PreparedTrace, frac: float) -> int:
@@ -154,10 +158,11 @@ def run_job(job: Job) -> dict:
         rows = {}
         for label, router, policy in job.configs:
             kwargs = job.kwargs.get(label, {})
+            factory = job.factories.get(label)
 
-            def run_at(u: float, router=router, policy=policy, kwargs=kwargs) -> dict:
+            def run_at(u: float, router=router, policy=policy, kwargs=kwargs, factory=factory) -> dict:
                 cfg = ReplayConfig(policy, cap, replicas=n, router=router, lanes=LANES, rate_scale=u * s1,
-                                   router_kwargs=kwargs)
+                                   router_kwargs=kwargs, router_factory=factory)
                 return _slim(Replay(trace, cfg).run(), u)
 
             g, saturated, seen = search_goodput(run_at, slo)
@@ -199,10 +204,10 @@ def cross_validate(tune: list[dict]) -> dict:
 
 
 def code_default_candidate() -> str | None:
-    """The candidate whose kwargs equal ``CacheAwarePolicy()``'s defaults, if any."""
-    p = CacheAwarePolicy()
+    """The candidate whose kwargs equal ``CacheAwarePolicy``'s constructor defaults, if any."""
+    params = inspect.signature(CacheAwarePolicy).parameters
     for name, kw in CANDIDATES.items():
-        if all(getattr(p, k) == v for k, v in kw.items()):
+        if all(params[k].default == v for k, v in kw.items()):
             return name
     return None
 

@@ -41,7 +41,7 @@ from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStor
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 from unicache.router.index import LocalityIndex
-from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
+from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
 from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import ReplayCounters, result_record
 from unicache.sim.prepare import PreparedTrace, SimRequest
@@ -75,6 +75,9 @@ class ReplayConfig:
             registry (a study's variant that production does not register; ``policy``
             still names it in the results unless ``label`` is set).
         router_kwargs: extra constructor arguments of the routing policy (ablations).
+        router_factory: builds the routing policy from ``router_kwargs`` instead of the
+            registry (a study's variant that production does not register; ``router``
+            still names it in the results).
         label: the name reported as ``policy`` (default: ``policy``), e.g. to tell
             ablation variants of one policy apart.
         rate_scale: arrival times are divided by this (default 1.0: as recorded; 2.0:
@@ -96,6 +99,7 @@ class ReplayConfig:
     policy_kwargs: dict = field(default_factory=dict)
     policy_factory: Callable[..., EvictionPolicy] | None = None
     router_kwargs: dict = field(default_factory=dict)
+    router_factory: Callable[..., RoutingPolicy] | None = None
     label: str | None = None
     rate_scale: float = 1.0
     host_capacity_blocks: int = 0
@@ -160,7 +164,8 @@ class Replay:
         if n_stores > 1:
             if not config.router:
                 raise ValueError("several replicas need a router")
-            self.router = make_routing_policy(config.router, **config.router_kwargs)
+            make = config.router_factory or (lambda **kw: make_routing_policy(config.router, **kw))
+            self.router = make(**config.router_kwargs)
             self.router.update_replicas([r.replica_id for r in self.replicas])
             self.index = LocalityIndex()
         self.counters = ReplayCounters()
