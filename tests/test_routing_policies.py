@@ -258,16 +258,28 @@ def test_cache_aware_load_outweighs_a_short_match():
     assert p.choose(make_request("q", range(10)), reps, idx).replica_id == "r1"
 
 
-def test_cache_aware_balance_guard_excludes_overloaded_replica():
+def test_cache_aware_ttft_admission_keeps_a_cached_request_off_an_idle_replica():
     p = CacheAwarePolicy()
     idx = make_index({"r1": list(range(10))})
-    # Mean outstanding 10/3; cap = max(0 + 4, 1.25 * 3.33) = 4.17 -> r1 (10) is not admissible.
+    # r1 runs 10 requests but queues no prefill: its estimated TTFT is 0 tokens (all 160
+    # cached), r0's and r2's 160 > 2 x 0, so only r1 is admissible although its cost
+    # (1280 of outstanding load) is above r0's 160. Decoding requests do not delay a prefill.
     reps = [load("r0"), load("r1", out=10), load("r2")]
     d = p.choose(make_request("q", range(10)), reps, idx)
+    assert (d.replica_id, d.reason, d.matched_blocks, d.score) == ("r1", "index_prefix", 10, 1280.0)
+
+
+def test_cache_aware_ttft_admission_excludes_a_replica_whose_queue_outweighs_its_cache():
+    p = CacheAwarePolicy(load_weight=0.0)  # the cost ignores load: only admission sees the queue
+    idx = make_index({"r1": list(range(10))})
+    req = make_request("q", range(10))
+    # r1: 0 uncached + 1000 / 4 lanes = 250 <= 2 x 160 (r0, nothing cached): admissible, and
+    # its cache wins the cost.
+    d = p.choose(req, [load("r0"), load("r1", queued=1000)], idx)
+    assert (d.replica_id, d.reason) == ("r1", "index_prefix")
+    # 2000 queued: 500 > 320, r1 is not admissible.
+    d = p.choose(req, [load("r0"), load("r1", queued=2000)], idx)
     assert (d.replica_id, d.reason) == ("r0", "load")
-    # Guard loosened and a cheap per-request load: r1 costs 160 - 160 + 10 = 10 < r0's 160.
-    p2 = CacheAwarePolicy(balance_ratio=10.0, request_cost_tokens=1.0)
-    assert p2.choose(make_request("q", range(10)), reps, idx).replica_id == "r1"
 
 
 def test_cache_aware_discounts_blocks_under_eviction_pressure():
@@ -378,9 +390,12 @@ def test_cache_aware_session_goes_home_through_lag_load_and_churn():
     d2 = _routed(p, t2, [load("r0"), load("r1", out=4)], idx)
     assert (d2.replica_id, d2.reason, d2.matched_blocks) == ("r1", "session_home", 12)
     assert p._sessions[session_key("default", "s")].confirmed is True
-    # Another tenant's "s" is another session (no home yet: the cost picks idle r0).
-    assert p.choose(make_request("o", range(18), session="s", tenant="t2"), [load("r0"), load("r1", out=4)],
-                    idx).replica_id == "r0"
+    # Another tenant's "s" is another session: no home yet, and the cost alone would pick
+    # idle r0, but TTFT admission keeps it where 12 of its 18 blocks are (r0: 288 > 2 x 96).
+    other = make_request("o", range(18), session="s", tenant="t2")
+    d = p.choose(other, [load("r0"), load("r1", out=4)], idx)
+    assert (d.replica_id, d.reason) == ("r1", "index_prefix")
+    assert p.choose(other, [load("r0"), load("r1", out=4)], make_index({"r0": [], "r1": []})).replica_id == "r0"
 
 
 def test_cache_aware_session_leaves_a_dead_overloaded_or_evicted_home():
@@ -391,19 +406,26 @@ def test_cache_aware_session_leaves_a_dead_overloaded_or_evicted_home():
         return p
 
     t2 = make_request("t2", range(14), session="s")
-    # Overloaded beyond the balance rule: outstanding 9 > max(0 + 4, 1.25 * 4.5).
+    # Overloaded beyond TTFT admission: r1's estimate (224 - 192 uncached + 2000 / 4 queued
+    # = 532) is above 2 x r0's 224.
     p = confirmed_on_r1()
-    d = p.choose(t2, [load("r0"), load("r1", out=9)], make_index({"r1": list(range(12))}))
+    held = make_index({"r1": list(range(12))})
+    d = p.choose(t2, [load("r0"), load("r1", queued=2000)], held)
     assert (d.replica_id, d.reason) == ("r0", "load")
-    # Within the balance rule (outstanding 4 <= 0 + 4) it stays.
-    assert p.choose(t2, [load("r0"), load("r1", out=4)], make_index({"r1": list(range(12))})).reason == "session_home"
+    # Within it (32 + 1600 / 4 = 432 <= 448) it stays; so it does with 9 requests decoding.
+    assert p.choose(t2, [load("r0"), load("r1", queued=1600)], held).reason == "session_home"
+    assert p.choose(t2, [load("r0"), load("r1", out=9)], held).reason == "session_home"
     # Evicted: the confirmed session's blocks are gone from a fresh view (5 < 0.5 * 12).
     p = confirmed_on_r1()
     d = p.choose(t2, [load("r0"), load("r1")], make_index({"r0": list(range(12)), "r1": list(range(5))}))
     assert (d.replica_id, d.reason, d.matched_blocks) == ("r0", "index_prefix", 12)
-    # 6 of 12 (= 0.5 * 12) still counts as holding the session.
-    d = p.choose(t2, [load("r0"), load("r1")], make_index({"r0": list(range(12)), "r1": list(range(6))}))
+    # 6 of 12 (= 0.5 * 12) still counts as holding the session...
+    d = p.choose(t2, [load("r0"), load("r1")], make_index({"r0": [], "r1": list(range(6))}))
     assert (d.replica_id, d.reason) == ("r1", "session_home")
+    # ... unless another replica is more than twice as fast by TTFT admission: r0 holds 12
+    # (224 - 192 = 32 tokens to compute), r1 6 (128 > 2 x 32).
+    d = p.choose(t2, [load("r0"), load("r1")], make_index({"r0": list(range(12)), "r1": list(range(6))}))
+    assert (d.replica_id, d.reason) == ("r0", "index_prefix")
     # A stale view cannot tell: home, credited with sticky_trust (0.5) of the shared prefix.
     d = p.choose(t2, [load("r0"), load("r1")], EMPTY)
     assert (d.replica_id, d.reason, d.matched_blocks) == ("r1", "session_sticky", 6)

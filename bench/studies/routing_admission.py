@@ -72,12 +72,13 @@ class RatioGuardPolicy(CacheAwarePolicy):
         return [r for r in replicas if r.outstanding <= cap]
 
 
-NO_GUARD = 1e9  # an admission factor no estimate reaches: every replica admissible
+NO_GUARD = 1e9  # a balance ratio no load reaches: every replica admissible (an admission
+# factor cannot say it: a replica holding the whole prompt with nothing queued estimates 0)
 # name -> (router class, CacheAwarePolicy keyword arguments)
 VARIANTS: dict[str, tuple[type[CacheAwarePolicy], dict]] = {
     "ratio 1.5, load 1 (old default)": (RatioGuardPolicy, {}),
-    "no guard, load 1": (CacheAwarePolicy, {"admission_factor": NO_GUARD}),
-    "no guard, load 0.5": (CacheAwarePolicy, {"admission_factor": NO_GUARD, "load_weight": 0.5}),
+    "no guard, load 1": (RatioGuardPolicy, {"balance_ratio": NO_GUARD}),
+    "no guard, load 0.5": (RatioGuardPolicy, {"balance_ratio": NO_GUARD, "load_weight": 0.5}),
     "ttft 1.5, load 0.25": (CacheAwarePolicy, {"admission_factor": 1.5, "load_weight": 0.25}),
     "ttft 2, load 0.25": (CacheAwarePolicy, {"admission_factor": 2.0, "load_weight": 0.25}),
     "ttft 2, load 1": (CacheAwarePolicy, {"admission_factor": 2.0}),

@@ -40,7 +40,8 @@ every live replica r:
 
 Explicit sessions first: a request whose session has a remembered previous turn goes to
 that turn's replica (reason ``session_home``) unless the replica is dead (not among the
-live replicas), overloaded (not admissible under the TTFT admission rule below), or no longer
+live replicas), not admissible under the TTFT admission rule below (a long prefill queue, or
+another replica holding so much more of the prompt that it is over twice as fast), or no longer
 holds the session's blocks (reason ``session_sticky`` while the view is stale for it): the view is fresh for it, it once showed at least
 ``session_hold_frac`` of the session's prefix there (the session is *confirmed*), and now
 shows less. An unconfirmed session stays home on a miss, because a fresh-looking index
