@@ -40,6 +40,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.router.routing.registry import routing_policy_names
 from unicache.sim.prepare import PreparedTrace, prepare
 from unicache.sim.replay import Replay, ReplayConfig
@@ -59,8 +60,19 @@ ABLATION = {
     "- template home": {"template_trust": 0.0},
     "template home keyed on its last block": {"template_key_blocks": 0},
     "- request cost in load": {"request_cost_tokens": 0.0},
-    "- balance guard": {"balance_ratio": 1e9},
+    "- TTFT admission": {},
 }
+
+
+class NoAdmission(CacheAwarePolicy):
+    """``cache_aware`` with every replica admissible (the ablation of TTFT admission; built
+    through ``ReplayConfig.router_factory``, never registered)."""
+
+    def _admissible(self, replicas, n_tokens, block_size, matches):
+        return list(replicas)
+
+
+FACTORIES = {"- TTFT admission": NoAdmission}
 
 
 def _label(r: dict) -> str:
@@ -76,7 +88,8 @@ def _slim(r: dict) -> dict:
 def run_ablation(trace: PreparedTrace, base: ReplayConfig) -> list[dict]:
     rows = []
     for name, kwargs in ABLATION.items():
-        rec = _slim(Replay(trace, replace(base, policy="unicache", router=OURS, pooled=False, router_kwargs=kwargs)).run())
+        rec = _slim(Replay(trace, replace(base, policy="unicache", router=OURS, pooled=False, router_kwargs=kwargs,
+                                                 router_factory=FACTORIES.get(name))).run())
         rec["variant"], rec["kwargs"] = name, kwargs
         rows.append(rec)
         print(f"    ablation {name:28s} tok hit {rec['token_hit_ratio']:.4f}", file=sys.stderr)
