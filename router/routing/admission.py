@@ -63,6 +63,9 @@ class TTFTAdmission:
                    matches: Mapping[str, int]) -> list[ReplicaLoad]:
         """The replicas whose estimate is within ``factor`` of the best (``matches``: the
         index's leading-block match per replica; a replica left out matches 0)."""
-        est = [self.estimate(num_prompt_tokens, block_size, matches.get(r.replica_id, 0), r) for r in replicas]
+        # NOTE: ``estimate`` inlined (the router runs this per request over every replica)
+        lanes, get = self.prefill_lanes, matches.get
+        est = [max(0, num_prompt_tokens - block_size * get(r.replica_id, 0)) + r.queued_prefill_tokens / lanes
+               for r in replicas]
         cap = self.factor * min(est)
         return [r for r, e in zip(replicas, est) if e <= cap]
