@@ -181,7 +181,8 @@ class CacheAwarePolicy(RoutingPolicy):
         admission_factor: a replica is admissible while its estimated TTFT is at most
             this times the best replica's (default 2.0; ``TTFTAdmission``).
         prefill_lanes: prefill batches a replica runs at once, for the TTFT estimate's
-            queue wait (default 4).
+            queue wait (default 4, the simulator's lanes; an engine that prefills in one
+            step loop, as the built-in one does, is 1).
         session_sticky: a session's next turn goes to its previous turn's replica unless
             that replica is dead, not admissible or lost the session's blocks (default
             True; False leaves sessions to the cost, as before).
