@@ -146,7 +146,7 @@ class RouterApp:
         keeps_sessions = type(self.policy).export_session is not RoutingPolicy.export_session
         if self.subscriber is not None and config.shared_sessions and keeps_sessions:
             self.sessions = SessionStore(
-                self.subscriber.redis, config.redis_prefix, cluster_key, timeout_s=config.session_timeout_s,
+                self.subscriber.new_client(), config.redis_prefix, cluster_key, timeout_s=config.session_timeout_s,
                 ttl_s=config.session_ttl_s, counter=self.metrics.session_store,
             )
         self.core = RouterCore(
@@ -265,6 +265,8 @@ class RouterApp:
             await self._grpc_server.stop(grace_s)
             self._grpc_server = None
         await self.clients.close()
+        if self.sessions is not None:
+            await self.sessions.redis.aclose()
         if self.subscriber is not None:
             await self.subscriber.close()
 

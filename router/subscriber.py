@@ -160,6 +160,7 @@ class RedisSubscriber:
             kwargs["password"] = password
         if tls_ca:
             kwargs["ssl_ca_certs"] = tls_ca
+        self._url, self._client_kwargs = url, kwargs
         self.redis = aioredis.from_url(url, **kwargs)
         self._cursors: dict[str, bytes | str] = {}
         self._retry_at: dict[str, float] = {}
@@ -169,6 +170,12 @@ class RedisSubscriber:
         self._warned_at_start = False
         self.resyncs = 0
         self.reconnects = 0
+
+    def new_client(self) -> aioredis.Redis:
+        """Another client of the same Redis (same address, password and TLS), with a pool of
+        its own: what the session store uses, so that its short deadlines, which cancel
+        commands mid-reply, never break a connection this subscriber reads from."""
+        return aioredis.from_url(self._url, **self._client_kwargs)
 
     async def close(self) -> None:
         await self.redis.aclose()

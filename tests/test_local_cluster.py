@@ -79,7 +79,8 @@ def test_up_serves_then_sigterm_leaves_nothing_behind():
             lines.append(proc.stdout.readline().rstrip("\n"))
         grpc_addr, http_url, n = match.group(1), match.group(2), int(match.group(3))
         assert n == 1
-        body = json.dumps({"model": "unicache-default", "prompt": "hello " * 40, "max_tokens": 4}).encode()
+        # Greedy: OpenAI's default temperature 1 could sample the EOS before the 4th token.
+        body = json.dumps({"model": "unicache-default", "prompt": "hello " * 40, "max_tokens": 4, "temperature": 0}).encode()
         req = urllib.request.Request(f"{http_url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as resp:
             out = json.loads(resp.read())

@@ -28,12 +28,13 @@ async def serves_over_grpc(stack: LoadStack) -> None:
 
 
 async def serves_over_http(stack: LoadStack) -> None:
-    """One 2-token ``/v1/completions`` per replica, each a 200 with 2 completion tokens."""
+    """One 2-token greedy ``/v1/completions`` per replica, each a 200 with 2 completion tokens
+    (greedy: OpenAI's default temperature 1 may sample the EOS and stop after one)."""
     import httpx
 
     async with httpx.AsyncClient(base_url=stack.http_url, timeout=30) as client:
         for _ in stack.replicas:
-            r = await client.post("/v1/completions", json={"prompt": "alive", "max_tokens": 2}, headers={"x-api-key": "key-acme"})
+            r = await client.post("/v1/completions", json={"prompt": "alive", "max_tokens": 2, "temperature": 0}, headers={"x-api-key": "key-acme"})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 

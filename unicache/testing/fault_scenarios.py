@@ -77,7 +77,10 @@ async def indexed_on(router: RouterHandle, rid: str, prompt: str, what: str, tim
 # ------------------------------------------------------------------------------- redis
 @dataclass(slots=True)
 class Sent:
-    """One request of the session traffic: the phase when it was *sent* (not when it ended)."""
+    """One request of the session traffic: the phase it was sent and answered in, or
+    ``"<sent>-><answered>"`` when the phase changed while it was in flight (its route may
+    have been chosen on either side: a session turn's placement is read from Redis before
+    the choice, so a turn sent just before the kill can be routed just after it)."""
 
     phase: str
     session: str
@@ -90,7 +93,8 @@ class OutageRecord:
 
     Attributes:
         log: every request in send order; phases ``up``, ``killing``, ``down``,
-            ``restarting`` (live restart only) and ``after``.
+            ``restarting`` (live restart only) and ``after``, or ``a->b`` for a request
+            in flight while the phase went from a to b.
         noticed_s: kill -> the router saw Redis down.
         reconnect_s: restart -> the router reconnected.
         rebuilt_s: restart -> index rebuilt (criterion: see ``redis_outage``).
@@ -132,7 +136,8 @@ class _SessionTraffic:
                 self.sessions[sid] += f" user turn {turn} of {sid}; assistant reply {turn}."
                 sent_in = self.phase
                 reply = await self.router.generate(self.sessions[sid], max_tokens=4, session_id=sid, task="chat")
-                self.log.append(Sent(sent_in, sid, reply))
+                phase = sent_in if self.phase == sent_in else f"{sent_in}->{self.phase}"
+                self.log.append(Sent(phase, sid, reply))
             turn += 1
 
 
