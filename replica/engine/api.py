@@ -161,6 +161,25 @@ class CacheStateInfo:
     queue_evictions: dict[str, int] = field(default_factory=dict)
     queue_hits: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def of_store(cls, store, eviction_policy: str, host_eviction_policy: str) -> "CacheStateInfo":
+        """From a ``KVStore`` whose policies carry these names. The caller holds its lock."""
+        counters = store.policy.queue_counters()
+        return cls(
+            block_size=store.block_size,
+            capacity_blocks=store.num_blocks,
+            used_blocks=store.num_used_blocks,
+            free_blocks=store.num_free_blocks,
+            cached_blocks=store.num_cached_blocks,
+            hit_ratio=store.stats.hit_ratio,
+            queue_sizes=store.policy.queue_sizes(),
+            eviction_policy=eviction_policy,
+            evictions=store.stats.evictions,
+            host=HostTierInfo.of_store(store, host_eviction_policy),
+            queue_evictions=counters.evictions if counters else {eviction_policy: store.stats.evictions},
+            queue_hits=counters.hits if counters else {},
+        )
+
 
 @runtime_checkable
 class ServingEngine(Protocol):

@@ -23,7 +23,6 @@ from unicache.replica.engine.api import (
     EngineLoad,
     EngineOutput,
     EngineRequest,
-    HostTierInfo,
 )
 from unicache.replica.engine.attention import build_metadata
 from unicache.replica.engine.config import EngineConfig
@@ -34,11 +33,10 @@ from unicache.replica.engine.scheduler import ScheduledChunk, Scheduler
 from unicache.replica.engine.sequence import RequestGroup, Sequence
 from unicache.tokenizer import load_tokenizer
 from unicache.replica.eviction.registry import make_policy
-from unicache.replica.kv.events import KVEvent
+from unicache.replica.kv.locked_reads import LockedStoreReads
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore
 from unicache.replica.kv.torch_storage import TorchKVStorage
-from unicache.block_hash import BlockHash
 
 _DTYPES = {
     "float32": torch.float32,
@@ -64,7 +62,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} (choose from auto, {', '.join(_DTYPES)})") from None
 
 
-class LLMEngine:
+class LLMEngine(LockedStoreReads):
     """Model + paged KV store + scheduler. See the module docstring for threading rules."""
 
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
@@ -276,22 +274,7 @@ class LLMEngine:
         return ids
 
     # ------------------------------------------------------------- snapshots
-    def take_events(self) -> list[KVEvent]:
-        with self.lock:
-            return self.store.take_events()
-
-    def cached_hashes(self) -> list[BlockHash]:
-        with self.lock:
-            return self.store.cached_hashes()
-
-    def host_hashes(self) -> list[BlockHash]:
-        with self.lock:
-            return self.store.host_hashes()
-
-    def cached_blocks(self) -> list[tuple[BlockHash, BlockHash | None]]:
-        with self.lock:
-            return self.store.cached_blocks()
-
+    # take_events, cached_hashes, host_hashes, cached_blocks: LockedStoreReads.
     def num_referenced_blocks(self) -> int:
         with self.lock:
             return sum(1 for b in self.store.blocks if b.ref_cnt > 0)
@@ -306,22 +289,7 @@ class LLMEngine:
 
     def cache_state(self) -> CacheStateInfo:
         with self.lock:
-            s = self.store
-            counters = s.policy.queue_counters()
-            return CacheStateInfo(
-                block_size=s.block_size,
-                capacity_blocks=s.num_blocks,
-                used_blocks=s.num_used_blocks,
-                free_blocks=s.num_free_blocks,
-                cached_blocks=s.num_cached_blocks,
-                hit_ratio=s.stats.hit_ratio,
-                queue_sizes=s.policy.queue_sizes(),
-                eviction_policy=self.policy_name,
-                evictions=s.stats.evictions,
-                host=HostTierInfo.of_store(s, self.config.host_eviction_policy),
-                queue_evictions=counters.evictions if counters else {self.policy_name: s.stats.evictions},
-                queue_hits=counters.hits if counters else {},
-            )
+            return CacheStateInfo.of_store(self.store, self.policy_name, self.config.host_eviction_policy)
 
     def check_invariants(self) -> None:
         with self.lock:
