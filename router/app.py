@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from unicache.tokenizer import load_tokenizer
 from unicache.router.auth import Authenticator, load_api_keys_file, parse_api_keys
 from unicache.router.cluster import ClusterView
-from unicache.router.config import RouterConfig, resolve_tokenizer_path
+from unicache.router.config import RouterConfig, resolve_tokenizer_path, shares_sessions
 from unicache.router.core import RouterCore
 from unicache.router.first_token import FirstTokenTimeout
 from unicache.router.history import ClusterHistory
@@ -144,7 +144,7 @@ class RouterApp:
         # NOTE: only a policy that remembers sessions has anything to share; for the others
         # (round robin, session_affinity's ring) the store would cost Redis calls for nothing.
         keeps_sessions = type(self.policy).export_session is not RoutingPolicy.export_session
-        if self.subscriber is not None and config.shared_sessions and keeps_sessions:
+        if self.subscriber is not None and shares_sessions(config) and keeps_sessions:
             self.sessions = SessionStore(
                 self.subscriber.new_client(), config.redis_prefix, cluster_key, timeout_s=config.session_timeout_s,
                 ttl_s=config.session_ttl_s, counter=self.metrics.session_store,

@@ -54,8 +54,13 @@ class RouterConfig:
     reuse_port: bool = field(
         default=False, metadata={"help": "set SO_REUSEPORT on both listening sockets so several router processes share them (--workers sets it)"}
     )
-    shared_sessions: bool = field(
-        default=True, metadata={"help": "share explicit sessions' placement with the cluster's other routers through Redis (router/session_store.py)"}
+    shared_sessions: str = field(
+        default="auto",
+        metadata={
+            "help": "share explicit sessions' placement with the cluster's other routers through Redis (router/session_store.py): "
+            "on, off, or auto (on when several router processes share the ports: --workers > 1 or --reuse-port; "
+            "the Helm chart sets on when it runs more than one router pod). Each shared turn costs a Redis read and write"
+        },
     )
     session_ttl_s: float = field(default=3600.0, metadata={"help": "a shared session record expires this long after the session's latest turn"})
     session_timeout_s: float = field(
@@ -210,11 +215,34 @@ def build_config(
         raise UsageError(f"workers must be >= 1, got {cfg.workers}")
     if cfg.workers > 1 and (cfg.grpc_port == 0 or cfg.http_port == 0):
         raise UsageError("--workers > 1 needs fixed --grpc-port and --http-port (with port 0 each process would pick its own)")
+    shares_sessions(cfg)  # a bad value is a UsageError now, not at start-up
     if cfg.session_ttl_s <= 0 or cfg.session_timeout_s <= 0:
         raise UsageError("session_ttl_s and session_timeout_s must be positive")
     check_routing_policy(cfg.routing_policy)
     check_http_settings(cfg)
     return cfg
+
+
+SHARED_SESSIONS_VALUES = ("auto", "on", "off")
+
+
+def shares_sessions(cfg: RouterConfig) -> bool:
+    """Whether this router keeps explicit sessions' placement in Redis.
+
+    ``auto`` means on exactly when this process shares its ports with other router
+    processes (``reuse_port``, which ``--workers`` > 1 sets on every worker): a lone
+    router's own memory already gives every turn the same answer, and the store would
+    cost it a Redis read and write per turn (``bench.session_store_cost``). Several pods
+    are invisible from inside one, so the chart sets ``on`` for them. ``true``/``false``
+    (and the other spellings ``parse_bool`` reads) mean on/off.
+    """
+    value = str(cfg.shared_sessions).strip().lower()
+    if value == "auto":
+        return cfg.reuse_port or cfg.workers > 1
+    try:
+        return settings.parse_bool(value)
+    except ValueError:
+        raise UsageError(f"shared_sessions must be one of {', '.join(SHARED_SESSIONS_VALUES)}, got {cfg.shared_sessions!r}") from None
 
 
 def check_http_settings(cfg: RouterConfig) -> None:

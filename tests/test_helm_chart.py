@@ -376,6 +376,26 @@ def test_router_ports_probes_and_wiring(rendered):
     assert "UNICACHE_REDIS_URL" not in settings  # per container: it embeds the password
 
 
+@pytest.mark.parametrize(
+    ("router", "expected", "shared"),
+    [
+        ({}, "on", True),  # the default: an HPA of 2 to 8 pods
+        ({"autoscaling": {"enabled": False}, "replicaCount": 1}, "auto", False),  # one pod, one process
+        ({"autoscaling": {"enabled": False}, "replicaCount": 3}, "on", True),
+        ({"autoscaling": {"enabled": False}, "replicaCount": 1, "workers": 2}, "on", True),
+        ({"sharedSessions": "off"}, "off", False),
+        ({"autoscaling": {"enabled": False}, "replicaCount": 1, "sharedSessions": True}, "true", True),  # YAML's `on`
+    ],
+)
+def test_shared_sessions_follow_the_router_process_count(router, expected, shared):
+    from unicache.router.config import build_config, shares_sessions
+
+    settings = one(documents(render({"router": router})), "ConfigMap", "settings")["data"]
+    assert settings["UNICACHE_SHARED_SESSIONS"] == expected
+    cfg = build_config(env={k: v for k, v in settings.items() if k.startswith("UNICACHE_")})
+    assert shares_sessions(cfg) is shared
+
+
 def test_router_limits_from_values_reach_the_router_config():
     docs = documents(render({"router": {"firstTokenTimeoutSeconds": 20, "retryReplicas": 1, "tenantLimits": {"maxConcurrent": 16},
                                         "tenantOverrides": ["acme.max_concurrent=4", "beta.tokens_per_minute=900"]}}))

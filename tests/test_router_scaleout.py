@@ -18,6 +18,7 @@ import random
 import httpx
 import pytest
 
+from unicache.errors import UsageError
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.routing.base import SessionRecord
@@ -207,7 +208,7 @@ def test_cache_aware_import_makes_another_router_decide_as_the_first():
 async def test_no_store_for_a_policy_without_session_memory(redis_server):
     cfg = build_config(
         env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
-        overrides={"redis_url": redis_server.url, "auth_enabled": False, "routing_policy": "round_robin"},
+        overrides={"redis_url": redis_server.url, "auth_enabled": False, "routing_policy": "round_robin", "shared_sessions": "on"},
     )
     apps = [RouterApp(cfg)]
     cfg.routing_policy = "cache_aware"
@@ -215,3 +216,27 @@ async def test_no_store_for_a_policy_without_session_memory(redis_server):
     assert (apps[0].sessions, apps[1].sessions is not None) == (None, True)
     for app in apps:
         await app.subscriber.close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "shared"),
+    [
+        ({}, False),  # auto, a lone router: its memory answers every turn, no Redis calls
+        ({"reuse_port": True}, True),  # auto, one of several processes on the ports (what --workers sets)
+        ({"shared_sessions": "on"}, True),
+        ({"shared_sessions": "off", "reuse_port": True}, False),
+        ({"shared_sessions": True}, True),  # a boolean from a YAML config file
+    ],
+)
+async def test_auto_shares_sessions_only_when_routers_share_ports(redis_server, overrides, shared):
+    cfg = build_config(
+        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY}, overrides={"redis_url": redis_server.url, "auth_enabled": False, **overrides}
+    )
+    app = RouterApp(cfg)
+    assert (app.sessions is not None) is shared
+    await app.subscriber.close()
+
+
+def test_a_bad_shared_sessions_value_is_refused_by_name():
+    with pytest.raises(UsageError, match=r"shared_sessions must be one of auto, on, off, got 'sometimes'"):
+        build_config(env={}, overrides={"shared_sessions": "sometimes"})

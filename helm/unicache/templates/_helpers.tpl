@@ -252,3 +252,16 @@ Replica metrics ports per worker pod: one per replica actor the pod hosts (one p
 {{- define "unicache.metricsPortSpan" -}}
 {{- max 1 (int .Values.rayCluster.worker.gpusPerWorker) -}}
 {{- end }}
+
+{{/*
+The router's --shared-sessions: `auto` becomes `on` when the chart runs more than one router
+process (several pods, an HPA, or several workers per pod), which a pod cannot see from inside.
+*/}}
+{{- define "unicache.sharedSessions" -}}
+{{- $r := .Values.router -}}
+{{- if and (eq (toString $r.sharedSessions) "auto") (or (gt (int $r.replicaCount) 1) $r.autoscaling.enabled (gt (int $r.workers) 1)) -}}
+on
+{{- else -}}
+{{- $r.sharedSessions -}}
+{{- end -}}
+{{- end }}
