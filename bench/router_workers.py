@@ -9,14 +9,24 @@ per router (one TCP connection each, so the kernel's SO_REUSEPORT spreads them o
 workers) and sending bursts of ``--requests`` concurrent streams. Every router stays up
 the whole run; each round runs every count once, the order turning each round.
 
-Reports per count and round: requests/s, CPU per request (all worker processes, from
-/proc) and the 1-minute load average before the burst; the figure is the median over
-rounds of the per-round ratio req/s(N) / req/s(1). On a shared 2-core machine the client,
-the replicas and the workers compete for the same cores, so that ratio is the machine's,
-not the router's alone.
+Reports per count and round: requests/s, CPU per request of the workers, of the client
+and of the replicas (from /proc) and the 1-minute load average before the burst; the
+figure is the median over rounds of the per-round ratio req/s(N) / req/s(1). On a 2-core
+machine the client, the replicas and the workers compete for the same cores, so that ratio
+is the machine's, not the router's alone: with total CPU per request C (client + replicas +
+router) and router CPU R, one worker serves at most min(1/R, 2/C) req/s and two at most 2/C,
+so the ratio cannot exceed (2/C) / min(1/R, 2/C), reported as ``ratio_bound``.
+
+``--client grpc`` (default) is this process on grpc.aio, which costs about what the router
+does per request and so caps the ratio near 1 on 2 cores. ``--client h2load`` sends the same
+``Router.Generate`` stream from nghttp2's h2load (C; ``apt-get install nghttp2-client``):
+one serialized request as a gRPC frame, ``--channels`` connections with up to
+``--requests / --channels`` streams each. h2load cannot read gRPC trailers, so the bench
+checks delivery itself: h2load must count every request succeeded with a 2xx, and the
+replicas must have served exactly as many requests as were sent.
 
     .venv/bin/python -m bench.router_workers [--workers 1,2] [--requests 1000] [--rounds 5]
-        [--channels 16] [--max-tokens 8] [--json OUT]
+        [--channels 16] [--max-tokens 8] [--client grpc|h2load] [--json OUT]
 """
 
 from __future__ import annotations
@@ -29,14 +39,76 @@ import os
 import shutil
 import statistics
 import subprocess
+import re
+import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.load_test import burst
-from bench.router_profile import free_port, replicas_main
+from bench.load_test import burst, prompt
+from bench.router_profile import free_port
 from unicache.testing.procfs import child_pids, cpu_s
+
+
+def counting_replicas_main(n: int, ports, stop, served) -> None:
+    """``n`` fake replicas in this process; ``served`` (a shared int) counts the streams
+    they answered, so a client that cannot read gRPC trailers can still be checked."""
+
+    async def run() -> None:
+        from unicache.testing.fake_replica import FakeReplica
+
+        class Counting(FakeReplica):
+            async def Generate(self, request, context):
+                async for msg in super().Generate(request, context):
+                    yield msg
+                with served.get_lock():
+                    served.value += 1
+
+        fakes = [Counting(f"r{i}") for i in range(n)]
+        for f in fakes:
+            f.requests = _Discard()  # keep no request: a long run would hold them all
+            await f.start()
+        ports.put(("replicas", [f.port for f in fakes], os.getpid()))
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        for f in fakes:
+            await f.stop()
+
+    asyncio.run(run())
+
+
+class _Discard(list):
+    def append(self, item) -> None:  # noqa: D102 - a list that keeps nothing
+        pass
+
+
+def grpc_frame(max_tokens: int) -> bytes:
+    """One ``RouterGenerateRequest`` as a gRPC length-prefixed message (uncompressed)."""
+    from unicache.v1 import common_pb2, router_pb2
+
+    msg = router_pb2.RouterGenerateRequest(text=prompt(0), sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+    body = msg.SerializeToString()
+    return b"\x00" + len(body).to_bytes(4, "big") + body
+
+
+def h2load_burst(port: int, n: int, channels: int, frame_path: str) -> dict:
+    """``n`` streams from h2load over ``channels`` connections; requests/s and latency as
+    h2load measured them, and its success counts (checked by the caller)."""
+    streams = max(1, -(-n // channels))
+    cmd = ["h2load", "-n", str(n), "-c", str(channels), "-m", str(streams), "-d", frame_path,
+           "-H", "content-type: application/grpc", "-H", "te: trailers", f"http://127.0.0.1:{port}/unicache.v1.Router/Generate"]
+    t0, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    wall, ru1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    client_s = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+    grab = lambda pattern: re.search(pattern, out).groups()  # noqa: E731
+    (rps,) = grab(r"finished in [\d.]+m?s, ([\d.]+) req/s")
+    done, ok = grab(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded")
+    (two,) = grab(r"status codes: (\d+) 2xx")
+    mean_ms = grab(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(m?s)")
+    return {"requests": n, "ok": int(ok), "done": int(done), "status_2xx": int(two), "wall_s": round(wall, 3),
+            "requests_per_s": float(rps), "latency_mean_ms": round(float(mean_ms[0]) * (1 if mean_ms[1] == "ms" else 1e3), 2),
+            "malformed_answers": 0, "errors": {}, "client_cpu_s": client_s}
 
 
 def start_router(workers: int, spec: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen, int]:
@@ -66,7 +138,7 @@ def worker_pids(proc: subprocess.Popen, workers: int) -> list[int]:
     return child_pids(proc.pid) if workers > 1 else [proc.pid]
 
 
-async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]]) -> dict:
+async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]], replicas_pid: int, served) -> dict:
     import grpc
 
     from unicache.v1 import router_pb2_grpc
@@ -76,6 +148,13 @@ async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]]) -> dict:
     stubs = {n: [router_pb2_grpc.RouterStub(c) for c in cs] for n, cs in chans.items()}
     for s in stubs.values():
         await burst(s, 200, args.max_tokens, False)  # warm up every connection
+    frame_path = ""
+    if args.client == "h2load":
+        fd, frame_path = tempfile.mkstemp(suffix=".grpc")
+        os.write(fd, grpc_frame(args.max_tokens))
+        os.close(fd)
+        for n, (_, port) in routers.items():
+            h2load_burst(port, 200, args.channels, frame_path)  # warm up h2load's connections too
     counts = sorted(routers)
     rounds = []
     for i in range(args.rounds):
@@ -84,26 +163,44 @@ async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]]) -> dict:
         for n in order:
             pids = worker_pids(routers[n][0], n)
             load1 = os.getloadavg()[0]
-            c0 = sum(cpu_s(p) for p in pids)
-            r = await burst(stubs[n], args.requests, args.max_tokens, False)
-            assert r["ok"] == args.requests and not r["malformed_answers"], r
-            r["cpu_ms_per_request"] = round(1e3 * (sum(cpu_s(p) for p in pids) - c0) / args.requests, 3)
+            c0, rep0, me0, served0 = sum(cpu_s(p) for p in pids), cpu_s(replicas_pid), time.process_time(), served.value
+            if args.client == "h2load":
+                r = await asyncio.to_thread(h2load_burst, routers[n][1], args.requests, args.channels, frame_path)
+                assert r["ok"] == r["done"] == r["status_2xx"] == args.requests, r
+            else:
+                r = await burst(stubs[n], args.requests, args.max_tokens, False)
+                assert r["ok"] == args.requests and not r["malformed_answers"], r
+            assert served.value - served0 == args.requests, (served.value - served0, args.requests)
+            per = lambda seconds: round(1e3 * seconds / args.requests, 3)  # noqa: E731
+            r["cpu_ms_per_request"] = per(sum(cpu_s(p) for p in pids) - c0)
+            r["replicas_cpu_ms_per_request"] = per(cpu_s(replicas_pid) - rep0)
+            # the grpc client's CPU is this process's; h2load's its own (the one child reaped meanwhile)
+            r["client_cpu_ms_per_request"] = per(r.pop("client_cpu_s") if args.client == "h2load" else time.process_time() - me0)
             r["load_avg_1m"] = round(load1, 2)
             rnd[str(n)] = r
         base = rnd[str(counts[0])]["requests_per_s"]
         for n in counts:
             rnd[str(n)]["ratio_req_per_s_vs_first"] = round(rnd[str(n)]["requests_per_s"] / base, 3)
         rounds.append(rnd)
+    if frame_path:
+        os.unlink(frame_path)
     for cs in chans.values():
         for c in cs:
             await c.close()
     med = lambda n, k: round(statistics.median(r[str(n)][k] for r in rounds), 3)  # noqa: E731
+    keys = ["requests_per_s", "ratio_req_per_s_vs_first", "cpu_ms_per_request", "replicas_cpu_ms_per_request",
+            "client_cpu_ms_per_request", "load_avg_1m", "latency_p50_ms" if args.client == "grpc" else "latency_mean_ms"]
+    median = {str(n): {k: med(n, k) for k in keys} for n in counts}
+    # the bound of the module docstring, from the first count's CPU split
+    first, cores = median[str(counts[0])], os.cpu_count() or 1
+    router_ms = first["cpu_ms_per_request"]
+    total_ms = router_ms + first["replicas_cpu_ms_per_request"] + first["client_cpu_ms_per_request"]
+    median["ratio_bound"] = round((cores / total_ms) / min(1 / router_ms, cores / total_ms), 3)
     return {
         "config": {"workers": counts, "requests": args.requests, "rounds": args.rounds, "channels": args.channels,
-                   "max_tokens": args.max_tokens, "replicas": args.replicas, "cpus": os.cpu_count()},
+                   "max_tokens": args.max_tokens, "replicas": args.replicas, "cpus": os.cpu_count(), "client": args.client},
         "rounds": rounds,
-        "median": {str(n): {k: med(n, k) for k in ("requests_per_s", "ratio_req_per_s_vs_first", "cpu_ms_per_request",
-                                                   "latency_p50_ms", "load_avg_1m")} for n in counts},
+        "median": median,
     }
 
 
@@ -115,20 +212,24 @@ def main() -> None:
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--client", choices=("grpc", "h2load"), default="grpc",
+                    help="load client: this process on grpc.aio, or nghttp2's h2load (C; see the module docstring)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.client == "h2load" and shutil.which("h2load") is None:
+        ap.error("--client h2load needs nghttp2's h2load on PATH (Debian: apt-get install nghttp2-client)")
     counts = [int(x) for x in args.workers.split(",")]
     ctx = mp.get_context("spawn")
-    ports, stop = ctx.Queue(), ctx.Event()
-    reps = ctx.Process(target=replicas_main, args=(args.replicas, ports, stop))
+    ports, stop, served = ctx.Queue(), ctx.Event(), ctx.Value("q", 0)
+    reps = ctx.Process(target=counting_replicas_main, args=(args.replicas, ports, stop, served))
     reps.start()
     routers: dict[int, tuple[subprocess.Popen, int]] = {}
     try:
-        _, rep_ports, _ = ports.get(timeout=60)
+        _, rep_ports, rep_pid = ports.get(timeout=60)
         spec = ",".join(f"r{i}=127.0.0.1:{p}" for i, p in enumerate(rep_ports))
         for n in counts:
             routers[n] = start_router(n, spec)
-        result = asyncio.run(drive(args, routers))
+        result = asyncio.run(drive(args, routers, rep_pid, served))
     finally:
         for proc, _ in routers.values():
             proc.terminate()
@@ -139,10 +240,13 @@ def main() -> None:
         print(f"round {i}: " + " | ".join(
             f"{n} workers {r['requests_per_s']} req/s ({r['ratio_req_per_s_vs_first']}x), CPU {r['cpu_ms_per_request']} ms/req, "
             f"load {r['load_avg_1m']}" for n, r in rnd.items()))
-    for n, m in result["median"].items():
+    for n in map(str, counts):
+        m = result["median"][n]
+        client = f", client {m['client_cpu_ms_per_request']} ms/req"
         print(f"median {n} workers: {m['requests_per_s']} req/s, per-round ratio to {counts[0]} worker(s) "
-              f"{m['ratio_req_per_s_vs_first']}x, CPU {m['cpu_ms_per_request']} ms/req, p50 {m['latency_p50_ms']} ms, "
-              f"load average {m['load_avg_1m']}")
+              f"{m['ratio_req_per_s_vs_first']}x, CPU router {m['cpu_ms_per_request']} ms/req, replicas "
+              f"{m['replicas_cpu_ms_per_request']} ms/req{client}, load average {m['load_avg_1m']}")
+    print(f"bound on the ratio from the CPU split on {os.cpu_count()} cores: {result['median']['ratio_bound']}x")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
