@@ -150,3 +150,17 @@ def test_vllm_logprobs_become_ours_top_k_by_rank_with_the_sampled_token_only_if_
         token_logprobs([7], None, 2)
     with pytest.raises(ValueError, match="logprobs for 2 of 1 tokens"):
         token_logprobs([7], per_token, 2)
+
+
+def test_phase_times_read_vllms_request_stats():
+    from types import SimpleNamespace
+
+    from unicache.replica.vllm_engine.engine import phase_times
+
+    stats = SimpleNamespace(queued_ts=10.0, scheduled_ts=10.25, first_token_ts=10.75)
+    assert phase_times(stats, first_token_s=0.9) == (0.25, 0.5)
+    # no stats (vLLM's stats off) or the core has not scheduled it: our own clock, no queue
+    assert phase_times(None, first_token_s=0.9) == (0.0, 0.9)
+    assert phase_times(SimpleNamespace(queued_ts=10.0, scheduled_ts=0.0, first_token_ts=0.0), 0.9) == (0.0, 0.9)
+    # scheduled but no first-token stamp yet: the rest of our own first-token time
+    assert phase_times(SimpleNamespace(queued_ts=10.0, scheduled_ts=10.25, first_token_ts=0.0), 0.9) == (0.25, 0.65)

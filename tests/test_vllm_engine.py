@@ -8,6 +8,7 @@ choice), and for the eviction comparison one engine with vLLM's own LRU.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -369,3 +370,17 @@ async def test_unicache_keeps_a_live_session_that_vllms_lru_evicts(stack, model_
         await native.stop()
     assert unicache == (0, 480)  # the session's 15 full prompt blocks all survive
     assert lru == (0, 288)  # vLLM's LRU evicted 6 of them (tail first) for the one-off prompts
+
+
+async def test_usage_carries_vllms_own_queue_and_prefill_times(stack):
+    """vLLM's request stats reach Usage: 12 concurrent prompts with max_num_seqs 8, so
+    some wait for a slot; the phases vLLM measured fit in each request's own wall time."""
+    async def timed(i: int):
+        t0 = time.monotonic()
+        _, usage = await generate(stack.replica, text(900 + i, 64), salt=b"phases", max_tokens=6)
+        return usage, time.monotonic() - t0
+
+    results = await asyncio.gather(*(timed(i) for i in range(12)))
+    for usage, wall in results:
+        assert usage.queue_time_s > 0 and usage.prefill_time_s > 0  # measured, not the 0.0 we used to send
+        assert usage.queue_time_s + usage.prefill_time_s <= wall

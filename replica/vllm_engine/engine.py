@@ -46,6 +46,21 @@ MAX_N = 16
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
+def phase_times(stats, first_token_s: float) -> tuple[float, float]:
+    """(queue, prefill) seconds of a request from vLLM's own ``RequestStateStats``: queued
+    from the engine core's first QUEUED event to its first SCHEDULED one, prefill from then
+    to the first token (preemptions during prefill included), as vLLM's
+    ``vllm:request_queue_time_seconds`` and ``vllm:request_prefill_time_seconds`` measure
+    them. Without those stats (vLLM logs none when its stats are off, and none before the
+    core has scheduled the request), the queue counts 0 and prefill is ``first_token_s``,
+    submission to first token as this process saw it."""
+    if stats is None or not stats.queued_ts or not stats.scheduled_ts:
+        return 0.0, first_token_s
+    queue = max(0.0, stats.scheduled_ts - stats.queued_ts)
+    prefill = stats.first_token_ts - stats.scheduled_ts if stats.first_token_ts else first_token_s - queue
+    return queue, max(0.0, prefill)
+
+
 @dataclass(slots=True)
 class _InFlight:
     prompt_tokens: int
@@ -176,12 +191,13 @@ class VLLMEngine:
                     done = c.finish_reason is not None
                     usage = None
                     if done:
+                        queue_s, prefill_s = phase_times(out.metrics, first - submitted)
                         usage = Usage(
                             prompt_tokens=flight.prompt_tokens,
                             cached_tokens=out.num_cached_tokens or 0,
                             completion_tokens=completion[c.index],
-                            queue_time_s=0.0,
-                            prefill_time_s=first - submitted,
+                            queue_time_s=queue_s,
+                            prefill_time_s=prefill_s,
                         )
                     yield EngineOutput(
                         req.request_id,
