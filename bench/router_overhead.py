@@ -8,8 +8,17 @@ gRPC, router HTTP non-streaming) so drift hits all alike; every request has a fr
 prompt so none is a cache hit. Reports p50/p99 per path and the router's added latency
 (router minus direct) at p50 and p99, and the ratio to the direct call.
 
+``--bare`` adds the floors, in this process too: a bare grpc.aio proxy
+(``bench.router_profile.start_bare_proxy``) and a bare HTTP proxy on uvicorn
+(``bench.http_cpu.start_bare_http``), both forwarding with the cluster credential and
+nothing else (paths bare_grpc, bare_http). ``--baseline-unicache EXE`` adds two router
+processes in front of the same replica, run alike: this tree's ``unicache router`` (paths
+tree_grpc, tree_http) and ``EXE router`` (another checkout's command; baseline_grpc,
+baseline_http), each on ``--event-loop``, so the two trees are compared in one run.
+
 Run: .venv/bin/python -m bench.router_overhead [--requests 200] [--prompt-tokens 256]
-     [--max-tokens 1] [--with-redis] [--event-loop asyncio|uvloop] [--json OUT]
+     [--max-tokens 1] [--with-redis] [--event-loop asyncio|uvloop] [--bare]
+     [--baseline-unicache EXE] [--json OUT]
 """
 
 from __future__ import annotations
@@ -17,9 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import shutil
 import statistics
 import string
+import sys
 import time
 
 import grpc
@@ -73,6 +85,48 @@ async def run(args) -> dict:
     gchan = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
     router = router_pb2_grpc.RouterStub(gchan)
     http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", headers={"x-api-key": "k"}, timeout=60)
+    closers = []  # how to stop each optional path, run in reverse
+    grpc_doors = {"router_grpc": router}
+    http_doors = {"router_http": http}
+    if args.bare:
+        from bench.http_cpu import start_bare_http, stop_bare_http
+        from bench.router_profile import start_bare_proxy
+
+        bserver, bport, bchannels = await start_bare_proxy([addr], call_auth.metadata)
+
+        async def stop_bare_grpc() -> None:
+            await bserver.stop(0)
+            for c in bchannels:
+                await c.close()
+
+        closers.append(stop_bare_grpc)
+        bchan = grpc.aio.insecure_channel(f"127.0.0.1:{bport}")
+        closers.append(bchan.close)
+        grpc_doors["bare_grpc"] = router_pb2_grpc.RouterStub(bchan)
+        hserver, htask, hport, hchannels = await start_bare_http([addr], call_auth.metadata)
+        closers.append(lambda: stop_bare_http(hserver, htask, hchannels))
+        http_doors["bare_http"] = httpx.AsyncClient(base_url=f"http://127.0.0.1:{hport}", timeout=60)
+        closers.append(http_doors["bare_http"].aclose)
+    if args.baseline_unicache:
+        from bench.router_profile import start_baseline
+
+        tree = shutil.which("unicache", path=os.path.dirname(sys.executable)) or "unicache"
+        env = {"UNICACHE_API_KEYS": "k:bench", "UNICACHE_SALT_SECRET": "s", "UNICACHE_CLUSTER_KEY": key,
+               "UNICACHE_AUTH_ENABLED": "true", "UNICACHE_ROUTING_POLICY": args.policy, "UNICACHE_EVENT_LOOP": args.event_loop}
+        for name, exe in (("tree", tree), ("baseline", args.baseline_unicache)):
+            proc, gport, hport = await asyncio.to_thread(start_baseline, exe, f"r0={addr}", 60.0, env)
+
+            async def stop_proc(proc=proc) -> None:
+                proc.terminate()
+                await asyncio.to_thread(proc.wait, 30)
+
+            closers.append(stop_proc)
+            chan = grpc.aio.insecure_channel(f"127.0.0.1:{gport}")
+            closers.append(chan.close)
+            grpc_doors[f"{name}_grpc"] = router_pb2_grpc.RouterStub(chan)
+            http_doors[f"{name}_http"] = httpx.AsyncClient(base_url=f"http://127.0.0.1:{hport}", headers={"x-api-key": "k"},
+                                                           timeout=60)
+            closers.append(http_doors[f"{name}_http"].aclose)
     rng = random.Random(0)
     tok = app.core.tokenizer
     sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens)
@@ -85,16 +139,23 @@ async def run(args) -> dict:
         async for _ in replica.Generate(req, timeout=60, metadata=call_auth.metadata()):
             pass
 
-    async def via_grpc() -> None:
-        req = router_pb2.RouterGenerateRequest(text=prompt(), sampling=sampling)
-        async for _ in router.Generate(req, metadata=[("x-api-key", "k")], timeout=60):
-            pass
+    def via_grpc(stub):
+        async def call() -> None:
+            req = router_pb2.RouterGenerateRequest(text=prompt(), sampling=sampling)
+            async for _ in stub.Generate(req, metadata=[("x-api-key", "k")], timeout=60):
+                pass
 
-    async def via_http() -> None:
-        r = await http.post("/v1/completions", json={"prompt": prompt(), "max_tokens": args.max_tokens})
-        r.raise_for_status()
+        return call
 
-    paths = {"direct_grpc": direct, "router_grpc": via_grpc, "router_http": via_http}
+    def via_http(client):
+        async def call() -> None:
+            r = await client.post("/v1/completions", json={"prompt": prompt(), "max_tokens": args.max_tokens})
+            r.raise_for_status()
+
+        return call
+
+    paths = {"direct_grpc": direct, **{n: via_grpc(s) for n, s in grpc_doors.items()},
+             **{n: via_http(c) for n, c in http_doors.items()}}
     times: dict[str, list[float]] = {k: [] for k in paths}
     try:
         for i in range(args.warmup + args.requests):
@@ -104,6 +165,8 @@ async def run(args) -> dict:
                 if i >= args.warmup:
                     times[name].append(time.perf_counter() - t0)
     finally:
+        for close in reversed(closers):
+            await close()
         await http.aclose()
         await gchan.close()
         await rchan.close()
@@ -120,6 +183,8 @@ async def run(args) -> dict:
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "with_redis": args.with_redis,
+        "baseline_unicache": args.baseline_unicache,
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "paths": {},
     }
     for name, xs in times.items():
@@ -144,6 +209,8 @@ def main() -> None:
     ap.add_argument("--policy", default="cache_aware")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--with-redis", action="store_true")
+    ap.add_argument("--bare", action="store_true", help="also bare gRPC and HTTP proxies (the floors)")
+    ap.add_argument("--baseline-unicache", metavar="EXE", help="also this tree's and EXE's `router` as processes")
     ap.add_argument("--event-loop", default="asyncio", help="asyncio or uvloop (client and router share the loop)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -152,6 +219,7 @@ def main() -> None:
     with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
         out = runner.run(run(args))
     out["event_loop"] = args.event_loop
+    print("load average", out["load_average_1m"])
     print(f"{'path':<12} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'p50/direct':>10}")
     for name, r in out["paths"].items():
         print(f"{name:<12} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['added_p50_ms']:>10.2f} {r['added_p99_ms']:>10.2f} {r['ratio_p50_vs_direct']:>10.2f}")

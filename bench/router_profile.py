@@ -6,8 +6,8 @@ Processes: the fake replicas (``unicache.testing.fake_replica.FakeReplica``: ech
 per message, no model) share one process; the router (round robin, no auth, no Redis, as
 in ``bench/load_test.py``) has its own; this process is the client. Each round sends the
 burst straight to the replicas, then through each front door: the router; with
-``--baseline-unicache EXE`` the ``unicache router`` command of another checkout's venv
-(A/B in the same run: e.g. ``git worktree add /tmp/base <commit>``, a venv there with
+``--baseline-unicache EXE`` the ``unicache router`` command of another checkout's venv,
+on each of ``--event-loops`` (A/B in the same run: e.g. ``git worktree add /tmp/base <commit>``, a venv there with
 that checkout installed, and ``--baseline-unicache /tmp/base/.venv/bin/unicache``); with
 ``--bare`` a bare grpc.aio forwarding proxy (the floor any grpc.aio router pays).
 
@@ -40,7 +40,8 @@ from unicache.testing.procfs import cpu_s
 
 # (front door, reference): per-round CPU ratios reported for each pair present.
 PAIRS = (
-    ("router", "router_baseline"), ("router", "bare_proxy"), ("router_uvloop", "bare_proxy_uvloop"),
+    ("router", "router_baseline"), ("router_uvloop", "router_baseline_uvloop"), ("router", "bare_proxy"),
+    ("router_uvloop", "bare_proxy_uvloop"),
     ("router_uvloop", "router"), ("bare_proxy_uvloop", "bare_proxy"),
 )
 
@@ -60,10 +61,11 @@ def replicas_main(n: int, ports, stop) -> None:
     asyncio.run(run())
 
 
-async def start_bare_proxy(addresses: list[str]):
+async def start_bare_proxy(addresses: list[str], metadata=None):
     """The floor: a grpc.aio ``Router.Generate`` that only forwards (round robin, the
     prompt's UTF-8 bytes as token ids, replica messages passed on as bytes; no auth, no
-    hashing, no classification, no metrics). Returns (server, port, channels)."""
+    hashing, no classification, no metrics; ``metadata``: a function giving what each replica call
+    carries, e.g. the cluster credential's). Returns (server, port, channels)."""
     import itertools
 
     import grpc
@@ -79,7 +81,7 @@ async def start_bare_proxy(addresses: list[str]):
 
     async def generate(request, context):
         fwd = replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=request.text.encode()), sampling=request.sampling)
-        async for raw in next(calls)(fwd, timeout=300):
+        async for raw in next(calls)(fwd, timeout=300, metadata=metadata() if metadata else None):
             yield raw
 
     handler = grpc.unary_stream_rpc_method_handler(
@@ -146,16 +148,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_baseline(exe: str, spec: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, int]:
+def start_baseline(exe: str, spec: str, timeout_s: float = 60.0, extra_env: dict[str, str] | None = None
+                   ) -> tuple[subprocess.Popen, int, int]:
     """``EXE router`` (another checkout's ``unicache`` command) with this bench's router
-    settings, as environment variables (the settings interface every checkout shares),
-    run from an empty folder so nothing in this tree shadows that checkout's package.
-    Returns the process and its gRPC port once the port accepts a channel."""
+    settings, as environment variables (the settings interface every checkout shares;
+    ``extra_env`` adds more, e.g. ``UNICACHE_EVENT_LOOP``), run from an empty folder so
+    nothing in this tree shadows that checkout's package. Returns the process and its
+    gRPC and HTTP ports once the gRPC port accepts a channel."""
     import grpc
 
-    port = free_port()
-    env = dict(os.environ, UNICACHE_GRPC_PORT=str(port), UNICACHE_HTTP_PORT=str(free_port()), UNICACHE_USE_REDIS="false",
+    port, http_port = free_port(), free_port()
+    env = dict(os.environ, UNICACHE_GRPC_PORT=str(port), UNICACHE_HTTP_PORT=str(http_port), UNICACHE_USE_REDIS="false",
                UNICACHE_AUTH_ENABLED="false", UNICACHE_ROUTING_POLICY="round_robin", UNICACHE_REPLICAS=spec)
+    env.update(extra_env or {})
     env.pop("PYTHONPATH", None)
     proc = subprocess.Popen([exe, "router", "--log-level", "warning"], env=env, cwd=tempfile.mkdtemp())
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -164,7 +169,7 @@ def start_baseline(exe: str, spec: str, timeout_s: float = 60.0) -> tuple[subpro
         except grpc.FutureTimeoutError:
             proc.kill()
             raise RuntimeError(f"{exe} router did not listen on port {port} within {timeout_s:g} s") from None
-    return proc, port
+    return proc, port, http_port
 
 
 async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], rep_pid: int, ports, cmds) -> dict:
@@ -227,7 +232,8 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
             median[name][f"ratio_cpu_vs_{ref}"] = med(name, f"ratio_cpu_vs_{ref}")
     return {
         "config": {"requests": args.requests, "max_tokens": args.max_tokens, "replicas": args.replicas, "rounds": args.rounds,
-                   "cpus": os.cpu_count(), "baseline_unicache": args.baseline_unicache},
+                   "cpus": os.cpu_count(), "baseline_unicache": args.baseline_unicache,
+                   "load_average_1m": round(os.getloadavg()[0], 2)},
         "rounds": rounds,
         "median": median,
     }
@@ -270,7 +276,7 @@ def main() -> None:
     reps = ctx.Process(target=replicas_main, args=(args.replicas, ports, stop))
     reps.start()
     children = [reps]
-    baseline: subprocess.Popen | None = None
+    baselines: list[subprocess.Popen] = []
     front: dict[str, tuple[int, int]] = {}
     try:
         _, rep_ports, rep_pid = ports.get(timeout=60)
@@ -283,16 +289,18 @@ def main() -> None:
             _, port, pid = ports.get(timeout=60)
             front[name] = (port, pid)
         if args.baseline_unicache:
-            baseline, port = start_baseline(args.baseline_unicache, spec)
-            front["router_baseline"] = (port, baseline.pid)
+            for loop in args.event_loops.split(","):
+                proc, port, _ = start_baseline(args.baseline_unicache, spec, extra_env={"UNICACHE_EVENT_LOOP": loop})
+                baselines.append(proc)
+                front["router_baseline" + ("" if loop == "asyncio" else f"_{loop}")] = (port, proc.pid)
         result = asyncio.run(drive(args, rep_ports, front, rep_pid, ports, cmds["router"]))
     finally:
         stop.set()
         for q in cmds.values():
             q.put("stop")
-        if baseline is not None:
-            baseline.terminate()
-            baseline.wait(timeout=30)
+        for proc in baselines:
+            proc.terminate()
+            proc.wait(timeout=30)
         for c in children:
             c.join(timeout=30)
             if c.is_alive():

@@ -34,7 +34,7 @@ from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from unicache.router.auth import api_key_from_headers
@@ -48,7 +48,6 @@ from unicache.router.openai_errors import (
     CLIENT_CLOSED,
     MAPPED,
     ApiError,
-    ClientGone,
     error_response,
     sse_error_event,
     to_api_error,
@@ -63,7 +62,7 @@ from unicache.router.openai_request import (
     parse_request,
 )
 from unicache.router.http_server import TIMED_OUT_SCOPE_KEY  # set when the guard closed for a body timeout (and logged it)
-from unicache.router.openai_response import FINISH, CompletionLogprobs, TokenText, UsageTally, base, chat_logprobs
+from unicache.router.openai_response import FINISH, CompletionLogprobs, StreamChunks, TokenText, UsageTally, base, chat_logprobs
 from unicache.v1 import replica_pb2
 
 log = logging.getLogger(__name__)
@@ -87,30 +86,76 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _unless_disconnected(request: Request, coro):
-    """Await ``coro``, cancelling it if the client disconnects first (raises ClientGone).
+class _Watch:
+    """Cancels the request's task when its client disconnects: one watcher task for the
+    whole request (waiting for the first messages, collecting a body, or streaming one),
+    where a task per phase cost two tasks each.
 
-    Cancelling the generation closes the replica call, so an abandoned non-streaming
-    request stops computing at once. (Streaming responses get the same from Starlette.)
+    The code it guards catches ``asyncio.CancelledError`` and calls ``caught()``: True
+    means the client went away (the task is un-cancelled; the caller answers 499), False
+    that someone else cancelled (re-raise). ``close()`` ends the watch; it must run before
+    the response's last message is sent, so a response that completes is never cancelled.
+    Cancelling the generation closes the replica calls, so an abandoned request stops
+    computing at once.
     """
-    task = asyncio.ensure_future(coro)
 
-    async def watch() -> None:
+    __slots__ = ("task", "gone", "closed", "_watcher")
+
+    def __init__(self, receive):
+        self.task = asyncio.current_task()
+        self.gone = False
+        self.closed = False
+        self._watcher = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive) -> None:
         while True:
-            message = await request.receive()
+            message = await receive()
             if message["type"] == "http.disconnect":
-                task.cancel()
+                if not self.closed:
+                    self.gone = True
+                    self.task.cancel()
                 return
 
-    watcher = asyncio.create_task(watch())
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if task.cancelled() and watcher.done():
-            raise ClientGone() from None
-        raise
-    finally:
-        watcher.cancel()
+    def caught(self) -> bool:
+        if not self.gone:
+            return False
+        self.close()
+        self.task.uncancel()
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self._watcher.cancel()
+
+
+class _EventStream(Response):
+    """A ``text/event-stream`` response of ``body``'s events that stops when the client
+    goes away (``watch``): Starlette's StreamingResponse, without its task group (on
+    uvicorn's ASGI 2.3 it runs two tasks and a cancel scope per response)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], watch: _Watch, headers: dict[str, str]):
+        self.body_iterator = body
+        self.watch = watch
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        watch = self.watch
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            watch.close()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.caught():
+                raise
+        finally:
+            watch.close()
+            await self.body_iterator.aclose()  # runs its finally if it never started or was left at a yield
 
 
 async def _first_messages(agens: list) -> list[tuple[Any, replica_pb2.GenerateResponse]]:
@@ -294,6 +339,7 @@ class HttpFrontDoor:
         core = self.core
         api = "chat" if chat else "completions"
         agens: list = []
+        watch: _Watch | None = None
         try:
             tenant = core.auth.authenticate(api_key_from_headers(request.headers.get))
             body = parse_body(await read_body(request, self.max_body_bytes), self.max_json_depth)
@@ -305,21 +351,30 @@ class HttpFrontDoor:
             if not req.generate:
                 return self._echo_only(req, token_ids, preps[0].request_id, api)
             agens = [core.forward(p, req.sampling) for p in preps]
-            firsts = await _unless_disconnected(request, _first_messages(agens))
+            watch = _Watch(request.receive)
+            firsts = await _first_messages(agens)
         except ClientDisconnect:
             if not request.scope.get(TIMED_OUT_SCOPE_KEY):
                 log.info("client %s disconnected during its upload", _peer(request))
             self._count(api, "cancelled")
             return Response(status_code=CLIENT_CLOSED)
-        except ClientGone:
+        except asyncio.CancelledError:
+            if watch is None or not watch.caught():
+                raise
             await _close_all(agens)
             self._count(api, "cancelled")
             return Response(status_code=CLIENT_CLOSED)
         except MAPPED as exc:
+            if watch is not None:
+                watch.close()
             await _close_all(agens)
             err = to_api_error(exc)
             self._count(api, err.outcome)
             return error_response(err)
+        except BaseException:
+            if watch is not None:
+                watch.close()
+            raise
         routes = [route for route, _ in firsts]
         headers = {
             "x-unicache-replica": ",".join(r.replica_id for r in routes),
@@ -331,13 +386,16 @@ class HttpFrontDoor:
         echo = [self._echo_text(p, ids) for p, ids in zip(req.prompts, token_ids)] if req.echo else None
         messages = _merged(agens, firsts)
         if req.stream:
-            body_iter = self._sse(req, messages, agens, rid, created, echo, api)
-            return StreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
+            return _EventStream(self._sse(req, messages, agens, rid, created, echo, api), watch, headers)
         try:
-            return await _unless_disconnected(request, self._collect(req, messages, agens, rid, created, echo, headers, api))
-        except ClientGone:
+            return await self._collect(req, messages, agens, rid, created, echo, headers, api)
+        except asyncio.CancelledError:
+            if not watch.caught():
+                raise
             self._count(api, "cancelled")
             return Response(status_code=CLIENT_CLOSED)
+        finally:
+            watch.close()
 
     def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.core.tokenizer.decode(ids)
@@ -417,13 +475,12 @@ class HttpFrontDoor:
         # Ends that reach no outcome below are the client going away (Starlette cancels
         # the response, or closes this generator): "cancelled", not an error.
         outcome = "cancelled"
+        events = StreamChunks(rid, created, self.model_name, req.chat, req.include_usage)
         try:
             try:
                 async for i, msg in messages:
                     c = i * n + msg.index
                     usage.add(i, c, msg)
-                    chunk = base(rid, created, self.model_name, req.chat, chunk=True)
-                    reason = FINISH.get(msg.finish_reason)
                     text = msg.text
                     first = c not in started
                     if first:
@@ -431,27 +488,18 @@ class HttpFrontDoor:
                         if echo:
                             text = echo[i] + text
                         offsets[c] = len(text) - len(msg.text)
-                    if req.chat:
-                        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-                        lp = {"content": chat_logprobs(msg, self.token_text)} if want_logprobs else None
-                        choice = {"index": c, "delta": delta, "logprobs": lp, "finish_reason": reason}
-                    else:
-                        lp = None
-                        if want_logprobs:
+                    lp = None
+                    if want_logprobs:
+                        if req.chat:
+                            lp = {"content": chat_logprobs(msg, self.token_text)}
+                        else:
                             part = CompletionLogprobs(offsets[c])
                             part.add(msg, self.token_text)
                             offsets[c] = part.offset
                             lp = part.as_dict()
-                        choice = {"index": c, "text": text, "finish_reason": reason, "logprobs": lp}
-                    chunk["choices"] = [choice]
-                    if req.include_usage:
-                        chunk["usage"] = None
-                    yield _sse_event(chunk)
+                    yield events.choice(c, text, FINISH.get(msg.finish_reason), lp, first)
                 if req.include_usage:
-                    chunk = base(rid, created, self.model_name, req.chat, chunk=True)
-                    chunk["choices"] = []
-                    chunk["usage"] = usage.as_dict()
-                    yield _sse_event(chunk)
+                    yield events.usage(usage.as_dict())
                 outcome = "ok"
             except MAPPED as exc:
                 err = to_api_error(exc)

@@ -102,10 +102,6 @@ def unsupported(param: str) -> ApiError:
     return ApiError(400, f"unsupported parameter: {param!r} is not supported by this server", "unsupported_parameter", param)
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected before the response was ready."""
-
-
 def to_api_error(exc: BaseException) -> ApiError:
     """The one mapping from a failure to what the client gets (see the module docstring)."""
     if isinstance(exc, ApiError):
@@ -138,7 +134,6 @@ __all__ = [
     "ApiError",
     "CLIENT_CLOSED",
     "ClientDisconnect",
-    "ClientGone",
     "MAPPED",
     "bad_request",
     "error_response",

@@ -7,6 +7,8 @@ token strings are the router tokenizer's decoding of each id alone.
 
 from __future__ import annotations
 
+import json
+from json.encoder import encode_basestring_ascii as _json_str  # what json.dumps does to a str
 from typing import Any
 
 from unicache.v1 import common_pb2, replica_pb2
@@ -116,3 +118,38 @@ class UsageTally:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached)},
         }
+
+
+class StreamChunks:
+    """The server-sent events of one streamed response, from text templates made once.
+
+    Each event is byte for byte ``b"data: " + json.dumps(chunk, separators=(",", ":"))
+    + b"\\n\\n"`` of the chunk object ``base(...)`` plus ``choices`` (and ``usage``) would
+    make (tests/test_openai_stream_chunks.py compares them), without building the dicts
+    and walking them per token: only the text, the finish reason and the logprobs are
+    encoded per event.
+    """
+
+    __slots__ = ("_head", "_tail", "_chat")
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._head = f'data: {{"id":{_json_str(rid)},"object":"{obj}","created":{int(created)},"model":{_json_str(model)},"choices":['
+        self._tail = ']' + (',"usage":null' if include_usage else "") + "}\n\n"
+        self._chat = chat
+
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None, first: bool = False) -> bytes:
+        """The event of one choice's delta; ``first``: the choice's first chat delta (it
+        carries the assistant role); ``logprobs``: the choice's logprobs object or None."""
+        reason = "null" if finish_reason is None else _json_str(finish_reason)
+        lp = "null" if logprobs is None else json.dumps(logprobs, separators=(",", ":"))
+        if self._chat:
+            role = '"role":"assistant",' if first else ""
+            body = f'{{"index":{index},"delta":{{{role}"content":{_json_str(text)}}},"logprobs":{lp},"finish_reason":{reason}}}'
+        else:
+            body = f'{{"index":{index},"text":{_json_str(text)},"finish_reason":{reason},"logprobs":{lp}}}'
+        return (self._head + body + self._tail).encode()
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        """The last event of ``stream_options.include_usage``: no choices, the usage."""
+        return (self._head + '],"usage":' + json.dumps(usage, separators=(",", ":")) + "}\n\n").encode()

@@ -8,6 +8,11 @@ Invariants:
     * ``ReplicaStream`` cancels the replica call when it is closed before the replica
       finished (client went away, router shutting down), so the replica frees the
       request's blocks.
+    * A replica's ``GenerateResponse`` is read as the router's ``RouterGenerateResponse``
+      (``parse_replica_message``): fields 1-5 and 7 are the same numbers, names and types
+      (``tests/test_router_units.py`` checks it), so every field arrives and the gRPC
+      front door passes the message on as its own (``route`` set on the first) without
+      copying it per token.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Callable
 import grpc
 
 from unicache.state_auth import CallCredential
-from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2
 
 # Status codes that mean "this replica could not serve it", worth one retry elsewhere
 # when nothing was streamed yet. INVALID_ARGUMENT and RESOURCE_EXHAUSTED are the
@@ -38,6 +43,9 @@ RETRYABLE = frozenset(
 
 # The silence check runs this long before the first-token deadline it may push back.
 _CHECK_AHEAD_S = 0.01
+
+GENERATE_METHOD = "/unicache.v1.Replica/Generate"
+parse_replica_message = router_pb2.RouterGenerateResponse.FromString  # see the module invariants
 
 PROBE_REQUEST_ID = "router-probe"
 _PROBE = replica_pb2.GenerateRequest(
@@ -58,7 +66,7 @@ class ReplicaStream:
 
     async def first(
         self, timeout_s: float | None = None, last_progress: Callable[[], float] | None = None, max_wait_s: float | None = None
-    ) -> replica_pb2.GenerateResponse | None:
+    ) -> router_pb2.RouterGenerateResponse | None:
         """The first message (None if the stream ended empty); raises grpc.aio.AioRpcError.
 
         With ``timeout_s``, a replica that stays silent that long is cancelled and the
@@ -111,7 +119,7 @@ class ReplicaStream:
             return None
         return msg
 
-    async def next(self) -> replica_pb2.GenerateResponse | None:
+    async def next(self) -> router_pb2.RouterGenerateResponse | None:
         """The next message, or None once the replica ended the stream."""
         msg = await self._call.read()
         if msg is grpc.aio.EOF:
@@ -147,19 +155,32 @@ class ReplicaClients:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
-        self._channels: dict[str, tuple[grpc.aio.Channel, replica_pb2_grpc.ReplicaStub]] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, replica_pb2_grpc.ReplicaStub, grpc.aio.UnaryStreamMultiCallable]] = {}
 
-    def stub(self, address: str) -> replica_pb2_grpc.ReplicaStub:
+    def _entry(self, address: str):
         entry = self._channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
-            entry = self._channels[address] = (channel, replica_pb2_grpc.ReplicaStub(channel))
-        return entry[1]
+            entry = self._channels[address] = self._connect(address, self._options)
+        return entry
+
+    @staticmethod
+    def _connect(address: str, options: list):
+        """(channel, stub, Generate multicallable reading ``parse_replica_message``)."""
+        channel = grpc.aio.insecure_channel(address, options=options)
+        generate = channel.unary_stream(
+            GENERATE_METHOD, request_serializer=replica_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=parse_replica_message,
+        )
+        return channel, replica_pb2_grpc.ReplicaStub(channel), generate
+
+    def stub(self, address: str) -> replica_pb2_grpc.ReplicaStub:
+        return self._entry(address)[1]
 
     def generate(self, address: str, request: replica_pb2.GenerateRequest, timeout_s: float | None = None) -> ReplicaStream:
-        """Start a Generate with deadline ``timeout_s`` (default and bound ``forward_deadline_s``)."""
+        """Start a Generate with deadline ``timeout_s`` (default and bound ``forward_deadline_s``);
+        its messages are ``RouterGenerateResponse`` (see the module invariants)."""
         deadline = self.forward_deadline_s if timeout_s is None else min(timeout_s, self.forward_deadline_s)
-        return ReplicaStream(self.stub(address).Generate(request, timeout=deadline, metadata=self._metadata()))
+        return ReplicaStream(self._entry(address)[2](request, timeout=deadline, metadata=self._metadata()))
 
     async def probe(self, address: str, timeout_s: float) -> None:
         """A one-token Generate (one prompt token, no full block, so nothing is cached or
@@ -189,6 +210,6 @@ class ReplicaClients:
         return self.credential.metadata() if self.credential is not None else None
 
     async def close(self) -> None:
-        channels = [c for c, _ in self._channels.values()]
+        channels = [entry[0] for entry in self._channels.values()]
         self._channels.clear()
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

@@ -20,7 +20,7 @@ from unicache.router.core import Labelled, Prepared
 from unicache.router.status import format_table
 from unicache.cli import main
 from unicache.errors import UsageError
-from unicache.router.service import router_response
+from unicache.router.replica_client import parse_replica_message
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 
@@ -149,9 +149,10 @@ def test_hot_path_records_use_slots():
 
 
 def test_replica_response_fields_are_the_router_responses_first_fields():
-    """``router_response`` re-parses the replica's bytes as a RouterGenerateResponse: that
-    is a field-by-field copy only while every replica field has the same number, name and
-    type there, and none lands on a router-only field such as ``route``."""
+    """The router reads a replica's GenerateResponse bytes as a RouterGenerateResponse
+    (``parse_replica_message``): that is a field-by-field copy only while every replica
+    field has the same number, name and type there, and none lands on a router-only field
+    such as ``route``."""
     def shape(msg) -> dict:
         return {
             f.number: (f.name, f.type, f.is_repeated, (f.message_type or f.enum_type) and (f.message_type or f.enum_type).full_name)
@@ -163,13 +164,16 @@ def test_replica_response_fields_are_the_router_responses_first_fields():
     assert set(router) - set(replica) == {router_pb2.RouterGenerateResponse.DESCRIPTOR.fields_by_name["route"].number}
 
 
-def test_router_response_copies_every_field():
+def test_replica_messages_are_read_with_every_field():
     usage = common_pb2.Usage(prompt_tokens=20, cached_tokens=16, completion_tokens=3)
-    msg = replica_pb2.GenerateResponse(index=1, token_ids=[7, 300], text="hé", finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage)
-    assert router_response(msg) == router_pb2.RouterGenerateResponse(
-        index=1, token_ids=[7, 300], text="hé", finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage
+    lp = common_pb2.TokenLogprobs(logprob=-0.5, top=[common_pb2.TopLogprob(token_id=7, logprob=-0.5)])
+    msg = replica_pb2.GenerateResponse(index=1, token_ids=[7, 300], text="hé", finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage,
+                                       logprobs=[lp, lp])
+    assert parse_replica_message(msg.SerializeToString()) == router_pb2.RouterGenerateResponse(
+        index=1, token_ids=[7, 300], text="hé", finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage, logprobs=[lp, lp]
     )
-    assert router_response(replica_pb2.GenerateResponse(token_ids=[5])) == router_pb2.RouterGenerateResponse(token_ids=[5])
+    got = parse_replica_message(replica_pb2.GenerateResponse(token_ids=[5]).SerializeToString())
+    assert got == router_pb2.RouterGenerateResponse(token_ids=[5]) and not got.HasField("route")
 
 
 def test_cli_status_unreachable_is_one_line(capsys):
