@@ -77,7 +77,7 @@ class ReplicaRuntime:
             await self.metrics_server.start()
         self.server = ReplicaServer(
             self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults(), cluster_key=key,
-            metrics=metrics,
+            metrics=metrics, max_pending_calls=s.max_num_seqs + s.max_waiting,
         )
         port = await self.server.start()
         self.address = f"{s.advertised_host()}:{port}"

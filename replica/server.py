@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from unicache.grpc_decode import add_servicer
+from unicache.grpc_server import pending_call_options
 from unicache.state_auth import CallCredential, StateSigner
 from unicache.wire import REFUSAL_METADATA
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
@@ -174,6 +175,9 @@ class ReplicaServer:
             (UNAUTHENTICATED otherwise) and ``GetCacheSummary`` can answer once
             ``servicer.summary_source`` is set.
         metrics: see ``ReplicaServicer``.
+        max_pending_calls: calls grpc core lets wait for the servicer before cancelling
+            any (``unicache.grpc_server``): at least what the engine admits, running plus
+            waiting (default 4096).
     """
 
     def __init__(
@@ -188,6 +192,7 @@ class ReplicaServer:
         faults: FaultInjection | None = None,
         cluster_key: bytes | None = None,
         metrics: "ReplicaMetrics | None" = None,
+        max_pending_calls: int = 4096,
     ):
         self.host = host
         self.requested_port = port
@@ -198,6 +203,7 @@ class ReplicaServer:
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            *pending_call_options(max_pending_calls),
         ]
         self.auth = ClusterAuthInterceptor(CallCredential(cluster_key)) if cluster_key else None
         self.signer = StateSigner(cluster_key) if cluster_key else None

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from unicache.tokenizer import load_tokenizer
 from unicache.router.auth import Authenticator, load_api_keys_file, parse_api_keys
 from unicache.router.cluster import ClusterView
+from unicache.grpc_server import pending_call_options
 from unicache.router.config import RouterConfig, resolve_tokenizer_path, shares_sessions
 from unicache.router.core import RouterCore
 from unicache.router.first_token import FirstTokenTimeout
@@ -205,6 +206,7 @@ class RouterApp:
                 # NOTE: grpc core sets SO_REUSEPORT by default, so a second router on the
                 # same port would silently share it; only --workers asks for that.
                 ("grpc.so_reuseport", 1 if cfg.reuse_port else 0),
+                *pending_call_options(cfg.max_in_flight),
             ]
         )
         add_servicer(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(self.core, self.policy.name, cfg.admin_key), server)
