@@ -46,12 +46,25 @@ PAIRS = (
 )
 
 
-def replicas_main(n: int, ports, stop) -> None:
+def replicas_main(n: int, ports, stop, served=None) -> None:
+    """``n`` fake replicas in this process until ``stop`` is set; their ports go to
+    ``ports``. With ``served`` (a shared int) they count the streams they answered and
+    keep no request (a client that cannot read gRPC trailers is checked by the count)."""
+
     async def run() -> None:
         from unicache.testing.fake_replica import FakeReplica
 
-        fakes = [FakeReplica(f"r{i}") for i in range(n)]
+        class Counting(FakeReplica):
+            async def Generate(self, request, context):
+                async for msg in super().Generate(request, context):
+                    yield msg
+                with served.get_lock():
+                    served.value += 1
+
+        fakes = [(FakeReplica if served is None else Counting)(f"r{i}") for i in range(n)]
         for f in fakes:
+            if served is not None:
+                f.requests = _Discard()  # a long run would hold every request
             await f.start()
         ports.put(("replicas", [f.port for f in fakes], os.getpid()))
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
@@ -59,6 +72,13 @@ def replicas_main(n: int, ports, stop) -> None:
             await f.stop()
 
     asyncio.run(run())
+
+
+class _Discard(list):
+    """A list that keeps nothing appended to it."""
+
+    def append(self, item) -> None:
+        pass
 
 
 async def start_bare_proxy(addresses: list[str], metadata=None):
