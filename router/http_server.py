@@ -194,6 +194,7 @@ def uvicorn_config(app, limits: HttpLimits, protocol_base: type | None = None) -
     return uvicorn.Config(
         app,
         http=guarded_protocol(limits, protocol_base),
+        interface="asgi3",  # NOTE: uvicorn's guess takes a bound async method for ASGI 2
         log_level="warning",
         lifespan="off",
         access_log=False,

@@ -232,3 +232,28 @@ def test_bad_http_settings_fail_at_build_time(overrides, message):
 
     with pytest.raises(UsageError, match=message):
         build_config(env={}, overrides=overrides)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_router_bug_in_generation_is_a_500_in_openai_shape_and_logged(router, path, monkeypatch, caplog):
+    """The generation routes bypass Starlette's middleware (HttpFrontDoor.app): a failure
+    there still answers 500 ``internal_error`` (no traceback), uvicorn logs it, and the
+    connection's other routes still go through Starlette."""
+    import httpx
+
+    app, rep = router
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret detail of a router bug")
+
+    monkeypatch.setattr(app.core, "prepare", broken)
+    body = {"prompt": "hi", "max_tokens": 1} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=READ_TIMEOUT_S) as client:
+        with caplog.at_level(logging.ERROR):
+            r = await client.post(path, json=body)
+        assert r.status_code == 500
+        assert r.json()["error"]["code"] == "internal_error" and "secret" not in r.text
+        assert any("secret detail of a router bug" in str(rec.exc_info) for rec in caplog.records if rec.exc_info)
+        r = await client.get(path)
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert rep.served == []
