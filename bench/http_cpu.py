@@ -15,7 +15,8 @@ a replica over grpc.aio, each replica message one SSE event or the texts collect
 one JSON body; no auth, validation, hashing, classification, metrics or Starlette): what
 any Python router on uvicorn and grpc.aio pays. ``--baseline-unicache EXE``: also ``EXE
 router`` (another checkout's ``unicache`` command, e.g. a ``git worktree`` of an older
-commit with its own venv) with httptools on each event loop in the variants. Per round,
+commit with its own venv) with httptools on each event loop in the variants;
+``--tree-unicache EXE`` the same for this checkout's command, so both trees run alike. Per round,
 each variant's CPU is also given as a ratio to the bare proxy and to the baseline on the
 same loop. ``--profile``: the first variant's router runs under cProfile (its event-loop
 thread, every burst; slows it, so its figures mean less) and the top functions are printed.
@@ -197,7 +198,7 @@ async def burst(url: str, n: int, concurrency: int, max_tokens: int) -> dict:
 def references(name: str, names: list[str]) -> dict[str, str]:
     """The per-round references of front door ``name``: the bare proxy and the baseline
     checkout on its event loop (those present)."""
-    if name.startswith(("bare:", "baseline:")):
+    if name.startswith(("bare:", "baseline:")):  # "tree:..." (this checkout's command) has both references
         return {}
     loop = name.split("+")[-1]
     return {key: ref for key, ref in (("bare", f"bare:{loop}"), ("baseline_tree", f"baseline:httptools+{loop}")) if ref in names}
@@ -246,6 +247,8 @@ def main() -> None:
                     "the first is the reference of every ratio_vs_baseline")
     ap.add_argument("--bare", action="store_true", help="also a bare HTTP proxy on each event loop of the variants")
     ap.add_argument("--baseline-unicache", metavar="EXE", help="also `EXE router` (another checkout) on each event loop")
+    ap.add_argument("--tree-unicache", metavar="EXE", help="also `EXE router` (this checkout's command: run as the baseline "
+                    "is, a process of its own) on each event loop")
     ap.add_argument("--profile", action="store_true", help="the first variant under cProfile")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default=str(RESULTS / "http_cpu"))
@@ -276,12 +279,11 @@ def main() -> None:
             children.append(proc)
             _, port, pid = ports.get(timeout=60)
             front[name] = (port, pid)
-        if args.baseline_unicache:
-            for loop in loops:
-                proc, _, http_port = start_baseline(args.baseline_unicache, spec, extra_env={
-                    "UNICACHE_HTTP_PARSER": "httptools", "UNICACHE_EVENT_LOOP": loop})
+        for label, exe in (("baseline", args.baseline_unicache), ("tree", args.tree_unicache)):
+            for loop in loops if exe else ():
+                proc, _, http_port = start_baseline(exe, spec, extra_env={"UNICACHE_HTTP_PARSER": "httptools", "UNICACHE_EVENT_LOOP": loop})
                 baselines.append(proc)
-                front[f"baseline:httptools+{loop}"] = (http_port, proc.pid)
+                front[f"{label}:httptools+{loop}"] = (http_port, proc.pid)
         result = asyncio.run(drive(args, front, variants[0]))
     finally:
         stop.set()
@@ -299,7 +301,7 @@ def main() -> None:
         "",
         f"`python -m bench.http_cpu --requests {args.requests} --concurrency {args.concurrency} --max-tokens {args.max_tokens} "
         f"--rounds {args.rounds} --variants {args.variants}{' --bare' * args.bare}"
-        f"{' --baseline-unicache EXE' if args.baseline_unicache else ''}` ({os.cpu_count()} CPUs, 1-minute load average "
+        f"{' --baseline-unicache EXE' if args.baseline_unicache else ''}{' --tree-unicache EXE' if args.tree_unicache else ''}` ({os.cpu_count()} CPUs, 1-minute load average "
         f"{result['config']['load_average_1m']} at the end; fake replicas; half the requests streamed). "
         f"Front door process CPU (all threads) per request, median over rounds of the per-round figures; ratio to "
         f"{reference} in the same round" + (" and to the bare proxy / the baseline checkout on the same event loop" if extra else "")
