@@ -64,7 +64,8 @@ def test_pending_limits_cover_what_the_application_admits():
                                           ("grpc.server.max_pending_requests_hard_limit", 8192)]
     assert pending_call_options(10) == [("grpc.server.max_pending_requests", 1000),
                                         ("grpc.server.max_pending_requests_hard_limit", 2000)]  # core's default stays the floor
+    assert pending_call_options(0)[0] == ("grpc.server.max_pending_requests", 1000)  # max_in_flight 0: refuse all, ourselves
     with pytest.raises(ValueError):
-        pending_call_options(0)
+        pending_call_options(-1)
     server = ReplicaServer(engine=None, replica_id="r0", max_pending_calls=64 + 1024)
     assert ("grpc.server.max_pending_requests", 1088) in server._options

@@ -22,7 +22,7 @@ CORE_DEFAULT_MAX_PENDING = 1000
 def pending_call_options(admitted: int) -> list[tuple[str, int]]:
     """grpc server options that let ``admitted`` calls wait for the application (soft
     limit) and refuse beyond twice that (hard limit)."""
-    if admitted <= 0:
-        raise ValueError(f"admitted must be positive, got {admitted}")
+    if admitted < 0:
+        raise ValueError(f"admitted must be >= 0, got {admitted}")
     soft = max(CORE_DEFAULT_MAX_PENDING, admitted)
     return [("grpc.server.max_pending_requests", soft), ("grpc.server.max_pending_requests_hard_limit", 2 * soft)]
