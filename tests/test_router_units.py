@@ -71,7 +71,8 @@ def test_every_setting_has_flag_and_env(tmp_path):
             assert getattr(cfg, f.name) == str(secret_file)
             assert getattr(cfg, f.name[: -len("_file")]) == "secret-from-file-0123456789"
             continue
-        valid = {"routing_policy": "sglang", "http_parser": "h11", "event_loop": "asyncio", "memory_budget_mib": "128"}  # checked names
+        valid = {"routing_policy": "sglang", "http_parser": "h11", "event_loop": "asyncio", "memory_budget_mib": "128",
+                 "shared_sessions": "on"}  # checked names
         value = valid.get(f.name) or {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]
         cfg = build_config(env={f"UNICACHE_{f.name.upper()}": value})
         assert str(getattr(cfg, f.name)) in (value, "True")
