@@ -1,7 +1,10 @@
 """The host-memory KV tier measured by trace replay: GPU hits, host hits, TTFT.
 
-Replays (1) the Mooncake conversation trace (block size 512, classes from the classifier)
-and (2) a generated labelled mix (block size 16) through ``unicache.sim`` with the GPU
+Replays (1) the Mooncake conversation trace without its first quarter (block size 512,
+classes from the classifier; slices 1-3 of 4 in time: slice 0 is the tuning slice on which
+the host tier's unicache rule was chosen, bench/studies/host_tier_drops.py, so it is not
+reported here) and (2) a generated labelled mix (block size 16, seed 0; the rule was
+chosen on seeds 100 and up) through ``unicache.sim`` with the GPU
 pool at 5% and 10% of each trace's unique blocks and a host tier of 0, 4 and 10 x the GPU
 pool, for unicache on both tiers against lru on both tiers; once on one replica and once
 on 4 replicas routed by ``cache_aware`` (each replica a quarter of the pool, so the fleet
@@ -32,6 +35,7 @@ from pathlib import Path
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.runner import run_grid
+from unicache.sim.suite import mooncake_window
 from unicache.sim.workload import WorkloadConfig, generate
 from unicache.trace import read_trace, write_trace
 from bench.paths import RESULTS, mooncake_trace
@@ -44,8 +48,16 @@ REPLICAS = [1, 4]
 TTFT_TARGET = 0.6
 
 
-def measure(name: str, path: Path, block_size: int, replicas: list[int], progress: bool) -> dict:
-    trace = prepare(read_trace(path), block_size)
+MOONCAKE_SLICES = 4  # slice 0 tunes (bench/studies/host_tier_drops.py); 1-3 are reported
+MOONCAKE_TUNING_SLICES = 1
+
+
+def measure(name: str, path: Path, block_size: int, replicas: list[int], progress: bool,
+            held_out: bool = False) -> dict:
+    requests = read_trace(path)
+    if held_out:
+        requests = mooncake_window(requests, MOONCAKE_TUNING_SLICES, MOONCAKE_SLICES, MOONCAKE_SLICES)
+    trace = prepare(requests, block_size)
     print(f"[{name}] {len(trace.requests)} requests, {trace.unique_blocks} unique blocks", file=sys.stderr)
     results = []
     for n in replicas:
@@ -71,7 +83,7 @@ def measure(name: str, path: Path, block_size: int, replicas: list[int], progres
         rec.update(gpu_frac=None, host_multiple=0, replicas=n, unbounded=True)
         print(f"  {n}x unbounded: hit {rec['block_hit_ratio']:.4f} ttft {rec['ttft_mean_s']:.3f}", file=sys.stderr)
         results.append(rec)
-    return {"name": name, "trace": str(path), "block_size": block_size, "requests": len(trace.requests),
+    return {"name": name, "trace": str(path), "held_out": held_out, "block_size": block_size, "requests": len(trace.requests),
             "unique_blocks": trace.unique_blocks, "block_accesses": trace.block_accesses, "results": results}
 
 
@@ -112,7 +124,11 @@ def check_targets(runs: dict[str, dict]) -> list[dict]:
 def markdown(report: dict) -> str:
     lines = [f"# Host KV tier (commit {report['commit']})", "",
              "Hit ratios are of all prompt block accesses; total = GPU + host (promoted). TTFT in seconds; "
-             "a promotion's copy (128 KiB/token at 25 GB/s) is in its request's TTFT.", ""]
+             "a promotion's copy (128 KiB/token at 25 GB/s) is in its request's TTFT.", "",
+             f"Mooncake: slices {MOONCAKE_TUNING_SLICES}-{MOONCAKE_SLICES - 1} of {MOONCAKE_SLICES} in time "
+             "(the last three quarters of the trace); slice 0 is the tuning slice the host tier's unicache rule "
+             "was chosen on (`python -m bench.studies.host_tier_drops`), with mix seeds 100-104; the mix here is "
+             "seed 0.", ""]
     for key, run in report["runs"].items():
         lines += [f"## {key} ({run['requests']} requests, {run['unique_blocks']} unique blocks, "
                   f"block size {run['block_size']})", "",
@@ -192,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict] = {}
     if "mooncake" not in skip:
-        runs["mooncake"] = measure("mooncake", args.trace or mooncake_trace(), 512, replicas, args.progress)
+        runs["mooncake"] = measure("mooncake", args.trace or mooncake_trace(), 512, replicas, args.progress,
+                                   held_out=True)
     if "mix" not in skip:
         mix_path = out_dir / f"host_mix_seed{args.mix_seed}.jsonl"
         write_trace(mix_path, generate(WorkloadConfig(seed=args.mix_seed, duration=args.mix_duration, block_size=16)))

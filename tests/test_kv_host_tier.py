@@ -6,7 +6,8 @@ from unicache.block_hash import hash_token_blocks
 from unicache.kv_tier import Tier
 from unicache.request_class import SINGLE_TURN, RequestClass, Task
 from unicache.replica.eviction.base import ReleaseInfo
-from unicache.replica.eviction.registry import make_policy
+from unicache.replica.eviction.registry import make_host_policy, make_policy
+from unicache.replica.eviction.unicache.host import HostUniCachePolicy
 from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import Allocation, KVStore
@@ -21,7 +22,7 @@ def toks(*block_values: int) -> list[int]:
 
 
 def two_tier(gpu_blocks: int = 4, host_blocks: int = 4, host_policy: str = "lru") -> KVStore:
-    host = HostTier(host_blocks, make_policy(host_policy))
+    host = HostTier(host_blocks, make_host_policy(host_policy))
     return KVStore(gpu_blocks, BS, make_policy("lru"), host=host, record_transfers=True)
 
 
@@ -101,7 +102,7 @@ def test_host_unicache_evicts_by_class_where_lru_evicts_by_age():
     evicts the older one."""
     victims = {}
     for name in ("unicache", "lru"):
-        tier = HostTier(2, make_policy(name))
+        tier = HostTier(2, make_host_policy(name))
         tier.put(b"session", None, _info(CHAT, 1.0), 1.0)
         tier.put(b"one-off", None, _info(SINGLE_TURN, 2.0, is_decode=True), 2.0)
         slot, evicted = tier.put(b"new", None, _info(SINGLE_TURN, 3.0), 3.0)
@@ -193,3 +194,98 @@ def test_a_demoted_block_names_its_parent_in_the_host_policy_terms():
     assert host.outside_parent == 4
     assert host.policy.parents == [(0, 4), (1, 4), (2, -1)]
     store.check_invariants()
+
+
+
+def _head_on_host() -> tuple[KVStore, list, list]:
+    """A 3-block FIFO GPU tier whose victim was a chain's head while its tail stays.
+
+    FIFO keeps a block's first release place: "a" releases h1 first, "b" extends it to
+    h1 h2 h3, so h1 leaves first, to host slot 0, when "x" needs a block (x holds it)."""
+    host = HostTier(4, make_policy("lru"))
+    store = KVStore(3, BS, make_policy("fifo"), host=host, record_transfers=True)
+    admit(store, "a", toks(1), 0.0)
+    store.free("a", 0.5)
+    _, hb = admit(store, "b", toks(1, 2, 3), 1.0)
+    store.free("b", 1.5)
+    _, hx = admit(store, "x", toks(9), 2.0)
+    return store, hb, hx
+
+
+def test_a_match_runs_on_through_gpu_blocks_past_a_promoted_parent():
+    """The next match promotes the head and shares the tail (it used to stop at the first
+    GPU block past the host ones, evict that tail and recompute it)."""
+    store, hb, hx = _head_on_host()
+    store.free("x", 2.5)
+    assert store.take_transfers() == [Transfer(Tier.HOST, 0, 0)]
+    assert store.match_tiers(hb) == (2, 1)
+    store.take_events()
+    alloc = store.allocate("b2", hb, 3 * BS, SINGLE_TURN, 3.0)
+    # b's tail blocks 1 and 2 are shared; x's block 0 is the one victim (to slot 1) and
+    # takes the head back from slot 0.
+    assert alloc == Allocation((0, 1, 2), 3, 12, 1)
+    assert store.take_transfers() == [Transfer(Tier.HOST, 0, 1), Transfer(Tier.GPU, 0, 0)]
+    assert store.take_events() == [
+        BlockRemoved(hx[0], 3.0),
+        BlockStored(hx[0], None, 3.0, Tier.HOST),
+        BlockRemoved(hb[0], 3.0, Tier.HOST),
+        BlockStored(hb[0], None, 3.0),
+    ]
+    assert (store.stats.hit_blocks, store.host.stats.hit_blocks) == (1 + 2, 1)
+    assert store.match_tiers(hb) == (3, 0)
+    assert store.host_hashes() == [hx[0]]
+    store.check_invariants()
+
+
+def test_admission_counts_the_gpu_blocks_inside_the_tier_run_as_shared():
+    """``can_allocate`` plans as ``allocate`` does: with the chain's tail shared, one new
+    block is enough; without the host copy of the head, three are needed."""
+    store, hb, _ = _head_on_host()
+    # Free now: b's two tail blocks only. Sharing them leaves none to take, but the
+    # request needs one new block for the head it promotes.
+    assert not store.can_allocate(hb, 3 * BS)
+    store.free("x", 2.5)
+    assert store.can_allocate(hb, 3 * BS)
+    store.host.discard(hb[0])
+    assert store.can_allocate(hb, 3 * BS)  # three candidates for three new blocks
+    assert not store.can_allocate(hb + [b"z"], 4 * BS)
+    store.check_invariants()
+
+
+TEMPLATED = RequestClass(template=True, template_blocks=2)
+AGENT = RequestClass(session_id="g", turn=3, task=Task.AGENT)
+
+
+def test_host_unicache_empties_evict_first_then_follows_the_demotion_order():
+    """``--host-eviction-policy unicache`` builds HostUniCachePolicy: evict-first blocks
+    (a one-off prompt block, a one-off decode block) go first in demotion order, then the
+    chat, structural and agent blocks in demotion order whatever their queue; a hit takes
+    a block out."""
+    policy = make_host_policy("unicache")
+    assert isinstance(policy, HostUniCachePolicy) and policy.name == "unicache"
+    releases = [
+        (0, ReleaseInfo(CHAT, 0, 2, False, 5.0)),
+        (1, ReleaseInfo(SINGLE_TURN, 0, 2, False, 1.0)),
+        (2, ReleaseInfo(TEMPLATED, 1, 3, False, 9.0)),
+        (3, ReleaseInfo(SINGLE_TURN, 2, 3, True, 2.0)),
+        (4, ReleaseInfo(AGENT, 0, 1, False, 0.0)),
+        (5, ReleaseInfo(TEMPLATED, 2, 3, False, 9.0)),  # past the template: evict-first
+    ]
+    for block_id, info in releases:
+        policy.on_cached(block_id, bytes([block_id]), -1, 10.0)
+        policy.on_release(block_id, info)
+    assert policy.order() == [1, 3, 5, 0, 2, 4]
+    assert policy.queue_sizes() == {"evict_first": 3, "chat": 1, "agent": 1, "structural": 1}
+    policy.on_access(3, SINGLE_TURN, 11.0)
+    policy.on_removed(3)
+    policy.on_removed(0)
+    assert [policy.pop_victim() for _ in range(5)] == [1, 5, 2, 4, None]
+    counters = policy.queue_counters()
+    assert counters.evictions == {"evict_first": 2, "chat": 0, "agent": 1, "structural": 1}
+    assert counters.hits == {"evict_first": 1, "chat": 0, "agent": 0, "structural": 0}
+    assert len(policy) == 0
+
+
+def test_host_policies_other_than_unicache_are_the_gpu_classes():
+    assert type(make_host_policy("lru")) is type(make_policy("lru"))
+    assert type(make_host_policy("arc")) is type(make_policy("arc"))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from unicache.block_hash import hash_token_blocks
 from unicache.request_class import RequestClass, Task
 from unicache.replica.eviction.opt import FutureAccesses
-from unicache.replica.eviction.registry import make_policy, policy_names
+from unicache.replica.eviction.registry import make_host_policy, make_policy, policy_names
 from unicache.kv_tier import Tier
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore, OutOfBlocks
@@ -33,6 +33,13 @@ CLASSES = [
     RequestClass(session_id="g", turn=2, task=Task.AGENT),
     RequestClass(template=True, template_blocks=2, task=Task.TOOL),
 ]
+
+
+def build_host_policy(name: str):
+    """What a host tier runs under ``name`` (unicache: the host-side UniCache)."""
+    if name == "opt":
+        return make_policy("opt", future=FutureAccesses({}))
+    return make_host_policy(name)
 
 
 def build_policy(name: str):
@@ -101,7 +108,7 @@ class ContentModel:
 
 def run_ops(policy_name: str, ops, host_blocks: int = 0, host_policy: str = "lru",
             num_blocks: int = NUM_BLOCKS, prompts=()) -> None:
-    host = HostTier(host_blocks, build_policy(host_policy)) if host_blocks else None
+    host = HostTier(host_blocks, build_host_policy(host_policy)) if host_blocks else None
     model = ContentModel(num_blocks, host_blocks)
     store = KVStore(num_blocks, BS, build_policy(policy_name), storage=model, host=host,
                     record_transfers=host is not None)

@@ -17,7 +17,7 @@ from unicache.block_hash import hash_token_blocks
 from unicache.redis_keys import RedisKeys
 from unicache.request_class import SINGLE_TURN
 from unicache.v1 import cache_pb2
-from unicache.replica.eviction.registry import make_policy
+from unicache.replica.eviction.registry import make_host_policy, make_policy
 from unicache.replica.event_batch import PendingBatch
 from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.kv_tier import Tier
@@ -176,7 +176,7 @@ async def test_summary_plus_stream_rebuild_the_store_in_a_locality_index(redis_s
 
 
 async def test_summary_plus_stream_rebuild_both_tiers_in_a_locality_index(redis_server, redis_client):
-    store = KVStore(5, BS, make_policy("lru"), host=HostTier(6, make_policy("unicache")))
+    store = KVStore(5, BS, make_policy("lru"), host=HostTier(6, make_host_policy("unicache")))
     src = StoreCacheSource(store, device="cpu")
     pub = make_publisher(src, redis_server.url)
     await pub.start()

@@ -32,7 +32,7 @@ from unicache.replica.engine.validation import check_request
 from unicache.replica.engine.scheduler import ScheduledChunk, Scheduler
 from unicache.replica.engine.sequence import RequestGroup, Sequence
 from unicache.tokenizer import load_tokenizer
-from unicache.replica.eviction.registry import make_policy
+from unicache.replica.eviction.registry import make_host_policy, make_policy
 from unicache.replica.kv.locked_reads import LockedStoreReads
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore
@@ -99,7 +99,7 @@ class LLMEngine(LockedStoreReads):
             device=self.device,
             host_blocks=config.host_blocks,
         )
-        host = HostTier(config.host_blocks, make_policy(config.host_eviction_policy)) if config.host_blocks else None
+        host = HostTier(config.host_blocks, make_host_policy(config.host_eviction_policy)) if config.host_blocks else None
         self.store = KVStore(
             config.total_blocks,
             config.block_size,

@@ -70,6 +70,9 @@ class EvictionPolicy(ABC):
     """Orders evictable blocks. Subclasses register themselves in ``unicache.replica.eviction.registry``."""
 
     name: str = "base"
+    # The class a host tier builds under this policy's name (None: this class); see
+    # ``registry.make_host_policy``.
+    host_tier_policy: "type[EvictionPolicy] | None" = None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -33,6 +33,17 @@ def policy_names() -> list[str]:
     return EVICTION_POLICIES.names()
 
 
+def make_host_policy(name: str, **kwargs: Any) -> EvictionPolicy:
+    """The policy ``name`` builds for a host tier: the class's ``host_tier_policy`` where it
+    names one (unicache: ``unicache.host.HostUniCachePolicy``), else ``make_policy``."""
+    host_cls = getattr(EVICTION_POLICIES.get(name), "host_tier_policy", None)
+    if host_cls is None:
+        return make_policy(name, **kwargs)
+    if kwargs:
+        raise ValueError(f"the host tier's {name!r} policy takes no arguments (got {', '.join(sorted(kwargs))})")
+    return host_cls()
+
+
 def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
     """Build the policy ``name``; kwargs go to its constructor. Unknown names or
     keywords raise ValueError listing the valid ones."""

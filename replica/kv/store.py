@@ -52,8 +52,9 @@ class RequestBlocks:
 class Allocation:
     """What ``allocate`` hands back: the block table and how much of the prompt hit.
 
-    ``num_hit_blocks`` counts every leading block the request need not compute, GPU hits
-    then ``num_host_hit_blocks`` promoted ones (their copies are queued transfers).
+    ``num_hit_blocks`` counts every leading block the request need not compute: GPU hits
+    and ``num_host_hit_blocks`` promoted ones (their copies are queued transfers), which
+    follow the GPU prefix and may alternate with GPU hits (``KVStore._tier_run``).
     """
 
     block_ids: tuple[int, ...]
@@ -159,12 +160,40 @@ class KVStore:
         return n
 
     def match_tiers(self, block_hashes: list[BlockHash]) -> tuple[int, int]:
-        """``(gpu, host)``: leading hashes in the GPU cache, then how many of the next ones,
-        consecutively, the host tier holds. No side effects."""
+        """``(gpu, host)``: of the longest run of leading hashes that the two tiers hold
+        together (``_tier_run``), how many are in the GPU cache and how many in the host
+        tier. No side effects."""
         gpu = self.match_prefix(block_hashes)
         if self.host is None or not self.enable_prefix_caching:
             return gpu, 0
-        return gpu, self.host.match(block_hashes, gpu)
+        run, on_gpu = self._tier_run(block_hashes, gpu, len(block_hashes))
+        return gpu + len(on_gpu), run - len(on_gpu)
+
+    def _tier_run(self, block_hashes: list[BlockHash], start: int, stop: int) -> tuple[int, list[int]]:
+        """How many of ``block_hashes[start:stop]``, consecutively, the host tier or the
+        GPU cache holds, and the positions among them that the GPU holds.
+
+        The run starts where the GPU prefix ends, so its first block is in the host tier;
+        past it a block may be in either tier. NOTE: a policy may evict a parent and keep
+        its child (unicache's lanes do), so the chain on the GPU can resume after host
+        blocks; a match that stopped at the first GPU block past the host ones would
+        recompute a block the GPU holds (a GPU copy wins: the recomputed one stays
+        private), and lose the rest of the chain.
+        """
+        host, cached = self.host, self._cached
+        assert host is not None
+        n, on_gpu = 0, []
+        for i in range(start, min(stop, len(block_hashes))):
+            h = block_hashes[i]
+            if h in host:
+                n += 1
+            elif n and h in cached:
+                on_gpu.append(i)
+                n += 1
+            else:
+                break
+        # A run ending in GPU blocks keeps them: they are hits like the others.
+        return n, on_gpu
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash in the GPU prefix cache (for full summaries)."""
@@ -190,8 +219,21 @@ class KVStore:
 
     # ------------------------------------------------------------- allocation
     def can_allocate(self, block_hashes: list[BlockHash], num_tokens: int) -> bool:
-        hits = self.match_prefix(block_hashes)
-        return self._new_blocks_available(block_hashes[:hits], self.blocks_for_tokens(num_tokens) - hits)
+        shared, needed = self._plan(block_hashes, self.blocks_for_tokens(num_tokens))[:2]
+        return self._new_blocks_available(shared, needed)
+
+    def _plan(self, block_hashes: list[BlockHash], total: int) -> tuple[list[BlockHash], int, int, list[int]]:
+        """What ``allocate`` of ``total`` blocks would do: ``(shared, needed, run,
+        on_gpu)``, the hashes of the GPU blocks it shares, how many new blocks it takes,
+        and the tier run past the GPU prefix (``_tier_run``)."""
+        hits = min(self.match_prefix(block_hashes), total)
+        run, on_gpu = 0, []
+        if self.host is not None and hits < total and self.enable_prefix_caching:
+            run, on_gpu = self._tier_run(block_hashes, hits, total)
+        shared = block_hashes[:hits]
+        if on_gpu:
+            shared = shared + [block_hashes[i] for i in on_gpu]
+        return shared, total - len(shared), run, on_gpu
 
     def _new_blocks_available(self, hit_hashes: list[BlockHash], needed: int) -> bool:
         # Hit blocks that are eviction candidates stop being free once acquired.
@@ -210,9 +252,10 @@ class KVStore:
         """Give ``request_id`` a block table covering ``num_tokens`` tokens.
 
         The longest cached prefix of ``block_hashes`` is shared (a hit); the rest are new
-        blocks. With a host tier, the hashes after the GPU hit that the host tier holds
-        are promoted into the first of the new blocks (host hits). Raises ``OutOfBlocks``
-        without changing anything when space is short.
+        blocks. With a host tier, the match runs on through the hashes that either tier
+        holds (``_tier_run``): host blocks are promoted into new blocks at their positions
+        (host hits), GPU blocks among them are shared. Raises ``OutOfBlocks`` without
+        changing anything when space is short.
 
         Args:
             block_hashes: hashes of the prompt's full blocks, in order.
@@ -226,33 +269,44 @@ class KVStore:
         if num_tokens <= 0:
             raise ValueError("num_tokens must be positive")
         total = self.blocks_for_tokens(num_tokens)
-        hits = min(self.match_prefix(block_hashes), total)
-        hit_hashes = block_hashes[:hits]
-        if not self._new_blocks_available(hit_hashes, total - hits):
-            raise OutOfBlocks(f"need {total - hits} new blocks, {self.num_free_blocks} free")
+        shared, needed, run, on_gpu = self._plan(block_hashes, total)
+        hits = len(shared) - len(on_gpu)  # the GPU prefix
+        host = self.host
+        if not self._new_blocks_available(shared, needed):
+            raise OutOfBlocks(f"need {needed} new blocks, {self.num_free_blocks} free")
         self.stats.query_blocks += len(block_hashes)
-        self.stats.hit_blocks += hits
+        self.stats.hit_blocks += len(shared)
         self.policy.on_request(cls, now)
         table: list[KVBlock] = []
         cached, on_access = self._cached, self.policy.on_access
-        for h in hit_hashes:
+        # NOTE: every shared block (the prefix and the GPU blocks inside the tier run) is
+        # acquired before the new blocks are taken, so no victim is one of them.
+        mid: dict[int, KVBlock] = {}
+        for i, h in enumerate(shared):
             block = cached[h]
             on_access(block.block_id, cls, now)
             block.ref_cnt += 1
-            table.append(block)
-        host = self.host
-        host_hits = 0
+            if i < hits:
+                table.append(block)
+            else:
+                mid[on_gpu[i - hits]] = block
+        promoted = [i for i in range(hits, hits + run) if i not in mid]
         if host is not None and hits < total and self.enable_prefix_caching:
             host.policy.on_request(cls, now)
-            host_hits = min(host.match(block_hashes, hits), total - hits)
-        if host_hits:
             # NOTE: taken (pinned) before the new blocks are, so the demotions that making
             # room may cause can neither evict nor overwrite a slot being promoted.
-            slots = [host.take(h, cls, now) for h in block_hashes[hits : hits + host_hits]]
-        self._take_free_blocks(total - hits, now, table)
-        if host_hits:
-            self._promote(block_hashes, hits, slots, table, now)
-            hits += host_hits
+            slots = [host.take(block_hashes[i], cls, now) for i in promoted]
+        if mid:
+            fresh: list[KVBlock] = []
+            self._take_free_blocks(needed, now, fresh)
+            it = iter(fresh)
+            table.extend(mid[i] if i in mid else next(it) for i in range(hits, total))
+        else:
+            self._take_free_blocks(needed, now, table)
+        if run:
+            self._promote(block_hashes, promoted, slots, table, now)
+            hits += run
+        host_hits = len(promoted)
         prompt_tokens = num_tokens if num_prompt_tokens is None else num_prompt_tokens
         self._requests[request_id] = RequestBlocks(
             request_id=request_id,
@@ -266,14 +320,14 @@ class KVStore:
         return Allocation(tuple(b.block_id for b in table), hits, hits * self.block_size, host_hits)
 
     def _promote(
-        self, block_hashes: list[BlockHash], start: int, slots: list[int], table: list[KVBlock], now: float
+        self, block_hashes: list[BlockHash], positions: list[int], slots: list[int], table: list[KVBlock], now: float
     ) -> None:
-        """Cache ``block_hashes[start + k]`` in ``table[start + k]`` (fresh blocks), copied
-        from host slot ``slots[k]``; then the slots are free again."""
+        """Cache ``block_hashes[positions[k]]`` in ``table[positions[k]]`` (fresh blocks),
+        copied from host slot ``slots[k]``; then the slots are free again. Positions rise,
+        so each block's parent is cached (shared or just promoted) when it joins."""
         assert self.host is not None
         events = self._events if self.collect_events else None
-        for k, slot in enumerate(slots):
-            i = start + k
+        for i, slot in zip(positions, slots):
             block, h = table[i], block_hashes[i]
             parent_hash = self._cache_as(block, block_hashes, i, now)
             if events is not None:

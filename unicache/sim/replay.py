@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from unicache.replica.eviction.base import EvictionPolicy
 from unicache.replica.eviction.opt import FutureAccesses
-from unicache.replica.eviction.registry import make_policy
+from unicache.replica.eviction.registry import make_host_policy, make_policy
 from unicache.kv_tier import Tier
 from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.host_tier import HostTier
@@ -188,7 +188,7 @@ class Replay:
         if not cfg.host_capacity_blocks:
             return None
         kwargs = {"future": self.future} if cfg.host_policy == "opt" else {}
-        return HostTier(cfg.host_capacity_blocks * scale, make_policy(cfg.host_policy, **kwargs))
+        return HostTier(cfg.host_capacity_blocks * scale, make_host_policy(cfg.host_policy, **kwargs))
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict:

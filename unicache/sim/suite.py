@@ -174,17 +174,25 @@ def mooncake_slice(trace: Sequence[TraceRequest], index: int, slices: int) -> li
     timestamps shifted to start at 0."""
     if not 0 <= index < slices:
         raise ValueError(f"slice {index} of {slices}")
+    return mooncake_window(trace, index, index + 1, slices)
+
+
+def mooncake_window(trace: Sequence[TraceRequest], start: int, stop: int, slices: int) -> list[TraceRequest]:
+    """Slices ``start`` to ``stop - 1`` of ``slices`` equal time windows, as one trace
+    (timestamps shifted to start at 0)."""
+    if not 0 <= start < stop <= slices:
+        raise ValueError(f"slices {start}..{stop - 1} of {slices}")
     if not trace:
         return []
     t0, t1 = trace[0].timestamp_ms, trace[-1].timestamp_ms
     width = (t1 - t0) / slices or 1.0
-    lo, hi = t0 + index * width, t0 + (index + 1) * width
-    last = index == slices - 1
+    lo, hi = t0 + start * width, t0 + stop * width
+    last = stop == slices
     picked = [r for r in trace if lo <= r.timestamp_ms < hi or (last and r.timestamp_ms == hi)]
     if not picked:
         return []
-    start = picked[0].timestamp_ms
-    return [replace(r, index=i, timestamp_ms=r.timestamp_ms - start) for i, r in enumerate(picked)]
+    first = picked[0].timestamp_ms
+    return [replace(r, index=i, timestamp_ms=r.timestamp_ms - first) for i, r in enumerate(picked)]
 
 
 def load_suite_trace(st: SuiteTrace, block_size: int = 16, mooncake_path: str | None = None,

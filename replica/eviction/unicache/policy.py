@@ -39,6 +39,7 @@ from unicache.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, QueueCounters, ReleaseInfo
 from unicache.replica.eviction.registry import register_policy
 from unicache.replica.eviction.unicache.gaps import SessionGaps
+from unicache.replica.eviction.unicache.host import HostUniCachePolicy
 from unicache.replica.eviction.unicache.lanes import (
     ALL_LANES,
     EVICT_FIRST,
@@ -63,7 +64,9 @@ _NOVEL = EVICT_FIRST * NUM_LANES + NOVEL_LANE
 
 @register_policy("unicache")
 class UniCachePolicy(EvictionPolicy):
-    """Four-queue UniCache eviction (see the module docstring and DESIGN.md).
+    """Four-queue UniCache eviction (see the module docstring and DESIGN.md). A host tier
+    under ``unicache`` runs ``HostUniCachePolicy`` instead (``host.py``: the evict-first
+    queue first, then the GPU's demotion order).
 
     Args:
         update_every: requests between recomputations of the lane weights.
@@ -80,6 +83,8 @@ class UniCachePolicy(EvictionPolicy):
             start one-off requests leave before a live session of the same age (a labelled
             session survived six one-off prompts only with it: tests/test_engine_live_session.py).
     """
+
+    host_tier_policy = HostUniCachePolicy
 
     def __init__(
         self,
