@@ -97,18 +97,18 @@ def _info(cls, now, is_decode=False):
     return ReleaseInfo(cls, 0, 1, is_decode, now)
 
 
-def test_host_unicache_evicts_by_class_where_lru_evicts_by_age():
-    """A session block demoted first outlives a later one-off block under unicache; LRU
-    evicts the older one."""
+def test_host_unicache_evicts_the_earliest_demoted_block_as_lru_does():
+    """A session block demoted first leaves before a later one-off block under both:
+    the host keeps the GPU's ranking (HostUniCachePolicy), the class does not reorder."""
     victims = {}
     for name in ("unicache", "lru"):
         tier = HostTier(2, make_host_policy(name))
         tier.put(b"session", None, _info(CHAT, 1.0), 1.0)
-        tier.put(b"one-off", None, _info(SINGLE_TURN, 2.0, is_decode=True), 2.0)
+        tier.put(b"one-off", None, _info(SINGLE_TURN, 0.5, is_decode=True), 2.0)
         slot, evicted = tier.put(b"new", None, _info(SINGLE_TURN, 3.0), 3.0)
         victims[name] = (slot, evicted)
         tier.check_invariants()
-    assert victims == {"unicache": (1, b"one-off"), "lru": (0, b"session")}
+    assert victims == {"unicache": (0, b"session"), "lru": (0, b"session")}
 
 
 def test_a_demotion_finding_every_slot_pinned_is_dropped():
@@ -256,11 +256,10 @@ TEMPLATED = RequestClass(template=True, template_blocks=2)
 AGENT = RequestClass(session_id="g", turn=3, task=Task.AGENT)
 
 
-def test_host_unicache_empties_evict_first_then_follows_the_demotion_order():
-    """``--host-eviction-policy unicache`` builds HostUniCachePolicy: evict-first blocks
-    (a one-off prompt block, a one-off decode block) go first in demotion order, then the
-    chat, structural and agent blocks in demotion order whatever their queue; a hit takes
-    a block out."""
+def test_host_unicache_evicts_in_demotion_order_kept_per_queue():
+    """``--host-eviction-policy unicache`` builds HostUniCachePolicy: victims leave in the
+    order the GPU demoted them, whatever their queue or release time; each waits in its
+    class's queue (counted per queue); a hit takes a block out."""
     policy = make_host_policy("unicache")
     assert isinstance(policy, HostUniCachePolicy) and policy.name == "unicache"
     releases = [
@@ -274,12 +273,12 @@ def test_host_unicache_empties_evict_first_then_follows_the_demotion_order():
     for block_id, info in releases:
         policy.on_cached(block_id, bytes([block_id]), -1, 10.0)
         policy.on_release(block_id, info)
-    assert policy.order() == [1, 3, 5, 0, 2, 4]
+    assert policy.order() == [0, 1, 2, 3, 4, 5]
     assert policy.queue_sizes() == {"evict_first": 3, "chat": 1, "agent": 1, "structural": 1}
     policy.on_access(3, SINGLE_TURN, 11.0)
     policy.on_removed(3)
     policy.on_removed(0)
-    assert [policy.pop_victim() for _ in range(5)] == [1, 5, 2, 4, None]
+    assert [policy.pop_victim() for _ in range(5)] == [1, 2, 4, 5, None]
     counters = policy.queue_counters()
     assert counters.evictions == {"evict_first": 2, "chat": 0, "agent": 1, "structural": 1}
     assert counters.hits == {"evict_first": 1, "chat": 0, "agent": 0, "structural": 0}

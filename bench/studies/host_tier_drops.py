@@ -228,9 +228,11 @@ HOST_VARIANTS = {"lanes": UniCachePolicy, "alpha-fifo": AlphaThenDemotionOrder, 
 
 
 def load(name: str) -> PreparedTrace:
-    if name.startswith("mix") and int(name[3:].removesuffix("h")) >= 100:
-        # mixSEED: labelled; mixSEEDh: labels hidden (the classifier infers the classes).
-        return mix_trace(int(name[3:].removesuffix("h")), 1200.0, 16, name.endswith("h"))
+    base, _, duration = name.partition("@")
+    if base.startswith("mix") and int(base[3:].removesuffix("h")) >= 100:
+        # mixSEED[h][@SECONDS]: labelled, or labels hidden (h: the classifier infers the
+        # classes); 1200 s unless @SECONDS says otherwise.
+        return mix_trace(int(base[3:].removesuffix("h")), float(duration or 1200.0), 16, base.endswith("h"))
     if name == "mooncake0":
         # Slice 0 of 4: the first quarter, which bench.host_tier_report does not report on.
         return prepare(mooncake_slice(read_trace(mooncake_trace()), 0, 4), 512)

