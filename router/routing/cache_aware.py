@@ -72,6 +72,19 @@ trace at 4 replicas (``bench.studies.routing_mix``, with an ablation of each ter
 footprint window by seeds 0-8 of the mix, checked on seeds 9-17
 (``bench.studies.routing_footprint``).
 
+There is no balance rule beyond TTFT admission, though load imbalance (max / mean
+computed prefill tokens per replica) runs above 1.2: every bound measured lost goodput
+(``bench.studies.routing_balance``, the admission study's 26 tuning traces). Bounding each
+replica's decayed computed tokens (the churn term's inflow, plus the request's uncached
+tokens there) at 1.2 x the mean after placement, for requests without a kept session
+home, cut max imbalance from 1.63 to 1.22 at 4 replicas and from 2.02 to 1.54 at 8
+(traces within 1.2: 19 -> 24 and 10 -> 19 of 26), for goodput against sglang + unicache
+1.092x -> 1.064x and 1.281x -> 1.274x and token hits +0.21 -> -0.20 and +0.09 -> -0.63
+points; applied to session turns too (a session leaves a home that ran ahead), 1.18 and
+1.48 for 1.034x and 1.097x. Where one explicit session computes more than 1.2 x a
+replica's mean share, no placement that keeps sessions home reaches 1.2 (the study's
+session-atomic bound: 1.86 and 1.40 on two chat report traces at 8 replicas).
+
 The footprint term is what the churn term cannot see: churn is a flow (new blocks per
 request), a live session's context is a stock that stays cached between its turns. Long
 agent sessions grow to most of one replica's cache; without the term, unrelated work
