@@ -66,7 +66,7 @@ class ReplicaSettings:
                        "demoted to it, prefix matches promote them back"),
     )
     host_eviction_policy: str = field(
-        default="unicache", metadata=_help("the host tier's eviction policy (unicache with each block's class; lru: vLLM's/LMCache's)")
+        default="unicache", metadata=_help("the host tier's eviction policy (unicache: the GPU UniCache's demotion order per class queue; lru: vLLM's/LMCache's)")
     )
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
     dtype: str = field(default="auto", metadata=_help("auto, float32, bfloat16, float16"))

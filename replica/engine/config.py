@@ -40,7 +40,8 @@ class EngineConfig:
         host_blocks: KV blocks of the host-memory tier under the pool (0: none). GPU victims
             are demoted to it and prefix matches promote them back before prefill.
         host_eviction_policy: the host tier's registered eviction policy (default
-            unicache, with each block's class; lru is what vLLM's and LMCache's offloading do).
+            unicache: the GPU UniCache's demotion order, kept per class queue; lru is what
+            vLLM's and LMCache's offloading do).
         cpu_threads: torch intra-op threads for a CPU engine (process-wide); None keeps
             torch's default. On a crowded host 1 is often fastest (no spinning OpenMP peers).
     """

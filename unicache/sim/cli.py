@@ -34,7 +34,8 @@ def register(subparsers) -> None:
                       help="comma list of host-tier sizes per replica as fractions of unique blocks (default: no host tier)")
     host.add_argument("--host-capacity-blocks", help="comma list of host-tier sizes per replica in blocks (0: none)")
     sim.add_argument("--host-eviction-policy", default="unicache",
-                     help="the host tier's eviction policy (default unicache; lru is vLLM's and LMCache's)")
+                     help="the host tier's eviction policy (default unicache: the GPU UniCache's demotion "
+                          "order, per class queue; lru is vLLM's and LMCache's)")
     sim.add_argument("--model-preset", default=DEFAULT_MODEL_PRESET,
                      help=f"KV bytes per token of this model ({', '.join(KV_BYTES_PER_TOKEN)}; default {DEFAULT_MODEL_PRESET})")
     sim.add_argument("--h2d-gbps", type=float, default=DEFAULT_H2D_BYTES_PER_S / 1e9,

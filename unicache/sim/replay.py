@@ -84,7 +84,8 @@ class ReplayConfig:
             the same requests arrive twice as fast). Session gaps shrink with it; the
             classes stay those ``prepare`` computed from the recorded times.
         host_capacity_blocks: host-tier blocks per replica (0: no host tier).
-        host_policy: the host tier's eviction policy (registry name; default unicache).
+        host_policy: the host tier's eviction policy (registry name, built by
+            ``make_host_policy``; default unicache).
     """
 
     policy: str
