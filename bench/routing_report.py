@@ -15,9 +15,12 @@ Per trace and replica count (4 and 8):
       compared at ``u = --u-ref`` (0.5);
     * goodput: the highest u whose TTFT p90 is within the SLO (default 3 x the unloaded
       TTFT of the trace's median request; on Mooncake, whose p90 request alone takes
-      longer than that, 3 x the unloaded TTFT of its p90 request), found by doubling or halving u from 0.5 (range
-      1/16 to 8) and interpolating in log u between the last pass and the first failure
-      (``unicache.sim.goodput``).
+      longer than that, 3 x the unloaded TTFT of its p90 request), bracketed by doubling or halving u from 0.5
+      (range 1/16 to 8), narrowed by ``BISECT_STEPS`` (3) bisections in log u (the bracket
+      becomes a factor 2^(1/8), 9%, wide), then interpolated in log u between the highest
+      pass below the first failure and that failure (``unicache.sim.goodput``). p90 is
+      not monotone in u (a higher load can place requests better), so goodput is where
+      p90 *first* crosses the SLO among the scales replayed.
 
 Cross-validation: each candidate setting of ``cache_aware`` (``CANDIDATES``) is scored on
 the tuning traces by the mean of log goodput_u (4 replicas; goodput floored at 1/32). For
@@ -72,6 +75,7 @@ CANDIDATES: dict[str, dict] = {
     for af in (1.5, 2.0, 3.0) for ch in (0.5, 0.0) for fp in (0.5, 0.0)
 }
 U_START, U_MIN, U_MAX = 0.5, 1.0 / 16, 8.0
+BISECT_STEPS = 3  # geometric bisections of the doubling bracket (see the module docstring)
 GOODPUT_FLOOR_U = 1.0 / 32
 LANES = 4
 
@@ -124,11 +128,22 @@ def search_goodput(run_at, slo_s: float) -> tuple[float, bool, dict[float, dict]
 
     u = U_START
     if p90(u) <= slo_s:
-        while u < U_MAX and p90(u) <= slo_s:
+        while u < U_MAX:  # up to the first failure, U_MAX included
             u *= 2
+            if not p90(u) <= slo_s:
+                break
     else:
-        while u > U_MIN and not p90(u) <= slo_s:
+        while u > U_MIN:  # down to the first pass, U_MIN included
             u /= 2
+            if p90(u) <= slo_s:
+                break
+    for _ in range(BISECT_STEPS):
+        g = goodput(((k, v["ttft_p90_s"]) for k, v in seen.items()), slo_s)
+        if g.saturated or g.rate_scale == 0.0:
+            break  # nothing to narrow: every scale passed, or the lowest failed
+        lo = max(k for k, v in seen.items() if k <= g.rate_scale and v["ttft_p90_s"] <= slo_s)
+        hi = min(k for k in seen if k > lo)
+        p90(math.sqrt(lo * hi))
     g = goodput(((k, v["ttft_p90_s"]) for k, v in seen.items()), slo_s)
     return g.rate_scale, g.saturated, seen
 
