@@ -175,6 +175,7 @@ async def redis_outage(
     traffic.start()
     try:
         await wait_for(lambda: traffic.count("up") >= per_phase, "traffic before the outage", timeout_s)
+        before = await epochs(replicas)
         traffic.phase = "killing"
         redis.kill()
         t_kill = time.monotonic()
@@ -194,9 +195,13 @@ async def redis_outage(
             await wait_for(lambda: index_matches_caches(router, replicas), "indexed blocks == every replica's cache", timeout_s, 0.05)
         else:
 
+            # NOTE: every replica starts a new epoch once Redis answers again, but not
+            # necessarily before the router has resynced it at the old one: "rebuilt" is
+            # the index in sync at each replica's *new* epoch, else the new epoch's first
+            # batch makes the replica stale again while "after" traffic already runs.
             async def rebuilt() -> bool:
                 current = await epochs(replicas)
-                return all(router.in_sync(rid, epoch) for rid, epoch in current.items())
+                return all(epoch != before[rid] and router.in_sync(rid, epoch) for rid, epoch in current.items())
 
             await wait_for(rebuilt, "index rebuilt at every replica's new epoch", timeout_s, 0.05)
         rebuilt_s = time.monotonic() - t0
