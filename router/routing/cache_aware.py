@@ -60,10 +60,10 @@ churn_window 256, footprint_weight 0.5, footprint_window 96, track_inflight off,
 admission_factor 2.0, prefill_lanes 4, template_key_blocks 1, session_sticky on,
 session_hold_frac 0.5. TTFT admission replaced a fixed balance guard (outstanding within
 1.5 x the mean): on 26 suite tuning traces it raised goodput against sglang + unicache
-from 1.062x to 1.092x at 4 replicas and from 1.155x to 1.281x at 8, and token hits
+from 1.098x to 1.143x at 4 replicas and from 1.189x to 1.299x at 8, and token hits
 against sglang + unicache from -0.70 to +0.21 points at 4 and from -2.09 to +0.09 at 8;
 max load imbalance rose from 1.63 to 2.02 at 8 (``bench.studies.routing_admission``). The
-admission factor 2.0 comes from that study (3.0 ties it there: 1.094x and 1.287x) and is
+admission factor 2.0 comes from that study (3.0 ties it there: 1.138x and 1.298x) and is
 ``bench.routing_report``'s leave-one-family-out pick of goodput over the suite's tuning
 traces (mean log goodput -0.624, against -0.636 for 3.0 and -0.647 for 1.5; 5 of 7
 held-out families pick it). Keeping the churn and footprint terms at 0.5 was chosen by that
@@ -79,9 +79,9 @@ replica's decayed computed tokens (the churn term's inflow, plus the request's u
 tokens there) at 1.2 x the mean after placement, for requests without a kept session
 home, cut max imbalance from 1.63 to 1.22 at 4 replicas and from 2.02 to 1.54 at 8
 (traces within 1.2: 19 -> 24 and 10 -> 19 of 26), for goodput against sglang + unicache
-1.092x -> 1.064x and 1.281x -> 1.274x and token hits +0.21 -> -0.20 and +0.09 -> -0.63
+1.143x -> 1.127x and 1.299x -> 1.286x and token hits +0.21 -> -0.20 and +0.09 -> -0.63
 points; applied to session turns too (a session leaves a home that ran ahead), 1.18 and
-1.48 for 1.034x and 1.097x. Where one explicit session computes more than 1.2 x a
+1.48 for 1.116x and 1.135x. Where one explicit session computes more than 1.2 x a
 replica's mean share, no placement that keeps sessions home reaches 1.2 (the study's
 session-atomic bound: 1.86 and 1.40 on two chat report traces at 8 replicas).
 
