@@ -38,6 +38,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from bench.load_test import join_children
 from bench.router_profile import cpu_s, profile_report, replicas_main, start_baseline
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -290,10 +291,7 @@ def main() -> None:
         for proc in baselines:
             proc.terminate()
             proc.wait(timeout=30)
-        for c in children:
-            c.join(timeout=30)
-            if c.is_alive():
-                c.terminate()
+        join_children(children)
     reference = variants[0]
     extra = [k for k in ("ratio_vs_bare", "ratio_vs_baseline_tree") if any(k in m for m in result["median"].values())]
     lines = [

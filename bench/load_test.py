@@ -82,6 +82,15 @@ def prompt(i: int) -> str:
     return f"load {i:05d} " + "abcdefghijklmnopqrstuvwxyz0123456789"[: i % 37]
 
 
+def join_children(children, timeout_s: float = 30.0) -> None:
+    """Join each child process (after its stop event is set), terminating one that does
+    not end within ``timeout_s``."""
+    for c in children:
+        c.join(timeout=timeout_s)
+        if c.is_alive():
+            c.terminate()
+
+
 async def burst(targets: list, n: int, max_tokens: int, direct: bool) -> dict:
     """n concurrent streams; targets are stubs (round robin over them)."""
     import grpc
@@ -198,10 +207,7 @@ def main() -> None:
         result = asyncio.run(drive(args, procs, rep_ports, rports["router"], rports["router_shed"]))
     finally:
         stop.set()
-        for c in children:
-            c.join(timeout=30)
-            if c.is_alive():
-                c.terminate()
+        join_children(children)
     result["config"] = {
         "requests": args.requests, "max_tokens": args.max_tokens, "replicas": args.replicas,
         "shed_max_in_flight": args.shed_max_in_flight, "shed_max_tokens": args.shed_max_tokens, "model": FAST_MODEL, "cpus": os.cpu_count(),

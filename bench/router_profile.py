@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import tempfile
 from pathlib import Path
-from bench.load_test import burst
+from bench.load_test import burst, join_children
 from unicache.testing.procfs import cpu_s
 
 
@@ -321,10 +321,7 @@ def main() -> None:
         for proc in baselines:
             proc.terminate()
             proc.wait(timeout=30)
-        for c in children:
-            c.join(timeout=30)
-            if c.is_alive():
-                c.terminate()
+        join_children(children)
     for i, rnd in enumerate(result["rounds"]):
         d = rnd["direct"]
         line = f"round {i}: direct {d['requests_per_s']} req/s, replicas CPU {d['cpu_ms_per_request']} ms/req"

@@ -36,7 +36,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.load_test import burst
+from bench.load_test import burst, join_children
 from bench.router_profile import replicas_main
 from unicache.replica.engine.api import EngineOutput
 from unicache.replica.engine.async_engine import AsyncEngine
@@ -320,10 +320,7 @@ def main() -> None:
             out["coalesce"] = asyncio.run(coalesce_part(args, ctx, ports, stop, children))
     finally:
         stop.set()
-        for c in children:
-            c.join(timeout=30)
-            if c.is_alive():
-                c.terminate()
+        join_children(children)
     out["load_average_1m"] = round(os.getloadavg()[0], 2)
     text = report(args, out)
     print(text)

@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.paths import REPO, RESULTS, mooncake_trace
@@ -187,8 +188,21 @@ def plot(report: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@dataclass(slots=True, frozen=True)
+class TuningRun:
+    """A routing study's parsed command line: its tuning traces and the replay settings
+    every job shares (``common``), as ``bench.routing_report``'s ``Job`` takes them."""
+
+    args: argparse.Namespace
+    families: list[str]
+    traces: list
+    common: dict
+
+
+def parse_tuning_run(doc: str, argv: list[str] | None) -> TuningRun:
+    """The command line of the routing studies on tuning traces (this one and
+    ``bench.studies.routing_balance``): which traces, how long, how many replicas."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(mooncake_trace()), help="the Mooncake conversation trace")
     ap.add_argument("--points", type=int, default=4, help="tuning points per generated family (default 4)")
     ap.add_argument("--mooncake-slices", type=int, default=2, help=f"Mooncake slices 0..k-1 of {MOONCAKE_SLICES}")
@@ -202,10 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.workers <= 2:
         ap.error("--workers must be 1 or 2")
-    t0 = time.perf_counter()
-    traces = tuning_traces(args.points, args.mooncake_slices, [f for f in args.families.split(",") if f])
+    families = [f for f in args.families.split(",") if f]
     common = {"mooncake": args.trace, "mooncake_slices": MOONCAKE_SLICES, "duration": args.duration,
               "requests_per_s": args.requests_per_s, "capacity_frac": args.capacity_frac, "u_ref": 0.5}
+    return TuningRun(args, families, tuning_traces(args.points, args.mooncake_slices, families), common)
+
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.perf_counter()
+    run = parse_tuning_run(__doc__, argv)
+    args, traces, common = run.args, run.traces, run.common
     configs = tuple((v, "cache_aware", "unicache") for v in VARIANTS) + (
         (SGL_UC, "sglang", "unicache"), (SGL_LRU, "sglang", "lru"))
     replicas = tuple(int(x) for x in args.replicas.split(","))

@@ -43,7 +43,6 @@ Run (from the repository root, niced; about 10 minutes on 2 shared CPUs):
 
 from __future__ import annotations
 
-import argparse
 import collections
 import math
 import os
@@ -54,15 +53,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.paths import REPO, RESULTS, mooncake_trace
+from bench.paths import REPO
 from bench.report_files import git_commit, save_figure, write_report
 from bench.routing_report import GOODPUT_FLOOR_U, LANES, Job, capacity_blocks, nominal_scale, run_jobs
-from bench.studies.routing_admission import MOONCAKE_SLICES, tuning_traces
+from bench.studies.routing_admission import parse_tuning_run
 from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.router.routing.session_affinity import session_key
 from unicache.sim.replay import Replay, ReplayConfig
-from unicache.sim.suite import FAMILIES, SuiteTrace, load_suite_trace, suite_traces
+from unicache.sim.suite import SuiteTrace, load_suite_trace, suite_traces
 from unicache.sim.timing import TimingModel
 
 SGL_UC, SGL_LRU = "sglang+unicache", "sglang+lru"
@@ -277,25 +276,9 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=str(mooncake_trace()), help="the Mooncake conversation trace")
-    ap.add_argument("--points", type=int, default=4, help="tuning points per generated family (default 4)")
-    ap.add_argument("--mooncake-slices", type=int, default=2, help=f"Mooncake slices 0..k-1 of {MOONCAKE_SLICES}")
-    ap.add_argument("--duration", type=float, default=300.0)
-    ap.add_argument("--requests-per-s", type=float, default=1.5)
-    ap.add_argument("--replicas", default="4,8")
-    ap.add_argument("--capacity-frac", type=float, default=0.02)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--out-dir", default=str(RESULTS))
-    args = ap.parse_args(argv)
-    if not 1 <= args.workers <= 2:
-        ap.error("--workers must be 1 or 2")
     t0 = time.perf_counter()
-    families = [f for f in args.families.split(",") if f]
-    traces = tuning_traces(args.points, args.mooncake_slices, families)
-    common = {"mooncake": args.trace, "mooncake_slices": MOONCAKE_SLICES, "duration": args.duration,
-              "requests_per_s": args.requests_per_s, "capacity_frac": args.capacity_frac, "u_ref": 0.5}
+    run = parse_tuning_run(__doc__, argv)
+    args, families, traces, common = run.args, run.families, run.traces, run.common
     configs = tuple((v, "cache_aware", "unicache") for v in VARIANTS) + (
         (SGL_UC, "sglang", "unicache"), (SGL_LRU, "sglang", "lru"))
     replicas = tuple(int(x) for x in args.replicas.split(","))
