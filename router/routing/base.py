@@ -24,7 +24,9 @@ class ReplicaLoad:
         replica_id: stable id of the replica.
         running: requests decoding or prefilling now.
         waiting: requests queued at the replica.
-        queued_prefill_tokens: uncached prompt tokens not yet computed.
+        queued_prefill_tokens: prompt tokens not yet computed: a waiting request's whole
+            prompt (its cached part included: every engine, and the simulator, learns
+            the match only when it schedules the request) plus running prefills' rest.
         free_blocks: blocks that can be allocated now (uncached free + evictable).
         capacity_blocks: total KV blocks.
         in_flight: requests this router sent that have not finished.
