@@ -24,7 +24,6 @@ never as an error.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -429,15 +428,15 @@ class HttpFrontDoor:
             usage.set_prompt(i, len(ids))
             for j in range(n):
                 choices.append({"index": i * n + j, "text": self._echo_text(p, ids), "finish_reason": "length", "logprobs": None})
-        out = base("cmpl-" + request_id, int(time.time()), self.model_name, chat=False, chunk=req.stream)
+        rid, created = "cmpl-" + request_id, int(time.time())
         self._count(api, "ok")
         if not req.stream:
-            out["choices"] = choices
-            out["usage"] = usage.as_dict()
-            return JSONResponse(out)
-        events = [_sse_event({**out, "choices": [c]}) for c in choices]
+            return JSONResponse({**base(rid, created, self.model_name, chat=False, chunk=False), "choices": choices,
+                                 "usage": usage.as_dict()})
+        chunks = StreamChunks(rid, created, self.model_name, False, req.include_usage)
+        events = [chunks.choice(c["index"], c["text"], c["finish_reason"]) for c in choices]
         if req.include_usage:
-            events.append(_sse_event({**out, "choices": [], "usage": usage.as_dict()}))
+            events.append(chunks.usage(usage.as_dict()))
         events.append(b"data: [DONE]\n\n")
         return Response(b"".join(events), media_type="text/event-stream")
 
@@ -549,5 +548,3 @@ def _peer(request: Request) -> str:
     return f"{client.host}:{client.port}" if client else "unknown"
 
 
-def _sse_event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

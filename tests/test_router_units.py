@@ -279,6 +279,18 @@ async def test_completion_prompts_get_the_tokenizers_bos_and_chat_templates_do_n
                 assert r.status_code == 200, r.text
                 got.append(r.json()["usage"]["prompt_tokens"])
             assert got == [3, 2]
+            # streamed, the same events as a generated stream: usage null on each choice, then the usage
+            r = await c.post("/v1/completions", json={**body, "prompt": ["hello world", [2]], "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = [line for line in r.text.split("\n") if line]
+            assert lines[-1] == "data: [DONE]"
+            events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+            assert [(e["choices"], e["usage"]) for e in events[:2]] == [
+                ([{"index": 0, "text": "hello world", "finish_reason": "length", "logprobs": None}], None),
+                ([{"index": 1, "text": hf.decode([2]), "finish_reason": "length", "logprobs": None}], None)]
+            assert events[2]["choices"] == [] and events[2]["usage"]["prompt_tokens"] == 4
+            assert {e["object"] for e in events} == {"text_completion"} and len({e["id"] for e in events}) == 1
     finally:
         await app.stop()
     assert app.core.encode("hello world", add_special_tokens=True) == [0, 2, 3]
