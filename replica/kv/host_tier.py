@@ -78,15 +78,6 @@ class HostTier:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def match(self, block_hashes: list[BlockHash], start: int) -> int:
-        """How many of ``block_hashes[start:]``, consecutively, this tier holds."""
-        n, cached = 0, self._cached
-        for h in block_hashes[start:]:
-            if h not in cached:
-                break
-            n += 1
-        return n
-
     def hashes(self) -> list[BlockHash]:
         return list(self._cached)
 
