@@ -34,8 +34,10 @@ mix seeds 100-104 labelled and with labels hidden, 1200 s and seed 100 hidden at
       against 70.83; mix 100 hidden at 3600 s: 73.51 against 73.22).
 
 Invariants:
-    * A candidate is in exactly one of the four queues (``_queues[q]``, demotion order,
-      oldest first) and in ``_queue_of``; every operation is O(1) (four queue heads).
+    * Every candidate is in ``_queue_of`` (demotion order, oldest first) with the queue it
+      is filed in, and ``_sizes[q]`` counts the candidates filed in queue ``q``; as the
+      class does not reorder, the four queues are one demotion order and every operation
+      is O(1).
 """
 
 from __future__ import annotations
@@ -56,9 +58,8 @@ class HostUniCachePolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self.placement = LanePlacement()
-        self._queues: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(NUM_QUEUES)]
-        self._queue_of: dict[int, int] = {}
-        self._seq = 0
+        self._queue_of: OrderedDict[int, int] = OrderedDict()
+        self._sizes = [0] * NUM_QUEUES
         self._evictions = [0] * NUM_QUEUES
         self._hits = [0] * NUM_QUEUES
 
@@ -68,43 +69,36 @@ class HostUniCachePolicy(EvictionPolicy):
     def on_release(self, block_id: int, info: ReleaseInfo) -> None:
         q = self.placement.queue_of(info)
         self._queue_of[block_id] = q
-        self._queues[q][block_id] = self._seq
-        self._seq += 1
+        self._sizes[q] += 1
 
     def on_access(self, block_id: int, cls: RequestClass, now: float) -> None:
         q = self._queue_of.pop(block_id, None)
         if q is not None:
-            del self._queues[q][block_id]
+            self._sizes[q] -= 1
             self._hits[q] += 1
 
     def pop_victim(self) -> int | None:
-        best, oldest = -1, -1
-        for q, queue in enumerate(self._queues):
-            if queue:
-                seq = next(iter(queue.values()))
-                if best < 0 or seq < oldest:
-                    best, oldest = q, seq
-        if best < 0:
+        if not self._queue_of:
             return None
-        block_id, _ = self._queues[best].popitem(last=False)
-        del self._queue_of[block_id]
-        self._evictions[best] += 1
+        block_id, q = self._queue_of.popitem(last=False)
+        self._sizes[q] -= 1
+        self._evictions[q] += 1
         return block_id
 
     def on_removed(self, block_id: int) -> None:
         q = self._queue_of.pop(block_id, None)
         if q is not None:
-            del self._queues[q][block_id]
+            self._sizes[q] -= 1
 
     def __len__(self) -> int:
         return len(self._queue_of)
 
     def queue_sizes(self) -> dict[str, int]:
-        return {name: len(queue) for name, queue in zip(QUEUE_NAMES, self._queues)}
+        return dict(zip(QUEUE_NAMES, self._sizes))
 
     def queue_counters(self) -> QueueCounters:
         return QueueCounters(dict(zip(QUEUE_NAMES, self._evictions)), dict(zip(QUEUE_NAMES, self._hits)))
 
     def order(self) -> list[int]:
         """Candidates in eviction order (tests)."""
-        return [b for _, b in sorted((seq, b) for queue in self._queues for b, seq in queue.items())]
+        return list(self._queue_of)
