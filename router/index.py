@@ -42,9 +42,10 @@ Invariants:
 Host tier. A replica with a host-memory tier also publishes which hashes it holds there
 (``KVEventBatch.host_stored`` / ``host_removed``, ``CacheSummary.host_block_hashes``).
 They live apart from the GPU entries, in ``ReplicaHoldings.host`` (insertion-ordered; a
-set, no chains: a host block is only ever used as the continuation of a GPU match, read by
-``host_match``). A replica's host hashes follow the same epoch/seq gating as its GPU ones
-(one batch carries both), are dropped with them (clear, summary, replica drop), and are
+set, no chains: a host block is only ever used in the run that continues a GPU match
+through both tiers, read by ``tier_run``: after the GPU prefix, blocks on the host or,
+past the first, on the GPU, as the replica's store matches them). A replica's host
+hashes follow the same epoch/seq gating as its GPU ones (one batch carries both), are dropped with them (clear, summary, replica drop), and are
 bounded by ``max_blocks_per_replica`` and by the host capacity its heartbeat announces
 (``set_host_capacity``), oldest first.
 
@@ -63,7 +64,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
-from unicache.router.routing.base import LocalityView
+from unicache.router.routing.base import NO_RUN, LocalityView, TierRun
 
 _HEAP_SLACK = 64
 
@@ -155,21 +156,16 @@ class LocalityIndex(LocalityView):
         self._tick += 1
         return _walk(h.blocks, block_hashes, self._tick)
 
-    def host_match(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> int:
-        """How many of ``block_hashes[start:]``, consecutively, the replica holds in its
-        host tier (the blocks a request matching ``start`` GPU blocks would promote)."""
+    def tier_run(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> TierRun:
+        """The run of ``block_hashes[start:]`` that the replica's host tier and GPU
+        entries hold together, its first block on the host (``LocalityView.tier_run``)."""
         h = self._replicas.get(replica_id)
         if h is None or not h.host:
-            return 0
-        host, n = h.host, 0
-        for bh in block_hashes[start:]:
-            if bh not in host:
-                break
-            n += 1
-        return n
+            return NO_RUN
+        return _tier_walk(h, block_hashes, start)
 
-    def host_matches(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int]) -> dict[str, int]:
-        """``host_match(r, block_hashes, m_r)`` for every replica r whose host tier holds
+    def tier_runs(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int]) -> dict[str, TierRun]:
+        """``tier_run(r, block_hashes, m_r)`` for every replica r whose host tier holds
         block ``m_r`` (its GPU match, 0 when absent from ``gpu_matches``); the others
         have none. Visits only those replicas (host-tier hash -> replicas)."""
         host_holders = self._host_holders
@@ -177,15 +173,15 @@ class LocalityIndex(LocalityView):
         if not host_holders or not n:
             return {}
         replicas = self._replicas
-        out: dict[str, int] = {}
+        out: dict[str, TierRun] = {}
         for rid in host_holders.get(block_hashes[0], ()):
             if rid not in gpu_matches:
-                out[rid] = _host_walk(replicas[rid].host, block_hashes, 0)
+                out[rid] = _tier_walk(replicas[rid], block_hashes, 0)
         for rid, m in gpu_matches.items():
             if m < n:
                 held = host_holders.get(block_hashes[m])
                 if held is not None and rid in held:
-                    out[rid] = _host_walk(replicas[rid].host, block_hashes, m)
+                    out[rid] = _tier_walk(replicas[rid], block_hashes, m)
         return out
 
     def num_host_blocks(self, replica_id: str) -> int:
@@ -472,11 +468,18 @@ def _walk(blocks: dict[BlockHash, IndexEntry], block_hashes: Sequence[BlockHash]
     return n
 
 
-def _host_walk(host: dict[BlockHash, None], block_hashes: Sequence[BlockHash], start: int) -> int:
-    """Consecutive ``block_hashes`` from ``start`` in a replica's host tier."""
-    n = 0
+def _tier_walk(h: ReplicaHoldings, block_hashes: Sequence[BlockHash], start: int) -> TierRun:
+    """``block_hashes[start:]`` held consecutively by the host tier, or (after the first)
+    by the GPU entries: the store's ``_tier_run`` on the index's copy of its holdings."""
+    host, blocks = h.host, h.blocks
+    n, gpu_at = 0, []
     for i in range(start, len(block_hashes)):
-        if block_hashes[i] not in host:
+        bh = block_hashes[i]
+        if bh in host:
+            n += 1
+        elif n and bh in blocks:
+            gpu_at.append(i)
+            n += 1
+        else:
             break
-        n += 1
-    return n
+    return TierRun(n, tuple(gpu_at)) if n else NO_RUN

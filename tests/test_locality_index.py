@@ -188,8 +188,8 @@ def test_invariants_hold_under_random_operations(seq):
         elif op == "match":
             got = index.prefix_matches(p)
             assert got == {r: m for r in index.replicas() if (m := index.match(r, p))}
-            host = {r: m for r in index.replicas() if (m := index.host_match(r, chains[c], got.get(r, 0)))}
-            assert index.host_matches(chains[c], got) == host
+            runs = {r: t for r in index.replicas() if (t := index.tier_run(r, chains[c], got.get(r, 0))).length}
+            assert index.tier_runs(chains[c], got) == runs
         elif op == "host":
             index.apply_events_unchecked(rid, [], [], host_stored=p[-2:], host_removed=p[:1])
         elif op == "clear":

@@ -562,6 +562,21 @@ def test_cache_aware_counts_a_host_match_at_its_promotion_cost():
         CacheAwarePolicy(host_cost=1.5)
 
 
+def test_cache_aware_counts_gpu_blocks_after_host_blocks_as_full_hits():
+    """r0: GPU blocks 1-2, host 3-6, GPU 7-8 again (their parents were demoted first):
+    its store would share 7-8 and promote 3-6, so hit = 16 * (2 + 2 + 0.92 * 4) = 16 * 7.68
+    against r1's GPU blocks 1-6 (16 * 6). Counting only the host blocks right after the
+    GPU prefix (16 * 5.68) chose r1."""
+    h = hashes(*range(1, 11))
+    idx = make_index({"r1": list(range(1, 7))})
+    idx.apply_events_unchecked("r0", [h[0], h[1], h[6], h[7]], [], host_stored=h[2:6])
+    assert idx.tier_runs(h, idx.prefix_matches(h))["r0"] == (6, (6, 7))
+    req = make_request("q", range(1, 11))
+    d = CacheAwarePolicy().choose(req, [load("r0"), load("r1")], idx)
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r0", "host_prefix", 8)
+    assert d.score == pytest.approx(160 - 16 * (4 + 0.92 * 4))
+
+
 def test_sglang_roots_follow_inserts_evictions_and_departures():
     from unicache.router.routing.sglang import SGLangPolicy
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
@@ -44,6 +45,27 @@ class ReplicaLoad:
     def outstanding(self) -> int:
         """The load measure most policies compare: max of router and replica views."""
         return max(self.in_flight, self.running + self.waiting)
+
+
+class TierRun(NamedTuple):
+    """What a replica's two tiers hold past its GPU prefix, as its store would use it.
+
+    ``length`` consecutive blocks from the end of the GPU prefix; the first is in the
+    host tier, each later one in the host tier or on the GPU (a policy may evict a
+    parent and keep its child, so the GPU chain can resume after host blocks).
+    ``gpu_at``: the absolute prompt positions, ascending, of the run's blocks held on
+    the GPU (shared like the prefix); the others are host blocks, promoted by a copy.
+    """
+
+    length: int
+    gpu_at: tuple[int, ...] = ()
+
+    @property
+    def host_blocks(self) -> int:
+        return self.length - len(self.gpu_at)
+
+
+NO_RUN = TierRun(0)
 
 
 @dataclass(slots=True)
@@ -92,15 +114,18 @@ class LocalityView(ABC):
         once per decision instead of ``match`` per replica: the index walks the prefix
         through its hash -> replicas map and never visits a replica that matches nothing."""
 
-    def host_match(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> int:
-        """How many of ``block_hashes[start:]``, consecutively, the replica holds in its
-        host-memory tier (promotable, not a GPU hit). Default 0: a view without tiers."""
-        return 0
+    def tier_run(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> TierRun:
+        """The run of ``block_hashes[start:]`` that the replica's two tiers hold together,
+        as its KV store matches it past a GPU prefix of ``start`` blocks (``KVStore
+        ._tier_run``): the first block is in the host tier, later ones in either.
+        Default: empty (a view without tiers)."""
+        return NO_RUN
 
-    def host_matches(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int]) -> dict[str, int]:
-        """``host_match(r, block_hashes, gpu_matches.get(r, 0))`` for every replica where
-        it is not 0 (left out: 0), in one call: an index keyed by hash visits only the
-        replicas whose host tier holds the block after their GPU match. Default: no tiers."""
+    def tier_runs(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int]) -> dict[str, TierRun]:
+        """``tier_run(r, block_hashes, gpu_matches.get(r, 0))`` for every replica where it
+        is not empty (left out: empty), in one call: an index keyed by hash visits only
+        the replicas whose host tier holds the block after their GPU match. Default: no
+        tiers."""
         return {}
 
     def match_all(self, replica_ids: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:

@@ -19,10 +19,13 @@ every live replica r:
     p_r      = min(1, (queued_prefill_tokens_r / B) / max(1, free_blocks_r))
                (eviction pressure: the share of r's evictable blocks that work already
                queued there claims before this request is admitted)
-    h_r      = host-tier blocks that continue the index match past m_r
-               (``LocalityView.host_matches(h, index matches)[r]``, less what m_r already
-               covers): the replica would promote them, copying their KV from host memory
-    hit_r    = B * (m_r + (1 - host_cost) * h_r) * (1 - evict_weight * p_r)
+    run_r    = the run that continues the index match through both tiers
+               (``LocalityView.tier_runs(h, index matches)[r]``: its first block on the
+               host, later ones on the host or the GPU, as the replica's store matches)
+    g_r, h_r = of run_r's blocks past m_r, those on the GPU (shared, full hits) and those
+               on the host (the replica would promote them, copying their KV from host
+               memory)
+    hit_r    = B * (m_r + g_r + (1 - host_cost) * h_r) * (1 - evict_weight * p_r)
                (a matched block likely to be evicted before use counts less; a host block
                saves its prefill but costs its copy, host_cost of a prefill per token)
     load_r   = queued_prefill_tokens_r + request_cost_tokens * outstanding_r
@@ -326,8 +329,8 @@ class CacheAwarePolicy(RoutingPolicy):
         pending, inflow, footprint = self._pending, self._inflow, self._footprint
         evict_weight, rct, load_weight = self.evict_weight, self.request_cost_tokens, self.load_weight
         host_weight = 1.0 - self.host_cost
-        # host continuations past each replica's GPU match, for the replicas that have one
-        host_ext = index.host_matches(hashes, matches) if self.host_cost < 1.0 else None
+        # runs through both tiers past each replica's GPU match, for the replicas that have one
+        runs = index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None
         best_r: ReplicaLoad | None = None
         best_cost, best_m, best_reason = 0.0, 0.0, ""
         n_hashes = len(hashes)
@@ -347,10 +350,13 @@ class CacheAwarePolicy(RoutingPolicy):
             if rid == home_id and home_blocks > m:
                 m, reason = home_blocks, "template_home"
             host = 0.0
-            if host_ext:
-                hm = host_ext.get(rid)
-                if hm:
-                    host = max(0.0, m_index + hm - m)
+            if runs:
+                run = runs.get(rid)
+                if run is not None and m_index + run.length > m:
+                    # the run's blocks past m: GPU ones are full hits, host ones promoted
+                    gpu = sum(1 for i in run.gpu_at if i >= m) if run.gpu_at else 0
+                    host = m_index + run.length - m - gpu
+                    m += gpu
                     if host and reason in ("index_prefix", "load"):
                         reason = "host_prefix"
             qpt = r.queued_prefill_tokens
