@@ -38,6 +38,7 @@ from unicache.router.memory import TableCaps
 from unicache.router.routing.registry import ROUTING_POLICIES, make_routing_policy
 from unicache.router.service import RouterServicer
 from unicache.router.session_store import SessionStore
+from unicache.router.terms_exchange import TermsExchange
 from unicache.router.rejections import StateRejections
 from unicache.router.subscriber import RedisSubscriber
 from unicache.state_auth import CallCredential, StateSigner
@@ -150,6 +151,15 @@ class RouterApp:
                 self.subscriber.new_client(), config.redis_prefix, cluster_key, timeout_s=config.session_timeout_s,
                 ttl_s=config.session_ttl_s, counter=self.metrics.session_store,
             )
+        # NOTE: the routers that share sessions share the policy's traffic-derived terms
+        # too (churn, footprint), so each decides as one router routing everything would.
+        self.terms: TermsExchange | None = None
+        if self.sessions is not None and config.share_terms:
+            self.terms = TermsExchange(
+                self.subscriber.new_client(), config.redis_prefix, cluster_key, self.policy,
+                is_known=self.cluster.replicas.__contains__, interval_s=config.terms_interval_s,
+                counter=self.metrics.terms_exchange,
+            )
         self.core = RouterCore(
             self.cluster,
             self.auth,
@@ -249,6 +259,8 @@ class RouterApp:
         self._tasks.append(asyncio.create_task(self.history.run(), name="router-history"))
         if self.subscriber is not None:
             self._tasks.append(asyncio.create_task(self.subscriber.run(), name="router-redis"))
+        if self.terms is not None:
+            self._tasks.append(asyncio.create_task(self.terms.run(), name="router-terms"))
         log.info("router serving gRPC on %s:%d and HTTP on %s:%d", cfg.grpc_host, self.grpc_port, cfg.http_host, self.http_port)
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -256,7 +268,7 @@ class RouterApp:
             self._uvicorn.should_exit = True
         # The Redis follower and the prober are cancelled; uvicorn exits by itself once
         # should_exit is set.
-        background = ("router-redis", "router-prober", "router-history")
+        background = ("router-redis", "router-prober", "router-history", "router-terms")
         await cancel_and_wait([t for t in self._tasks if t.get_name() in background])
         http = [t for t in self._tasks if t.get_name() not in background]
         if http:
@@ -269,6 +281,8 @@ class RouterApp:
         await self.clients.close()
         if self.sessions is not None:
             await self.sessions.redis.aclose()
+        if self.terms is not None:
+            await self.terms.redis.aclose()
         if self.subscriber is not None:
             await self.subscriber.close()
 

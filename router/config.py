@@ -62,6 +62,15 @@ class RouterConfig:
             "the Helm chart sets on when it runs more than one router pod). Each shared turn costs a Redis read and write"
         },
     )
+    share_terms: bool = field(
+        default=True,
+        metadata={"help": "where sessions are shared, also share the routing policy's traffic-derived terms (churn, session footprint) "
+                          "with the other routers through a Redis stream (router/terms_exchange.py), so each decides as one router "
+                          "routing all the traffic would"},
+    )
+    terms_interval_s: float = field(
+        default=0.05, metadata={"help": "how often a router sends its routed events to the other routers and applies theirs"}
+    )
     session_ttl_s: float = field(default=3600.0, metadata={"help": "a shared session record expires this long after the session's latest turn"})
     session_timeout_s: float = field(
         default=0.05, metadata={"help": "deadline of a shared-session Redis read/write on the request path (beyond it the turn uses this router's memory)"}
@@ -216,8 +225,8 @@ def build_config(
     if cfg.workers > 1 and (cfg.grpc_port == 0 or cfg.http_port == 0):
         raise UsageError("--workers > 1 needs fixed --grpc-port and --http-port (with port 0 each process would pick its own)")
     shares_sessions(cfg)  # a bad value is a UsageError now, not at start-up
-    if cfg.session_ttl_s <= 0 or cfg.session_timeout_s <= 0:
-        raise UsageError("session_ttl_s and session_timeout_s must be positive")
+    if cfg.session_ttl_s <= 0 or cfg.session_timeout_s <= 0 or cfg.terms_interval_s <= 0:
+        raise UsageError("session_ttl_s, session_timeout_s and terms_interval_s must be positive")
     check_routing_policy(cfg.routing_policy)
     check_http_settings(cfg)
     return cfg

@@ -34,6 +34,13 @@ class RouterMetrics:
             ["op", "outcome"],
             registry=r,
         )
+        self.terms_exchange = Counter(
+            "unicache_router_terms_exchange",
+            "Routed-event batches shared with the cluster's other routers (router/terms_exchange.py) by outcome "
+            "(sent, applied, rejected, error)",
+            ["outcome"],
+            registry=r,
+        )
         self.first_token_timeouts = Counter(
             "unicache_router_first_token_timeouts",
             "Attempts cancelled because the replica sent nothing within its derived first-token timeout",

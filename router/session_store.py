@@ -116,7 +116,7 @@ class SessionStore:
         self._count("load", "hit")
         h = msg.hashes
         hashes = [BlockHash(h[i : i + HASH_BYTES]) for i in range(0, len(h), HASH_BYTES)]
-        return SessionRecord(msg.replica_id, hashes, msg.confirmed)
+        return SessionRecord(msg.replica_id, hashes, msg.confirmed, msg.routed_at if msg.HasField("routed_at") else None)
 
     def encode(self, key: str, record: SessionRecord) -> tuple[str, bytes]:
         """(Redis key, sealed value) of ``record``."""
@@ -127,6 +127,7 @@ class SessionStore:
             hashes=b"".join(record.hashes[: self.max_blocks]),
             confirmed=record.confirmed,
             updated_ms=int(time.time() * 1000),
+            routed_at=record.routed_at,
         )
         return self.keys.session(digest.hex()), self.signer.seal(KIND, msg.SerializeToString())
 

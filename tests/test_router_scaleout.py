@@ -56,7 +56,7 @@ async def replicas():
             await f.stop()
 
 
-async def alternate(redis_url: str, spec: str, shared: bool, keep: list | None = None) -> dict[int, list[tuple[str, str]]]:
+async def alternate(redis_url: str, spec: str, shared: bool, keep: list | None = None, before_stop=None) -> dict[int, list[tuple[str, str]]]:
     """(replica, reason) of every turn of every session, turn t of session s sent through
     router (s + t) % 2; turn 1 of every session, then turn 2 of every session, ..., each
     turn's sessions in a shuffled order (fixed seeds) so the two routers see different
@@ -82,6 +82,8 @@ async def alternate(redis_url: str, spec: str, shared: bool, keep: list | None =
                 seen[s].append((r.headers["x-unicache-replica"], r.headers["x-unicache-route-reason"]))
         for c in clients:
             await c.aclose()
+        if before_stop is not None:
+            await before_stop(routers)
         return seen
     finally:
         for r in routers:
@@ -114,6 +116,26 @@ async def test_both_routers_count_their_store_calls(redis_server, replicas):
                 key = (d["op"].strip('"'), d["outcome"].strip('"'))
                 totals[key] = totals.get(key, 0) + float(value)
     assert totals == {("load", "miss"): SESSIONS, ("load", "hit"): SESSIONS * (TURNS - 1), ("save", "saved"): SESSIONS * TURNS}
+
+
+async def test_routers_sharing_sessions_share_the_policy_terms(redis_server, replicas):
+    """Every routed event reaches both routers (each one's clock counts all turns) and
+    their churn and footprint terms agree; a router alone holds only its half."""
+    got = {}
+
+    async def settled(routers):
+        policies = [r.policy for r in routers]
+        await eventually(lambda: all(p._routed == SESSIONS * TURNS for p in policies), "every event applied by both")
+        got["terms"] = [(dict(p._inflow), dict(p._footprint)) for p in policies]
+        got["exchanged"] = [r.terms.applied_events for r in routers]
+
+    await alternate(redis_server.url, replicas, shared=True, before_stop=settled)
+    (inflow_a, foot_a), (inflow_b, foot_b) = got["terms"]
+    assert sum(got["exchanged"]) == SESSIONS * TURNS and min(got["exchanged"]) > 0
+    assert set(inflow_a) == set(inflow_b) == {"r0", "r1"}
+    for a, b in ((inflow_a, inflow_b), (foot_a, foot_b)):
+        for r in a:  # applied in another order than routed: equal up to a few decay steps
+            assert a[r] == pytest.approx(b[r], rel=0.05), (r, a, b)
 
 
 async def test_without_shared_sessions_the_same_traffic_splits_sessions(redis_server, replicas):
@@ -194,7 +216,7 @@ def test_cache_aware_import_makes_another_router_decide_as_the_first():
     a.on_request_routed(first, RouteDecision("r1", "load"))  # A placed turn 1 on r1
     b.on_request_routed(req("q0", [9, 8, 7, 6], "other"), RouteDecision("r0", "load"))  # B saw another session
     record = a.export_session(key)
-    assert record == SessionRecord("r1", first.block_hashes, False)
+    assert record == SessionRecord("r1", first.block_hashes, False, 1)  # A had routed 1 request
     assert b.export_session(key) is None
     b.import_session(key, record)
     assert b.export_session(key) == record

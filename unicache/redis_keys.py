@@ -13,6 +13,10 @@ Keys (``P`` is the prefix, default ``unicache``):
                             where one session's latest turn went, shared by every router;
                             ``<digest>`` is a keyed hash of (tenant, session id); TTL
                             ``session_ttl_s``, refreshed by every turn.
+    P:routed                stream; each entry has field ``b`` = a sealed ``RoutedBatch``
+                            (router/terms_exchange.py): one router's routing decisions
+                            as the policy's terms see them, applied by every other router;
+                            trimmed to about ``ROUTED_STREAM_MAXLEN`` entries.
     P:resync                pub/sub channel; a router publishes a replica id (or ``*``
                             for all) to ask that replica for a fresh summary now.
 
@@ -37,6 +41,7 @@ HEARTBEAT_TTL_S = 3.0
 EVENT_FLUSH_INTERVAL_S = 0.05
 SUMMARY_INTERVAL_S = 10.0
 EVENT_STREAM_MAXLEN = 10_000
+ROUTED_STREAM_MAXLEN = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,9 @@ class RedisKeys:
 
     def session(self, digest_hex: str) -> str:
         return f"{self.prefix}:session:{digest_hex}"
+
+    def routed_stream(self) -> str:
+        return f"{self.prefix}:routed"
 
     def resync_channel(self) -> str:
         return f"{self.prefix}:resync"

@@ -14,7 +14,8 @@ The MAC covers the exact bytes (protobuf serialization is not canonical, so the 
 verifies the bytes, then parses), and ``kind`` ("hb", "summary", "events", "rpc-summary")
 binds a payload to where it may be used: a signed heartbeat stored as a summary fails.
 Routers seal what they share through Redis with the same key ("session": a session's
-placement, ``unicache.router.session_store``); a replica could write one, but a replica
+placement, ``unicache.router.session_store``; "routed": a batch of routing decisions'
+effects on the policy's terms, ``unicache.router.terms_exchange``); a replica could write one, but a replica
 already chooses what it serves.
 Everything a reader trusts (replica id, address, epoch, seq, timestamp) is inside the
 payload, so it is covered; readers also check the replica id against the Redis key.
@@ -42,7 +43,7 @@ MIN_KEY_BYTES = 16
 # gRPC metadata key of the cluster credential on every router->replica call.
 CALL_METADATA = "x-unicache-cluster-auth"
 
-KINDS = frozenset({"hb", "summary", "events", "rpc-summary", "session"})
+KINDS = frozenset({"hb", "summary", "events", "rpc-summary", "session", "routed"})
 
 
 class StateAuthError(ValueError):

@@ -98,6 +98,27 @@ class SessionRecord:
     replica_id: str
     hashes: list[BlockHash]
     confirmed: bool = False
+    routed_at: int | None = None  # the writer's routed-request clock at the turn (None: unknown)
+
+
+@dataclass(slots=True, frozen=True)
+class RoutedEvent:
+    """What one routing decision did to a policy's traffic-derived state, in the form
+    routers exchange it (``unicache.router.terms_exchange``): every router applies every
+    router's events, so each holds the terms one router routing all the traffic would.
+
+    ``new_tokens``: the request's uncached prompt tokens sent to ``replica_id`` (churn's
+    inflow); ``session_blocks``: the prompt blocks of an explicit session's turn (0: no
+    session), added to the replica's session footprint; ``prev_replica_id`` /
+    ``prev_share``: where that session's previous turn went and the footprint it still
+    held there, taken out ("" / 0: no previous turn known).
+    """
+
+    replica_id: str
+    new_tokens: int = 0
+    session_blocks: int = 0
+    prev_replica_id: str = ""
+    prev_share: float = 0.0
 
 
 class LocalityView(ABC):
@@ -171,3 +192,19 @@ class RoutingPolicy(ABC):
 
     def import_session(self, key: str, record: SessionRecord) -> None:
         """Adopt ``record`` (written by any router) as the session's latest turn."""
+
+    # Traffic-derived terms shared between routers (``unicache.router.terms_exchange``):
+    # once ``share_terms`` is called, ``take_routed`` drains this router's decisions as
+    # events and ``apply_routed`` applies the other routers'. A policy whose choices do
+    # not depend on past traffic keeps these defaults.
+    def share_terms(self) -> bool:
+        """Start recording routed events for the other routers; False when the policy has
+        no such terms (then the router exchanges nothing)."""
+        return False
+
+    def take_routed(self) -> list[RoutedEvent]:
+        """This router's routed events since the last call (oldest first)."""
+        return []
+
+    def apply_routed(self, events: Sequence[RoutedEvent]) -> None:
+        """Apply other routers' routed events, oldest first, as if routed here."""

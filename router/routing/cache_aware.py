@@ -128,7 +128,7 @@ from operator import attrgetter
 from unicache.block_hash import BlockHash
 from unicache.router.routing.admission import TTFTAdmission
 from unicache.router.routing.base import (
-    LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest, SessionRecord,
+    LocalityView, ReplicaLoad, RouteDecision, RoutedEvent, RoutingPolicy, RoutingRequest, SessionRecord,
 )
 from unicache.router.routing.least_loaded import load_key
 from unicache.router.routing.registry import register_routing_policy
@@ -273,7 +273,8 @@ class CacheAwarePolicy(RoutingPolicy):
         self.footprint_window = footprint_window
         self._foot_decay = 1.0 - 1.0 / footprint_window
         self._footprint: dict[str, float] = {}
-        self._routed = 0  # requests routed so far: the footprint decay's clock
+        self._routed = 0  # requests routed so far (by every router, when sharing terms): the decays' clock
+        self._outbox: list[RoutedEvent] | None = None  # this router's events, when sharing terms
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._inflight: OrderedDict[str, _InFlight] = OrderedDict()
         self._pending: dict[str, dict[BlockHash, int]] = {}
@@ -421,13 +422,16 @@ class CacheAwarePolicy(RoutingPolicy):
         fp, fdecay = self._footprint, self._foot_decay
         for r in fp:
             fp[r] *= fdecay
+        prev_rid, prev_share, blocks = "", 0.0, 0
         if cls.session_id is not None:
             key = session_key(cls.tenant, cls.session_id)
             prev = self._sessions.pop(key, None)
             confirmed = False
             if prev is not None:
+                prev_rid, prev_share = prev.replica_id, self._session_share(prev)
                 self._forget_session(prev)
                 confirmed = prev.confirmed and prev.replica_id == rid
+            blocks = len(request.block_hashes)
             self._remember_session(key, _Session(rid, request.block_hashes, self._routed, confirmed))
         inflow = self._inflow
         decay = self._decay
@@ -435,6 +439,8 @@ class CacheAwarePolicy(RoutingPolicy):
             inflow[r] *= decay
         new_tokens = max(0, request.num_prompt_tokens - decision.matched_blocks * request.block_size)
         inflow[rid] = inflow.get(rid, 0.0) + new_tokens
+        if self._outbox is not None:
+            self._outbox.append(RoutedEvent(rid, new_tokens, blocks, prev_rid, prev_share))
         if not self.track_inflight:
             return
         self._release(request.request_id)
@@ -450,34 +456,79 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def export_session(self, key: str) -> SessionRecord | None:
         s = self._sessions.get(key)
-        return SessionRecord(s.replica_id, s.hashes, s.confirmed) if s is not None else None
+        return SessionRecord(s.replica_id, s.hashes, s.confirmed, s.routed_at) if s is not None else None
 
     def import_session(self, key: str, record: SessionRecord) -> None:
-        """The record replaces this policy's memory of the session, as if this router had
-        routed that turn just now (its footprint share moves with it)."""
+        """The record replaces this policy's memory of the session. Alone, as if this
+        router had routed that turn just now (its footprint share moves with it); sharing
+        terms, at the record's clock and without touching the footprint, which the routers'
+        events already carry (the turn's router added it)."""
         sessions = self._sessions
+        alone = self._outbox is None
         prev = sessions.pop(key, None)
         if prev is not None:
             if (prev.replica_id, prev.hashes, prev.confirmed) == (record.replica_id, record.hashes, record.confirmed):
                 sessions[key] = prev  # this router wrote it: keep its age
                 return
-            self._forget_session(prev)
-        self._remember_session(key, _Session(record.replica_id, record.hashes, self._routed, record.confirmed))
+            self._forget_session(prev, footprint=alone)
+        at = self._routed
+        if not alone and record.routed_at is not None:
+            at = min(record.routed_at, at)
+        self._remember_session(key, _Session(record.replica_id, record.hashes, at, record.confirmed), footprint=alone)
 
-    def _remember_session(self, key: str, s: _Session) -> None:
-        """Store ``s`` as session ``key``'s latest turn (not present), add its footprint,
-        and drop the oldest sessions while over a bound."""
+    # -- terms shared between routers -----------------------------------------------
+
+    def share_terms(self) -> bool:
+        """From now on the session footprint changes only through routed events (this
+        router's and the others', ``apply_routed``): the session table is this router's
+        memory of where sessions went, and remembering or forgetting a session there no
+        longer moves the footprint."""
+        if self._outbox is None:
+            self._outbox = []
+        return True
+
+    def take_routed(self) -> list[RoutedEvent]:
+        out = self._outbox or []
+        if self._outbox:
+            self._outbox = []
+        return out
+
+    def apply_routed(self, events: Sequence[RoutedEvent]) -> None:
+        """``on_request_routed``'s effect on the decays' clock, the churn inflow and the
+        footprint, for each event in order (the session table is left alone: the turn's
+        record reaches this router through the session store)."""
+        fp, fdecay, inflow, decay = self._footprint, self._foot_decay, self._inflow, self._decay
+        for ev in events:
+            self._routed += 1
+            for r in fp:
+                fp[r] *= fdecay
+            if ev.prev_replica_id in fp:
+                fp[ev.prev_replica_id] = max(0.0, fp[ev.prev_replica_id] - ev.prev_share)
+            if ev.session_blocks:
+                fp[ev.replica_id] = fp.get(ev.replica_id, 0.0) + ev.session_blocks
+            for r in inflow:
+                inflow[r] *= decay
+            inflow[ev.replica_id] = inflow.get(ev.replica_id, 0.0) + ev.new_tokens
+
+    def _remember_session(self, key: str, s: _Session, footprint: bool = True) -> None:
+        """Store ``s`` as session ``key``'s latest turn (not present), add its footprint
+        (``footprint``), and drop the oldest sessions while over a bound (their footprint
+        taken out unless sharing terms: see ``share_terms``)."""
         sessions = self._sessions
         sessions[key] = s
         self.session_blocks += len(s.hashes)
-        fp = self._footprint
-        fp[s.replica_id] = fp.get(s.replica_id, 0.0) + len(s.hashes)
+        if footprint:
+            fp = self._footprint
+            fp[s.replica_id] = fp.get(s.replica_id, 0.0) + len(s.hashes)
+        alone = self._outbox is None
         while len(sessions) > self.max_sessions or (self.session_blocks > self.max_session_blocks and len(sessions) > 1):
-            self._forget_session(sessions.popitem(last=False)[1])
+            self._forget_session(sessions.popitem(last=False)[1], footprint=alone)
 
-    def _forget_session(self, s: _Session) -> None:
-        """Account for ``s`` having left ``_sessions``."""
-        self._drop_footprint(s)
+    def _forget_session(self, s: _Session, footprint: bool = True) -> None:
+        """Account for ``s`` having left ``_sessions`` (its footprint share taken out:
+        ``footprint``)."""
+        if footprint:
+            self._drop_footprint(s)
         self.session_blocks -= len(s.hashes)
 
     def _release(self, request_id: str) -> None:

@@ -111,15 +111,41 @@ class ClusterState(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., redis_connected: _Optional[bool] = ..., routing_policy: _Optional[str] = ...) -> None: ...
 
 class SessionPlacement(_message.Message):
-    __slots__ = ("session", "replica_id", "hashes", "confirmed", "updated_ms")
+    __slots__ = ("session", "replica_id", "hashes", "confirmed", "updated_ms", "routed_at")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     UPDATED_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_AT_FIELD_NUMBER: _ClassVar[int]
     session: bytes
     replica_id: str
     hashes: bytes
     confirmed: bool
     updated_ms: int
-    def __init__(self, session: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., confirmed: _Optional[bool] = ..., updated_ms: _Optional[int] = ...) -> None: ...
+    routed_at: int
+    def __init__(self, session: _Optional[bytes] = ..., replica_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., confirmed: _Optional[bool] = ..., updated_ms: _Optional[int] = ..., routed_at: _Optional[int] = ...) -> None: ...
+
+class RoutedEvent(_message.Message):
+    __slots__ = ("replica_id", "new_tokens", "session_blocks", "prev_replica_id", "prev_share")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREV_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    PREV_SHARE_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    new_tokens: int
+    session_blocks: int
+    prev_replica_id: str
+    prev_share: float
+    def __init__(self, replica_id: _Optional[str] = ..., new_tokens: _Optional[int] = ..., session_blocks: _Optional[int] = ..., prev_replica_id: _Optional[str] = ..., prev_share: _Optional[float] = ...) -> None: ...
+
+class RoutedBatch(_message.Message):
+    __slots__ = ("router_id", "seq", "events")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[RoutedEvent]
+    def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,203 @@
+"""Routing terms shared by every router of a cluster, through one Redis stream.
+
+``cache_aware`` weighs each replica by terms it derives from the traffic it routed: the
+churn inflow (uncached prompt tokens sent to each replica, decayed per routed request) and
+the session footprint (the prompt blocks of live sessions' latest turns there). Several
+router processes (``--workers N``) or pods each see only their share of the traffic, so
+alone each would hold different terms and decide differently. The exchange makes them one:
+each router's policy records what its decisions did (``RoutingPolicy.take_routed``:
+``RoutedEvent``s); every ``interval_s`` the exchange seals the new ones into a
+``RoutedBatch`` and appends it to the stream ``P:routed``, and applies what the other
+routers appended (``RoutingPolicy.apply_routed``). Every router then holds the terms one
+router routing all the traffic would hold, up to the exchange's lag (exact when each batch
+is applied before the next decision: ``tests/test_terms_sharing.py``). Sessions' records
+travel through the session store (``unicache.router.session_store``), which the exchange
+always runs beside.
+
+Invariants:
+    * A batch is sealed with the cluster's state key (kind "routed", ``unicache.state_auth``)
+      and names its writer and a per-writer ``seq`` from 1: a batch that fails its MAC or
+      does not parse, that repeats or goes back on a writer's seq (a replay), or that holds
+      more than ``max_batch_events`` events is dropped whole and counted (``rejected``);
+      the router's own batches are skipped.
+    * An event for a replica the router does not know (``is_known``), or with a share
+      that is negative or not finite, is dropped and counted; the others of its batch
+      are applied, in order, batches in stream order.
+    * A Redis failure is counted (``errors``) and never raised: the unsent events wait for
+      the next round (at most ``max_pending``, oldest dropped first) and the router goes on
+      deciding on the terms it has.
+    * The stream is trimmed to about ``ROUTED_STREAM_MAXLEN`` entries; a router reads from
+      the stream's end as it starts (what came before is already decayed into the others'
+      terms, and the replicas' state does not depend on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import secrets
+import socket
+from collections.abc import Callable
+
+from unicache.redis_keys import ROUTED_STREAM_MAXLEN, RedisKeys
+from unicache.router.routing.base import RoutedEvent, RoutingPolicy
+from unicache.state_auth import StateAuthError, StateSigner
+from unicache.v1 import router_pb2
+
+log = logging.getLogger(__name__)
+
+KIND = "routed"
+
+
+def new_router_id() -> str:
+    """A name for this router process that no other router of the cluster shares."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class TermsExchange:
+    """Publishes this router's routed events and applies the other routers' (see the
+    module docstring).
+
+    Args:
+        redis: a ``redis.asyncio`` client of its own (``run`` blocks on it).
+        prefix: the cluster's Redis key prefix.
+        cluster_key: the cluster key (batches are sealed with its state key).
+        policy: the routing policy whose terms are shared (``share_terms`` is called).
+        is_known: whether a replica id is one the router follows (events for others are
+            dropped).
+        router_id: this router's name in its batches (default ``new_router_id()``).
+        interval_s: how often a batch is sent and the stream read (default 0.05 s, the
+            replicas' event flush interval).
+        timeout_s: deadline of each Redis call beyond the read's own block (default 1 s).
+        max_pending: unsent events kept while Redis fails (default 100,000).
+        max_batch_events: the most events a batch may hold (default 100,000).
+        counter: a Prometheus counter labelled (outcome) to count batches in (the router's
+            ``unicache_router_terms_exchange``; None: the attributes only).
+    """
+
+    def __init__(self, redis, prefix: str, cluster_key: bytes, policy: RoutingPolicy, is_known: Callable[[str], bool],
+                 router_id: str | None = None, interval_s: float = 0.05, timeout_s: float = 1.0,
+                 max_pending: int = 100_000, max_batch_events: int = 100_000, counter=None):
+        if interval_s <= 0 or timeout_s <= 0 or max_pending <= 0 or max_batch_events <= 0:
+            raise ValueError("interval_s, timeout_s, max_pending and max_batch_events must be positive")
+        self.redis = redis
+        self.stream = RedisKeys(prefix).routed_stream()
+        self.signer = StateSigner(cluster_key)
+        self.policy = policy
+        self.enabled = policy.share_terms()
+        self.is_known = is_known
+        self.router_id = router_id or new_router_id()
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self.max_batch_events = max_batch_events
+        self._pending: list[RoutedEvent] = []
+        self._seq = 0
+        self._last_id: str | None = None  # stream position read up to
+        self._peer_seq: dict[str, int] = {}
+        self.sent_batches = self.sent_events = self.applied_batches = self.applied_events = 0
+        self.rejected = self.dropped_events = self.errors = 0
+        self._counter = counter
+
+    def _count(self, outcome: str) -> None:
+        if self._counter is not None:
+            self._counter.labels(outcome).inc()
+
+    # -- one round ------------------------------------------------------------------
+
+    def encode(self, events: list[RoutedEvent]) -> bytes:
+        """The next sealed batch of ``events`` (advances this writer's seq)."""
+        self._seq += 1
+        msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq)
+        for ev in events:
+            msg.events.add(replica_id=ev.replica_id, new_tokens=ev.new_tokens, session_blocks=ev.session_blocks,
+                           prev_replica_id=ev.prev_replica_id, prev_share=ev.prev_share)
+        return self.signer.seal(KIND, msg.SerializeToString())
+
+    def decode(self, raw: bytes) -> list[RoutedEvent] | None:
+        """The events of another router's batch to apply; None when there is nothing to
+        apply: this router's own batch, or one rejected (counted)."""
+        try:
+            msg = router_pb2.RoutedBatch.FromString(self.signer.open(KIND, raw))
+        except (StateAuthError, ValueError):
+            self.rejected += 1
+            self._count("rejected")
+            return None
+        if msg.router_id == self.router_id:
+            return None
+        if not msg.router_id or msg.seq <= self._peer_seq.get(msg.router_id, 0) or len(msg.events) > self.max_batch_events:
+            self.rejected += 1
+            self._count("rejected")
+            return None
+        self._peer_seq[msg.router_id] = msg.seq
+        out = []
+        for ev in msg.events:
+            share = ev.prev_share
+            if not self.is_known(ev.replica_id) or not (math.isfinite(share) and share >= 0.0):
+                self.dropped_events += 1
+                continue
+            out.append(RoutedEvent(ev.replica_id, ev.new_tokens, ev.session_blocks, ev.prev_replica_id, share))
+        return out
+
+    async def publish(self) -> None:
+        """Append this router's new events to the stream as one batch (kept on failure)."""
+        pending = self._pending
+        pending.extend(self.policy.take_routed())
+        if len(pending) > self.max_pending:
+            del pending[: len(pending) - self.max_pending]
+        if not pending:
+            return
+        events = pending[: self.max_batch_events]
+        raw = self.encode(events)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.redis.xadd(self.stream, {"b": raw}, maxlen=ROUTED_STREAM_MAXLEN, approximate=True)
+        except Exception as exc:  # noqa: BLE001 - any failure: keep the events, go on
+            self.errors += 1
+            self._count("error")
+            log.debug("routed batch not sent: %s", type(exc).__name__)
+            return
+        del pending[: len(events)]
+        self.sent_batches += 1
+        self.sent_events += len(events)
+        self._count("sent")
+
+    async def read(self, block_ms: int) -> None:
+        """Apply the other routers' batches appended since the last read (waiting up to
+        ``block_ms`` for one)."""
+        try:
+            async with asyncio.timeout(self.timeout_s + block_ms / 1000.0):
+                if self._last_id is None:
+                    last = await self.redis.xrevrange(self.stream, count=1)
+                    self._last_id = last[0][0].decode() if last else "0-0"
+                reply = await self.redis.xread({self.stream: self._last_id}, block=block_ms, count=1000)
+        except Exception as exc:  # noqa: BLE001
+            self.errors += 1
+            self._count("error")
+            log.debug("routed stream not read: %s", type(exc).__name__)
+            return
+        for _stream, entries in reply or ():
+            for entry_id, fields in entries:
+                self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                events = self.decode(fields.get(b"b", b""))
+                if events is None:
+                    continue
+                self.policy.apply_routed(events)
+                self.applied_batches += 1
+                self.applied_events += len(events)
+                self._count("applied")
+
+    async def step(self) -> None:
+        """One round: send what this router routed, then apply what the others sent."""
+        await self.publish()
+        await self.read(max(1, int(self.interval_s * 1000)))
+
+    async def run(self) -> None:
+        """Rounds until cancelled (a failing round waits an interval before the next)."""
+        while True:
+            errors = self.errors
+            await self.step()
+            if self.errors != errors:
+                await asyncio.sleep(self.interval_s)

@@ -1,0 +1,98 @@
+"""The terms exchange through a real redis-server: what one router routed reaches the
+other's policy; forged, replayed, oversized and unknown-replica input is refused and
+counted; an outage keeps the unsent events for the next round."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from unicache.block_hash import hash_id_blocks
+from unicache.request_class import RequestClass, Task
+from unicache.router.routing.base import RouteDecision, RoutedEvent, RoutingRequest
+from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.terms_exchange import TermsExchange
+from unicache.state_auth import StateSigner, parse_cluster_key
+from unicache.testing.signed_state import CLUSTER_KEY
+from unicache.v1 import router_pb2
+
+KEY = parse_cluster_key(CLUSTER_KEY)
+PREFIX = "terms"
+KNOWN = {"r0", "r1"}.__contains__
+
+
+def routed(policy: CacheAwarePolicy, rid: str, ids: list[int], session: str | None = None, matched: int = 0) -> None:
+    hs = hash_id_blocks(ids)
+    cls = RequestClass(session_id=session, task=Task.CHAT if session else Task.OTHER)
+    policy.on_request_routed(RoutingRequest(f"q{ids[0]}", cls, hs, 16 * len(hs), 16), RouteDecision(rid, "load", matched))
+
+
+@pytest.fixture
+async def clients(redis_server):
+    made = [aioredis.from_url(redis_server.url) for _ in range(3)]
+    try:
+        yield made
+    finally:
+        for c in made:
+            await c.aclose()
+
+
+async def test_what_one_router_routes_reaches_the_other(clients):
+    pa, pb = CacheAwarePolicy(), CacheAwarePolicy()
+    a = TermsExchange(clients[0], PREFIX, KEY, pa, KNOWN, router_id="a")
+    b = TermsExchange(clients[1], PREFIX, KEY, pb, KNOWN, router_id="b")
+    await b.read(1)  # b's stream position: the end, before a writes
+    routed(pa, "r0", [1, 2, 3], session="s")
+    routed(pa, "r1", [4, 5])
+    routed(pa, "r1", [1, 2, 3, 6], session="s", matched=0)  # the session moves to r1
+    await a.step()
+    await b.read(1)
+    assert (a.sent_batches, a.sent_events, b.applied_batches, b.applied_events) == (1, 3, 1, 3)
+    assert pb._inflow == pytest.approx(pa._inflow) and pb._footprint == pytest.approx(pa._footprint)
+    assert pb._routed == pa._routed == 3
+    await a.read(1)  # its own batch is skipped
+    assert a.applied_batches == 0 and pa._routed == 3
+
+
+async def test_forged_replayed_oversized_and_unknown_input_is_refused(clients):
+    pb = CacheAwarePolicy()
+    b = TermsExchange(clients[1], PREFIX, KEY, pb, KNOWN, router_id="b", max_batch_events=2)
+    await b.read(1)
+    writer = TermsExchange(clients[0], PREFIX, KEY, CacheAwarePolicy(), KNOWN, router_id="w")
+    stream = writer.stream
+    good = writer.encode([RoutedEvent("r0", 100), RoutedEvent("evil", 10**9), RoutedEvent("r1", 5, 2, "r0", float("nan"))])
+    other_key = StateSigner(parse_cluster_key("ab" * 16)).seal("routed", router_pb2.RoutedBatch(router_id="x", seq=1).SerializeToString())
+    small = writer.encode([RoutedEvent("r1", 7)])
+    for raw in (other_key, b"garbage", good, small, small):  # the last one a replay
+        await clients[0].xadd(stream, {"b": raw})
+    await b.read(1)
+    # garbage, the other key's batch, the oversized batch (3 > 2 events) and the replay
+    assert b.rejected == 4 and b.applied_batches == 1 and pb._inflow == {"r1": 7.0}
+    b.max_batch_events = 10
+    late = writer.encode([RoutedEvent("r0", 100), RoutedEvent("evil", 10**9), RoutedEvent("r1", 5, 2, "r0", float("nan"))])
+    await clients[0].xadd(stream, {"b": late})
+    await b.read(1)
+    assert b.dropped_events == 2 and "evil" not in pb._inflow and pb._inflow["r0"] == 100.0
+
+
+async def test_an_outage_keeps_the_events_for_the_next_round(redis_server, clients):
+    pa, pb = CacheAwarePolicy(), CacheAwarePolicy()
+    a = TermsExchange(clients[0], PREFIX, KEY, pa, KNOWN, router_id="a", timeout_s=0.5)
+    b = TermsExchange(clients[1], PREFIX, KEY, pb, KNOWN, router_id="b", timeout_s=0.5)
+    await b.read(1)
+    redis_server.stop()
+    routed(pa, "r0", [1, 2])
+    await a.step()
+    assert a.errors >= 1 and a.sent_batches == 0 and len(a._pending) == 1
+    redis_server.start()
+    routed(pa, "r1", [3])
+    for _ in range(20):
+        await a.step()
+        if a.sent_batches:
+            break
+    for _ in range(20):  # b's first read after the restart may fail on its old connection
+        await b.read(1)
+        if b.applied_batches:
+            break
+    assert (a.sent_events, b.applied_events) == (2, 2)
+    assert pb._inflow == pytest.approx(pa._inflow)
