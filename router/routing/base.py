@@ -101,8 +101,7 @@ class SessionRecord:
     routed_at: int | None = None  # the writer's routed-request clock at the turn (None: unknown)
 
 
-@dataclass(slots=True, frozen=True)
-class RoutedEvent:
+class RoutedEvent(NamedTuple):
     """What one routing decision did to a policy's traffic-derived state, in the form
     routers exchange it (``unicache.router.terms_exchange``): every router applies every
     router's events, so each holds the terms one router routing all the traffic would.
@@ -111,7 +110,8 @@ class RoutedEvent:
     inflow); ``session_blocks``: the prompt blocks of an explicit session's turn (0: no
     session), added to the replica's session footprint; ``prev_replica_id`` /
     ``prev_share``: where that session's previous turn went and the footprint it still
-    held there, taken out ("" / 0: no previous turn known).
+    held there, taken out ("" / 0: no previous turn known). A named tuple: one is made
+    per routed request.
     """
 
     replica_id: str

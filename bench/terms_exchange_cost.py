@@ -1,0 +1,155 @@
+"""What sharing cache_aware's terms between routers costs each router, per request.
+
+The exchange (``unicache.router.terms_exchange``) adds three kinds of work to a router:
+recording each decision as a ``RoutedEvent`` (on the request path), sending its events as
+one sealed batch per interval (``publish``: seal + XADD), and applying the other routers'
+batches (``read``: XREAD + MAC check + parse + ``apply_routed``, whose decays walk every
+replica's churn and footprint entries, as routing a request oneself does). Measured
+against a private redis-server on loopback, this process's CPU time (the router's side;
+the Redis server's own CPU is not in it), in interleaved rounds, medians over rounds:
+
+    * ``route``: ``on_request_routed`` per request, terms shared or not (the recording's
+      cost is the difference);
+    * ``publish``: per event, batches of ``--batch`` events (50 ms of traffic at
+      20 x ``--batch`` requests per second);
+    * ``apply``: per event, the same batches read and applied by a second exchange, at
+      each of ``--replicas`` fleet sizes;
+    * bytes per event in the stream (sealed batch / events).
+
+Per request, a router of K that routes 1/K of the traffic pays ``route`` difference +
+``publish`` / K + ``apply`` x (K - 1) / K per request of the cluster; the summary gives
+K = 2.
+
+    .venv/bin/python -m bench.terms_exchange_cost [--requests 20000] [--rounds 5] [--batch 50] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+from unicache.block_hash import hash_id_blocks
+from unicache.request_class import RequestClass, Task
+from unicache.router.routing.base import RouteDecision, RoutingRequest
+from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.terms_exchange import TermsExchange
+
+BS = 16
+
+
+def requests(n: int, replicas: int) -> list[tuple[RoutingRequest, RouteDecision]]:
+    """Half session turns (64 sessions, 32-block prompts), half one-off 16-block prompts,
+    spread over the replicas round robin."""
+    out = []
+    for i in range(n):
+        if i % 2:
+            cls, ids = RequestClass(session_id=f"s{i % 64}", task=Task.CHAT), [i % 64] * 1 + list(range(31))
+        else:
+            cls, ids = RequestClass(task=Task.OTHER), [10_000 + i, *range(15)]
+        hs = hash_id_blocks(ids)
+        out.append((RoutingRequest(f"q{i}", cls, hs, BS * len(hs), BS), RouteDecision(f"r{i % replicas}", "load", 4)))
+    return out
+
+
+def route_cpu_us(reqs, shared: bool) -> float:
+    p = CacheAwarePolicy()
+    if shared:
+        p.share_terms()
+    c0 = time.process_time()
+    for req, dec in reqs:
+        p.on_request_routed(req, dec)
+        if shared and len(p._outbox) >= 1000:
+            p.take_routed()
+    return 1e6 * (time.process_time() - c0) / len(reqs)
+
+
+async def exchange_cpu_us(url: str, reqs, batch: int, replicas: int, rnd: int) -> dict:
+    import redis.asyncio as aioredis
+
+    from unicache.state_auth import parse_cluster_key
+
+    key = parse_cluster_key("ab" * 32)
+    ca, cb = aioredis.from_url(url), aioredis.from_url(url)
+    known = {f"r{i}" for i in range(replicas)}.__contains__
+    pa, pb = CacheAwarePolicy(), CacheAwarePolicy()
+    prefix = f"bench{rnd}x{replicas}"
+    a = TermsExchange(ca, prefix, key, pa, known, router_id="a")
+    b = TermsExchange(cb, prefix, key, pb, known, router_id="b")
+    pb.update_replicas(sorted(f"r{i}" for i in range(replicas)))
+    for i in range(replicas):  # every replica has churn and footprint entries, as in a busy fleet
+        pb._inflow[f"r{i}"] = pb._footprint[f"r{i}"] = 1.0
+    try:
+        await b.read(1)
+        for req, dec in reqs:  # recorded beforehand: publish's cost alone below
+            pa.on_request_routed(req, dec)
+        events = pa.take_routed()
+        raw = a.encode(events[:batch])
+        publish = read = 0.0
+        for start in range(0, len(events), batch):
+            a._pending = events[start:start + batch]
+            c0 = time.process_time()
+            await a.publish()
+            publish += time.process_time() - c0
+            c0 = time.process_time()
+            await b.read(1)
+            read += time.process_time() - c0
+        assert b.applied_events == len(events), (b.applied_events, len(events))
+        return {"publish_us": 1e6 * publish / len(events), "apply_us": 1e6 * read / len(events),
+                "bytes_per_event": len(raw) / min(batch, len(events))}
+    finally:
+        await ca.aclose()
+        await cb.aclose()
+
+
+async def run(args) -> dict:
+    from unicache.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis()
+    server.start()
+    fleets = [int(x) for x in args.replicas.split(",")]
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            reqs = requests(args.requests, 4)
+            rnd = {}
+            order = (False, True) if r % 2 == 0 else (True, False)
+            for shared in order:
+                rnd["route_shared_us" if shared else "route_alone_us"] = route_cpu_us(reqs, shared)
+            for n in fleets:
+                rnd[f"exchange_{n}"] = await exchange_cpu_us(server.url, requests(args.requests, n), args.batch, n, r)
+            rounds.append(rnd)
+    finally:
+        server.close()
+    med = {k: statistics.median(r[k] for r in rounds) for k in ("route_alone_us", "route_shared_us")}
+    for n in fleets:
+        med[f"exchange_{n}"] = {k: statistics.median(r[f"exchange_{n}"][k] for r in rounds)
+                                for k in ("publish_us", "apply_us", "bytes_per_event")}
+    record = med["route_shared_us"] - med["route_alone_us"]
+    per_request_k2 = {n: record + med[f"exchange_{n}"]["publish_us"] / 2 + med[f"exchange_{n}"]["apply_us"] / 2
+                      for n in fleets}
+    return {"config": vars(args), "rounds": rounds, "median": med, "record_us": record,
+            "per_request_us_2_routers": per_request_k2}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=50)
+    ap.add_argument("--replicas", default="4,64,1024", help="fleet sizes for the apply cost")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    out = asyncio.run(run(args))
+    text = json.dumps(out, indent=1, default=str)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(json.dumps({"median": out["median"], "record_us": out["record_us"],
+                      "per_request_us_2_routers": out["per_request_us_2_routers"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
