@@ -158,7 +158,7 @@ class RouterApp:
             self.terms = TermsExchange(
                 self.subscriber.new_client(), config.redis_prefix, cluster_key, self.policy,
                 is_known=self.cluster.replicas.__contains__, interval_s=config.terms_interval_s,
-                counter=self.metrics.terms_exchange,
+                counter=self.metrics.terms_exchange, cluster=self.cluster,
             )
         self.core = RouterCore(
             self.cluster,

@@ -44,7 +44,8 @@ class ReplicaRecord:
     probe_at: float = 0.0  # clock time of the next probe while quarantined
     probe_backoff_s: float = 0.0  # interval before that probe (doubles per failed probe)
     last_message: float = 0.0  # time.monotonic() of its last message to this router (any stream)
-    in_flight: int = 0
+    in_flight: int = 0  # this router's requests on the replica, not finished yet
+    peer_in_flight: int = 0  # the cluster's other routers' (their latest terms-exchange batch)
     routed: int = 0
     load: ReplicaLoad | None = None  # what policies see: rebuilt per heartbeat, in_flight kept current
 
@@ -157,7 +158,7 @@ class ClusterView:
     def _load(rec: ReplicaRecord) -> ReplicaLoad:
         hb = rec.heartbeat
         if hb is None:
-            return ReplicaLoad(rec.replica_id, in_flight=rec.in_flight)
+            return ReplicaLoad(rec.replica_id, in_flight=rec.in_flight + rec.peer_in_flight)
         return ReplicaLoad(
             rec.replica_id,
             running=hb.running,
@@ -165,7 +166,7 @@ class ClusterView:
             queued_prefill_tokens=hb.queued_prefill_tokens,
             free_blocks=hb.cache.free_blocks,
             capacity_blocks=hb.cache.capacity_blocks,
-            in_flight=rec.in_flight,
+            in_flight=rec.in_flight + rec.peer_in_flight,
         )
 
     def healthy(self, replica_id: str) -> bool:
@@ -210,14 +211,30 @@ class ClusterView:
         rec = self.replicas.get(replica_id)
         if rec is not None:
             rec.in_flight += 1
-            rec.load.in_flight = rec.in_flight
+            rec.load.in_flight = rec.in_flight + rec.peer_in_flight
             rec.routed += 1
 
     def finished(self, replica_id: str) -> None:
         rec = self.replicas.get(replica_id)
         if rec is not None and rec.in_flight > 0:
             rec.in_flight -= 1
-            rec.load.in_flight = rec.in_flight
+            rec.load.in_flight = rec.in_flight + rec.peer_in_flight
 
     def total_in_flight(self) -> int:
+        """This router's requests in flight (what its ``max_in_flight`` bounds)."""
         return sum(r.in_flight for r in self.replicas.values())
+
+    def own_in_flight(self) -> dict[str, int]:
+        """This router's requests in flight per replica, where not 0 (what it tells the
+        cluster's other routers, ``unicache.router.terms_exchange``)."""
+        return {rid: r.in_flight for rid, r in self.replicas.items() if r.in_flight}
+
+    def set_peer_in_flight(self, counts: dict[str, int]) -> None:
+        """The other routers' requests in flight per replica (absent: 0); policies see
+        each replica's ``in_flight`` as this router's plus theirs."""
+        for rid, rec in self.replicas.items():
+            n = counts.get(rid, 0)
+            if n != rec.peer_in_flight:
+                rec.peer_in_flight = n
+                if rec.load is not None:
+                    rec.load.in_flight = rec.in_flight + n

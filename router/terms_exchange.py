@@ -14,6 +14,14 @@ is applied before the next decision: ``tests/test_terms_sharing.py``). Sessions'
 travel through the session store (``unicache.router.session_store``), which the exchange
 always runs beside.
 
+In-flight counts travel the same way: every batch carries its writer's requests in flight
+per replica (``RoutedBatch.in_flight``), a router sends one at least every
+``keepalive_s`` (or as soon as its counts change), and each router adds the latest counts
+of every writer heard from within ``peer_ttl_s`` to its own (``ClusterView
+.set_peer_in_flight``): so ``ReplicaLoad.in_flight``, which the policies weigh, is the
+cluster's, not one router's share of it. A router that stops (or whose batches stop
+arriving) drops out of the sum after ``peer_ttl_s``.
+
 Invariants:
     * A batch is sealed with the cluster's state key (kind "routed", ``unicache.state_auth``)
       and names its writer and a per-writer ``seq`` from 1: a batch that fails its MAC or
@@ -39,9 +47,11 @@ import math
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable
 
 from unicache.redis_keys import ROUTED_STREAM_MAXLEN, RedisKeys
+from unicache.router.cluster import ClusterView
 from unicache.router.routing.base import RoutedEvent, RoutingPolicy
 from unicache.state_auth import StateAuthError, StateSigner
 from unicache.v1 import router_pb2
@@ -75,13 +85,24 @@ class TermsExchange:
         max_batch_events: the most events a batch may hold (default 100,000).
         counter: a Prometheus counter labelled (outcome) to count batches in (the router's
             ``unicache_router_terms_exchange``; None: the attributes only).
+        cluster: the router's cluster view, whose in-flight counts are shared (None: only
+            the policy's terms are).
+        keepalive_s: a batch (with the in-flight counts) goes out at least this often
+            (default 0.5 s).
+        peer_ttl_s: another router's in-flight counts count this long after its latest
+            batch (default 2 s).
+        clock: monotonic clock.
     """
 
     def __init__(self, redis, prefix: str, cluster_key: bytes, policy: RoutingPolicy, is_known: Callable[[str], bool],
                  router_id: str | None = None, interval_s: float = 0.05, timeout_s: float = 1.0,
-                 max_pending: int = 100_000, max_batch_events: int = 100_000, counter=None):
+                 max_pending: int = 100_000, max_batch_events: int = 100_000, counter=None,
+                 cluster: ClusterView | None = None, keepalive_s: float = 0.5, peer_ttl_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic):
         if interval_s <= 0 or timeout_s <= 0 or max_pending <= 0 or max_batch_events <= 0:
             raise ValueError("interval_s, timeout_s, max_pending and max_batch_events must be positive")
+        if not 0 < keepalive_s < peer_ttl_s:
+            raise ValueError("need 0 < keepalive_s < peer_ttl_s")
         self.redis = redis
         self.stream = RedisKeys(prefix).routed_stream()
         self.signer = StateSigner(cluster_key)
@@ -100,6 +121,13 @@ class TermsExchange:
         self.sent_batches = self.sent_events = self.applied_batches = self.applied_events = 0
         self.rejected = self.dropped_events = self.errors = 0
         self._counter = counter
+        self.cluster = cluster
+        self.keepalive_s = keepalive_s
+        self.peer_ttl_s = peer_ttl_s
+        self.clock = clock
+        self._sent_in_flight: dict[str, int] | None = None  # the counts of the last batch sent
+        self._sent_at = -float("inf")
+        self._peer_in_flight: dict[str, tuple[float, dict[str, int]]] = {}  # writer -> (heard at, counts)
 
     def _count(self, outcome: str) -> None:
         if self._counter is not None:
@@ -107,10 +135,11 @@ class TermsExchange:
 
     # -- one round ------------------------------------------------------------------
 
-    def encode(self, events: list[RoutedEvent]) -> bytes:
-        """The next sealed batch of ``events`` (advances this writer's seq)."""
+    def encode(self, events: list[RoutedEvent], in_flight: dict[str, int] | None = None) -> bytes:
+        """The next sealed batch of ``events`` and this router's ``in_flight`` counts
+        (advances this writer's seq)."""
         self._seq += 1
-        msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq)
+        msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq, in_flight=in_flight or {})
         for ev in events:
             msg.events.add(replica_id=ev.replica_id, new_tokens=ev.new_tokens, session_blocks=ev.session_blocks,
                            prev_replica_id=ev.prev_replica_id, prev_share=ev.prev_share)
@@ -132,6 +161,9 @@ class TermsExchange:
             self._count("rejected")
             return None
         self._peer_seq[msg.router_id] = msg.seq
+        if self.cluster is not None:
+            counts = {rid: n for rid, n in msg.in_flight.items() if self.is_known(rid)}
+            self._peer_in_flight[msg.router_id] = (self.clock(), counts)
         out = []
         for ev in msg.events:
             share = ev.prev_share
@@ -142,15 +174,20 @@ class TermsExchange:
         return out
 
     async def publish(self) -> None:
-        """Append this router's new events to the stream as one batch (kept on failure)."""
+        """Append this router's new events (and in-flight counts) to the stream as one
+        batch (kept on failure); nothing when there are no events, the counts are as last
+        sent and the keepalive is not due."""
         pending = self._pending
         pending.extend(self.policy.take_routed())
         if len(pending) > self.max_pending:
             del pending[: len(pending) - self.max_pending]
-        if not pending:
+        in_flight = self.cluster.own_in_flight() if self.cluster is not None else None
+        now = self.clock()
+        if not pending and (self.cluster is None or (in_flight == self._sent_in_flight
+                                                     and now - self._sent_at < self.keepalive_s)):
             return
         events = pending[: self.max_batch_events]
-        raw = self.encode(events)
+        raw = self.encode(events, in_flight)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.redis.xadd(self.stream, {"b": raw}, maxlen=ROUTED_STREAM_MAXLEN, approximate=True)
@@ -160,6 +197,7 @@ class TermsExchange:
             log.debug("routed batch not sent: %s", type(exc).__name__)
             return
         del pending[: len(events)]
+        self._sent_in_flight, self._sent_at = in_flight, now
         self.sent_batches += 1
         self.sent_events += len(events)
         self._count("sent")
@@ -189,10 +227,26 @@ class TermsExchange:
                 self.applied_events += len(events)
                 self._count("applied")
 
+    def peer_in_flight(self) -> dict[str, int]:
+        """The sum of the in-flight counts of every other router heard from within
+        ``peer_ttl_s`` (older writers are forgotten)."""
+        horizon = self.clock() - self.peer_ttl_s
+        total: dict[str, int] = {}
+        for writer, (heard, counts) in list(self._peer_in_flight.items()):
+            if heard < horizon:
+                del self._peer_in_flight[writer]
+                continue
+            for rid, n in counts.items():
+                total[rid] = total.get(rid, 0) + n
+        return total
+
     async def step(self) -> None:
-        """One round: send what this router routed, then apply what the others sent."""
+        """One round: send what this router routed, apply what the others sent, and
+        hand the cluster view the other routers' in-flight counts."""
         await self.publish()
         await self.read(max(1, int(self.interval_s * 1000)))
+        if self.cluster is not None:
+            self.cluster.set_peer_in_flight(self.peer_in_flight())
 
     async def run(self) -> None:
         """Rounds until cancelled (a failing round waits an interval before the next)."""

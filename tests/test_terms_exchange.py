@@ -96,3 +96,44 @@ async def test_an_outage_keeps_the_events_for_the_next_round(redis_server, clien
             break
     assert (a.sent_events, b.applied_events) == (2, 2)
     assert pb._inflow == pytest.approx(pa._inflow)
+
+
+async def test_in_flight_counts_reach_the_other_router_and_expire_with_their_writer(clients):
+    """A's requests in flight show in B's loads (B's own plus A's); when A's requests
+    finish B's count falls back; when A goes quiet past the TTL its counts are dropped."""
+    from unicache.router.cluster import ClusterView
+    from unicache.router.index import LocalityIndex
+
+    now = [0.0]
+    views = []
+    for _ in range(2):
+        view = ClusterView(CacheAwarePolicy(), LocalityIndex())
+        for rid in ("r0", "r1"):
+            view.upsert(rid, f"127.0.0.1:{1 + len(view.replicas)}")
+        views.append(view)
+    va, vb = views
+    a = TermsExchange(clients[0], PREFIX, KEY, va.policy, va.replicas.__contains__, router_id="a", cluster=va,
+                      clock=lambda: now[0])
+    b = TermsExchange(clients[1], PREFIX, KEY, vb.policy, vb.replicas.__contains__, router_id="b", cluster=vb,
+                      clock=lambda: now[0])
+    await b.step()
+    for _ in range(3):
+        va.started("r0")
+    vb.started("r0")
+    await a.step()
+    await b.step()
+    assert {ld.replica_id: ld.in_flight for ld in vb.loads()} == {"r0": 4, "r1": 0}
+    assert vb.total_in_flight() == 1  # its own admission bound counts its own requests
+    await a.step()  # nothing changed, keepalive not due: no batch
+    assert a.sent_batches == 1
+    va.finished("r0")
+    await a.step()
+    await b.step()
+    assert [ld.in_flight for ld in vb.loads()] == [3, 0] and a.sent_batches == 2
+    now[0] += 0.6  # the keepalive is due: the same counts go out again
+    await a.step()
+    await b.step()
+    assert a.sent_batches == 3 and [ld.in_flight for ld in vb.loads()] == [3, 0]
+    now[0] += 2.5  # A heard from last 2.5 s ago, TTL 2 s
+    await b.step()
+    assert [ld.in_flight for ld in vb.loads()] == [1, 0]

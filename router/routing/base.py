@@ -30,7 +30,8 @@ class ReplicaLoad:
             the match only when it schedules the request) plus running prefills' rest.
         free_blocks: blocks that can be allocated now (uncached free + evictable).
         capacity_blocks: total KV blocks.
-        in_flight: requests this router sent that have not finished.
+        in_flight: requests this router sent that have not finished (with the terms
+            exchange, plus those the cluster's other routers last said they have there).
     """
 
     replica_id: str

@@ -141,11 +141,20 @@ class RoutedEvent(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., new_tokens: _Optional[int] = ..., session_blocks: _Optional[int] = ..., prev_replica_id: _Optional[str] = ..., prev_share: _Optional[float] = ...) -> None: ...
 
 class RoutedBatch(_message.Message):
-    __slots__ = ("router_id", "seq", "events")
+    __slots__ = ("router_id", "seq", "events", "in_flight")
+    class InFlightEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     seq: int
     events: _containers.RepeatedCompositeFieldContainer[RoutedEvent]
-    def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ...) -> None: ...
+    in_flight: _containers.ScalarMap[str, int]
+    def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., in_flight: _Optional[_Mapping[str, int]] = ...) -> None: ...
