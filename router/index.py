@@ -64,6 +64,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
+from unicache.kv_tier import tier_run
 from unicache.router.routing.base import NO_RUN, LocalityView, TierRun
 
 _HEAP_SLACK = 64
@@ -469,17 +470,6 @@ def _walk(blocks: dict[BlockHash, IndexEntry], block_hashes: Sequence[BlockHash]
 
 
 def _tier_walk(h: ReplicaHoldings, block_hashes: Sequence[BlockHash], start: int) -> TierRun:
-    """``block_hashes[start:]`` held consecutively by the host tier, or (after the first)
-    by the GPU entries: the store's ``_tier_run`` on the index's copy of its holdings."""
-    host, blocks = h.host, h.blocks
-    n, gpu_at = 0, []
-    for i in range(start, len(block_hashes)):
-        bh = block_hashes[i]
-        if bh in host:
-            n += 1
-        elif n and bh in blocks:
-            gpu_at.append(i)
-            n += 1
-        else:
-            break
+    """``unicache.kv_tier.tier_run`` through the index's copy of a replica's holdings."""
+    n, gpu_at = tier_run(block_hashes, start, len(block_hashes), h.host, h.blocks)
     return TierRun(n, tuple(gpu_at)) if n else NO_RUN

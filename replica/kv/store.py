@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
-from unicache.kv_tier import Tier
+from unicache.kv_tier import Tier, tier_run
 from unicache.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
 from unicache.replica.kv.block import FreeBlockQueue, KVBlock
@@ -170,30 +170,9 @@ class KVStore:
         return gpu + len(on_gpu), run - len(on_gpu)
 
     def _tier_run(self, block_hashes: list[BlockHash], start: int, stop: int) -> tuple[int, list[int]]:
-        """How many of ``block_hashes[start:stop]``, consecutively, the host tier or the
-        GPU cache holds, and the positions among them that the GPU holds.
-
-        The run starts where the GPU prefix ends, so its first block is in the host tier;
-        past it a block may be in either tier. NOTE: a policy may evict a parent and keep
-        its child (unicache's lanes do), so the chain on the GPU can resume after host
-        blocks; a match that stopped at the first GPU block past the host ones would
-        recompute a block the GPU holds (a GPU copy wins: the recomputed one stays
-        private), and lose the rest of the chain.
-        """
-        host, cached = self.host, self._cached
-        assert host is not None
-        n, on_gpu = 0, []
-        for i in range(start, min(stop, len(block_hashes))):
-            h = block_hashes[i]
-            if h in host:
-                n += 1
-            elif n and h in cached:
-                on_gpu.append(i)
-                n += 1
-            else:
-                break
-        # A run ending in GPU blocks keeps them: they are hits like the others.
-        return n, on_gpu
+        """``unicache.kv_tier.tier_run`` through this store's host tier and GPU cache."""
+        assert self.host is not None
+        return tier_run(block_hashes, start, stop, self.host, self._cached)
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash in the GPU prefix cache (for full summaries)."""
