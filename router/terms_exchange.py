@@ -25,9 +25,13 @@ arriving) drops out of the sum after ``peer_ttl_s``.
 Invariants:
     * A batch is sealed with the cluster's state key (kind "routed", ``unicache.state_auth``)
       and names its writer and a per-writer ``seq`` from 1: a batch that fails its MAC or
-      does not parse, that repeats or goes back on a writer's seq (a replay), or that holds
-      more than ``max_batch_events`` events is dropped whole and counted (``rejected``);
-      the router's own batches are skipped.
+      does not parse, that repeats or goes back on a writer's seq (a replay), that was
+      written more than ``max_age_s`` ago or ahead (by its ``sent_ms``, so a writer's seq
+      need only be remembered that long), or that holds more than ``max_batch_events``
+      events is dropped whole and counted (``rejected``); the router's own batches are
+      skipped.
+    * Memory: at most ``max_pending`` unsent events (about 100 bytes each), and per other
+      writer heard from within ``max_age_s`` its seq and in-flight counts.
     * An event for a replica the router does not know (``is_known``), or with a share
       that is negative or not finite, is dropped and counted; the others of its batch
       are applied, in order, batches in stream order.
@@ -81,8 +85,9 @@ class TermsExchange:
         interval_s: how often a batch is sent and the stream read (default 0.05 s, the
             replicas' event flush interval).
         timeout_s: deadline of each Redis call beyond the read's own block (default 1 s).
-        max_pending: unsent events kept while Redis fails (default 100,000).
-        max_batch_events: the most events a batch may hold (default 100,000).
+        max_pending: unsent events kept while Redis fails (default 20,000: 0.4 s of
+            traffic at 50,000 requests per second).
+        max_batch_events: the most events a batch may hold (default 20,000).
         counter: a Prometheus counter labelled (outcome) to count batches in (the router's
             ``unicache_router_terms_exchange``; None: the attributes only).
         cluster: the router's cluster view, whose in-flight counts are shared (None: only
@@ -91,18 +96,22 @@ class TermsExchange:
             (default 0.5 s).
         peer_ttl_s: another router's in-flight counts count this long after its latest
             batch (default 2 s).
+        max_age_s: a batch written longer ago than this (or this far ahead: clock skew) is
+            refused (default 60 s).
         clock: monotonic clock.
+        wall_ms: unix-ms clock (batches' ``sent_ms``).
     """
 
     def __init__(self, redis, prefix: str, cluster_key: bytes, policy: RoutingPolicy, is_known: Callable[[str], bool],
                  router_id: str | None = None, interval_s: float = 0.05, timeout_s: float = 1.0,
-                 max_pending: int = 100_000, max_batch_events: int = 100_000, counter=None,
+                 max_pending: int = 20_000, max_batch_events: int = 20_000, counter=None,
                  cluster: ClusterView | None = None, keepalive_s: float = 0.5, peer_ttl_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 max_age_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 wall_ms: Callable[[], int] = lambda: int(time.time() * 1000)):
         if interval_s <= 0 or timeout_s <= 0 or max_pending <= 0 or max_batch_events <= 0:
             raise ValueError("interval_s, timeout_s, max_pending and max_batch_events must be positive")
-        if not 0 < keepalive_s < peer_ttl_s:
-            raise ValueError("need 0 < keepalive_s < peer_ttl_s")
+        if not 0 < keepalive_s < peer_ttl_s < max_age_s:
+            raise ValueError("need 0 < keepalive_s < peer_ttl_s < max_age_s")
         self.redis = redis
         self.stream = RedisKeys(prefix).routed_stream()
         self.signer = StateSigner(cluster_key)
@@ -117,7 +126,9 @@ class TermsExchange:
         self._pending: list[RoutedEvent] = []
         self._seq = 0
         self._last_id: str | None = None  # stream position read up to
-        self._peer_seq: dict[str, int] = {}
+        self._peer_seq: dict[str, tuple[int, float]] = {}  # writer -> (last seq, heard at)
+        self.max_age_s = max_age_s
+        self.wall_ms = wall_ms
         self.sent_batches = self.sent_events = self.applied_batches = self.applied_events = 0
         self.rejected = self.dropped_events = self.errors = 0
         self._counter = counter
@@ -139,7 +150,8 @@ class TermsExchange:
         """The next sealed batch of ``events`` and this router's ``in_flight`` counts
         (advances this writer's seq)."""
         self._seq += 1
-        msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq, in_flight=in_flight or {})
+        msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq, in_flight=in_flight or {},
+                                     sent_ms=self.wall_ms())
         for ev in events:
             msg.events.add(replica_id=ev.replica_id, new_tokens=ev.new_tokens, session_blocks=ev.session_blocks,
                            prev_replica_id=ev.prev_replica_id, prev_share=ev.prev_share)
@@ -156,14 +168,22 @@ class TermsExchange:
             return None
         if msg.router_id == self.router_id:
             return None
-        if not msg.router_id or msg.seq <= self._peer_seq.get(msg.router_id, 0) or len(msg.events) > self.max_batch_events:
+        last = self._peer_seq.get(msg.router_id)
+        if (not msg.router_id or (last is not None and msg.seq <= last[0]) or len(msg.events) > self.max_batch_events
+                or abs(self.wall_ms() - msg.sent_ms) > 1000 * self.max_age_s):
             self.rejected += 1
             self._count("rejected")
             return None
-        self._peer_seq[msg.router_id] = msg.seq
+        now = self.clock()
+        self._peer_seq[msg.router_id] = (msg.seq, now)
+        if len(self._peer_seq) > 64:
+            # NOTE: a writer unheard for max_age_s can only send batches refused as too old
+            # or newer seqs, so its last seq is no longer needed.
+            for w in [w for w, (_, heard) in self._peer_seq.items() if now - heard > self.max_age_s]:
+                del self._peer_seq[w]
         if self.cluster is not None:
             counts = {rid: n for rid, n in msg.in_flight.items() if self.is_known(rid)}
-            self._peer_in_flight[msg.router_id] = (self.clock(), counts)
+            self._peer_in_flight[msg.router_id] = (now, counts)
         out = []
         for ev in msg.events:
             share = ev.prev_share

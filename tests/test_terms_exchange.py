@@ -137,3 +137,20 @@ async def test_in_flight_counts_reach_the_other_router_and_expire_with_their_wri
     now[0] += 2.5  # A heard from last 2.5 s ago, TTL 2 s
     await b.step()
     assert [ld.in_flight for ld in vb.loads()] == [1, 0]
+
+
+async def test_a_batch_older_than_the_max_age_is_refused_so_old_writers_can_be_forgotten(clients):
+    pb = CacheAwarePolicy()
+    now_ms = [10_000_000]
+    b = TermsExchange(clients[1], PREFIX, KEY, pb, KNOWN, router_id="b", max_age_s=60.0, wall_ms=lambda: now_ms[0])
+    await b.read(1)
+    old = TermsExchange(clients[0], PREFIX, KEY, CacheAwarePolicy(), KNOWN, router_id="w",
+                        wall_ms=lambda: now_ms[0] - 61_000)
+    ahead = TermsExchange(clients[0], PREFIX, KEY, CacheAwarePolicy(), KNOWN, router_id="v",
+                          wall_ms=lambda: now_ms[0] + 61_000)
+    fresh = TermsExchange(clients[0], PREFIX, KEY, CacheAwarePolicy(), KNOWN, router_id="u",
+                          wall_ms=lambda: now_ms[0] - 59_000)
+    for w in (old, ahead, fresh):
+        await clients[0].xadd(w.stream, {"b": w.encode([RoutedEvent("r0", 1)])})
+    await b.read(1)
+    assert (b.rejected, b.applied_batches, pb._inflow) == (2, 1, {"r0": 1.0})

@@ -141,7 +141,7 @@ class RoutedEvent(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., new_tokens: _Optional[int] = ..., session_blocks: _Optional[int] = ..., prev_replica_id: _Optional[str] = ..., prev_share: _Optional[float] = ...) -> None: ...
 
 class RoutedBatch(_message.Message):
-    __slots__ = ("router_id", "seq", "events", "in_flight")
+    __slots__ = ("router_id", "seq", "events", "in_flight", "sent_ms")
     class InFlightEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -153,8 +153,10 @@ class RoutedBatch(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SENT_MS_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     seq: int
     events: _containers.RepeatedCompositeFieldContainer[RoutedEvent]
     in_flight: _containers.ScalarMap[str, int]
-    def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., in_flight: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    sent_ms: int
+    def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., sent_ms: _Optional[int] = ...) -> None: ...
