@@ -120,3 +120,26 @@ def _decision(rid: str, matched: int):
     from unicache.router.routing.base import RouteDecision
 
     return RouteDecision(rid, "load", matched_blocks=matched)
+
+
+def test_a_batch_of_events_applies_as_the_events_one_by_one():
+    """``apply_routed`` decays once per batch; the terms equal applying each event alone
+    (no footprint clamp binds here)."""
+    src = CacheAwarePolicy()
+    src.share_terms()
+    index = LocalityIndex()
+    for req in stream(5, 80):
+        d = src.choose(req, loads(), index)
+        src.on_request_routed(req, d)
+    events = src.take_routed()
+    one, batch = CacheAwarePolicy(), CacheAwarePolicy()
+    for p in (one, batch):
+        p.share_terms()
+    for ev in events:
+        one.apply_routed([ev])
+    for start in range(0, len(events), 17):
+        batch.apply_routed(events[start:start + 17])
+    assert one._routed == batch._routed == len(events) == 80
+    assert batch._inflow == pytest.approx(one._inflow, rel=1e-12)
+    assert batch._footprint == pytest.approx(one._footprint, rel=1e-12)
+    assert one._inflow == pytest.approx(src._inflow, rel=1e-12) and one._footprint == pytest.approx(src._footprint, rel=1e-12)

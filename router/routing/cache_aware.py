@@ -496,19 +496,32 @@ class CacheAwarePolicy(RoutingPolicy):
     def apply_routed(self, events: Sequence[RoutedEvent]) -> None:
         """``on_request_routed``'s effect on the decays' clock, the churn inflow and the
         footprint, for each event in order (the session table is left alone: the turn's
-        record reaches this router through the session store)."""
+        record reaches this router through the session store).
+
+        NOTE: one pass over the replicas per batch, not per event (a 1,024-replica fleet
+        applies batches of tens of events every 50 ms): the terms decay by the batch's
+        length at once and each event's contribution by the steps after it, which is the
+        sequential result (bit for bit for a batch of one) but for where a footprint
+        subtraction would have been clamped at 0 part-way."""
+        m = len(events)
+        if not m:
+            return
         fp, fdecay, inflow, decay = self._footprint, self._foot_decay, self._inflow, self._decay
-        for ev in events:
-            self._routed += 1
-            for r in fp:
-                fp[r] *= fdecay
-            if ev.prev_replica_id in fp:
-                fp[ev.prev_replica_id] = max(0.0, fp[ev.prev_replica_id] - ev.prev_share)
+        self._routed += m
+        fd_m, d_m = fdecay ** m, decay ** m
+        for r in fp:
+            fp[r] *= fd_m
+        for r in inflow:
+            inflow[r] *= d_m
+        for j, ev in enumerate(events):
+            after = m - 1 - j  # decay steps that follow this event in the batch
+            fw = fdecay ** after if after else 1.0
+            rid, prev = ev.replica_id, ev.prev_replica_id
+            if prev in fp:
+                fp[prev] = max(0.0, fp[prev] - ev.prev_share * fw)
             if ev.session_blocks:
-                fp[ev.replica_id] = fp.get(ev.replica_id, 0.0) + ev.session_blocks
-            for r in inflow:
-                inflow[r] *= decay
-            inflow[ev.replica_id] = inflow.get(ev.replica_id, 0.0) + ev.new_tokens
+                fp[rid] = fp.get(rid, 0.0) + ev.session_blocks * fw
+            inflow[rid] = inflow.get(rid, 0.0) + ev.new_tokens * (decay ** after if after else 1.0)
 
     def _remember_session(self, key: str, s: _Session, footprint: bool = True) -> None:
         """Store ``s`` as session ``key``'s latest turn (not present), add its footprint
