@@ -116,7 +116,7 @@ class TermsExchange:
         self.stream = RedisKeys(prefix).routed_stream()
         self.signer = StateSigner(cluster_key)
         self.policy = policy
-        self.enabled = policy.share_terms()
+        policy.share_terms()  # False for a policy without such terms: then only in-flight counts travel
         self.is_known = is_known
         self.router_id = router_id or new_router_id()
         self.interval_s = interval_s
