@@ -11,7 +11,8 @@ key Redis never sees); what fails, is stale or replays is dropped and counted
        only once the peer at that address proved to be it (step 2). A key holding a
        rejected value leaves a known replica as its last valid beat left it, until that
        beat is ``heartbeat_ttl_s`` old. A heartbeat that expired (key gone) drops the replica (policy.on_replica_died and index.drop_replica via
-       ``ClusterView.remove``).
+       ``ClusterView.remove``). A heartbeat naming an epoch newer than the index's marks
+       the replica stale; an older one is a beat written before the replica's resync.
     2. Resync every pending replica and every replica the index marks stale (new, gap,
        epoch change, impossible claim) *from the replica itself*: ``fetch_summary``
        calls its ``GetCacheSummary`` with a fresh nonce; the answer must be sealed
@@ -280,7 +281,12 @@ class RedisSubscriber:
             self.cluster.index.set_capacity(rid, hb.cache.capacity_blocks)
             self.cluster.index.set_host_capacity(rid, hb.cache.host.capacity_blocks)
             holdings = self.cluster.index.holdings(rid)
-            if holdings.epoch >= 0 and hb.epoch and hb.epoch != holdings.epoch:
+            # NOTE: only a *newer* epoch means the index is behind. A heartbeat written
+            # before the replica's resync still names the old epoch until its next beat
+            # (up to an interval later): read again in the meantime, it used to mark the
+            # freshly synced replica stale at every scan (sessions then left the index's
+            # view for ``session_sticky`` under live traffic after a Redis outage).
+            if holdings.epoch >= 0 and hb.epoch > holdings.epoch:
                 self.cluster.index.mark_resync(rid)
         for rid in [r for r in self._pending if r not in seen]:
             del self._pending[rid]

@@ -156,6 +156,28 @@ async def test_epoch_change_resyncs_from_the_replica(setup):
     assert held(index, "a") == [9]
 
 
+async def test_a_heartbeat_from_before_the_resync_leaves_the_new_epoch_in_sync(setup):
+    """The replica resynced (epoch 2 in its stream and summary) after writing its last
+    heartbeat (epoch 1): scans that read that heartbeat again keep the index in sync; a
+    heartbeat naming a newer epoch marks it stale."""
+    sub, cluster, index, _, r, _ = setup
+    put_heartbeat(r, "a", epoch=1)
+    replica_has(sub.truth, "a", 1, 0, [1])
+    await sub.step(block_ms=0)
+    replica_has(sub.truth, "a", 2, 0, [5])
+    add_events(r, "a", 2, 1, stored=[6])  # a batch of the new epoch: resync
+    await sub.step(block_ms=0)
+    await sub.step(block_ms=0)
+    assert (index.holdings("a").epoch, held(index, "a"), index.needs_resync("a")) == (2, [5, 6], False)
+    for _ in range(3):  # the epoch-1 heartbeat is read again by every scan
+        await sub.step(block_ms=0)
+        assert not index.needs_resync("a")
+    assert len(sub.truth.calls) == 2
+    put_heartbeat(r, "a", epoch=3)
+    await sub.scan_heartbeats()
+    assert index.needs_resync("a")
+
+
 async def test_new_replica_added_and_expired_replica_dropped(setup):
     sub, cluster, index, policy, r, _ = setup
     put_heartbeat(r, "a")
