@@ -112,7 +112,10 @@ Invariants:
       tracked requests (oldest dropped first).
     * ``_footprint[r]`` is the decayed sum, over the remembered sessions whose latest
       turn went to r, of that turn's prompt blocks (a forgotten session's share is
-      taken out; it never goes below 0).
+      taken out; it never goes below 0). Sharing terms (``share_terms``), the sum runs
+      over the sessions whose latest turn any router of the cluster sent to r, as their
+      routed events said, and ``_inflow`` and the clock ``_routed`` count every router's
+      requests too.
     * A replica that died or left holds no pending blocks, sessions, inflow, footprint
       or ring points.
 """
