@@ -65,8 +65,8 @@ class RouterConfig:
     share_terms: bool = field(
         default=True,
         metadata={"help": "where sessions are shared, also share the routing policy's traffic-derived terms (churn, session footprint) "
-                          "with the other routers through a Redis stream (router/terms_exchange.py), so each decides as one router "
-                          "routing all the traffic would"},
+                          "and the requests in flight per replica with the other routers through a Redis stream "
+                          "(router/terms_exchange.py), so each decides as one router routing all the traffic would"},
     )
     terms_interval_s: float = field(
         default=0.05, metadata={"help": "how often a router sends its routed events to the other routers and applies theirs"}
