@@ -378,15 +378,30 @@ async def router_restart(
         make_router: builds and starts a router (called twice; the driver stops both).
         tag: prompt ``i`` is ``prompt_text(f"{tag}-{i}", n)``.
         rounds: rounds over the prompts through the second router.
-        wait_for_index: True: send only once the new index equals every replica's cache.
-            False: send as soon as every replica is known (clients race the rebuild).
+        wait_for_index: True: send only once the new index equals every replica's cache
+            (and each rebuilt send, as each warm one, once every replica's heartbeat shows
+            it idle). False: send as soon as every replica is known (clients race the
+            rebuild).
     """
     prompts = [prompt_text(f"{tag}-{i}", n) for i in range(k)]
+
+    async def idle(router: RouterHandle) -> None:
+        # NOTE: replicas beat once a second, so the router can still see the replica that
+        # holds a prompt busy with an earlier request (a prefill's queued tokens outweigh
+        # the prefix it holds) and place the prompt elsewhere; that race is the
+        # heartbeat's, not the index's, which is what the warm and rebuilt sends check.
+        await wait_for(lambda: all(ld.running + ld.waiting + ld.queued_prefill_tokens == 0 for ld in router.cluster.loads()),
+                       "every replica's heartbeat idle", timeout_s)
+
+    async def when_idle(router: RouterHandle, prompt: str) -> Reply:
+        await idle(router)
+        return await router.generate(prompt)
+
     first = await make_router()
     try:
         await synced(first, replicas, timeout_s)
         cold = [await first.generate(p) for p in prompts]
-        warm = [await first.generate(p) for p in prompts]
+        warm = [await (when_idle(first, p) if wait_for_index else first.generate(p)) for p in prompts]
     finally:
         await first.stop()
     t0 = time.monotonic()
@@ -401,6 +416,8 @@ async def router_restart(
         after, synced_at_send = [], []
         for _ in range(rounds):
             for p in prompts:
+                if wait_for_index:
+                    await idle(second)
                 synced_at_send.append(all(second.in_sync(r) for r in replicas.ids))
                 after.append(await second.generate(p))
     finally:
