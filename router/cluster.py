@@ -49,6 +49,12 @@ class ReplicaRecord:
     routed: int = 0
     load: ReplicaLoad | None = None  # what policies see: rebuilt per heartbeat, in_flight kept current
 
+    @property
+    def all_in_flight(self) -> int:
+        """What policies see as the replica's requests in flight: this router's plus the
+        other routers' (``ReplicaLoad.in_flight``)."""
+        return self.in_flight + self.peer_in_flight
+
 
 class EmptyView(LocalityView):
     """An index that knows nothing: what policies see while Redis is unreachable."""
@@ -158,7 +164,7 @@ class ClusterView:
     def _load(rec: ReplicaRecord) -> ReplicaLoad:
         hb = rec.heartbeat
         if hb is None:
-            return ReplicaLoad(rec.replica_id, in_flight=rec.in_flight + rec.peer_in_flight)
+            return ReplicaLoad(rec.replica_id, in_flight=rec.all_in_flight)
         return ReplicaLoad(
             rec.replica_id,
             running=hb.running,
@@ -166,7 +172,7 @@ class ClusterView:
             queued_prefill_tokens=hb.queued_prefill_tokens,
             free_blocks=hb.cache.free_blocks,
             capacity_blocks=hb.cache.capacity_blocks,
-            in_flight=rec.in_flight + rec.peer_in_flight,
+            in_flight=rec.all_in_flight,
         )
 
     def healthy(self, replica_id: str) -> bool:
@@ -211,14 +217,14 @@ class ClusterView:
         rec = self.replicas.get(replica_id)
         if rec is not None:
             rec.in_flight += 1
-            rec.load.in_flight = rec.in_flight + rec.peer_in_flight
+            rec.load.in_flight = rec.all_in_flight
             rec.routed += 1
 
     def finished(self, replica_id: str) -> None:
         rec = self.replicas.get(replica_id)
         if rec is not None and rec.in_flight > 0:
             rec.in_flight -= 1
-            rec.load.in_flight = rec.in_flight + rec.peer_in_flight
+            rec.load.in_flight = rec.all_in_flight
 
     def total_in_flight(self) -> int:
         """This router's requests in flight (what its ``max_in_flight`` bounds)."""
@@ -237,4 +243,4 @@ class ClusterView:
             if n != rec.peer_in_flight:
                 rec.peer_in_flight = n
                 if rec.load is not None:
-                    rec.load.in_flight = rec.in_flight + n
+                    rec.load.in_flight = rec.all_in_flight

@@ -45,8 +45,9 @@ They live apart from the GPU entries, in ``ReplicaHoldings.host`` (insertion-ord
 set, no chains: a host block is only ever used in the run that continues a GPU match
 through both tiers, read by ``tier_run``: after the GPU prefix, blocks on the host or,
 past the first, on the GPU, as the replica's store matches them). A replica's host
-hashes follow the same epoch/seq gating as its GPU ones (one batch carries both), are dropped with them (clear, summary, replica drop), and are
-bounded by ``max_blocks_per_replica`` and by the host capacity its heartbeat announces
+hashes follow the same epoch/seq gating as its GPU ones (one batch carries both), are
+dropped with them (clear, summary, replica drop), and are bounded by
+``max_blocks_per_replica`` and by the host capacity its heartbeat announces
 (``set_host_capacity``), oldest first.
 
 Without parents (``parents=None``: a batch or summary from a sender older than

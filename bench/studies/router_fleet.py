@@ -78,9 +78,10 @@ class RouterFleet(RoutingPolicy):
         self._current = k = self._rng.randrange(len(self.routers))
         cls = request.cls
         if cls.session_id is not None:
-            record = self._store.get(session_key(cls.tenant, cls.session_id))
+            key = session_key(cls.tenant, cls.session_id)
+            record = self._store.get(key)
             if record is not None:
-                self.routers[k].import_session(session_key(cls.tenant, cls.session_id), record)
+                self.routers[k].import_session(key, record)
         return self.routers[k].choose(request, replicas, index)
 
     def on_request_routed(self, request: RoutingRequest, decision: RouteDecision) -> None:

@@ -413,10 +413,14 @@ class CacheAwarePolicy(RoutingPolicy):
         blocks, decayed since it was routed)."""
         return len(s.hashes) * self._foot_decay ** (self._routed - s.routed_at)
 
-    def _drop_footprint(self, s: _Session) -> None:
+    def _drop_footprint(self, s: _Session) -> float:
+        """Take session ``s``'s share out of its replica's footprint (never below 0);
+        returns the share."""
+        share = self._session_share(s)
         fp = self._footprint
         if s.replica_id in fp:
-            fp[s.replica_id] = max(0.0, fp[s.replica_id] - self._session_share(s))
+            fp[s.replica_id] = max(0.0, fp[s.replica_id] - share)
+        return share
 
     def on_request_routed(self, request: RoutingRequest, decision: RouteDecision) -> None:
         rid = decision.replica_id
@@ -431,8 +435,7 @@ class CacheAwarePolicy(RoutingPolicy):
             prev = self._sessions.pop(key, None)
             confirmed = False
             if prev is not None:
-                prev_rid, prev_share = prev.replica_id, self._session_share(prev)
-                self._forget_session(prev)
+                prev_rid, prev_share = prev.replica_id, self._forget_session(prev)
                 confirmed = prev.confirmed and prev.replica_id == rid
             blocks = len(request.block_hashes)
             self._remember_session(key, _Session(rid, request.block_hashes, self._routed, confirmed))
@@ -540,12 +543,12 @@ class CacheAwarePolicy(RoutingPolicy):
         while len(sessions) > self.max_sessions or (self.session_blocks > self.max_session_blocks and len(sessions) > 1):
             self._forget_session(sessions.popitem(last=False)[1], footprint=alone)
 
-    def _forget_session(self, s: _Session, footprint: bool = True) -> None:
-        """Account for ``s`` having left ``_sessions`` (its footprint share taken out:
-        ``footprint``)."""
-        if footprint:
-            self._drop_footprint(s)
+    def _forget_session(self, s: _Session, footprint: bool = True) -> float:
+        """Account for ``s`` having left ``_sessions``; with ``footprint``, take its share
+        out of the footprint and return it (else 0)."""
+        share = self._drop_footprint(s) if footprint else 0.0
         self.session_blocks -= len(s.hashes)
+        return share
 
     def _release(self, request_id: str) -> None:
         fl = self._inflight.pop(request_id, None)
