@@ -108,6 +108,7 @@ class CachePublisher:
         tls_ca: CA bundle that verifies the server of a ``rediss://`` URL.
         signer: seals every payload with the cluster's state key (required).
         metrics_url: the replica's Prometheus endpoint, announced in every heartbeat.
+        hop_address: its framed hop's ``host:port``, announced in every heartbeat ("": none).
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class CachePublisher:
         *,
         signer: StateSigner,
         metrics_url: str = "",
+        hop_address: str = "",
     ):
         if tls_ca and not redis_url.startswith("rediss://"):
             raise ValueError("redis_tls_ca needs a rediss:// redis_url")
@@ -138,6 +140,7 @@ class CachePublisher:
         self.redis_url = redis_url
         self.address = address
         self.metrics_url = metrics_url
+        self.hop_address = hop_address
         self.keys = keys or RedisKeys()
         self.flush_interval_s = flush_interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -246,6 +249,7 @@ class CachePublisher:
             replica_id=self.replica_id,
             address=self.address,
             metrics_url=self.metrics_url,
+            hop_address=self.hop_address,
             device=str(self.source.device),
             running=load.running,
             waiting=load.waiting,

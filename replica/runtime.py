@@ -46,6 +46,7 @@ class ReplicaRuntime:
         self.publisher: CachePublisher | None = None
         self.metrics_server: MetricsServer | None = None
         self.address = ""
+        self.hop_address = ""
         self._drain: asyncio.Task | None = None
 
     async def start(self) -> str:
@@ -78,14 +79,16 @@ class ReplicaRuntime:
         self.server = ReplicaServer(
             self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults(), cluster_key=key,
             metrics=metrics, max_pending_calls=s.max_num_seqs + s.max_waiting,
+            hop_port=s.hop_port if s.hop_port >= 0 else None,
         )
         port = await self.server.start()
         self.address = f"{s.advertised_host()}:{port}"
+        self.hop_address = f"{s.advertised_host()}:{self.server.hop_port}" if self.server.hop_port else ""
         if s.redis_url:
             self.publisher = CachePublisher(
                 self.engine, s.replica_id, s.redis_url, self.address, RedisKeys(s.redis_prefix),
                 password=password or None, tls_ca=s.redis_tls_ca or None, signer=self.server.signer,
-                metrics_url=self.metrics_url,
+                metrics_url=self.metrics_url, hop_address=self.hop_address,
             )
             self.server.servicer.summary_source = self.publisher.signed_summary
             await self.publisher.start()
@@ -104,6 +107,7 @@ class ReplicaRuntime:
         return {
             "replica_id": self.settings.replica_id,
             "address": self.address,
+            "hop_address": self.hop_address,
             "metrics_url": self.metrics_url,
             "device": str(self.engine.device) if self.engine else "",
             "epoch": self.publisher.epoch if self.publisher else 0,

@@ -32,11 +32,12 @@ from grpc_health.v1.health import aio as health_aio
 from unicache.grpc_decode import add_servicer
 from unicache.grpc_server import pending_call_options
 from unicache.state_auth import CallCredential, StateSigner
-from unicache.wire import REFUSAL_METADATA
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
 from unicache.replica.engine.api import EngineInputError, EngineRequest
 from unicache.replica.call_auth import ClusterAuthInterceptor
+from unicache.replica.call_error import GrpcGenerate, ReplicaCallError
+from unicache.replica.hop_server import HopServer
 from unicache.replica.faults import FaultInjection
 
 if TYPE_CHECKING:
@@ -46,20 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "unicache.v1.Replica"
-STATUS_CODES: dict[str, grpc.StatusCode] = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-
-
-def refusal_metadata(exc: EngineInputError) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata telling the router why a request was exhausted (unicache/wire.py)."""
-    if exc.kind != "exhausted":
-        return ()
-    return ((REFUSAL_METADATA, "overloaded" if exc.overloaded else "too_large"),)
-
-
-class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
+class ReplicaServicer(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
     """Serves one engine.
 
     Args:
@@ -109,14 +97,16 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             adapter_id=request.adapter_id or None,
         )
 
-    async def Generate(
-        self, request: replica_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[replica_pb2.GenerateResponse]:
+    async def outputs(self, request: replica_pb2.GenerateRequest) -> AsyncIterator[replica_pb2.GenerateResponse]:
+        """The transport-neutral ``Generate``: the request's messages, in order; raises
+        ``ReplicaCallError`` with the status the caller must end the call with. Closing
+        this generator early (the caller was cancelled) closes the engine stream, which
+        aborts the request and frees its blocks. Both the gRPC servicer and the framed
+        hop (``unicache.replica.hop_server``) serve it."""
         try:
             engine_request = self.to_engine_request(request)
         except EngineInputError as exc:
-            await context.abort(STATUS_CODES[exc.kind], str(exc), trailing_metadata=refusal_metadata(exc))
-            return
+            raise ReplicaCallError.from_input(exc) from None
         timer = self.metrics.start_request() if self.metrics is not None else None
         faults = self.faults
         if faults.first_token_delay_s:
@@ -135,13 +125,14 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                 if timer is not None:
                     timer.finish()
             except EngineInputError as exc:
-                await context.abort(STATUS_CODES[exc.kind], str(exc), trailing_metadata=refusal_metadata(exc))
+                raise ReplicaCallError.from_input(exc) from None
             except Exception as exc:  # noqa: BLE001 - an engine failure must reach the client as a status
                 log.exception("request %s failed in the engine", engine_request.request_id)
-                await context.abort(grpc.StatusCode.INTERNAL, f"engine failure: {exc}")
+                raise ReplicaCallError(grpc.StatusCode.INTERNAL, f"engine failure: {exc}") from None
         finally:
-            # NOTE: on client cancellation grpc.aio cancels this task; the engine's
-            # generator sees CancelledError/GeneratorExit and frees the request's blocks.
+            # NOTE: on client cancellation the caller's task is cancelled (grpc.aio, or the
+            # hop server on CANCEL); the engine's generator sees CancelledError/GeneratorExit
+            # and frees the request's blocks.
             await stream.aclose()
 
     async def GetCacheState(
@@ -177,7 +168,9 @@ class ReplicaServer:
         metrics: see ``ReplicaServicer``.
         max_pending_calls: calls grpc core lets wait for the servicer before cancelling
             any (``unicache.grpc_server``): at least what the engine admits, running plus
-            waiting (default 4096).
+            waiting (default 4096); also the framed hop's streams per connection.
+        hop_port: the framed hop's port (``unicache.replica.hop_server``: ``Generate``
+            for routers, cheaper than gRPC); 0 picks a free one, None serves none.
     """
 
     def __init__(
@@ -193,6 +186,7 @@ class ReplicaServer:
         cluster_key: bytes | None = None,
         metrics: "ReplicaMetrics | None" = None,
         max_pending_calls: int = 4096,
+        hop_port: int | None = None,
     ):
         self.host = host
         self.requested_port = port
@@ -208,6 +202,17 @@ class ReplicaServer:
         self.auth = ClusterAuthInterceptor(CallCredential(cluster_key)) if cluster_key else None
         self.signer = StateSigner(cluster_key) if cluster_key else None
         self._server: grpc.aio.Server | None = None
+        self.hop: HopServer | None = None
+        if hop_port is not None:
+            self.hop = HopServer(
+                self.servicer, host, hop_port, cluster_key, max_streams=max_pending_calls,
+                max_message_bytes=max_message_bytes, grace_s=grace_s,
+            )
+
+    @property
+    def hop_port(self) -> int:
+        """The framed hop's bound port (0: none)."""
+        return self.hop.port if self.hop is not None else 0
 
     async def start(self) -> int:
         """Bind, start serving, mark the service SERVING; returns the bound port."""
@@ -221,15 +226,26 @@ class ReplicaServer:
             raise OSError(f"cannot bind gRPC server to {self.host}:{self.requested_port}")
         await server.start()
         self._server, self.port = server, port
+        if self.hop is not None:
+            try:
+                await self.hop.start()
+            except OSError:
+                await server.stop(0)
+                self._server = None
+                raise
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("replica %s serving gRPC on %s:%d", self.servicer.replica_id, self.host, port)
         return port
 
     async def stop(self) -> None:
-        """Report NOT_SERVING, then stop accepting calls and wait ``grace_s`` for running ones."""
+        """Report NOT_SERVING, then stop accepting calls (both transports) and wait ``grace_s``
+        for running ones."""
         if self._server is None:
             return
         await self.health.enter_graceful_shutdown()
-        await self._server.stop(self.grace_s)
+        stopping = [self._server.stop(self.grace_s)]
+        if self.hop is not None:
+            stopping.append(self.hop.stop())
+        await asyncio.gather(*stopping)
         self._server = None

@@ -33,6 +33,10 @@ class ReplicaSettings:
     replica_id: str = field(default="replica-0", metadata=_help("stable replica id (survives restarts)"))
     host: str = field(default="127.0.0.1", metadata=_help("interface the gRPC server binds (0.0.0.0 in a pod)"))
     port: int = field(default=0, metadata=_help("gRPC port; 0 picks a free one"))
+    hop_port: int = field(
+        default=0,
+        metadata=_help("framed hop port (Generate for routers, cheaper than gRPC; same interface as gRPC); 0 picks a free one, -1 serves none"),
+    )
     metrics_port: int = field(
         default=0, metadata=_help("Prometheus /metrics port (same interface as gRPC); 0 picks a free one, -1 serves none")
     )
@@ -131,6 +135,8 @@ class ReplicaSettings:
                 if name not in replica_eviction_policies():
                     raise UsageError(f"{flag}: {name!r} needs the future (simulator only); "
                                      f"a replica runs one of {', '.join(replica_eviction_policies())}")
+        if self.hop_port < -1 or self.hop_port > 65535:
+            raise UsageError(f"hop_port must be -1 (none), 0 (a free port) or a port number, got {self.hop_port}")
         if self.metrics_port < -1 or self.metrics_port > 65535:
             raise UsageError(f"metrics_port must be -1 (none), 0 (a free port) or a port number, got {self.metrics_port}")
         if self.metrics_port_span < 1 or self.metrics_port + self.metrics_port_span - 1 > 65535:

@@ -109,7 +109,10 @@ class RouterApp:
             raise UsageError(f"cannot load tokenizer {path}: {exc}") from None
         self.metrics = RouterMetrics()
         cluster_key = config.cluster_key_bytes()
-        self.clients = ReplicaClients(config.forward_deadline_s, credential=CallCredential(cluster_key) if cluster_key else None)
+        self.clients = ReplicaClients(
+            config.forward_deadline_s, credential=CallCredential(cluster_key) if cluster_key else None,
+            cluster_key=cluster_key or None, transport=config.replica_transport,
+        )
         self.state_rejections = StateRejections(self.metrics.registry)
         first_token = None
         if config.first_token_timeout_s > 0:
@@ -185,8 +188,8 @@ class RouterApp:
         self.prober = QuarantineProber(
             self.cluster, self.clients, first_token.timeout_s if first_token else lambda _rid: min(config.forward_deadline_s, 10.0)
         )
-        for rid, addr in config.static_replicas().items():
-            self.cluster.upsert(rid, addr, static=True)
+        for rid, (addr, hop) in config.static_replicas().items():
+            self.cluster.upsert(rid, addr, static=True, hop_address=hop)
         self.history = ClusterHistory(self.metrics, self.cluster)
         self.http = HttpFrontDoor(
             self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes,

@@ -48,6 +48,14 @@ class ReplicaRecord:
     peer_in_flight: int = 0  # the cluster's other routers' (their latest terms-exchange batch)
     routed: int = 0
     load: ReplicaLoad | None = None  # what policies see: rebuilt per heartbeat, in_flight kept current
+    static_hop: str = ""  # a static replica's framed hop address (``--replicas id=addr@hop``)
+
+    @property
+    def hop_address(self) -> str:
+        """Its framed hop's ``host:port``: from its signed heartbeat, or a static replica's
+        ("": none)."""
+        hb = self.heartbeat
+        return hb.hop_address if hb is not None else self.static_hop
 
     @property
     def all_in_flight(self) -> int:
@@ -107,12 +115,15 @@ class ClusterView:
         self._order: list[str] = []
 
     # --- membership -------------------------------------------------------------------
-    def upsert(self, replica_id: str, address: str, heartbeat: cache_pb2.Heartbeat | None = None, static: bool = False) -> bool:
-        """Add or refresh a replica. Returns True when it is new."""
+    def upsert(
+        self, replica_id: str, address: str, heartbeat: cache_pb2.Heartbeat | None = None, static: bool = False, hop_address: str = ""
+    ) -> bool:
+        """Add or refresh a replica (``hop_address``: a static replica's framed hop). Returns
+        True when it is new."""
         rec = self.replicas.get(replica_id)
         new = rec is None
         if new:
-            rec = self.replicas[replica_id] = ReplicaRecord(replica_id, address, static=static)
+            rec = self.replicas[replica_id] = ReplicaRecord(replica_id, address, static=static, static_hop=hop_address)
             self._order = sorted(self.replicas)
         if address and address != rec.address:
             # NOTE: a new address is a new process (a restarted replica): the quarantine

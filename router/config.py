@@ -22,6 +22,7 @@ from unicache import settings
 from unicache.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
+from unicache.router.replica_client import TRANSPORTS
 from unicache.router.routing.registry import ROUTING_POLICIES
 from unicache.state_auth import parse_cluster_key
 SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys", "cluster_key", "admin_key"})
@@ -46,7 +47,9 @@ class RouterConfig:
     redis_tls_ca: str = field(default="", metadata={"help": "CA bundle for rediss:// URLs"})
     redis_timeout_s: float = field(default=1.0, metadata={"help": "deadline of each Redis call"})
     use_redis: bool = field(default=True, metadata={"help": "follow replicas through Redis"})
-    replicas: str = field(default="", metadata={"help": "static replicas 'id=host:port,...' (no Redis needed)"})
+    replicas: str = field(
+        default="", metadata={"help": "static replicas 'id=host:port,...' (no Redis needed); 'id=host:port@hop_host:hop_port' adds the replica's framed hop"}
+    )
     routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
     workers: int = field(
         default=1, metadata={"help": "router processes sharing the listening ports (SO_REUSEPORT) and, through Redis, session placement; >1 needs fixed ports"}
@@ -84,6 +87,11 @@ class RouterConfig:
         default="", metadata={"help": "if set, /metrics, /v1/cluster/state and /dashboard need 'Authorization: Bearer ADMIN_KEY' (secret)"}
     )
     admin_key_file: str = field(default="", metadata={"help": "file holding the admin key"})
+    replica_transport: str = field(
+        default="auto",
+        metadata={"help": "how requests reach the replicas: auto (the framed hop, unicache/hop.py, where a replica's heartbeat "
+                          "advertises one; gRPC elsewhere) or grpc (always gRPC)"},
+    )
     forward_deadline_s: float = field(
         default=300.0, metadata={"help": "deadline of a request at the router, retries included (a gRPC client's own deadline wins if earlier)"}
     )
@@ -160,14 +168,16 @@ class RouterConfig:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
 
-    def static_replicas(self) -> dict[str, str]:
-        """Parse ``replicas`` into {replica_id: address}."""
-        out: dict[str, str] = {}
+    def static_replicas(self) -> dict[str, tuple[str, str]]:
+        """Parse ``replicas`` into {replica_id: (gRPC address, hop address or "")}: entries
+        are ``id=host:port`` or ``id=host:port@hop_host:hop_port`` (the replica's framed hop)."""
+        out: dict[str, tuple[str, str]] = {}
         for item in filter(None, (p.strip() for p in self.replicas.split(","))):
             rid, sep, addr = item.partition("=")
-            if not sep or not rid or not addr:
-                raise UsageError(f"bad --replicas entry {item!r}: expected id=host:port")
-            out[rid] = addr
+            addr, at, hop = addr.partition("@")
+            if not sep or not rid or not addr or (at and not hop):
+                raise UsageError(f"bad --replicas entry {item!r}: expected id=host:port or id=host:port@hop_host:hop_port")
+            out[rid] = (addr, hop)
         return out
 
 
@@ -229,6 +239,8 @@ def build_config(
         raise UsageError("session_ttl_s, session_timeout_s and terms_interval_s must be positive")
     check_routing_policy(cfg.routing_policy)
     check_http_settings(cfg)
+    if cfg.replica_transport not in TRANSPORTS:
+        raise UsageError(f"replica_transport must be one of {', '.join(TRANSPORTS)}, got {cfg.replica_transport!r}")
     return cfg
 
 

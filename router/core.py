@@ -245,6 +245,7 @@ class RouterCore:
     def _forget_replica(self, replica_id: str) -> None:
         """The replica left the cluster: its metric series and estimates go with it."""
         self.metrics.forget_replica(replica_id)
+        self.clients.forget_replica(replica_id)
         if self.first_token_timeout is not None:
             self.first_token_timeout.forget(replica_id)
 
@@ -438,7 +439,7 @@ class RouterCore:
         first_timeout = ftt.timeout_s(rid) if ftt is not None else None
         use_timeout = first_timeout is not None and first_timeout < remaining_s
         t0 = time.perf_counter()
-        stream = self.clients.generate(rec.address, request, remaining_s)
+        stream = self.clients.generate(rec.address, request, remaining_s, rec.hop_address, rid)
         try:
             if use_timeout:
                 first = await stream.first(first_timeout, lambda: rec.last_message, ftt.ceiling_s)

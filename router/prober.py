@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class QuarantineProber:
     """Args:
     cluster: the cluster view holding the quarantine schedule.
-    clients: ``ReplicaClients`` (its ``probe(address, timeout_s)`` is the probe).
+    clients: ``ReplicaClients`` (its ``probe`` is the probe, on the transport requests take).
     timeout_for: replica id -> deadline of its probe (seconds): the router passes the
         replica's first-token timeout.
     tick_s: longest sleep between looks at the schedule (default 0.1 s).
@@ -46,7 +46,7 @@ class QuarantineProber:
         due = self.cluster.probes_due()
         if not due:
             return {}
-        results = await asyncio.gather(*(self._probe(addr, self.timeout_for(rid)) for rid, addr in due))
+        results = await asyncio.gather(*(self._probe(rid, addr, self.timeout_for(rid)) for rid, addr in due))
         out: dict[str, bool] = {}
         for (rid, addr), ok in zip(due, results):
             self.probes += 1
@@ -61,9 +61,11 @@ class QuarantineProber:
             out[rid] = ok
         return out
 
-    async def _probe(self, address: str, timeout_s: float) -> bool:
+    async def _probe(self, replica_id: str, address: str, timeout_s: float) -> bool:
+        rec = self.cluster.replicas.get(replica_id)
+        hop_address = rec.hop_address if rec is not None else ""
         try:
-            await self.clients.probe(address, timeout_s)
+            await self.clients.probe(address, timeout_s, hop_address, replica_id)
         except Exception:  # noqa: BLE001 - any failure (refused, deadline, error) is "not back yet"
             return False
         return True

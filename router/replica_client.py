@@ -1,30 +1,35 @@
-"""gRPC clients for the replicas: one ``grpc.aio`` channel per address, reused.
+"""Clients for the replicas: one ``grpc.aio`` channel per address, reused, and one framed
+hop connection (``unicache.router.hop_client``) per replica that advertises one.
 
 Invariants:
+    * ``generate`` goes over the framed hop when the replica's heartbeat advertises a hop
+      address and ``transport`` is "auto"; otherwise (and for every other call: probes of
+      replicas without a hop, ``GetCacheState``, ``GetCacheSummary``) over gRPC.
     * Every forwarded ``Generate`` carries a deadline (the request's remaining time, at
       most ``forward_deadline_s``); every probe has its own.
-    * With a ``CallCredential`` every call carries the cluster credential
-      (``x-unicache-cluster-auth``); replicas refuse calls without it (UNAUTHENTICATED).
-    * ``ReplicaStream`` cancels the replica call when it is closed before the replica
+    * With a cluster key every call is authenticated: gRPC calls carry the cluster
+      credential (``x-unicache-cluster-auth``), hop connections complete the mutual
+      handshake (``unicache.hop``); replicas refuse anything else (UNAUTHENTICATED).
+    * A ``ReplicaStream`` cancels the replica call when it is closed before the replica
       finished (client went away, router shutting down), so the replica frees the
       request's blocks.
-    * A replica's ``GenerateResponse`` is read as the router's ``RouterGenerateResponse``
-      (``parse_replica_message``): fields 1-5 and 7 are the same numbers, names and types
-      (``tests/test_router_units.py`` checks it), so every field arrives and the gRPC
-      front door passes the message on as its own (``route`` set on the first) without
-      copying it per token.
+    * Messages are read as ``RouterGenerateResponse`` (``unicache.router.replica_stream``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 import grpc
 
+from unicache.hop import HopAuth
 from unicache.state_auth import CallCredential
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2
+
+from unicache.router.hop_client import HopClient
+from unicache.router.replica_stream import ReplicaStream, parse_replica_message
+
+TRANSPORTS = ("auto", "grpc")
 
 # Status codes that mean "this replica could not serve it", worth one retry elsewhere
 # when nothing was streamed yet. INVALID_ARGUMENT and RESOURCE_EXHAUSTED are the
@@ -40,12 +45,7 @@ RETRYABLE = frozenset(
     }
 )
 
-
-# The silence check runs this long before the first-token deadline it may push back.
-_CHECK_AHEAD_S = 0.01
-
 GENERATE_METHOD = "/unicache.v1.Replica/Generate"
-parse_replica_message = router_pb2.RouterGenerateResponse.FromString  # see the module invariants
 
 PROBE_REQUEST_ID = "router-probe"
 _PROBE = replica_pb2.GenerateRequest(
@@ -53,74 +53,16 @@ _PROBE = replica_pb2.GenerateRequest(
 )
 
 
-class ReplicaStream:
-    """One forwarded Generate call: ``first()``, then ``next()`` until None; ``close()`` it
-    in a finally."""
+class GrpcReplicaStream(ReplicaStream):
+    """A Generate over grpc.aio."""
 
-    __slots__ = ("_call", "_done", "timed_out")
+    __slots__ = ("_call",)
 
     def __init__(self, call: grpc.aio.UnaryStreamCall):
+        super().__init__()
         self._call = call
-        self._done = False
-        self.timed_out = False  # first() gave up waiting (the replica stalled)
 
-    async def first(
-        self, timeout_s: float | None = None, last_progress: Callable[[], float] | None = None, max_wait_s: float | None = None
-    ) -> router_pb2.RouterGenerateResponse | None:
-        """The first message (None if the stream ended empty); raises grpc.aio.AioRpcError.
-
-        With ``timeout_s``, a replica that stays silent that long is cancelled and the
-        call fails with DEADLINE_EXCEEDED (``timed_out`` set). Silence counts from the
-        later of this call's start and ``last_progress()`` (``time.monotonic`` of the
-        replica's last message on any stream): a replica streaming to others is busy,
-        not stalled. ``max_wait_s`` bounds the wait in any case.
-        """
-        if timeout_s is None:
-            msg = await self._call.read()
-        else:
-            # NOTE: asyncio.timeout_at cancels this task at the deadline (grpc then cancels the
-            # call), with no extra task per request; a check just before the deadline
-            # pushes it back while the replica keeps sending to other streams.
-            loop = asyncio.get_running_loop()
-            started = loop.time()  # time.monotonic() on the default loop, as last_progress
-
-            def due() -> float:
-                quiet_since = max(started, last_progress()) if last_progress is not None else started
-                at = quiet_since + timeout_s
-                return min(at, started + max_wait_s) if max_wait_s is not None else at
-
-            handle = None
-            try:
-                async with asyncio.timeout_at(due()) as cm:
-
-                    def check() -> None:
-                        nonlocal handle
-                        at = due()
-                        if at > cm.when():  # it spoke meanwhile: wait for silence again
-                            cm.reschedule(at)
-                            handle = loop.call_at(at - _CHECK_AHEAD_S, check)
-
-                    handle = loop.call_at(cm.when() - _CHECK_AHEAD_S, check)
-                    msg = await self._call.read()
-            except TimeoutError:
-                self.timed_out = True
-                self.close()
-                raise grpc.aio.AioRpcError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    grpc.aio.Metadata(),
-                    grpc.aio.Metadata(),
-                    details=f"replica silent for {timeout_s:g}s before the first token",
-                ) from None
-            finally:
-                if handle is not None:
-                    handle.cancel()
-        if msg is grpc.aio.EOF:
-            self._done = True
-            return None
-        return msg
-
-    async def next(self) -> router_pb2.RouterGenerateResponse | None:
-        """The next message, or None once the replica ended the stream."""
+    async def _read(self) -> router_pb2.RouterGenerateResponse | None:
         msg = await self._call.read()
         if msg is grpc.aio.EOF:
             self._done = True
@@ -141,6 +83,10 @@ class ReplicaClients:
         max_message_bytes: send/receive limit (64 MiB, like the replica server).
         credential: the cluster credential every call carries (None: none, for replicas
             started without a cluster key).
+        cluster_key: the key of the hop's handshake (None: none; set it with
+            ``credential``).
+        transport: "auto" (the framed hop where a replica advertises one, gRPC
+            elsewhere; default) or "grpc" (always gRPC).
     """
 
     def __init__(
@@ -148,9 +94,17 @@ class ReplicaClients:
         forward_deadline_s: float = 300.0,
         max_message_bytes: int = 64 * 1024 * 1024,
         credential: CallCredential | None = None,
+        cluster_key: bytes | None = None,
+        transport: str = "auto",
     ):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.forward_deadline_s = forward_deadline_s
         self.credential = credential
+        self.transport = transport
+        self.max_message_bytes = max_message_bytes
+        self._hop_auth = HopAuth(cluster_key) if cluster_key else None
+        self._hops: dict[tuple[str, str], HopClient] = {}
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -176,17 +130,37 @@ class ReplicaClients:
     def stub(self, address: str) -> replica_pb2_grpc.ReplicaStub:
         return self._entry(address)[1]
 
-    def generate(self, address: str, request: replica_pb2.GenerateRequest, timeout_s: float | None = None) -> ReplicaStream:
-        """Start a Generate with deadline ``timeout_s`` (default and bound ``forward_deadline_s``);
-        its messages are ``RouterGenerateResponse`` (see the module invariants)."""
-        deadline = self.forward_deadline_s if timeout_s is None else min(timeout_s, self.forward_deadline_s)
-        return ReplicaStream(self._entry(address)[2](request, timeout=deadline, metadata=self._metadata()))
+    def hop(self, hop_address: str, replica_id: str) -> HopClient:
+        """The hop client of replica ``replica_id`` at ``hop_address`` (made once)."""
+        key = (hop_address, replica_id)
+        client = self._hops.get(key)
+        if client is None:
+            client = self._hops[key] = HopClient(hop_address, replica_id, self._hop_auth, self.max_message_bytes)
+        return client
 
-    async def probe(self, address: str, timeout_s: float) -> None:
+    def generate(
+        self, address: str, request: replica_pb2.GenerateRequest, timeout_s: float | None = None, hop_address: str = "",
+        replica_id: str = "",
+    ) -> ReplicaStream:
+        """Start a Generate with deadline ``timeout_s`` (default and bound ``forward_deadline_s``)
+        on the replica at gRPC ``address``, over its framed hop at ``hop_address`` when it
+        has one (see the module invariants); its messages are ``RouterGenerateResponse``."""
+        deadline = self.forward_deadline_s if timeout_s is None else min(timeout_s, self.forward_deadline_s)
+        if hop_address and self.transport == "auto":
+            return self.hop(hop_address, replica_id).stream(request, deadline)
+        return GrpcReplicaStream(self._entry(address)[2](request, timeout=deadline, metadata=self._metadata()))
+
+    def forget_replica(self, replica_id: str) -> None:
+        """Retire the hops to a replica that left the cluster: each closes once its open
+        streams have ended (they end as they would on gRPC)."""
+        for key in [k for k in self._hops if k[1] == replica_id]:
+            self._hops.pop(key).retire()
+
+    async def probe(self, address: str, timeout_s: float, hop_address: str = "", replica_id: str = "") -> None:
         """A one-token Generate (one prompt token, no full block, so nothing is cached or
-        published) that must send its first message within ``timeout_s``: can the replica
-        serve now? Raises grpc.aio.AioRpcError when it cannot."""
-        stream = self.generate(address, _PROBE, timeout_s)
+        published) that must send its first message within ``timeout_s``, on the transport
+        requests take: can the replica serve now? Raises grpc.aio.AioRpcError when it cannot."""
+        stream = self.generate(address, _PROBE, timeout_s, hop_address, replica_id)
         try:
             await stream.first()
         finally:
@@ -210,6 +184,9 @@ class ReplicaClients:
         return self.credential.metadata() if self.credential is not None else None
 
     async def close(self) -> None:
+        for client in self._hops.values():
+            client.close()
+        self._hops.clear()
         channels = [entry[0] for entry in self._channels.values()]
         self._channels.clear()
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

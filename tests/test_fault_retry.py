@@ -24,7 +24,7 @@ from unicache.router.first_token import FirstTokenTimeout
 from unicache.router.index import LocalityIndex
 from unicache.router.json_input import JsonInputError, json_depth_exceeds, loads_bounded
 from unicache.router.prober import QuarantineProber
-from unicache.router.replica_client import ReplicaStream
+from unicache.router.replica_client import GrpcReplicaStream
 from unicache.router.routing.round_robin import RoundRobinPolicy
 from unicache.router.service import grpc_status
 from unicache.testing.fake_replica import FakeReplica
@@ -86,7 +86,7 @@ class FakeProbes:
         self.up: dict[str, bool] = {}
         self.calls: list[tuple[str, float]] = []
 
-    async def probe(self, address: str, timeout_s: float) -> None:
+    async def probe(self, address: str, timeout_s: float, hop_address: str = "", replica_id: str = "") -> None:
         self.calls.append((address, timeout_s))
         if not self.up.get(address, False):
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "refused")
@@ -276,16 +276,16 @@ class HeldCall:
 
 async def test_a_replica_streaming_to_others_is_busy_not_stalled():
     # Silent replica: the first-token timeout (0.2 s) fires long before its answer (2 s).
-    silent = ReplicaStream(HeldCall(2.0))
+    silent = GrpcReplicaStream(HeldCall(2.0))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await silent.first(0.2, lambda: 0.0)
     assert (info.value.code(), silent.timed_out, silent._call.cancelled) == (grpc.StatusCode.DEADLINE_EXCEEDED, True, True)
     # Same wait, but the replica keeps sending messages on other streams: it is waited for.
-    busy = ReplicaStream(HeldCall(2.0))
+    busy = GrpcReplicaStream(HeldCall(2.0))
     assert await busy.first(0.2, time.monotonic) == "first"
     assert (busy.timed_out, busy._call.cancelled) == (False, False)
     # ... up to the ceiling.
-    capped = ReplicaStream(HeldCall(2.0))
+    capped = GrpcReplicaStream(HeldCall(2.0))
     with pytest.raises(grpc.aio.AioRpcError):
         await capped.first(0.2, time.monotonic, max_wait_s=0.4)
     assert capped.timed_out
@@ -301,7 +301,7 @@ async def test_ten_ghost_replicas_cost_no_client_failure_and_one_attempt_each():
     app.cluster.clock = lambda: 0.0  # no probe comes due: a quarantined ghost stays out
     dialled: list[str] = []
     generate = app.clients.generate
-    app.clients.generate = lambda address, request, timeout_s=None: dialled.append(address) or generate(address, request, timeout_s)
+    app.clients.generate = lambda address, request, *args: dialled.append(address) or generate(address, request, *args)
     try:
         replies = []
         for _ in range(30):

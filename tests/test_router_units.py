@@ -50,7 +50,9 @@ def test_config_errors_are_usage_errors_without_secrets(tmp_path):
         build_config(env={"UNICACHE_CONFIG": str(tmp_path / "c.yaml")})
     with pytest.raises(UsageError, match="bad --replicas entry"):
         RouterConfig(replicas="a=1:2,b").static_replicas()
-    assert RouterConfig(replicas="a=h:1, b=h:2").static_replicas() == {"a": "h:1", "b": "h:2"}
+    assert RouterConfig(replicas="a=h:1, b=h:2@h:3").static_replicas() == {"a": ("h:1", ""), "b": ("h:2", "h:3")}
+    with pytest.raises(UsageError, match="bad --replicas entry"):
+        RouterConfig(replicas="a=h:1@").static_replicas()
     shown = RouterConfig(salt_secret="topsecret", api_keys="k:t").describe()
     assert shown["salt_secret"] == "***" and shown["api_keys"] == "***" and shown["redis_password"] == ""
     assert "topsecret" not in json.dumps(shown)
@@ -72,7 +74,7 @@ def test_every_setting_has_flag_and_env(tmp_path):
             assert getattr(cfg, f.name[: -len("_file")]) == "secret-from-file-0123456789"
             continue
         valid = {"routing_policy": "sglang", "http_parser": "h11", "event_loop": "asyncio", "memory_budget_mib": "128",
-                 "shared_sessions": "on"}  # checked names
+                 "shared_sessions": "on", "replica_transport": "grpc"}  # checked names
         value = valid.get(f.name) or {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]
         cfg = build_config(env={f"UNICACHE_{f.name.upper()}": value})
         assert str(getattr(cfg, f.name)) in (value, "True")

@@ -28,16 +28,17 @@ API_KEYS = {"key-acme": "acme", "key-beta": "beta"}
 
 
 class CountingServicer(ReplicaServicer):
-    """``ReplicaServicer`` that records every ``Generate`` call's request id (in call order)."""
+    """``ReplicaServicer`` that records every request's id (in call order), on either transport."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.request_ids: list[str] = []
 
-    async def Generate(self, request, context):
+    async def outputs(self, request):
         self.request_ids.append(request.request_id)
-        async for msg in super().Generate(request, context):
-            yield msg
+        async with contextlib.aclosing(super().outputs(request)) as outputs:
+            async for msg in outputs:
+                yield msg
 
 
 @dataclass

@@ -219,10 +219,10 @@ class RouterHandle:
         clients = self.app.clients
         original = clients.generate
 
-        def spy(address, request, timeout_s=None):
+        def spy(address, request, timeout_s=None, hop_address="", replica_id=""):
             log = self.probes if request.request_id == PROBE_REQUEST_ID else self.calls
             log.append((time.monotonic(), address))
-            return original(address, request, timeout_s)
+            return original(address, request, timeout_s, hop_address, replica_id)
 
         clients.generate = spy  # type: ignore[method-assign]
         cluster = self.app.cluster

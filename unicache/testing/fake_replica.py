@@ -6,6 +6,7 @@ of them, default 4) and keeps a real prefix cache of chained block hashes (the s
 ``reusable_prompt_blocks`` as a real replica's scheduler caps them), so
 ``usage.cached_tokens`` is what a real replica would report. It records every request, can fail the next calls with a
 status before the first token, and can hold a stream open to test cancellation.
+It serves ``Generate`` over gRPC and, started with ``hop=True``, over the framed hop.
 ``GetCacheSummary`` answers sealed with the test cluster key (unicache/testing/signed_state.py):
 ``summary_blocks`` when a test sets it (what the replica claims to hold), else its cache.
 """
@@ -17,12 +18,14 @@ import asyncio
 import grpc
 
 from unicache.block_hash import hash_token_blocks, reusable_prompt_blocks
+from unicache.replica.call_error import GrpcGenerate, ReplicaCallError
+from unicache.replica.hop_server import HopServer
 from unicache.router.replica_client import PROBE_REQUEST_ID
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.testing.signed_state import SIGNER, sealed
 
 
-class FakeReplica(replica_pb2_grpc.ReplicaServicer):
+class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
     def __init__(self, replica_id: str, block_size: int = 16):
         self.replica_id = replica_id
         self.block_size = block_size
@@ -34,6 +37,7 @@ class FakeReplica(replica_pb2_grpc.ReplicaServicer):
         self.cancelled = asyncio.Event()
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.hop: HopServer | None = None
         self.epoch = 1
         self.summary_blocks: list[bytes] | None = None
         self.signer = SIGNER
@@ -47,21 +51,34 @@ class FakeReplica(replica_pb2_grpc.ReplicaServicer):
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def start(self) -> None:
+    @property
+    def hop_address(self) -> str:
+        """Its framed hop's address ("" unless started with ``hop=True``)."""
+        return f"127.0.0.1:{self.hop.port}" if self.hop is not None else ""
+
+    async def start(self, hop: bool = False, cluster_key: bytes | None = None) -> None:
+        """Serve gRPC on a free port, and with ``hop`` the framed hop too (with
+        ``cluster_key``: the handshake)."""
         self.server = grpc.aio.server()
         replica_pb2_grpc.add_ReplicaServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
+        if hop:
+            self.hop = HopServer(self, cluster_key=cluster_key, grace_s=0.0)
+            await self.hop.start()
 
     async def stop(self) -> None:
+        if self.hop is not None:
+            await self.hop.stop()
         if self.server is not None:
             await self.server.stop(0)
 
-    async def Generate(self, request, context):
+    async def outputs(self, request):
+        """The stream ``Generate`` (gRPC, ``GrpcGenerate``) and the hop serve."""
         self.requests.append(request)
         if self.fail_next > 0:
             self.fail_next -= 1
-            await context.abort(self.fail_code, "injected failure")
+            raise ReplicaCallError(self.fail_code, "injected failure")
         # NOTE: a text prompt (a client calling the replica directly) is echoed as its
         # UTF-8 bytes, the router's default byte tokenizer's ids.
         ids = list(request.token_ids.ids) or list(request.text.encode())

@@ -55,7 +55,7 @@ class CacheSummary(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., timestamp: _Optional[float] = ..., nonce: _Optional[bytes] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ..., parents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens", "seq", "metrics_url")
+    __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens", "seq", "metrics_url", "hop_address")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class Heartbeat(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    HOP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     device: str
@@ -78,4 +79,5 @@ class Heartbeat(_message.Message):
     queued_prefill_tokens: int
     seq: int
     metrics_url: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., epoch: _Optional[int] = ..., timestamp: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., seq: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+    hop_address: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., epoch: _Optional[int] = ..., timestamp: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., seq: _Optional[int] = ..., metrics_url: _Optional[str] = ..., hop_address: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,101 @@
+"""A forwarded ``Generate`` as the request path sees it, whichever transport carries it
+(grpc.aio: ``unicache.router.replica_client``; the framed hop:
+``unicache.router.hop_client``).
+
+Invariants:
+    * Failures raise ``grpc.aio.AioRpcError`` on either transport, with the codes a gRPC
+      call would end with, so the request path has one error table.
+    * A replica's ``GenerateResponse`` is read as the router's ``RouterGenerateResponse``
+      (``parse_replica_message``): fields 1-5 and 7 are the same numbers, names and types
+      (``tests/test_router_units.py`` checks it), so every field arrives and the gRPC
+      front door passes the message on as its own (``route`` set on the first) without
+      copying it per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+
+from unicache.v1 import router_pb2
+
+# The silence check runs this long before the first-token deadline it may push back.
+_CHECK_AHEAD_S = 0.01
+
+parse_replica_message = router_pb2.RouterGenerateResponse.FromString  # see the module invariants
+
+
+class ReplicaStream:
+    """One forwarded Generate call: ``first()``, then ``next()`` until None; ``close()`` it
+    in a finally. Failures raise ``grpc.aio.AioRpcError`` on either transport (gRPC here,
+    the framed hop in ``unicache.router.hop_client``), so the request path handles one
+    kind of error. Subclasses implement ``_read`` (the next message, None at the end) and
+    ``close``."""
+
+    __slots__ = ("_done", "timed_out")
+
+    def __init__(self) -> None:
+        self._done = False
+        self.timed_out = False  # first() gave up waiting (the replica stalled)
+
+    async def _read(self) -> router_pb2.RouterGenerateResponse | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def first(
+        self, timeout_s: float | None = None, last_progress: Callable[[], float] | None = None, max_wait_s: float | None = None
+    ) -> router_pb2.RouterGenerateResponse | None:
+        """The first message (None if the stream ended empty); raises grpc.aio.AioRpcError.
+
+        With ``timeout_s``, a replica that stays silent that long is cancelled and the
+        call fails with DEADLINE_EXCEEDED (``timed_out`` set). Silence counts from the
+        later of this call's start and ``last_progress()`` (``time.monotonic`` of the
+        replica's last message on any stream): a replica streaming to others is busy,
+        not stalled. ``max_wait_s`` bounds the wait in any case.
+        """
+        if timeout_s is None:
+            return await self._read()
+        # NOTE: asyncio.timeout_at cancels this task at the deadline (the read is then
+        # cancelled), with no extra task per request; a check just before the deadline
+        # pushes it back while the replica keeps sending to other streams.
+        loop = asyncio.get_running_loop()
+        started = loop.time()  # time.monotonic() on the default loop, as last_progress
+
+        def due() -> float:
+            quiet_since = max(started, last_progress()) if last_progress is not None else started
+            at = quiet_since + timeout_s
+            return min(at, started + max_wait_s) if max_wait_s is not None else at
+
+        handle = None
+        try:
+            async with asyncio.timeout_at(due()) as cm:
+
+                def check() -> None:
+                    nonlocal handle
+                    at = due()
+                    if at > cm.when():  # it spoke meanwhile: wait for silence again
+                        cm.reschedule(at)
+                        handle = loop.call_at(at - _CHECK_AHEAD_S, check)
+
+                handle = loop.call_at(cm.when() - _CHECK_AHEAD_S, check)
+                return await self._read()
+        except TimeoutError:
+            self.timed_out = True
+            self.close()
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details=f"replica silent for {timeout_s:g}s before the first token",
+            ) from None
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    async def next(self) -> router_pb2.RouterGenerateResponse | None:
+        """The next message, or None once the replica ended the stream."""
+        return await self._read()
