@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 from bench.load_test import join_children
-from bench.router_profile import cpu_s, profile_report, replicas_main, start_baseline
+from bench.router_profile import cpu_s, profile_report, replica_spec, replicas_main, start_baseline
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {  # name -> (http_parser, event_loop)
@@ -230,6 +230,7 @@ async def drive(args, front: dict[str, tuple[int, int]], reference: str) -> dict
     }
     return {
         "config": {"requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                   "replica_transport": args.replica_transport,
                    "rounds": args.rounds, "replicas": args.replicas, "cpus": os.cpu_count(), "baseline": reference,
                    "baseline_unicache": args.baseline_unicache, "load_average_1m": round(os.getloadavg()[0], 2)},
         "rounds": rounds,
@@ -252,6 +253,9 @@ def main() -> None:
                     "is, a process of its own) on each event loop")
     ap.add_argument("--profile", action="store_true", help="the first variant under cProfile")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--replica-transport", choices=("hop", "grpc"), default="hop",
+                    help="the in-process routers' replica hop: the framed hop (production's default) or gRPC; "
+                         "--baseline-unicache/--tree-unicache routers and the bare proxy always use gRPC")
     ap.add_argument("--out", default=str(RESULTS / "http_cpu"))
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -269,8 +273,9 @@ def main() -> None:
     front: dict[str, tuple[int, int]] = {}
     try:
         _, rep_ports, _ = ports.get(timeout=60)
-        spec = ",".join(f"r{i}=127.0.0.1:{p}" for i, p in enumerate(rep_ports))
-        procs = [(name, router_main, (spec, *VARIANTS[name], ports, stop, prof_path if i == 0 else None))
+        spec = replica_spec(rep_ports)  # gRPC: the bare proxy's hop, and older checkouts' spec
+        tree_spec = replica_spec(rep_ports, hop=args.replica_transport == "hop")
+        procs = [(name, router_main, (tree_spec, *VARIANTS[name], ports, stop, prof_path if i == 0 else None))
                  for i, name in enumerate(variants)]
         if args.bare:
             procs += [(f"bare:{loop}", bare_main, (spec, loop, ports, stop)) for loop in loops]
@@ -298,7 +303,7 @@ def main() -> None:
         "# HTTP front door CPU per request",
         "",
         f"`python -m bench.http_cpu --requests {args.requests} --concurrency {args.concurrency} --max-tokens {args.max_tokens} "
-        f"--rounds {args.rounds} --variants {args.variants}{' --bare' * args.bare}"
+        f"--rounds {args.rounds} --variants {args.variants} --replica-transport {args.replica_transport}{' --bare' * args.bare}"
         f"{' --baseline-unicache EXE' if args.baseline_unicache else ''}{' --tree-unicache EXE' if args.tree_unicache else ''}` ({os.cpu_count()} CPUs, 1-minute load average "
         f"{result['config']['load_average_1m']} at the end; fake replicas; half the requests streamed). "
         f"Front door process CPU (all threads) per request, median over rounds of the per-round figures; ratio to "

@@ -17,7 +17,7 @@ tree_grpc, tree_http) and ``EXE router`` (another checkout's command; baseline_g
 baseline_http), each on ``--event-loop``, so the two trees are compared in one run.
 
 Run: .venv/bin/python -m bench.router_overhead [--requests 200] [--prompt-tokens 256]
-     [--max-tokens 1] [--with-redis] [--event-loop asyncio|uvloop] [--bare]
+     [--max-tokens 1] [--with-redis] [--event-loop asyncio|uvloop] [--bare] [--replica-transport hop|grpc]
      [--baseline-unicache EXE] [--json OUT]
 """
 
@@ -57,18 +57,20 @@ async def run(args) -> dict:
     engine = AsyncEngine(EngineConfig(model=model, num_blocks=4096, block_size=16, eviction_policy="lru", device=args.device))
     await engine.start()
     key = new_cluster_key()
-    server = ReplicaServer(engine, "r0", cluster_key=parse_cluster_key(key))
+    server = ReplicaServer(engine, "r0", cluster_key=parse_cluster_key(key), hop_port=0)
     port = await server.start()
     addr = f"127.0.0.1:{port}"
+    hop_addr = f"127.0.0.1:{server.hop_port}" if args.replica_transport == "hop" else ""
+    spec = f"r0={addr}" + (f"@{hop_addr}" if hop_addr else "")  # this tree's routers; the bare proxies and a baseline use gRPC
     redis = publisher = None
-    overrides = {"grpc_port": 0, "http_port": 0, "use_redis": False, "replicas": f"r0={addr}", "routing_policy": args.policy}
+    overrides = {"grpc_port": 0, "http_port": 0, "use_redis": False, "replicas": spec, "routing_policy": args.policy}
     if args.with_redis:
         from unicache.replica.publisher import CachePublisher
         from unicache.redis_server import EmbeddedRedis
 
         redis = EmbeddedRedis()
         redis.start()
-        publisher = CachePublisher(engine, "r0", redis.url, addr, signer=server.signer)
+        publisher = CachePublisher(engine, "r0", redis.url, addr, signer=server.signer, hop_address=hop_addr)
         server.servicer.summary_source = publisher.signed_summary
         await publisher.start()
         overrides.update(use_redis=True, replicas="", redis_url=redis.url)
@@ -114,7 +116,7 @@ async def run(args) -> dict:
         env = {"UNICACHE_API_KEYS": "k:bench", "UNICACHE_SALT_SECRET": "s", "UNICACHE_CLUSTER_KEY": key,
                "UNICACHE_AUTH_ENABLED": "true", "UNICACHE_ROUTING_POLICY": args.policy, "UNICACHE_EVENT_LOOP": args.event_loop}
         for name, exe in (("tree", tree), ("baseline", args.baseline_unicache)):
-            proc, gport, hport = await asyncio.to_thread(start_baseline, exe, f"r0={addr}", 60.0, env)
+            proc, gport, hport = await asyncio.to_thread(start_baseline, exe, spec if name == "tree" else f"r0={addr}", 60.0, env)
 
             async def stop_proc(proc=proc) -> None:
                 proc.terminate()
@@ -183,6 +185,7 @@ async def run(args) -> dict:
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "with_redis": args.with_redis,
+        "replica_transport": args.replica_transport,
         "baseline_unicache": args.baseline_unicache,
         "load_average_1m": round(os.getloadavg()[0], 2),
         "paths": {},
@@ -212,6 +215,8 @@ def main() -> None:
     ap.add_argument("--bare", action="store_true", help="also bare gRPC and HTTP proxies (the floors)")
     ap.add_argument("--baseline-unicache", metavar="EXE", help="also this tree's and EXE's `router` as processes")
     ap.add_argument("--event-loop", default="asyncio", help="asyncio or uvloop (client and router share the loop)")
+    ap.add_argument("--replica-transport", choices=("hop", "grpc"), default="hop",
+                    help="this tree's routers reach the replica over its framed hop (production's default) or gRPC")
     ap.add_argument("--json")
     args = ap.parse_args()
     from unicache.router.http_server import loop_factory

@@ -18,7 +18,7 @@ other jobs on a shared host. ``--profile`` adds the router's top functions (cPro
 its event-loop thread over the router bursts only).
 
     .venv/bin/python -m bench.router_profile [--requests 1000] [--max-tokens 8] [--rounds 3]
-        [--bare] [--baseline-unicache EXE] [--event-loops asyncio,uvloop] [--profile] [--top 40]
+        [--bare] [--baseline-unicache EXE] [--event-loops asyncio,uvloop] [--transports grpc,hop] [--profile] [--top 40]
         [--json OUT]
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import multiprocessing as mp
@@ -40,6 +41,8 @@ from unicache.testing.procfs import cpu_s
 
 # (front door, reference): per-round CPU ratios reported for each pair present.
 PAIRS = (
+    ("router_hop", "router"), ("router_hop_uvloop", "router_uvloop"), ("router_hop", "bare_proxy"),
+    ("router_hop_uvloop", "bare_proxy_uvloop"),
     ("router", "router_baseline"), ("router_uvloop", "router_baseline_uvloop"), ("router", "bare_proxy"),
     ("router_uvloop", "bare_proxy_uvloop"),
     ("router_uvloop", "router"), ("bare_proxy_uvloop", "bare_proxy"),
@@ -47,17 +50,18 @@ PAIRS = (
 
 
 def replicas_main(n: int, ports, stop, served=None) -> None:
-    """``n`` fake replicas in this process until ``stop`` is set; their ports go to
-    ``ports``. With ``served`` (a shared int) they count the streams they answered and
+    """``n`` fake replicas in this process until ``stop`` is set; their (gRPC, hop) ports
+    go to ``ports``. With ``served`` (a shared int) they count the streams they answered and
     keep no request (a client that cannot read gRPC trailers is checked by the count)."""
 
     async def run() -> None:
         from unicache.testing.fake_replica import FakeReplica
 
         class Counting(FakeReplica):
-            async def Generate(self, request, context):
-                async for msg in super().Generate(request, context):
-                    yield msg
+            async def outputs(self, request):
+                async with contextlib.aclosing(super().outputs(request)) as outputs:
+                    async for msg in outputs:
+                        yield msg
                 with served.get_lock():
                     served.value += 1
 
@@ -65,13 +69,19 @@ def replicas_main(n: int, ports, stop, served=None) -> None:
         for f in fakes:
             if served is not None:
                 f.requests = _Discard()  # a long run would hold every request
-            await f.start()
-        ports.put(("replicas", [f.port for f in fakes], os.getpid()))
+            await f.start(hop=True)
+        ports.put(("replicas", [(f.port, f.hop.port) for f in fakes], os.getpid()))
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         for f in fakes:
             await f.stop()
 
     asyncio.run(run())
+
+
+def replica_spec(rep_ports: list[tuple[int, int]], hop: bool = False) -> str:
+    """``--replicas`` of the fake replicas (``replicas_main``'s (gRPC port, hop port)
+    pairs); ``hop`` adds each one's framed hop (``id=host:port@host:hop_port``)."""
+    return ",".join(f"r{i}=127.0.0.1:{p}" + (f"@127.0.0.1:{h}" if hop else "") for i, (p, h) in enumerate(rep_ports))
 
 
 class _Discard(list):
@@ -130,7 +140,7 @@ def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bo
             "routing_policy": "round_robin", "replicas": spec, "event_loop": loop_name,
         })
         if bare:
-            server, port, channels = await start_bare_proxy([a.split("=", 1)[1] for a in spec.split(",")])
+            server, port, channels = await start_bare_proxy([a.split("=", 1)[1].split("@")[0] for a in spec.split(",")])
         else:
             app = RouterApp(cfg)
             await app.start()
@@ -192,9 +202,10 @@ def start_baseline(exe: str, spec: str, timeout_s: float = 60.0, extra_env: dict
     return proc, port, http_port
 
 
-async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], rep_pid: int, ports, cmds) -> dict:
+async def drive(args, rep_ports: list[tuple[int, int]], front: dict[str, tuple[int, int]], rep_pid: int, ports, cmds,
+                profiled: str = "router") -> dict:
     """Rounds of: the burst direct, then through each front door (``front``: name ->
-    (port, pid)); cProfile (if on) is enabled only around the "router" bursts."""
+    (port, pid)); cProfile (if on) is enabled only around the ``profiled`` door's bursts."""
     import grpc
 
     from unicache.v1 import replica_pb2_grpc, router_pb2_grpc
@@ -205,7 +216,7 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
         cmds.put(cmd)
         await loop.run_in_executor(None, ports.get)
 
-    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in rep_ports]
+    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p, _ in rep_ports]
     fchans = {name: grpc.aio.insecure_channel(f"127.0.0.1:{port}") for name, (port, _) in front.items()}
     direct = [replica_pb2_grpc.ReplicaStub(c) for c in chans]
     stubs = {name: [router_pb2_grpc.RouterStub(c)] for name, c in fchans.items()}
@@ -225,12 +236,12 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
         names = names[len(rounds) % len(names):] + names[: len(rounds) % len(names)]
         for name in names:
             stub = stubs[name]
-            if name == "router":
+            if name == profiled:
                 await say("on")
             c0 = cpu_s(front[name][1])
             r = await burst(stub, args.requests, args.max_tokens, False)
             r["cpu_ms_per_request"] = round(1e3 * (cpu_s(front[name][1]) - c0) / args.requests, 3)
-            if name == "router":
+            if name == profiled:
                 await say("off")
             r["ratio_req_per_s"] = round(r["requests_per_s"] / d["requests_per_s"], 3)
             r["ratio_cpu_per_request"] = round(r["cpu_ms_per_request"] / d["cpu_ms_per_request"], 3)
@@ -252,6 +263,7 @@ async def drive(args, rep_ports: list[int], front: dict[str, tuple[int, int]], r
             median[name][f"ratio_cpu_vs_{ref}"] = med(name, f"ratio_cpu_vs_{ref}")
     return {
         "config": {"requests": args.requests, "max_tokens": args.max_tokens, "replicas": args.replicas, "rounds": args.rounds,
+                   "transports": args.transports,
                    "cpus": os.cpu_count(), "baseline_unicache": args.baseline_unicache,
                    "load_average_1m": round(os.getloadavg()[0], 2)},
         "rounds": rounds,
@@ -285,12 +297,16 @@ def main() -> None:
     ap.add_argument("--event-loops", default="asyncio",
                     help="comma-separated loops each in-process front door runs on (asyncio, uvloop): "
                          "router_uvloop, bare_proxy_uvloop are the uvloop runs")
+    ap.add_argument("--transports", default="grpc",
+                    help="comma-separated replica hops the router is measured on: grpc (front door 'router'), "
+                         "hop (the framed hop, unicache/hop.py: 'router_hop')")
     ap.add_argument("--json")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
+    routers = [{"grpc": "router", "hop": "router_hop"}[t] for t in args.transports.split(",")]
     doors = [(name + ("" if loop == "asyncio" else f"_{loop}"), name == "bare_proxy", loop)
-             for loop in args.event_loops.split(",") for name in ["router"] + ["bare_proxy"] * args.bare]
+             for loop in args.event_loops.split(",") for name in routers + ["bare_proxy"] * args.bare]
     cmds = {name: ctx.Queue() for name, _, _ in doors}  # each in-process front door's own
     prof_path = os.path.join(tempfile.mkdtemp(), "router.prof") if args.profile else None
     reps = ctx.Process(target=replicas_main, args=(args.replicas, ports, stop))
@@ -300,10 +316,11 @@ def main() -> None:
     front: dict[str, tuple[int, int]] = {}
     try:
         _, rep_ports, rep_pid = ports.get(timeout=60)
-        spec = ",".join(f"r{i}=127.0.0.1:{p}" for i, p in enumerate(rep_ports))
+        spec, hop_spec = replica_spec(rep_ports), replica_spec(rep_ports, hop=True)
         for name, bare, loop in doors:
-            prof = prof_path if name == "router" else None
-            proc = ctx.Process(target=router_main, args=(spec, prof, ports, cmds[name], stop, bare, loop))
+            prof = prof_path if name == routers[0] else None
+            door_spec = hop_spec if name.startswith("router_hop") else spec
+            proc = ctx.Process(target=router_main, args=(spec if bare else door_spec, prof, ports, cmds[name], stop, bare, loop))
             proc.start()
             children.append(proc)
             _, port, pid = ports.get(timeout=60)
@@ -313,7 +330,7 @@ def main() -> None:
                 proc, port, _ = start_baseline(args.baseline_unicache, spec, extra_env={"UNICACHE_EVENT_LOOP": loop})
                 baselines.append(proc)
                 front["router_baseline" + ("" if loop == "asyncio" else f"_{loop}")] = (port, proc.pid)
-        result = asyncio.run(drive(args, rep_ports, front, rep_pid, ports, cmds["router"]))
+        result = asyncio.run(drive(args, rep_ports, front, rep_pid, ports, cmds[routers[0]], routers[0]))
     finally:
         stop.set()
         for q in cmds.values():

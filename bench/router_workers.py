@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from bench.load_test import burst, prompt
-from bench.router_profile import free_port, replicas_main
+from bench.router_profile import free_port, replica_spec, replicas_main
 from unicache.testing.procfs import child_pids, cpu_s
 
 
@@ -169,6 +169,7 @@ async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]], replicas
     median["ratio_ceiling"] = round((cores / total_ms) / min(1 / router_ms, cores / total_ms), 3)
     return {
         "config": {"workers": counts, "requests": args.requests, "rounds": args.rounds, "channels": args.channels,
+                   "replica_transport": args.replica_transport,
                    "max_tokens": args.max_tokens, "replicas": args.replicas, "cpus": os.cpu_count(), "client": args.client},
         "rounds": rounds,
         "median": median,
@@ -185,6 +186,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--client", choices=("grpc", "h2load"), default="grpc",
                     help="load client: this process on grpc.aio, or nghttp2's h2load (C; see the module docstring)")
+    ap.add_argument("--replica-transport", choices=("hop", "grpc"), default="hop",
+                    help="the routers' replica hop: the framed hop (production's default) or gRPC")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.client == "h2load" and shutil.which("h2load") is None:
@@ -197,7 +200,7 @@ def main() -> None:
     routers: dict[int, tuple[subprocess.Popen, int]] = {}
     try:
         _, rep_ports, rep_pid = ports.get(timeout=60)
-        spec = ",".join(f"r{i}=127.0.0.1:{p}" for i, p in enumerate(rep_ports))
+        spec = replica_spec(rep_ports, hop=args.replica_transport == "hop")
         for n in counts:
             routers[n] = start_router(n, spec)
         result = asyncio.run(drive(args, routers, rep_pid, served))

@@ -6,7 +6,7 @@ time to a server process, each stream one request and ``--tokens`` response mess
 this process's CPU per stream is measured (``time.process_time``), in interleaved rounds,
 medians over rounds; the servers run in their own processes, so their CPU is not in it.
 
-    * ``grpc``: production's path, ``ReplicaClients.generate`` (one grpc.aio channel per
+    * ``grpc``: the gRPC path, ``ReplicaClients.generate`` (one grpc.aio channel per
       replica, the replica's messages read as ``RouterGenerateResponse``) against the
       project's fake replica (``unicache.testing.fake_replica``).
     * ``framed``: the same request and response protobuf bytes over one TCP connection
@@ -14,10 +14,14 @@ medians over rounds; the servers run in their own processes, so their CPU is not
       payload; one reader task per connection hands each stream its messages through a
       queue), against an asyncio server that answers as the fake replica does.
 
-Both carry exactly the same messages; what differs is HTTP/2, grpc core and grpc.aio's
+    * ``hop``: production's framed hop (``unicache/hop.py``: ``ReplicaClients.generate``
+      to a replica advertising one, the mutual handshake with a cluster key, a deadline
+      and cancellation per stream), against the same fake replica's ``HopServer``.
+
+All carry exactly the same messages; what differs is HTTP/2, grpc core and grpc.aio's
 per-call machinery against a 9-byte header per frame. No deadline, cancellation, flow
-control or authentication travels in ``framed``: it is the floor any lighter production
-transport would sit above, not a transport to ship (nothing here is used by the router).
+control or authentication travels in ``framed``: it is the floor ``hop`` sits above, and
+``hop / framed`` is what those cost.
 
     .venv/bin/python -m bench.studies.hop_transport [--streams 2000] [--concurrency 64]
         [--tokens 8] [--rounds 5] [--out bench/results/hop_transport]
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -38,6 +43,8 @@ from pathlib import Path
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+KINDS = ("grpc", "framed", "hop")
+HOP_KEY = bytes(range(32))  # the hop's handshake runs as in production (any key will do)
 HEADER = struct.Struct("!IBI")  # stream id, kind, payload length
 REQUEST, MESSAGE, END = 0, 1, 2
 
@@ -132,14 +139,15 @@ def grpc_server_main(port_q, stop) -> None:
                 super().__init__("r0")
                 self.requests = []
 
-            async def Generate(self, request, context):
-                async for msg in super().Generate(request, context):
-                    yield msg
+            async def outputs(self, request):
+                async with contextlib.aclosing(super().outputs(request)) as outputs:
+                    async for msg in outputs:
+                        yield msg
                 self.requests.clear()  # a long run would hold every request
 
         fake = Quiet()
-        await fake.start()
-        port_q.put(fake.port)
+        await fake.start(hop=True, cluster_key=HOP_KEY)
+        port_q.put((fake.port, fake.hop.port))
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         await fake.stop()
 
@@ -176,14 +184,15 @@ async def run_streams(open_stream, streams: int, concurrency: int, tokens: int) 
 
 async def measure(kind: str, port: int, args) -> dict:
     req = request(args.tokens)
-    if kind == "grpc":
+    if kind in ("grpc", "hop"):
         from unicache.router.replica_client import ReplicaClients
 
-        clients = ReplicaClients()
-        address = f"127.0.0.1:{port}"
+        clients = ReplicaClients(cluster_key=HOP_KEY)
+        grpc_port, hop_port = port
+        address, hop_address = f"127.0.0.1:{grpc_port}", f"127.0.0.1:{hop_port}" if kind == "hop" else ""
 
         async def open_stream():
-            stream = clients.generate(address, req)
+            stream = clients.generate(address, req, None, hop_address, "r0")
             msg = await stream.first()
             while msg is not None:
                 yield msg
@@ -225,6 +234,7 @@ def main() -> None:
         p.start()
         procs.append(p)
         ports[kind] = q.get(timeout=60)
+    ports["hop"] = ports["grpc"]  # the fake replica serves both
     if args.event_loop == "uvloop":
         import uvloop
 
@@ -232,7 +242,7 @@ def main() -> None:
     rounds = []
     try:
         for r in range(args.rounds):
-            order = ("grpc", "framed") if r % 2 == 0 else ("framed", "grpc")
+            order = KINDS[r % 3:] + KINDS[: r % 3]
             rounds.append({kind: asyncio.run(measure(kind, ports[kind], args)) for kind in order})
             print(f"round {r + 1}: " + ", ".join(f"{k} {v['cpu_ms_per_stream']:.3f} ms" for k, v in rounds[-1].items()),
                   flush=True)
@@ -241,21 +251,22 @@ def main() -> None:
         for p in procs:
             p.join(timeout=10)
     med = {k: {m: statistics.median(rd[k][m] for rd in rounds) for m in ("cpu_ms_per_stream", "us_per_message")}
-           for k in ("grpc", "framed")}
-    ratio = statistics.median(rd["framed"]["cpu_ms_per_stream"] / rd["grpc"]["cpu_ms_per_stream"] for rd in rounds)
+           for k in KINDS}
+    ratios = {f"{a}_over_{b}": statistics.median(rd[a]["cpu_ms_per_stream"] / rd[b]["cpu_ms_per_stream"] for rd in rounds)
+              for a, b in (("framed", "grpc"), ("hop", "grpc"), ("hop", "framed"))}
     report = {"command": "python -m bench.studies.hop_transport " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
               "cpus": os.cpu_count(), "load_average": os.getloadavg(), "rounds": rounds, "median": med,
-              "framed_over_grpc": ratio}
+              **ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    lines = ["# The replica hop's transport: grpc.aio against a framed TCP stream (issue 17)", "",
+    lines = ["# The replica hop's transport: grpc.aio, a framed TCP floor, and the production framed hop (issue 17)", "",
              f"`{report['command']}` ({report['cpus']} CPUs, load average {report['load_average'][0]:.2f} at the end); "
              "the client process's CPU (the router's side of the hop), medians over interleaved rounds.", "",
              "| transport | CPU ms / stream | CPU us / message |", "|---|---|---|"]
-    for k in ("grpc", "framed"):
+    for k in KINDS:
         lines.append(f"| {k} | {med[k]['cpu_ms_per_stream']:.3f} | {med[k]['us_per_message']:.1f} |")
-    lines += ["", f"framed / grpc, median of per-round ratios: {ratio:.3f}", ""]
+    lines += [""] + [f"{k.replace('_over_', ' / ')}, median of per-round ratios: {v:.3f}" for k, v in ratios.items()] + [""]
     args.out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from bench.load_test import burst, join_children
-from bench.router_profile import replicas_main
+from bench.router_profile import replica_spec, replicas_main
 from unicache.replica.engine.api import EngineOutput
 from unicache.replica.engine.async_engine import AsyncEngine
 from unicache.router.replica_client import ReplicaClients
@@ -206,7 +206,7 @@ async def channels_part(args, ctx, ports, stop, children) -> dict:
     reps.start()
     children.append(reps)
     _, rep_ports, _ = ports.get(timeout=60)
-    spec = ",".join(f"r{i}=127.0.0.1:{p}" for i, p in enumerate(rep_ports))
+    spec = replica_spec(rep_ports)  # the study compares gRPC channel pools
     front = {}
     for k in args.pools:
         proc, port, pid = start(ctx, router_main, (spec, k, ports, stop), ports)
