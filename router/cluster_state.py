@@ -11,14 +11,16 @@ from unicache.v1 import common_pb2, router_pb2
 STATIC_STATE_DEADLINE_S = 1.0
 
 
-def replica_info(cluster, rid: str) -> router_pb2.ReplicaInfo:
+def replica_info(cluster, rid: str, transport: str = "auto") -> router_pb2.ReplicaInfo:
     """What the router tells about replica ``rid`` (``ListReplicas`` and the cluster state):
-    device and metrics URL come from its last verified heartbeat (empty for a static one)."""
+    device and metrics URL come from its last verified heartbeat (empty for a static one);
+    the hop address only where requests take it (``transport`` "auto")."""
     rec = cluster.replicas[rid]
     hb = rec.heartbeat
     return router_pb2.ReplicaInfo(
         replica_id=rid, address=rec.address, healthy=cluster.healthy(rid),
         device=hb.device if hb else "", metrics_url=hb.metrics_url if hb else "",
+        hop_address=rec.hop_address if transport == "auto" else "",
     )
 
 
@@ -41,7 +43,7 @@ async def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.Cluste
         rec = cluster.replicas[rid]
         hb = rec.heartbeat
         state = router_pb2.ReplicaState(
-            info=replica_info(cluster, rid),
+            info=replica_info(cluster, rid, core.clients.transport),
             running=hb.running if hb else 0,
             waiting=hb.waiting if hb else 0,
             indexed_blocks=cluster.index.num_blocks(rid),

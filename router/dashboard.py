@@ -163,7 +163,7 @@ function drawState(s) {
   document.getElementById('rows').innerHTML = s.replicas.map(x => {
     const c = x.cache || {};
     const q = Object.entries(c.queue_sizes || {}).map(([k, v]) => `${esc(readable(QUEUE_NAMES, k))}: ${v}`).join(', ');
-    return `<tr><td>${esc(x.info.replica_id)}</td><td>${esc(x.info.address)}</td><td>${esc(x.info.device)}</td>` +
+    return `<tr><td>${esc(x.info.replica_id)}</td><td>${esc(x.info.address)}${x.info.hop_address ? `<br><small>hop ${esc(x.info.hop_address)}</small>` : ''}</td><td>${esc(x.info.device)}</td>` +
            `<td class="${x.info.healthy ? '' : 'bad'}">${x.info.healthy ? 'ok' : 'down'}</td>` +
            `<td>${x.running}</td><td>${x.waiting}</td><td>${bar(c)}</td><td>${c.capacity_blocks || 0}</td>` +
            `<td>${((c.hit_ratio || 0) * 100).toFixed(1)}%</td><td>${c.evictions || 0}</td><td>${host(c.host)}</td><td>${x.indexed_blocks}</td>` +

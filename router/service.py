@@ -98,7 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         cluster = self.core.cluster
         out = router_pb2.ListReplicasResponse()
         for rid in sorted(cluster.replicas):
-            out.replicas.append(replica_info(cluster, rid))
+            out.replicas.append(replica_info(cluster, rid, self.core.clients.transport))
         return out
 
     async def GetClusterState(self, request, context):

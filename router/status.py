@@ -16,7 +16,7 @@ from unicache.errors import UsageError
 from unicache.settings import env_name, resolve_secret
 from unicache.v1 import router_pb2, router_pb2_grpc
 
-COLUMNS = ("replica", "address", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "host", "indexed", "queues")
+COLUMNS = ("replica", "address", "hop", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "host", "indexed", "queues")
 
 
 def host_cell(c) -> str:
@@ -61,6 +61,7 @@ def format_table(state: router_pb2.ClusterState) -> str:
             (
                 rs.info.replica_id,
                 rs.info.address,
+                rs.info.hop_address or "-",
                 rs.info.device or "-",
                 "ok" if rs.info.healthy else "down",
                 str(rs.running),

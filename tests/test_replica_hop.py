@@ -389,5 +389,7 @@ async def test_router_reaches_replicas_over_their_advertised_hop():
         assert sorted(hops) == ["replica-0", "replica-1"] and all(c.connects == 1 for c in hops.values())
         assert sum(len(rt.server.hop.connections) for rt in st.replicas) == 2
         assert sum(rt.server.hop.streams for rt in st.replicas) == 5  # every request, over the hop
+        state = (await st.client.get("/v1/cluster/state")).json()
+        assert sorted(r["info"]["hop_address"] for r in state["replicas"]) == sorted(rt.hop_address for rt in st.replicas)
     finally:
         await st.close()

@@ -131,6 +131,7 @@ def test_status_table_exact():
     state = router_pb2.ClusterState(redis_connected=True, routing_policy="cache_aware")
     rs = state.replicas.add()
     rs.info.replica_id, rs.info.address, rs.info.healthy, rs.info.device = "r0", "10.0.0.1:50052", True, "cuda:0"
+    rs.info.hop_address = "10.0.0.1:50053"
     rs.running, rs.waiting, rs.indexed_blocks = 3, 1, 120
     rs.cache.CopyFrom(
         common_pb2.CacheState(capacity_blocks=1000, used_blocks=200, free_blocks=800, cached_blocks=150, hit_ratio=0.4567, evictions=9, queue_sizes={"evict_first": 5, "chat": 7})
@@ -141,9 +142,9 @@ def test_status_table_exact():
         capacity_blocks=40, used_blocks=12, hit_ratio=0.125, promotions=30, demotions=52)))
     lines = format_table(state).splitlines()
     assert lines[0] == "routing policy: cache_aware   redis: connected   replicas: 2"
-    assert lines[1].split() == ["replica", "address", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "host", "indexed", "queues"]
-    assert lines[2].split() == ["r0", "10.0.0.1:50052", "cuda:0", "ok", "3", "1", "1000", "200", "800", "150", "45.7", "9", "-", "120", "chat=7", "evict_first=5"]
-    assert lines[3].split() == ["r1", "10.0.0.2:50052", "cuda:0", "ok", "0", "0", "10", "0", "0", "0", "0.0", "0", "12/40", "12.5%", "p30", "d52", "0", "-"]
+    assert lines[1].split() == ["replica", "address", "hop", "device", "health", "run", "wait", "capacity", "used", "free", "cached", "hit%", "evict", "host", "indexed", "queues"]
+    assert lines[2].split() == ["r0", "10.0.0.1:50052", "10.0.0.1:50053", "cuda:0", "ok", "3", "1", "1000", "200", "800", "150", "45.7", "9", "-", "120", "chat=7", "evict_first=5"]
+    assert lines[3].split() == ["r1", "10.0.0.2:50052", "-", "cuda:0", "ok", "0", "0", "10", "0", "0", "0", "0.0", "0", "12/40", "12.5%", "p30", "d52", "0", "-"]
 
 
 def test_hot_path_records_use_slots():

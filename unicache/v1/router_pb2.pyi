@@ -63,18 +63,20 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "address", "healthy", "device", "metrics_url")
+    __slots__ = ("replica_id", "address", "healthy", "device", "metrics_url", "hop_address")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    HOP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     healthy: bool
     device: str
     metrics_url: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., device: _Optional[str] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+    hop_address: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., device: _Optional[str] = ..., metrics_url: _Optional[str] = ..., hop_address: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas",)
