@@ -70,8 +70,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/home/unicache
 USER 10001:10001
 WORKDIR /home/unicache
-# gRPC of a single replica (`unicache replica`); Ray ports are set by KubeRay.
-EXPOSE 50061
+# gRPC and the framed hop of a single replica (`unicache replica --port 50061 --hop-port 50062`;
+# both default to free ports, which suits a pod, not a published container port); Ray ports
+# are set by KubeRay.
+EXPOSE 50061 50062
 # NOTE: no HEALTHCHECK: this image runs four roles (Ray head, Ray worker, launcher, single
 # replica) with different health signals; the chart gives each role its own probes.
 HEALTHCHECK NONE
