@@ -131,10 +131,13 @@ class ReplicaClients:
         return self._entry(address)[1]
 
     def hop(self, hop_address: str, replica_id: str) -> HopClient:
-        """The hop client of replica ``replica_id`` at ``hop_address`` (made once)."""
+        """The hop client of replica ``replica_id`` at ``hop_address`` (made once; a replica
+        that moved to a new hop address retires its old one, so one replica holds at most
+        one open hop plus the retiring ones' streams under way)."""
         key = (hop_address, replica_id)
         client = self._hops.get(key)
         if client is None:
+            self.forget_replica(replica_id)
             client = self._hops[key] = HopClient(hop_address, replica_id, self._hop_auth, self.max_message_bytes)
         return client
 

@@ -393,3 +393,17 @@ async def test_router_reaches_replicas_over_their_advertised_hop():
         assert sorted(r["info"]["hop_address"] for r in state["replicas"]) == sorted(rt.hop_address for rt in st.replicas)
     finally:
         await st.close()
+
+
+async def test_a_replica_on_a_new_hop_address_retires_the_old_one(served):
+    engine, server, clients = served
+    grpc_addr, hop_addr = addresses(server)
+    assert len(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0"))) == 2
+    old = clients.hop(hop_addr, "r0")._conn
+    moved = await serve(engine)  # the same replica id, restarted on new ports
+    try:
+        new_grpc, new_hop = addresses(moved)
+        assert len(await collect(clients.generate(new_grpc, make_request(PROMPT, max_tokens=2), 30, new_hop, "r0"))) == 2
+        assert list(clients._hops) == [(new_hop, "r0")] and not old.usable
+    finally:
+        await moved.stop()
