@@ -296,10 +296,13 @@ async def test_events_feed_the_router_index_and_the_next_request_routes_by_it(st
     )
     md = [("authorization", "Bearer ka")]
     req = router_pb2.RouterGenerateRequest(text=prompt, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS))
+    hop = stack.runtime.server.hop
+    before = hop.streams
     msgs = [m async for m in stack.router_stub.Generate(req, metadata=md, timeout=120)]
     assert (msgs[0].route.replica_id, msgs[0].route.reason, msgs[0].route.matched_tokens) == ("v0", "index_prefix", 128)
     assert msgs[-1].usage.cached_tokens == 128
-    assert [t for m in msgs for t in m.token_ids] == tokens
+    assert [t for m in msgs for t in m.token_ids] == tokens  # over the framed hop, the tokens gRPC gave
+    assert hop.streams == before + 1
     # Another tenant's same prompt matches nothing in the index.
     beta = hash_token_blocks(ids, BS, cache_salt=app.auth.cache_salt("beta"))
     assert app.index.match("v0", beta) == 0
