@@ -11,6 +11,8 @@ Invariants:
       it or the connection is gone; its task closes ``outputs`` (the engine stream) in
       every case, so a cancelled or disconnected request frees its blocks.
     * A request's deadline (from its REQUEST frame) ends it with DEADLINE_EXCEEDED.
+    * Once ``stop`` began, new requests are refused UNAVAILABLE (the router retries them
+      elsewhere, as it does a gRPC server's refusal), while running ones get ``grace_s``.
     * At most ``max_streams`` streams per connection; more are answered RESOURCE_EXHAUSTED
       (refusal "overloaded") without reaching the engine.
     * A protocol violation (an oversized frame, a reused live stream id, an unknown frame
@@ -78,6 +80,7 @@ class HopServer:
         self.refused = 0
         self.streams = 0  # streams started, all connections
         self.connections: set[_HopConnection] = set()
+        self.stopping = False
         self._server: asyncio.Server | None = None
         self._last_warn = float("-inf")
 
@@ -93,6 +96,7 @@ class HopServer:
         cancel what is left and close every connection."""
         if self._server is None:
             return
+        self.stopping = True
         self._server.close()
         self._server = None
         tasks = [t for c in self.connections for t in c.streams.values()]
@@ -203,6 +207,9 @@ class _HopConnection(asyncio.Protocol):
     def _start_stream(self, sid: int, payload: bytes) -> None:
         if sid == 0 or sid in self.streams:
             raise hop.HopProtocolError(f"stream id {sid} is reserved or still open")
+        if self.server.stopping:
+            self._write_status(sid, grpc.StatusCode.UNAVAILABLE, "replica is shutting down")
+            return
         if len(self.streams) >= self.server.max_streams:
             self._write_status(sid, grpc.StatusCode.RESOURCE_EXHAUSTED, f"replica has {self.server.max_streams} streams open on this connection", "overloaded")
             return

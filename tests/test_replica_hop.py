@@ -407,3 +407,23 @@ async def test_a_replica_on_a_new_hop_address_retires_the_old_one(served):
         assert list(clients._hops) == [(new_hop, "r0")] and not old.usable
     finally:
         await moved.stop()
+
+
+async def test_stopping_finishes_running_streams_and_refuses_new_ones_unavailable(engine):
+    server = await serve(engine, faults=FaultInjection(token_delay_s=0.05))
+    client = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY))
+    try:
+        running = client.stream(make_request(PROMPT, max_tokens=6), 30)
+        assert await running.first() is not None
+        stopping = asyncio.create_task(server.stop())
+        await asyncio.sleep(0.01)
+        err = await failure(client.stream(make_request(PROMPT, max_tokens=2), 30))
+        assert (err.code(), err.details()) == (grpc.StatusCode.UNAVAILABLE, "replica is shutting down")
+        rest = []
+        while (msg := await running.next()) is not None:
+            rest.append(msg)
+        assert len(rest) == 5  # finished within the grace period
+        await stopping
+    finally:
+        client.close()
+        await server.stop()
