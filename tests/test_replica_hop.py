@@ -9,6 +9,7 @@ request's blocks; and it must refuse anyone without the cluster key, in both dir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import grpc
@@ -20,6 +21,7 @@ from unicache.replica.server import ReplicaServer
 from unicache.router.hop_client import HopClient, HopStream
 from unicache.router.replica_client import GrpcReplicaStream, ReplicaClients
 from unicache.state_auth import CallCredential
+from unicache.testing.polling import eventually
 from unicache.wire import REFUSAL_METADATA
 
 from tests.test_replica_server import PROMPT, direct, engine, make_request, no_blocks_referenced  # noqa: F401 - engine: a fixture
@@ -64,6 +66,23 @@ async def collect(stream) -> list:
         return msgs
     finally:
         stream.close()
+
+
+@contextlib.asynccontextmanager
+async def served_hop(engine, **kw):
+    """(a replica server with its hop, a hop client of it holding the key), both closed after."""
+    server = await serve(engine, **kw)
+    client = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY))
+    try:
+        yield server, client
+    finally:
+        client.close()
+        await server.stop()
+
+
+async def streams_ended(server: ReplicaServer) -> None:
+    """Until the replica's hop has no stream open (cancellations reach it asynchronously)."""
+    await eventually(lambda: not any(c.streams for c in server.hop.connections), "the replica's hop streams to end", timeout_s=10)
 
 
 async def failure(stream) -> grpc.aio.AioRpcError:
@@ -141,65 +160,38 @@ async def test_closing_midway_cancels_at_the_replica_and_frees_blocks(served):
     assert len(first.token_ids) == 1
     stream.close()
     assert await no_blocks_referenced(engine)
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 10
-    while (engine.load().running or any(c.streams for c in server.hop.connections)) and loop.time() < end:
-        await asyncio.sleep(0.01)
-    assert engine.load().running == 0
-    assert not any(c.streams for c in server.hop.connections)
+    await streams_ended(server)
+    await eventually(lambda: engine.load().running == 0, "the engine to drop the request")
     # the connection survives a cancelled stream
     assert len(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0"))) == 2
     assert clients.hop(hop_addr, "r0").connects == 1
 
 
 async def test_deadline_ends_the_stream_on_both_sides(engine):
-    server = await serve(engine, faults=FaultInjection(first_token_delay_s=2.0))
-    client = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY))
-    try:
+    async with served_hop(engine, faults=FaultInjection(first_token_delay_s=2.0)) as (server, client):
         err = await failure(client.stream(make_request(PROMPT, max_tokens=3), 0.2))
         assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 5
-        while any(c.streams for c in server.hop.connections) and loop.time() < end:
-            await asyncio.sleep(0.01)
-        assert not any(c.streams for c in server.hop.connections)
+        await streams_ended(server)
         assert await no_blocks_referenced(engine)
-    finally:
-        client.close()
-        await server.stop()
 
 
 async def test_first_token_timeout_cancels_a_silent_replica(engine):
-    server = await serve(engine, faults=FaultInjection(first_token_delay_s=2.0))
-    client = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY))
-    try:
+    async with served_hop(engine, faults=FaultInjection(first_token_delay_s=2.0)) as (server, client):
         stream = client.stream(make_request(PROMPT, max_tokens=3), 30)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stream.first(0.2)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and stream.timed_out
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 5
-        while any(c.streams for c in server.hop.connections) and loop.time() < end:
-            await asyncio.sleep(0.01)
-        assert not any(c.streams for c in server.hop.connections)
-    finally:
-        client.close()
-        await server.stop()
+        await streams_ended(server)
 
 
 async def test_stream_limit_refuses_as_overloaded(engine):
-    server = await serve(engine, max_pending_calls=1)
-    client = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY))
-    try:
+    async with served_hop(engine, max_pending_calls=1) as (server, client):
         first = client.stream(make_request(PROMPT, max_tokens=50), 30)
         assert await first.first() is not None
         err = await failure(client.stream(make_request(PROMPT, max_tokens=2), 30))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert dict(err.trailing_metadata()).get(REFUSAL_METADATA) == "overloaded"
         first.close()
-    finally:
-        client.close()
-        await server.stop()
 
 
 async def test_lost_connection_fails_open_streams_unavailable_then_reconnects(served):
@@ -410,9 +402,7 @@ async def test_a_replica_on_a_new_hop_address_retires_the_old_one(served):
 
 
 async def test_stopping_finishes_running_streams_and_refuses_new_ones_unavailable(engine):
-    server = await serve(engine, faults=FaultInjection(token_delay_s=0.05))
-    client = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY))
-    try:
+    async with served_hop(engine, faults=FaultInjection(token_delay_s=0.05)) as (server, client):
         running = client.stream(make_request(PROMPT, max_tokens=6), 30)
         assert await running.first() is not None
         stopping = asyncio.create_task(server.stop())
@@ -424,6 +414,3 @@ async def test_stopping_finishes_running_streams_and_refuses_new_ones_unavailabl
             rest.append(msg)
         assert len(rest) == 5  # finished within the grace period
         await stopping
-    finally:
-        client.close()
-        await server.stop()
