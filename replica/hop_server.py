@@ -131,6 +131,7 @@ class _HopConnection(asyncio.Protocol):
     # --- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        hop.set_keepalive(transport)
         self.server.connections.add(self)
         flags = hop.FLAG_AUTH if self.server.auth is not None else 0
         transport.write(hop.frame(hop.HELLO, 0, hop.hello_payload(flags, self.nonce, self.server.servicer.replica_id)))

@@ -146,6 +146,7 @@ class HopConnection(asyncio.Protocol):
     # --- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        hop.set_keepalive(transport)
 
     def data_received(self, data: bytes) -> None:
         try:

@@ -414,3 +414,17 @@ async def test_stopping_finishes_running_streams_and_refuses_new_ones_unavailabl
             rest.append(msg)
         assert len(rest) == 5  # finished within the grace period
         await stopping
+
+
+async def test_both_ends_of_a_hop_connection_keep_tcp_alive(served):
+    """A replica that vanishes without closing its connection is found by TCP keepalive."""
+    engine, server, clients = served
+    grpc_addr, hop_addr = addresses(server)
+    assert len(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0"))) == 2
+    ends = [clients.hop(hop_addr, "r0")._conn.transport, *(c.transport for c in server.hop.connections)]
+    assert len(ends) == 2
+    for transport in ends:
+        sock = transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == hop.KEEPALIVE_IDLE_S
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1  # asyncio's default, kept

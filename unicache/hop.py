@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import socket
 import struct
 from collections.abc import Callable
 
@@ -79,6 +80,25 @@ _MAX_DETAILS_BYTES = 4096
 
 class HopProtocolError(Exception):
     """The peer broke the framing or the handshake; the connection is closed."""
+
+
+# TCP keepalive on every hop connection: a peer that vanished without closing (a node
+# lost, a partition) is found within about KEEPALIVE_IDLE_S + KEEPALIVE_COUNT *
+# KEEPALIVE_INTERVAL_S seconds of silence, and its streams fail UNAVAILABLE instead of
+# waiting for their deadlines.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
+
+
+def set_keepalive(transport) -> None:
+    """Turn on TCP keepalive (``KEEPALIVE_*``) on ``transport``'s socket, where the
+    platform has the options."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S), ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def frame(kind: int, stream_id: int, payload: bytes = b"") -> bytes:
