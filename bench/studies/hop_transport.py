@@ -13,7 +13,6 @@ medians over rounds; the servers run in their own processes, so their CPU is not
       per replica (``FramedClient``: frames of ``stream id, kind, length`` then the
       payload; one reader task per connection hands each stream its messages through a
       queue), against an asyncio server that answers as the fake replica does.
-
     * ``hop``: production's framed hop (``unicache/hop.py``: ``ReplicaClients.generate``
       to a replica advertising one, the mutual handshake with a cluster key, a deadline
       and cancellation per stream), against the same fake replica's ``HopServer``.
@@ -24,7 +23,7 @@ control or authentication travels in ``framed``: it is the floor ``hop`` sits ab
 ``hop / framed`` is what those cost.
 
     .venv/bin/python -m bench.studies.hop_transport [--streams 2000] [--concurrency 64]
-        [--tokens 8] [--rounds 5] [--out bench/results/hop_transport]
+        [--tokens 8] [--rounds 5] [--event-loop asyncio|uvloop] [--out bench/results/hop_transport]
 """
 
 from __future__ import annotations
