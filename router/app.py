@@ -111,7 +111,7 @@ class RouterApp:
         cluster_key = config.cluster_key_bytes()
         self.clients = ReplicaClients(
             config.forward_deadline_s, credential=CallCredential(cluster_key) if cluster_key else None,
-            cluster_key=cluster_key or None, transport=config.replica_transport,
+            cluster_key=cluster_key or None, transport=config.replica_transport, hop_counter=self.metrics.hop_connections,
         )
         self.state_rejections = StateRejections(self.metrics.registry)
         first_token = None

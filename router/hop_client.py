@@ -155,6 +155,8 @@ class HopConnection(asyncio.Protocol):
             self.fail(grpc.StatusCode.UNAVAILABLE, f"replica hop protocol error: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:  # noqa: ARG002
+        if not self.failed and self.ready.done() and not self.ready.exception():
+            self.client.count("lost")  # established, and not closed by this side
         self.fail(grpc.StatusCode.UNAVAILABLE, "replica hop connection lost")
 
     # --- streams ------------------------------------------------------------------------
@@ -270,13 +272,16 @@ class HopClient:
         auth: the handshake's proofs (None: the replica must hold no key either).
         max_message_bytes: largest frame accepted (64 MiB, as gRPC's limit).
         connect_timeout_s: connect plus handshake (default 5 s).
+        counter: a Prometheus counter labelled (outcome) counting this hop's connections:
+            connected, refused (UNAUTHENTICATED handshake), unreachable, lost (None: none).
     """
 
     def __init__(
         self, address: str, replica_id: str, auth: hop.HopAuth | None, max_message_bytes: int = 64 * 1024 * 1024,
-        connect_timeout_s: float = 5.0,
+        connect_timeout_s: float = 5.0, counter=None,
     ):
         self.address = address
+        self.counter = counter
         self.replica_id = replica_id
         self.auth = auth
         self.max_message_bytes = max_message_bytes
@@ -326,12 +331,18 @@ class HopClient:
             if error is not None:
                 if conn is not None:
                     conn.fail(error.code(), error.details() or "")
+                self.count("refused" if error.code() == grpc.StatusCode.UNAUTHENTICATED else "unreachable")
                 raise error
             self._conn = conn
             self.connects += 1
+            self.count("connected")
             return conn
         finally:
             self._connecting = None
+
+    def count(self, outcome: str) -> None:
+        if self.counter is not None:
+            self.counter.labels(outcome).inc()
 
     def close(self) -> None:
         """Fail every open stream (UNAVAILABLE) and close the connection: the router stops."""

@@ -41,6 +41,13 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.hop_connections = Counter(
+            "unicache_router_hop_connections",
+            "Framed replica hop connections (unicache/hop.py) by outcome (connected; refused: the handshake failed on "
+            "the cluster key; unreachable: no connection or no handshake; lost: an established one dropped)",
+            ["outcome"],
+            registry=r,
+        )
         self.first_token_timeouts = Counter(
             "unicache_router_first_token_timeouts",
             "Attempts cancelled because the replica sent nothing within its derived first-token timeout",

@@ -87,6 +87,8 @@ class ReplicaClients:
             ``credential``).
         transport: "auto" (the framed hop where a replica advertises one, gRPC
             elsewhere; default) or "grpc" (always gRPC).
+        hop_counter: a Prometheus counter labelled (outcome) that counts hop connections
+            (``HopClient``); None counts nothing.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class ReplicaClients:
         credential: CallCredential | None = None,
         cluster_key: bytes | None = None,
         transport: str = "auto",
+        hop_counter=None,
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -104,6 +107,7 @@ class ReplicaClients:
         self.transport = transport
         self.max_message_bytes = max_message_bytes
         self._hop_auth = HopAuth(cluster_key) if cluster_key else None
+        self._hop_counter = hop_counter
         self._hops: dict[tuple[str, str], HopClient] = {}
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
@@ -138,7 +142,7 @@ class ReplicaClients:
         client = self._hops.get(key)
         if client is None:
             self.forget_replica(replica_id)
-            client = self._hops[key] = HopClient(hop_address, replica_id, self._hop_auth, self.max_message_bytes)
+            client = self._hops[key] = HopClient(hop_address, replica_id, self._hop_auth, self.max_message_bytes, counter=self._hop_counter)
         return client
 
     def generate(

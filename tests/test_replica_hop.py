@@ -428,3 +428,26 @@ async def test_both_ends_of_a_hop_connection_keep_tcp_alive(served):
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == hop.KEEPALIVE_IDLE_S
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1  # asyncio's default, kept
+
+
+async def test_connection_outcomes_are_counted(engine):
+    from prometheus_client import CollectorRegistry, Counter
+
+    counter = Counter("hop_connections", "test", ["outcome"], registry=CollectorRegistry())
+    counts = lambda: {o: counter.labels(o)._value.get() for o in ("connected", "refused", "unreachable", "lost")}  # noqa: E731
+    server = await serve(engine)
+    try:
+        ok = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY), counter=counter)
+        assert len(await collect(ok.stream(make_request(PROMPT, max_tokens=2), 5))) == 2
+        for conn in list(server.hop.connections):
+            conn.close()  # the replica side drops it
+        await eventually(lambda: counts()["lost"] == 1, "the drop to be counted")
+        wrong = HopClient(addresses(server)[1], "r0", hop.HopAuth(OTHER_KEY), counter=counter)
+        await failure(wrong.stream(make_request(PROMPT, max_tokens=2), 5))
+        assert len(await collect(ok.stream(make_request(PROMPT, max_tokens=2), 5))) == 2  # reconnects
+        ok.close()  # closed by this side: not "lost"
+    finally:
+        await server.stop()
+    gone = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY), counter=counter)
+    await failure(gone.stream(make_request(PROMPT), 5))
+    assert counts() == {"connected": 2, "refused": 1, "unreachable": 1, "lost": 1}
