@@ -238,9 +238,11 @@ async def drive(args, rep_ports: list[tuple[int, int]], front: dict[str, tuple[i
             stub = stubs[name]
             if name == profiled:
                 await say("on")
-            c0 = cpu_s(front[name][1])
+            c0, rc0 = cpu_s(front[name][1]), cpu_s(rep_pid)
             r = await burst(stub, args.requests, args.max_tokens, False)
             r["cpu_ms_per_request"] = round(1e3 * (cpu_s(front[name][1]) - c0) / args.requests, 3)
+            # the replicas' side of the hop this front door uses (gRPC server or framed hop)
+            r["replicas_cpu_ms_per_request"] = round(1e3 * (cpu_s(rep_pid) - rc0) / args.requests, 3)
             if name == profiled:
                 await say("off")
             r["ratio_req_per_s"] = round(r["requests_per_s"] / d["requests_per_s"], 3)
@@ -256,7 +258,7 @@ async def drive(args, rep_ports: list[tuple[int, int]], front: dict[str, tuple[i
     for c in [*chans, *fchans.values()]:
         await c.close()
     med = lambda name, key: round(statistics.median(x[name][key] for x in rounds), 3)  # noqa: E731
-    keys = ("cpu_ms_per_request", "ratio_cpu_per_request", "ratio_req_per_s", "requests_per_s")
+    keys = ("cpu_ms_per_request", "ratio_cpu_per_request", "ratio_req_per_s", "requests_per_s", "replicas_cpu_ms_per_request")
     median = {name: {k: med(name, k) for k in keys} for name in front}
     for name, ref in PAIRS:
         if name in front and ref in front:
@@ -349,7 +351,8 @@ def main() -> None:
         print(line)
     for name, m in result["median"].items():
         print(f"median {name}: CPU {m['cpu_ms_per_request']} ms/req = {m['ratio_cpu_per_request']}x the replicas' CPU per "
-              f"direct request; req/s {m['requests_per_s']} = {m['ratio_req_per_s']}x direct")
+              f"direct request; req/s {m['requests_per_s']} = {m['ratio_req_per_s']}x direct; replicas' CPU behind it "
+              f"{m['replicas_cpu_ms_per_request']} ms/req")
     for name, ref in PAIRS:
         if name in front and ref in front:
             print(f"median per-round {name} CPU / {ref} CPU: {result['median'][name][f'ratio_cpu_vs_{ref}']} "
