@@ -157,6 +157,7 @@ class HopConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:  # noqa: ARG002
         if not self.failed and self.ready.done() and not self.ready.exception():
             self.client.count("lost")  # established, and not closed by this side
+            log.info("hop connection to replica %s at %s lost (%d streams open)", self.client.replica_id, self.client.address, len(self.streams))
         self.fail(grpc.StatusCode.UNAVAILABLE, "replica hop connection lost")
 
     # --- streams ------------------------------------------------------------------------
