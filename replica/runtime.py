@@ -82,8 +82,9 @@ class ReplicaRuntime:
             hop_port=s.hop_port if s.hop_port >= 0 else None,
         )
         port = await self.server.start()
-        self.address = f"{s.advertised_host()}:{port}"
-        self.hop_address = f"{s.advertised_host()}:{self.server.hop_port}" if self.server.hop_port else ""
+        host = s.advertised_host()
+        self.address = f"{host}:{port}"
+        self.hop_address = f"{host}:{self.server.hop_port}" if self.server.hop_port else ""
         if s.redis_url:
             self.publisher = CachePublisher(
                 self.engine, s.replica_id, s.redis_url, self.address, RedisKeys(s.redis_prefix),

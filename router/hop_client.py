@@ -37,21 +37,10 @@ import grpc
 from unicache import hop
 from unicache.state_auth import StateAuthError
 from unicache.v1 import replica_pb2, router_pb2
-from unicache.wire import REFUSAL_METADATA
 
-from unicache.router.replica_stream import ReplicaStream, parse_replica_message
+from unicache.router.replica_stream import ReplicaStream, parse_replica_message, rpc_error
 
 log = logging.getLogger(__name__)
-
-_NO_METADATA = grpc.aio.Metadata()
-
-
-def rpc_error(code: grpc.StatusCode, details: str, refusal: str = "") -> grpc.aio.AioRpcError:
-    """The ``AioRpcError`` a gRPC call ending with this status raises (a refusal as the
-    trailing metadata the gRPC servicer would send)."""
-    trailing = grpc.aio.Metadata((REFUSAL_METADATA, refusal)) if refusal else _NO_METADATA
-    return grpc.aio.AioRpcError(code, _NO_METADATA, trailing, details=details)
-
 
 class HopStream(ReplicaStream):
     """One Generate on a hop connection (see ``ReplicaStream``)."""
@@ -81,7 +70,6 @@ class HopStream(ReplicaStream):
             if items:
                 return items.popleft()
             if self._ended:
-                self._done = True
                 if self._error is not None:
                     raise self._error
                 return None
@@ -91,11 +79,14 @@ class HopStream(ReplicaStream):
             finally:
                 self._waiter = None
 
-    def _push(self, msg) -> None:
-        self._items.append(msg)
+    def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _push(self, msg) -> None:
+        self._items.append(msg)
+        self._wake()
 
     def _finish(self, error: grpc.aio.AioRpcError | None) -> None:
         if self._ended:
@@ -105,23 +96,21 @@ class HopStream(ReplicaStream):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
+
+    def _abandon(self, code: grpc.StatusCode, details: str) -> None:
+        """End the stream here with ``code`` and tell the replica to stop it."""
+        if not self._ended:
+            if self._conn is not None:
+                self._conn.cancel(self._sid)
+            self._finish(rpc_error(code, details))
 
     def _expire(self) -> None:
         self._timer = None
-        if not self._ended:
-            if self._conn is not None:
-                self._conn.cancel(self._sid)
-            self._finish(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
+        self._abandon(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
 
     def close(self) -> None:
-        if not self._ended:
-            if self._conn is not None:
-                self._conn.cancel(self._sid)
-            self._finish(rpc_error(grpc.StatusCode.CANCELLED, "cancelled by the router"))
-        self._done = True
+        self._abandon(grpc.StatusCode.CANCELLED, "cancelled by the router")
 
 
 class HopConnection(asyncio.Protocol):
@@ -183,8 +172,18 @@ class HopConnection(asyncio.Protocol):
         """Tell the replica to stop stream ``sid`` (it is forgotten here at once)."""
         if self.streams.pop(sid, None) is not None and self.usable:
             self.transport.write(hop.HEADER.pack(hop.CANCEL, sid, 0))
-            if self.retiring and not self.streams:
-                self.retire()
+            self._close_if_retired()
+
+    def _end(self, sid: int, error: grpc.aio.AioRpcError | None) -> None:
+        """Stream ``sid`` ended at the replica (``error`` None: normally)."""
+        stream = self.streams.pop(sid, None)
+        if stream is not None:
+            stream._finish(error)
+            self._close_if_retired()
+
+    def _close_if_retired(self) -> None:
+        if self.retiring and not self.streams:
+            self.retire()
 
     def retire(self) -> None:
         """Close now if no stream is open, else once the last one ends (the replica left
@@ -215,21 +214,13 @@ class HopConnection(asyncio.Protocol):
             if stream is not None:
                 stream._push(parse_replica_message(payload))
         elif kind == hop.END:
-            stream = self.streams.pop(sid, None)
-            if stream is not None:
-                stream._finish(None)
-                if self.retiring and not self.streams:
-                    self.retire()
+            self._end(sid, None)
         elif kind == hop.ERROR:
             code, details, refusal = hop.decode_status(payload)
             if sid == 0:
                 self.fail(code, f"replica refused the hop: {details}")
-                return
-            stream = self.streams.pop(sid, None)
-            if stream is not None:
-                stream._finish(rpc_error(code, details, refusal))
-                if self.retiring and not self.streams:
-                    self.retire()
+            else:
+                self._end(sid, rpc_error(code, details, refusal))
         elif kind == hop.HELLO and not self._server_nonce:
             self._hello(payload)
         elif kind == hop.WELCOME and self._server_nonce and not self.ready.done():

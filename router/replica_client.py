@@ -56,11 +56,12 @@ _PROBE = replica_pb2.GenerateRequest(
 class GrpcReplicaStream(ReplicaStream):
     """A Generate over grpc.aio."""
 
-    __slots__ = ("_call",)
+    __slots__ = ("_call", "_done")
 
     def __init__(self, call: grpc.aio.UnaryStreamCall):
         super().__init__()
         self._call = call
+        self._done = False
 
     async def _read(self) -> router_pb2.RouterGenerateResponse | None:
         msg = await self._call.read()
@@ -108,7 +109,7 @@ class ReplicaClients:
         self.max_message_bytes = max_message_bytes
         self._hop_auth = HopAuth(cluster_key) if cluster_key else None
         self._hop_counter = hop_counter
-        self._hops: dict[tuple[str, str], HopClient] = {}
+        self._hops: dict[str, HopClient] = {}  # replica id -> the hop client of its current hop address
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -138,11 +139,12 @@ class ReplicaClients:
         """The hop client of replica ``replica_id`` at ``hop_address`` (made once; a replica
         that moved to a new hop address retires its old one, so one replica holds at most
         one open hop plus the retiring ones' streams under way)."""
-        key = (hop_address, replica_id)
-        client = self._hops.get(key)
-        if client is None:
+        client = self._hops.get(replica_id)
+        if client is None or client.address != hop_address:
             self.forget_replica(replica_id)
-            client = self._hops[key] = HopClient(hop_address, replica_id, self._hop_auth, self.max_message_bytes, counter=self._hop_counter)
+            client = self._hops[replica_id] = HopClient(
+                hop_address, replica_id, self._hop_auth, self.max_message_bytes, counter=self._hop_counter
+            )
         return client
 
     def generate(
@@ -160,8 +162,9 @@ class ReplicaClients:
     def forget_replica(self, replica_id: str) -> None:
         """Retire the hops to a replica that left the cluster: each closes once its open
         streams have ended (they end as they would on gRPC)."""
-        for key in [k for k in self._hops if k[1] == replica_id]:
-            self._hops.pop(key).retire()
+        client = self._hops.pop(replica_id, None)
+        if client is not None:
+            client.retire()
 
     async def probe(self, address: str, timeout_s: float, hop_address: str = "", replica_id: str = "") -> None:
         """A one-token Generate (one prompt token, no full block, so nothing is cached or

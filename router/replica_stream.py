@@ -20,11 +20,21 @@ from collections.abc import Callable
 import grpc
 
 from unicache.v1 import router_pb2
+from unicache.wire import REFUSAL_METADATA
 
 # The silence check runs this long before the first-token deadline it may push back.
 _CHECK_AHEAD_S = 0.01
 
 parse_replica_message = router_pb2.RouterGenerateResponse.FromString  # see the module invariants
+
+_NO_METADATA = grpc.aio.Metadata()
+
+
+def rpc_error(code: grpc.StatusCode, details: str, refusal: str = "") -> grpc.aio.AioRpcError:
+    """The ``AioRpcError`` a gRPC call ending with this status raises (a refusal as the
+    trailing metadata the replica's gRPC servicer sends, ``unicache.wire.REFUSAL_METADATA``)."""
+    trailing = grpc.aio.Metadata((REFUSAL_METADATA, refusal)) if refusal else _NO_METADATA
+    return grpc.aio.AioRpcError(code, _NO_METADATA, trailing, details=details)
 
 
 class ReplicaStream:
@@ -34,10 +44,9 @@ class ReplicaStream:
     kind of error. Subclasses implement ``_read`` (the next message, None at the end) and
     ``close``."""
 
-    __slots__ = ("_done", "timed_out")
+    __slots__ = ("timed_out",)
 
     def __init__(self) -> None:
-        self._done = False
         self.timed_out = False  # first() gave up waiting (the replica stalled)
 
     async def _read(self) -> router_pb2.RouterGenerateResponse | None:
@@ -86,12 +95,7 @@ class ReplicaStream:
         except TimeoutError:
             self.timed_out = True
             self.close()
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                details=f"replica silent for {timeout_s:g}s before the first token",
-            ) from None
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"replica silent for {timeout_s:g}s before the first token") from None
         finally:
             if handle is not None:
                 handle.cancel()

@@ -51,11 +51,6 @@ class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def hop_address(self) -> str:
-        """Its framed hop's address ("" unless started with ``hop=True``)."""
-        return f"127.0.0.1:{self.hop.port}" if self.hop is not None else ""
-
     async def start(self, hop: bool = False, cluster_key: bytes | None = None) -> None:
         """Serve gRPC on a free port, and with ``hop`` the framed hop too (with
         ``cluster_key``: the handshake)."""
