@@ -41,6 +41,24 @@ def _refuse(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     return grpc.unary_unary_rpc_method_handler(unary)
 
 
+class Refusals:
+    """Callers refused for lacking the cluster key, on either transport (this interceptor,
+    the framed hop's handshake): ``count`` of them, and at most one warning line per
+    ``warn_interval_s`` (a caller retrying in a loop must not flood the log)."""
+
+    def __init__(self, warn_interval_s: float = 60.0):
+        self.count = 0
+        self.warn_interval_s = warn_interval_s
+        self._last_warn = float("-inf")
+
+    def record(self, what: str, why: object) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self._last_warn >= self.warn_interval_s:
+            self._last_warn = now
+            log.warning("refused %s: %s (%d refused so far)", what, why, self.count)
+
+
 class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses replica calls without a valid cluster credential.
 
@@ -51,9 +69,11 @@ class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, credential: CallCredential, warn_interval_s: float = 60.0):
         self.credential = credential
-        self.warn_interval_s = warn_interval_s
-        self.refused = 0
-        self._last_warn = float("-inf")
+        self.refusals = Refusals(warn_interval_s)
+
+    @property
+    def refused(self) -> int:
+        return self.refusals.count
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -67,10 +87,6 @@ class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):
         try:
             self.credential.check(token)
         except StateAuthError as exc:
-            self.refused += 1
-            now = time.monotonic()
-            if now - self._last_warn >= self.warn_interval_s:
-                self._last_warn = now
-                log.warning("refused %s: %s (%d refused so far)", handler_call_details.method, exc, self.refused)
+            self.refusals.record(handler_call_details.method, exc)
             return _refuse(handler, f"cluster credential required: {exc}")
         return handler

@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from unicache import hop
+from unicache.replica.call_auth import Refusals
 from unicache.replica.call_error import ReplicaCallError
 from unicache.state_auth import StateAuthError
 from unicache.v1 import replica_pb2
@@ -77,12 +77,11 @@ class HopServer:
         self.max_streams = max_streams
         self.max_message_bytes = max_message_bytes
         self.grace_s = grace_s
-        self.refused = 0
+        self.refusals = Refusals()
         self.streams = 0  # streams started, all connections
         self.connections: set[_HopConnection] = set()
         self.stopping = False
         self._server: asyncio.Server | None = None
-        self._last_warn = float("-inf")
 
     async def start(self) -> int:
         loop = asyncio.get_running_loop()
@@ -108,12 +107,10 @@ class HopServer:
         if leftover:
             await asyncio.wait(leftover, timeout=1.0)
 
-    def _refused(self, reason: str) -> None:
-        self.refused += 1
-        now = time.monotonic()
-        if now - self._last_warn >= 60.0:
-            self._last_warn = now
-            log.warning("refused a hop connection: %s (%d refused so far)", reason, self.refused)
+    @property
+    def refused(self) -> int:
+        """Connections refused at the handshake (a wrong or missing cluster key)."""
+        return self.refusals.count
 
 
 class _HopConnection(asyncio.Protocol):
@@ -179,7 +176,7 @@ class _HopConnection(asyncio.Protocol):
             try:
                 auth.check(proof, auth.client_proof(self.nonce, client_nonce, replica_id))
             except StateAuthError as exc:
-                self.server._refused(exc.reason)
+                self.server.refusals.record("a hop connection", exc)
                 self.transport.write(
                     hop.frame(hop.ERROR, 0, hop.encode_status(grpc.StatusCode.UNAUTHENTICATED, f"cluster credential required: {exc}"))
                 )
