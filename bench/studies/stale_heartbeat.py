@@ -52,12 +52,13 @@ class IdleOverride(ClusterView):
     after the finish) tells its load again."""
 
     heartbeat_settle_s = 1.25
-    _idle_since: dict
+    _idle_since: dict  # replica id -> clock time its last request finished (set by ``adopt``)
 
-    def _idle(self) -> dict:
-        if not hasattr(self, "_idle_since"):
-            self._idle_since = {}
-        return self._idle_since
+    @classmethod
+    def adopt(cls, cluster: ClusterView) -> None:
+        """Turn a running router's ``ClusterView`` into this variant."""
+        cluster.__class__ = cls
+        cluster._idle_since = {}
 
     def _idle_load(self, rec) -> ReplicaLoad:
         hb = rec.heartbeat
@@ -66,7 +67,7 @@ class IdleOverride(ClusterView):
 
     def upsert(self, replica_id, address, heartbeat=None, static=False, hop_address=""):
         new = super().upsert(replica_id, address, heartbeat, static, hop_address)
-        idle = self._idle()
+        idle = self._idle_since
         since = idle.get(replica_id)
         if since is not None:
             if heartbeat is not None and self.clock() - since >= self.heartbeat_settle_s:
@@ -80,7 +81,7 @@ class IdleOverride(ClusterView):
         super().finished(replica_id)
         rec = self.replicas.get(replica_id)
         if rec is not None and rec.all_in_flight == 0 and rec.heartbeat is not None:
-            self._idle()[replica_id] = self.clock()
+            self._idle_since[replica_id] = self.clock()
             rec.load = self._idle_load(rec)
 
 
@@ -88,7 +89,7 @@ async def run_variant(variant: str, args, seed: int) -> dict:
     st = await DashboardStack.start(num_replicas=args.replicas, routing_policy="cache_aware", num_blocks=args.num_blocks)
     try:
         if variant == "override":
-            st.app.cluster.__class__ = IdleOverride
+            IdleOverride.adopt(st.app.cluster)
         rng = random.Random(seed)
         letters = "abcdefghijklmnopqrstuvwxyz"
         prefixes = ["".join(rng.choice(letters) for _ in range(args.prefix_chars)) for _ in range(args.families)]
