@@ -20,7 +20,9 @@ Ours: ``unicache_replica_info{replica,engine,eviction_policy}`` (always 1, for j
 ``unicache_replica_blocks{state=used|cached|free}``, ``unicache_replica_capacity_blocks``,
 ``unicache_replica_queue_blocks{queue}`` (eviction candidates per queue),
 ``unicache_replica_queue_evictions_total{queue}`` and ``unicache_replica_queue_hits_total{queue}``
-(``CacheStateInfo.queue_evictions`` / ``queue_hits``).
+(``CacheStateInfo.queue_evictions`` / ``queue_hits``),
+``unicache_replica_refused_calls_total{transport=grpc|hop}`` (callers without the cluster
+key), ``unicache_replica_hop_connections`` and ``unicache_replica_hop_streams_total``.
 
 Invariants:
     * Gauges and the per-queue counters are read from the engine at scrape time, on the
@@ -51,6 +53,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from unicache.replica.engine.api import EngineOutput, ServingEngine
+    from unicache.replica.server import ReplicaServer
 
 # Bucket boundaries of vLLM 0.32 (vllm/v1/metrics/buckets.py), so histograms aggregate
 # with vLLM's own.
@@ -146,6 +149,35 @@ class ReplicaCollector(Collector):
             yield c
 
 
+class TransportCollector(Collector):
+    """The serving side's scrape-time series (``ReplicaMetrics.watch_transports``): callers
+    refused for lacking the cluster key, per transport, and the framed hop's open
+    connections and streams started."""
+
+    def __init__(self, model_name: str, server: "ReplicaServer"):
+        self.model_name = model_name
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        m = [self.model_name]
+        server = self.server
+        refused = CounterMetricFamily(
+            "unicache_replica_refused_calls",
+            "Callers refused for lacking the cluster key (no, stale or forged credential; failed hop handshake)",
+            labels=LABELS + ["transport"],
+        )
+        refused.add_metric(m + ["grpc"], server.auth.refused if server.auth is not None else 0)
+        if server.hop is not None:
+            refused.add_metric(m + ["hop"], server.hop.refusals.count)
+        yield refused
+        if server.hop is not None:
+            conns = GaugeMetricFamily("unicache_replica_hop_connections", "Open framed-hop connections (routers)", labels=LABELS)
+            conns.add_metric(m, len(server.hop.connections))
+            streams = CounterMetricFamily("unicache_replica_hop_streams", "Generate streams started over the framed hop", labels=LABELS)
+            streams.add_metric(m, server.hop.streams)
+            yield from (conns, streams)
+
+
 class ReplicaMetrics:
     """One replica's registry (its own, so several replicas can share a process in tests).
 
@@ -200,6 +232,11 @@ class ReplicaMetrics:
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LABELS,
             buckets=REQUEST_LATENCY_BUCKETS, registry=r,
         ).labels(m)
+
+    def watch_transports(self, server: "ReplicaServer") -> None:
+        """Export ``server``'s refusals and hop connections (``TransportCollector``); once,
+        after the server is built (it needs these metrics first)."""
+        self.registry.register(TransportCollector(self.model_name, server))
 
     def start_request(self) -> "RequestTimer | None":
         """A timer for one request arriving now; None when this registry has no request series."""

@@ -81,6 +81,8 @@ class ReplicaRuntime:
             metrics=metrics, max_pending_calls=s.max_num_seqs + s.max_waiting,
             hop_port=s.hop_port if s.hop_port >= 0 else None,
         )
+        if metrics is not None:
+            metrics.watch_transports(self.server)
         port = await self.server.start()
         host = s.advertised_host()
         self.address = f"{host}:{port}"

@@ -207,3 +207,38 @@ async def test_replicas_sharing_a_port_span_each_bind_the_next_free_port():
     finally:
         for s in servers:
             await s.stop()
+
+
+async def test_refused_callers_and_hop_connections_are_exported(replica):
+    """Callers without the cluster key are counted per transport; the hop's connections
+    and streams as the replica sees them."""
+    from unicache import hop
+    from unicache.router.hop_client import HopClient
+    from unicache.state_auth import parse_cluster_key
+
+    async with grpc.aio.insecure_channel(replica.address) as ch:
+        req = replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=[1, 2, 3]),
+                                          sampling=common_pb2.SamplingParams(max_tokens=1))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [m async for m in replica_pb2_grpc.ReplicaStub(ch).Generate(req, timeout=10)]  # no credential
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    forger = HopClient(replica.hop_address, "met-0", hop.HopAuth(bytes(32)))  # a wrong key
+    good = HopClient(replica.hop_address, "met-0", hop.HopAuth(parse_cluster_key(CLUSTER_KEY)))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await forger.stream(req, 10).first()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for _ in range(2):
+            stream = good.stream(req, 10)
+            assert (await stream.first()).token_ids and await stream.next() is None
+            stream.close()
+        await eventually(lambda: len(replica.server.hop.connections) == 1, "the forger's connection to close")
+        async with httpx.AsyncClient(timeout=10) as client:
+            got = samples((await client.get(replica.metrics_url)).text)
+    finally:
+        forger.close()
+        good.close()
+    assert got[key("unicache_replica_refused_calls_total", transport="grpc")] == 1
+    assert got[key("unicache_replica_refused_calls_total", transport="hop")] == 1
+    assert got[key("unicache_replica_hop_connections")] == 1
+    assert got[key("unicache_replica_hop_streams_total")] == 2
