@@ -65,6 +65,13 @@ from unicache.sim.timing import TimingModel
 
 OURS = ("cache_aware", "unicache")
 BASELINES = (("sglang", "unicache"), ("sglang", "lru"))
+# The reference no router reaches: one replica with every replica's blocks and prefill
+# lanes (no placement loss, no cache duplicated, no lane idle while another has a queue),
+# under the same eviction. Not a proof of a bound (unicache is not an optimal eviction, and
+# a bigger shared cache can evict differently), but what a router's target is measured
+# against: a goodput target above pooled/baseline is out of any router's reach there.
+POOLED = "pooled"
+POOLED_LABEL = "pooled+unicache"
 # Candidate settings of cache_aware chosen among by cross-validation (kwargs over the
 # constructor defaults): how far a replica's estimated TTFT may exceed the best one's and
 # stay admissible, and whether the churn and session-footprint terms (which trade
@@ -176,8 +183,11 @@ def run_job(job: Job) -> dict:
             factory = job.factories.get(label)
 
             def run_at(u: float, router=router, policy=policy, kwargs=kwargs, factory=factory) -> dict:
-                cfg = ReplayConfig(policy, cap, replicas=n, router=router, lanes=LANES, rate_scale=u * s1,
-                                   router_kwargs=kwargs, router_factory=factory)
+                if router == POOLED:
+                    cfg = ReplayConfig(policy, cap, replicas=n, pooled=True, lanes=LANES, rate_scale=u * s1)
+                else:
+                    cfg = ReplayConfig(policy, cap, replicas=n, router=router, lanes=LANES, rate_scale=u * s1,
+                                       router_kwargs=kwargs, router_factory=factory)
                 return _slim(Replay(trace, cfg).run(), u)
 
             g, saturated, seen = search_goodput(run_at, slo)
@@ -242,6 +252,8 @@ def _geo_ratio(a: list[float], b: list[float]) -> float:
 def family_summary(results: list[dict], ours_label: str, n: str) -> dict:
     """Means over the family's report traces of every config, and the targets."""
     labels = [ours_label, "sglang+unicache", "sglang+lru"]
+    if POOLED_LABEL in results[0]["by_replicas"][n]["rows"]:
+        labels.append(POOLED_LABEL)
     agg: dict[str, dict] = {}
     for label in labels:
         rows = [r["by_replicas"][n]["rows"][label] for r in results]
@@ -272,7 +284,17 @@ def family_summary(results: list[dict], ours_label: str, n: str) -> dict:
                                          "ok": o["token_hit_ratio"] >= su["token_hit_ratio"] - 0.005},
         "load_imbalance": {"value": o["load_imbalance_max"], "target": "<= 1.2", "ok": o["load_imbalance_max"] <= 1.2},
     }
-    return {"configs": agg, "checks": checks}
+    out = {"configs": agg, "checks": checks}
+    if POOLED_LABEL in agg:
+        p = agg[POOLED_LABEL]
+        out["pooled"] = {
+            "goodput_vs_sglang_lru": _geo_ratio(p["goodput_u"], sl["goodput_u"]),
+            "goodput_vs_sglang_unicache": _geo_ratio(p["goodput_u"], su["goodput_u"]),
+            "ours_goodput_vs_pooled": _geo_ratio(o["goodput_u"], p["goodput_u"]),
+            "traces_ours_above_pooled": sum(x > y for x, y in zip(o["goodput_u"], p["goodput_u"])),
+            "token_hit_pts_vs_sglang_unicache": 100 * (p["token_hit_ratio"] - su["token_hit_ratio"]),
+        }
+    return out
 
 
 def _fmt(v: float) -> str:
@@ -327,6 +349,22 @@ def markdown(report: dict) -> str:
         f"{k} {'yes' if v else 'NO'}" for k, v in report["targets_everywhere"].items()) + ".\n")
     lines.append(f"Worst family (most targets missed, then lowest goodput ratio vs sglang+unicache): "
                  f"**{report['worst_family']}**.\n")
+    if any("pooled" in fam for by_n in report["families"].values() for fam in by_n.values()):
+        lines.append("## Reference: the pooled replica\n")
+        lines.append(f"`{POOLED_LABEL}`: one replica holding every replica's blocks and prefill lanes, unicache "
+                     "eviction, the same arrivals (no placement loss, nothing cached twice, no lane idle while "
+                     "another has a queue). Not a proven bound, but where pooled / baseline is below a goodput "
+                     "target, the target is out of a router's reach on that family.\n")
+        lines.append("| family | replicas | pooled / sglang+lru | pooled / sglang+unicache | ours / pooled "
+                     "| traces ours > pooled | pooled token hit pts vs sglang+unicache |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for f, by_n in report["families"].items():
+            for n, fam in by_n.items():
+                p = fam["pooled"]
+                lines.append(f"| {f} | {n} | {_fmt(p['goodput_vs_sglang_lru'])} | {_fmt(p['goodput_vs_sglang_unicache'])} "
+                             f"| {_fmt(p['ours_goodput_vs_pooled'])} | {p['traces_ours_above_pooled']}/{fam['traces']} "
+                             f"| {p['token_hit_pts_vs_sglang_unicache']:+.2f} |")
+        lines.append("")
     lines.append("SLO per trace (unloaded TTFT = one request alone, nothing cached):\n")
     lines.append("| trace | requests | SLO rule | SLO s | 3 x unloaded median s | unloaded p90 s |")
     lines.append("|---|---|---|---|---|---|")
@@ -432,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for t in report_t:
         picks = {default or "default", cv["lofo"][t.family]["pick"]}
-        cfgs = [("sglang+unicache", "sglang", "unicache"), ("sglang+lru", "sglang", "lru")]
+        cfgs = [("sglang+unicache", "sglang", "unicache"), ("sglang+lru", "sglang", "lru"),
+                (POOLED_LABEL, POOLED, "unicache")]
         kwargs = {}
         for p in sorted(picks):
             label = f"cache_aware[{p}]+unicache"
