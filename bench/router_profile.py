@@ -17,7 +17,7 @@ router / baseline and router / bare proxy. req/s ratios are reported too but swi
 other jobs on a shared host. ``--profile`` adds the router's top functions (cProfile of
 its event-loop thread over the router bursts only).
 
-    .venv/bin/python -m bench.router_profile [--requests 1000] [--max-tokens 8] [--rounds 3]
+    .venv/bin/python -m bench.router_profile [--requests 1000] [--max-tokens 8] [--step-ms 0] [--rounds 3]
         [--bare] [--baseline-unicache EXE] [--event-loops asyncio,uvloop] [--transports grpc,hop] [--profile] [--top 40]
         [--json OUT]
 """
@@ -49,10 +49,11 @@ PAIRS = (
 )
 
 
-def replicas_main(n: int, ports, stop, served=None) -> None:
+def replicas_main(n: int, ports, stop, served=None, step_s: float = 0.0) -> None:
     """``n`` fake replicas in this process until ``stop`` is set; their (gRPC, hop) ports
     go to ``ports``. With ``served`` (a shared int) they count the streams they answered and
-    keep no request (a client that cannot read gRPC trailers is checked by the count)."""
+    keep no request (a client that cannot read gRPC trailers is checked by the count).
+    ``step_s``: tokens in engine steps of that length (``FakeReplica``), 0: all at once."""
 
     async def run() -> None:
         from unicache.testing.fake_replica import FakeReplica
@@ -65,7 +66,7 @@ def replicas_main(n: int, ports, stop, served=None) -> None:
                 with served.get_lock():
                     served.value += 1
 
-        fakes = [(FakeReplica if served is None else Counting)(f"r{i}") for i in range(n)]
+        fakes = [(FakeReplica if served is None else Counting)(f"r{i}", step_s=step_s) for i in range(n)]
         for f in fakes:
             if served is not None:
                 f.requests = _Discard()  # a long run would hold every request
@@ -264,7 +265,7 @@ async def drive(args, rep_ports: list[tuple[int, int]], front: dict[str, tuple[i
         if name in front and ref in front:
             median[name][f"ratio_cpu_vs_{ref}"] = med(name, f"ratio_cpu_vs_{ref}")
     return {
-        "config": {"requests": args.requests, "max_tokens": args.max_tokens, "replicas": args.replicas, "rounds": args.rounds,
+        "config": {"requests": args.requests, "max_tokens": args.max_tokens, "replicas": args.replicas, "rounds": args.rounds, "step_ms": args.step_ms,
                    "transports": args.transports,
                    "cpus": os.cpu_count(), "baseline_unicache": args.baseline_unicache,
                    "load_average_1m": round(os.getloadavg()[0], 2)},
@@ -302,6 +303,9 @@ def main() -> None:
     ap.add_argument("--transports", default="grpc",
                     help="comma-separated replica hops the router is measured on: grpc (front door 'router'), "
                          "hop (the framed hop, unicache/hop.py: 'router_hop')")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="the fake replicas make tokens in engine steps of this length, one per running stream "
+                         "per step (default 0: a stream's tokens at once)")
     ap.add_argument("--json")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -311,7 +315,7 @@ def main() -> None:
              for loop in args.event_loops.split(",") for name in routers + ["bare_proxy"] * args.bare]
     cmds = {name: ctx.Queue() for name, _, _ in doors}  # each in-process front door's own
     prof_path = os.path.join(tempfile.mkdtemp(), "router.prof") if args.profile else None
-    reps = ctx.Process(target=replicas_main, args=(args.replicas, ports, stop))
+    reps = ctx.Process(target=replicas_main, args=(args.replicas, ports, stop, None, args.step_ms / 1000.0))
     reps.start()
     children = [reps]
     baselines: list[subprocess.Popen] = []

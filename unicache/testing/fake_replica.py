@@ -26,8 +26,13 @@ from unicache.testing.signed_state import SIGNER, sealed
 
 
 class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
-    def __init__(self, replica_id: str, block_size: int = 16):
+    def __init__(self, replica_id: str, block_size: int = 16, step_s: float = 0.0):
+        """``step_s`` > 0: tokens come in engine steps of that length, every running
+        stream's next token at the same step (as a batching engine makes them); 0: a
+        stream's tokens all at once."""
         self.replica_id = replica_id
+        self.step_s = step_s
+        self._step: asyncio.Future | None = None
         self.block_size = block_size
         self.requests: list[replica_pb2.GenerateRequest] = []
         self.cached: set[bytes] = set()
@@ -68,6 +73,15 @@ class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
         if self.server is not None:
             await self.server.stop(0)
 
+    async def _next_step(self) -> None:
+        """Until the current engine step ends (one starts when a stream waits for none)."""
+        step = self._step
+        if step is None or step.done():
+            loop = asyncio.get_running_loop()
+            self._step = step = loop.create_future()
+            loop.call_later(self.step_s, lambda: step.done() or step.set_result(None))
+        await asyncio.shield(step)  # a cancelled stream must not end the step for the others
+
     async def outputs(self, request):
         """The stream ``Generate`` (gRPC, ``GrpcGenerate``) and the hop serve."""
         self.requests.append(request)
@@ -87,6 +101,8 @@ class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
         n = request.sampling.max_tokens or 4
         try:
             for i in range(n):
+                if self.step_s > 0:
+                    await self._next_step()
                 tok = ids[i % len(ids)]
                 msg = replica_pb2.GenerateResponse(index=0, token_ids=[tok], text=chr(tok))
                 if i == n - 1:
