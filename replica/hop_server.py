@@ -119,6 +119,7 @@ class _HopConnection(asyncio.Protocol):
     def __init__(self, server: HopServer):
         self.server = server
         self.transport: asyncio.Transport | None = None
+        self.out: hop.FrameWriter | None = None  # every frame to the router goes through it
         self.parser = hop.FrameParser(self._on_handshake_frame, hop.NONCE_BYTES + hop.PROOF_BYTES)
         self.streams: dict[int, asyncio.Task] = {}
         self.nonce = hop.new_nonce()
@@ -128,10 +129,11 @@ class _HopConnection(asyncio.Protocol):
     # --- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.out = hop.FrameWriter(transport, asyncio.get_running_loop())
         hop.set_keepalive(transport)
         self.server.connections.add(self)
         flags = hop.FLAG_AUTH if self.server.auth is not None else 0
-        transport.write(hop.frame(hop.HELLO, 0, hop.hello_payload(flags, self.nonce, self.server.servicer.replica_id)))
+        self.out.write(hop.frame(hop.HELLO, 0, hop.hello_payload(flags, self.nonce, self.server.servicer.replica_id)))
         self._handshake_timer = asyncio.get_running_loop().call_later(_HANDSHAKE_TIMEOUT_S, self.close)
 
     def data_received(self, data: bytes) -> None:
@@ -160,8 +162,8 @@ class _HopConnection(asyncio.Protocol):
 
     # --- frames -------------------------------------------------------------------------
     def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        if self.out is not None:
+            self.out.close()  # frames written before (a refusal) still leave
 
     def _on_handshake_frame(self, kind: int, sid: int, payload: bytes) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -177,7 +179,7 @@ class _HopConnection(asyncio.Protocol):
                 auth.check(proof, auth.client_proof(self.nonce, client_nonce, replica_id))
             except StateAuthError as exc:
                 self.server.refusals.record("a hop connection", exc)
-                self.transport.write(
+                self.out.write(
                     hop.frame(hop.ERROR, 0, hop.encode_status(grpc.StatusCode.UNAUTHENTICATED, f"cluster credential required: {exc}"))
                 )
                 self.close()
@@ -188,7 +190,7 @@ class _HopConnection(asyncio.Protocol):
             self._handshake_timer = None
         self.parser.on_frame = self._on_frame
         self.parser.max_payload = self.server.max_message_bytes
-        self.transport.write(hop.frame(hop.WELCOME, 0, welcome))
+        self.out.write(hop.frame(hop.WELCOME, 0, welcome))
 
     def _on_frame(self, kind: int, sid: int, payload: bytes) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -225,10 +227,10 @@ class _HopConnection(asyncio.Protocol):
 
     def _write_status(self, sid: int, code: grpc.StatusCode, details: str, refusal: str = "") -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(hop.frame(hop.ERROR, sid, hop.encode_status(code, details, refusal)))
+            self.out.write(hop.frame(hop.ERROR, sid, hop.encode_status(code, details, refusal)))
 
     async def _run(self, sid: int, request: replica_pb2.GenerateRequest, timeout_s: float | None) -> None:
-        transport = self.transport
+        transport, write = self.transport, self.out.write
         header = hop.HEADER.pack
         try:
             async with asyncio.timeout(timeout_s), contextlib.aclosing(self.server.servicer.outputs(request)) as outputs:
@@ -236,11 +238,11 @@ class _HopConnection(asyncio.Protocol):
                     if transport.is_closing():
                         return
                     body = msg.SerializeToString()
-                    transport.write(header(hop.MESSAGE, sid, len(body)) + body)
+                    write(header(hop.MESSAGE, sid, len(body)) + body)
                     if self._writable is not None and not self._writable.done():
                         await self._writable
             if not transport.is_closing():
-                transport.write(header(hop.END, sid, 0))
+                write(header(hop.END, sid, 0))
         except ReplicaCallError as exc:
             self._write_status(sid, exc.code, exc.details, exc.refusal)
         except TimeoutError:

@@ -119,6 +119,7 @@ class HopConnection(asyncio.Protocol):
     def __init__(self, client: "HopClient"):
         self.client = client
         self.transport: asyncio.Transport | None = None
+        self.out: hop.FrameWriter | None = None  # REQUEST and CANCEL frames (one send per loop iteration)
         self.parser = hop.FrameParser(self._on_frame, client.max_message_bytes)
         self.streams: dict[int, HopStream] = {}
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -135,6 +136,7 @@ class HopConnection(asyncio.Protocol):
     # --- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.out = hop.FrameWriter(transport, asyncio.get_running_loop())
         hop.set_keepalive(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -165,13 +167,13 @@ class HopConnection(asyncio.Protocol):
         stream._conn, stream._sid = self, sid
         self.streams[sid] = stream
         body, stream._body = stream._body, b""
-        self.transport.write(hop.HEADER.pack(hop.REQUEST, sid, hop.DEADLINE.size + len(body)) + hop.DEADLINE.pack(min(int(remaining * 1000) + 1, 0xFFFFFFFF)) + body)
+        self.out.write(hop.HEADER.pack(hop.REQUEST, sid, hop.DEADLINE.size + len(body)) + hop.DEADLINE.pack(min(int(remaining * 1000) + 1, 0xFFFFFFFF)) + body)
         stream._timer = loop.call_at(stream._deadline, stream._expire)
 
     def cancel(self, sid: int) -> None:
         """Tell the replica to stop stream ``sid`` (it is forgotten here at once)."""
         if self.streams.pop(sid, None) is not None and self.usable:
-            self.transport.write(hop.HEADER.pack(hop.CANCEL, sid, 0))
+            self.out.write(hop.HEADER.pack(hop.CANCEL, sid, 0))
             self._close_if_retired()
 
     def _end(self, sid: int, error: grpc.aio.AioRpcError | None) -> None:
@@ -204,8 +206,8 @@ class HopConnection(asyncio.Protocol):
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             stream._finish(error)
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        if self.out is not None:
+            self.out.close()  # a CANCEL written just before still leaves
 
     # --- frames -------------------------------------------------------------------------
     def _on_frame(self, kind: int, sid: int, payload: bytes) -> None:

@@ -451,3 +451,38 @@ async def test_connection_outcomes_are_counted(engine):
     gone = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY), counter=counter)
     await failure(gone.stream(make_request(PROMPT), 5))
     assert counts() == {"connected": 2, "refused": 1, "unreachable": 1, "lost": 1}
+
+
+class _RecordingTransport:
+    def __init__(self):
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_frame_writer_sends_one_iterations_frames_at_once_in_order():
+    transport = _RecordingTransport()
+    out = hop.FrameWriter(transport, asyncio.get_running_loop())
+    out.write(b"a")
+    out.write(b"bc")
+    assert transport.writes == []  # nothing before the loop turns
+    await asyncio.sleep(0)
+    assert transport.writes == [b"abc"]
+    out.write(b"d")
+    await asyncio.sleep(0)
+    assert transport.writes == [b"abc", b"d"]
+    out.write(b"refusal")
+    out.close()  # flushes before closing: the last frame still leaves
+    assert transport.writes == [b"abc", b"d", b"refusal"] and transport.closed
+    out.write(b"late")
+    await asyncio.sleep(0)
+    assert transport.writes == [b"abc", b"d", b"refusal"]  # dropped once closing

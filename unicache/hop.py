@@ -200,3 +200,44 @@ class FrameParser:
             on_frame(kind, sid, data[pos + HEADER_BYTES : end])
             pos = end
         self._buf = data[pos:] if pos < n else b""
+
+
+class FrameWriter:
+    """Frames written to one connection during one event-loop iteration leave in one
+    ``transport.write`` (one send): a replica's engine step wakes every stream it made a
+    token for in the same iteration, and a burst of requests starts together, so a send
+    per frame would cost a system call (and a wake-up of the peer) per frame.
+
+    Invariants:
+        * Frames leave in the order written, at the latest at the start of the next loop
+          iteration (``call_soon``): nothing waits for more data.
+        * ``flush()`` writes what is pending now; ``close()`` flushes, then closes the
+          transport (a refusal written just before still reaches the peer).
+        * Once the transport is closing, pending and later frames are dropped.
+    """
+
+    __slots__ = ("transport", "_parts", "_loop")
+
+    def __init__(self, transport, loop):
+        self.transport = transport
+        self._parts: list[bytes] = []
+        self._loop = loop
+
+    def write(self, data: bytes) -> None:
+        parts = self._parts
+        if not parts:
+            self._loop.call_soon(self.flush)
+        parts.append(data)
+
+    def flush(self) -> None:
+        parts = self._parts
+        if not parts:
+            return
+        self._parts = []
+        if not self.transport.is_closing():
+            self.transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def close(self) -> None:
+        self.flush()
+        if not self.transport.is_closing():
+            self.transport.close()
