@@ -469,20 +469,23 @@ class _RecordingTransport:
         self.closed = True
 
 
-async def test_frame_writer_sends_one_iterations_frames_at_once_in_order():
+async def test_frame_writer_sends_the_first_frame_now_and_the_rest_of_the_iteration_together():
     transport = _RecordingTransport()
     out = hop.FrameWriter(transport, asyncio.get_running_loop())
     out.write(b"a")
-    out.write(b"bc")
-    assert transport.writes == []  # nothing before the loop turns
+    assert transport.writes == [b"a"]  # the first frame of an iteration never waits
+    out.write(b"b")
+    out.write(b"cd")
+    assert transport.writes == [b"a"]
     await asyncio.sleep(0)
-    assert transport.writes == [b"abc"]
-    out.write(b"d")
+    assert transport.writes == [b"a", b"bcd"]  # the rest in one send, in order
     await asyncio.sleep(0)
-    assert transport.writes == [b"abc", b"d"]
+    out.write(b"e")
+    assert transport.writes == [b"a", b"bcd", b"e"]  # a new iteration: at once again
     out.write(b"refusal")
     out.close()  # flushes before closing: the last frame still leaves
-    assert transport.writes == [b"abc", b"d", b"refusal"] and transport.closed
+    assert transport.writes == [b"a", b"bcd", b"e", b"refusal"] and transport.closed
     out.write(b"late")
     await asyncio.sleep(0)
-    assert transport.writes == [b"abc", b"d", b"refusal"]  # dropped once closing
+    out.write(b"later")
+    assert transport.writes == [b"a", b"bcd", b"e", b"refusal"]  # dropped once closing
