@@ -12,7 +12,8 @@ from pathlib import Path
 def write_report(out_dir: Path, stem: str, report: dict, markdown: str,
                  plot: Callable[[dict, Path], None] | None = None) -> None:
     """Write ``<stem>.json`` (the report), ``<stem>.md`` (``markdown``) and, given ``plot``,
-    ``<stem>.png`` under ``out_dir``; then print the markdown."""
+    ``<stem>.png`` under ``out_dir`` (created if missing); then print the markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / f"{stem}.md").write_text(markdown)
     if plot is not None:

@@ -193,7 +193,6 @@ def main() -> None:
     args = ap.parse_args()
     r = soak(args)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     write_report(out, "router_soak", r, markdown(r), plot)
 
 

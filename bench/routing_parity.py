@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": "python -m bench.routing_parity " + " ".join(argv if argv is not None else sys.argv[1:]),
               "router": args.router, "rate_scale": args.rate_scale, "rows": rows}
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     write_report(out, "routing_parity", report, markdown(report))
     return 0
 

@@ -510,7 +510,6 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_s": time.process_time() - cpu0 + sum(r["cpu_s"] for r in tune + results),
     }
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     write_report(out_dir, "routing_report", report, markdown(report), plot)
     return 0
 

@@ -219,7 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         "results": results, "wall_s": time.perf_counter() - t0,
     }
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     write_report(out_dir, "router_fleet", report, markdown(report), plot)
     return 0
 

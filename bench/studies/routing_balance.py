@@ -301,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
         "bounds": bounds, "results": results, "wall_s": time.perf_counter() - t0,
     }
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     write_report(out_dir, "routing_balance", report, markdown(report), plot)
     return 0
 

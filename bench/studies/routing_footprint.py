@@ -170,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     write_report(out_dir, "routing_footprint", report, markdown(report), plot)
     return 0
 

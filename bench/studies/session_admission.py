@@ -135,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         "results": results, "wall_s": time.perf_counter() - t0,
     }
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     write_report(out_dir, "session_admission", report, markdown(report))
     return 0
 
