@@ -98,6 +98,7 @@ class Job:
     kwargs: dict[str, dict] = field(default_factory=dict)  # label -> router kwargs
     args: dict = field(default_factory=dict)
     factories: dict[str, Callable] = field(default_factory=dict)  # label -> a study's router class
+    replays: dict[str, type[Replay]] = field(default_factory=dict)  # label -> a study's Replay subclass
 
 
 def capacity_blocks(trace: PreparedTrace, frac: float) -> int:
@@ -181,14 +182,15 @@ def run_job(job: Job) -> dict:
         for label, router, policy in job.configs:
             kwargs = job.kwargs.get(label, {})
             factory = job.factories.get(label)
+            replay = job.replays.get(label, Replay)
 
-            def run_at(u: float, router=router, policy=policy, kwargs=kwargs, factory=factory) -> dict:
+            def run_at(u: float, router=router, policy=policy, kwargs=kwargs, factory=factory, replay=replay) -> dict:
                 if router == POOLED:
                     cfg = ReplayConfig(policy, cap, replicas=n, pooled=True, lanes=LANES, rate_scale=u * s1)
                 else:
                     cfg = ReplayConfig(policy, cap, replicas=n, router=router, lanes=LANES, rate_scale=u * s1,
                                        router_kwargs=kwargs, router_factory=factory)
-                return _slim(Replay(trace, cfg).run(), u)
+                return _slim(replay(trace, cfg).run(), u)
 
             g, saturated, seen = search_goodput(run_at, slo)
             ref = seen.get(a["u_ref"]) or run_at(a["u_ref"])

@@ -36,6 +36,7 @@ from pathlib import Path
 from bench.paths import REPO
 from bench.report_files import git_commit, write_report
 from bench.routing_report import GOODPUT_FLOOR_U, Job, run_jobs
+from unicache.sim.replay import Replay
 from bench.studies.routing_admission import parse_tuning_run
 from unicache.router.routing.admission import TTFTAdmission
 from unicache.router.routing.base import ReplicaLoad
@@ -80,24 +81,28 @@ def _geo(rows: list[dict], a: str, b: str) -> float:
     return math.exp(statistics.mean(_lg(x[a]) - _lg(x[b]) for x in rows))
 
 
-def summarise(results: list[dict], n: str) -> dict:
+def summarise(results: list[dict], n: str, variants: Sequence[str], default: str) -> dict:
+    """Per variant: goodput against ``default`` and sglang + unicache (geometric means of
+    paired per-trace ratios), token-hit points against ``default``, traces above / below
+    it; overall and per family (``n`` replicas)."""
     fams = [f for f in FAMILIES if any(r["family"] == f for r in results)]
     out = {}
-    for v in VARIANTS:
+    for v in variants:
         def agg(rs: list[dict]) -> dict:
             rows = [r["by_replicas"][n]["rows"] for r in rs]
-            return {"vs_default": _geo(rows, v, DEFAULT), "vs_sglang_unicache": _geo(rows, v, SGL_UC),
+            return {"vs_default": _geo(rows, v, default), "vs_sglang_unicache": _geo(rows, v, SGL_UC),
                     "hit_pts_vs_default": 100 * statistics.mean(
-                        x[v]["at_u_ref"]["token_hit_ratio"] - x[DEFAULT]["at_u_ref"]["token_hit_ratio"] for x in rows),
-                    "traces_above_default": sum(x[v]["goodput_u"] > x[DEFAULT]["goodput_u"] for x in rows),
-                    "traces_below_default": sum(x[v]["goodput_u"] < x[DEFAULT]["goodput_u"] for x in rows),
+                        x[v]["at_u_ref"]["token_hit_ratio"] - x[default]["at_u_ref"]["token_hit_ratio"] for x in rows),
+                    "traces_above_default": sum(x[v]["goodput_u"] > x[default]["goodput_u"] for x in rows),
+                    "traces_below_default": sum(x[v]["goodput_u"] < x[default]["goodput_u"] for x in rows),
                     "traces": len(rows)}
         out[v] = {"all": agg(results), "families": {f: agg([r for r in results if r["family"] == f]) for f in fams}}
     return out
 
 
-def markdown(report: dict) -> str:
-    lines = ["# A session's home: its own admission factor (tuning traces only)\n",
+def markdown(report: dict, title: str) -> str:
+    """The report of a study of ``cache_aware`` variants on tuning traces (``summarise``'s tables)."""
+    lines = [f"# {title} (tuning traces only)\n",
              f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs, {report['workers']} "
              f"workers) at commit {report['commit']}; {report['wall_s'] / 60:.1f} min wall.\n",
              f"Tuning traces ({len(report['traces'])}): {', '.join(report['traces'])}. Goodput ratios: geometric means "
@@ -117,26 +122,35 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, default: str, stem: str, title: str,
+                 replays: dict | None = None) -> int:
+    """Replay ``variants`` (label -> (router class, kwargs)) and sglang + unicache on the
+    tuning traces, then write ``<stem>.{json,md}``: the shared main of these studies."""
     t0 = time.perf_counter()
-    run = parse_tuning_run(__doc__, argv)
+    run = parse_tuning_run(doc, argv)
     args, traces, common = run.args, run.traces, run.common
-    configs = tuple((v, "cache_aware", "unicache") for v in VARIANTS) + ((SGL_UC, "sglang", "unicache"),)
+    configs = tuple((v, "cache_aware", "unicache") for v in variants) + ((SGL_UC, "sglang", "unicache"),)
     replicas = tuple(int(x) for x in args.replicas.split(","))
-    kwargs = {v: kw for v, (_, kw) in VARIANTS.items()}
-    factories = {v: cls for v, (cls, _) in VARIANTS.items()}
-    results = run_jobs([Job(t, replicas, configs, kwargs, common, factories) for t in traces], args.workers)
+    kwargs = {v: kw for v, (_, kw) in variants.items()}
+    factories = {v: cls for v, (cls, _) in variants.items()}
+    jobs = [Job(t, replicas, configs, kwargs, common, factories, replays or {}) for t in traces]
+    results = run_jobs(jobs, args.workers)
     report = {
-        "command": "python -m bench.studies.session_admission " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "workers": args.workers,
         "commit": git_commit(REPO), "python": platform.python_version(), "traces": [t.name for t in traces],
-        "variants": {v: {"class": cls.__name__, "kwargs": kw} for v, (cls, kw) in VARIANTS.items()},
-        "summary": {str(n): summarise(results, str(n)) for n in replicas},
+        "variants": {v: {"class": cls.__name__, "kwargs": kw, "replay": (replays or {}).get(v, Replay).__name__}
+                     for v, (cls, kw) in variants.items()},
+        "summary": {str(n): summarise(results, str(n), list(variants), default) for n in replicas},
         "results": results, "wall_s": time.perf_counter() - t0,
     }
-    out_dir = Path(args.out_dir)
-    write_report(out_dir, "session_admission", report, markdown(report))
+    write_report(Path(args.out_dir), stem, report, markdown(report, title))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_variants("bench.studies.session_admission", __doc__, argv, VARIANTS, DEFAULT, "session_admission",
+                        "A session's home: its own admission factor")
 
 
 if __name__ == "__main__":
