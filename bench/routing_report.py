@@ -75,11 +75,13 @@ POOLED_LABEL = "pooled+unicache"
 # Candidate settings of cache_aware chosen among by cross-validation (kwargs over the
 # constructor defaults): how far a replica's estimated TTFT may exceed the best one's and
 # stay admissible, and whether the churn and session-footprint terms (which trade
-# locality for spreading new work) earn their place. TTFT admission itself, against the
+# locality for spreading new work) earn their place, and whether to prefer admissible
+# replicas with room for the request's blocks (fit_first). TTFT admission itself, against the
 # fixed balance ratio it replaced, is bench.studies.routing_admission's question.
 CANDIDATES: dict[str, dict] = {
-    f"af{af}-ch{ch}-fp{fp}": {"admission_factor": af, "churn_weight": ch, "footprint_weight": fp}
-    for af in (1.5, 2.0, 3.0) for ch in (0.5, 0.0) for fp in (0.5, 0.0)
+    f"af{af}-ch{ch}-fp{fp}-fit{int(fit)}": {"admission_factor": af, "churn_weight": ch, "footprint_weight": fp,
+                                           "fit_first": fit}
+    for af in (1.5, 2.0, 3.0) for ch in (0.5, 0.0) for fp in (0.5, 0.0) for fit in (True, False)
 }
 U_START, U_MIN, U_MAX = 0.5, 1.0 / 16, 8.0
 BISECT_STEPS = 3  # geometric bisections of the doubling bracket (see the module docstring)

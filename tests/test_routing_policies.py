@@ -287,10 +287,33 @@ def test_cache_aware_discounts_blocks_under_eviction_pressure():
     # Same queued work (10 blocks); r0 has only 10 evictable blocks left (pressure 1).
     reps = [load("r0", queued=160, free=10), load("r1", queued=160, free=1000)]
     req = make_request("q", range(10))
-    d = CacheAwarePolicy().choose(req, reps, idx)
+    # fit_first off: r0 has no room beyond its queue, which alone would exclude it.
+    d = CacheAwarePolicy(fit_first=False).choose(req, reps, idx)
     assert (d.replica_id, d.matched_blocks) == ("r1", 5)  # 96*0.5=48 < 80*(1-0.005)=79.6
-    d = CacheAwarePolicy(evict_weight=0.0).choose(req, reps, idx)
+    d = CacheAwarePolicy(evict_weight=0.0, fit_first=False).choose(req, reps, idx)
     assert (d.replica_id, d.matched_blocks) == ("r0", 6)
+
+
+def test_cache_aware_fit_first_prefers_room_but_keeps_a_sessions_home():
+    idx = make_index({"r0": list(range(38))})
+    req = make_request("q", range(40))  # 640 tokens; r0 holds 608 of them
+    # r0: free 180 - queue 150 blocks = 30 < 40 needed; r1: 1000 - 125 >= 40. Both are
+    # admissible (est r0 32 + 2400/4 = 632, r1 640 + 2000/4 = 1140 <= 2 x 632) and the cost
+    # prefers r0 (32 + 2400 = 2432 < 640 + 2000 = 2640; eviction discount off for clarity).
+    reps = [load("r0", queued=2400, free=180), load("r1", queued=2000, free=1000)]
+    assert CacheAwarePolicy(evict_weight=0.0, fit_first=False).choose(req, reps, idx).replica_id == "r0"
+    d = CacheAwarePolicy(evict_weight=0.0).choose(req, reps, idx)
+    assert (d.replica_id, d.reason, d.score) == ("r1", "load", 2640.0)
+    # Nobody has room: nothing to prefer, the cost decides as without fit-first.
+    full = [load("r0", queued=2400, free=180), load("r1", queued=2000, free=150)]
+    assert CacheAwarePolicy(evict_weight=0.0).choose(req, full, idx).replica_id == "r0"
+    # A session's later turn stays home though home has no room (moving recomputes it).
+    p = CacheAwarePolicy(evict_weight=0.0)
+    first = make_request("t1", range(38), session="s")
+    p.on_request_routed(first, p.choose(first, [load("r0"), load("r1", out=1)], idx))
+    turn = make_request("t2", range(40), session="s")
+    d = p.choose(turn, reps, idx)
+    assert (d.replica_id, d.reason) == ("r0", "session_home")
 
 
 def test_cache_aware_follows_in_flight_prefix_until_finished():

@@ -17,7 +17,9 @@ admission admits, keep those where the request fits now,
 (the request's prompt blocks, cached ones included, since a matched block leaves the
 evictable pool too; the output's blocks are unknown to a router) when any does
 (``fit-first``); or look beyond the admissible set too: any replica where it fits, if no
-admissible one has room (``fit-first, any replica``). Otherwise the policy is unchanged.
+admissible one has room (``fit-first, any replica``); or fit-first except for a session's
+home, which is judged on the unfiltered set as before (``fit-first, sessions stay home``:
+moving a session recomputes its context). Otherwise the policy is unchanged.
 
 Tuning traces only (``bench.studies.routing_admission``'s), 4 and 8 replicas; scores
 against the shipped default and sglang + unicache.
@@ -44,13 +46,20 @@ class FitFirstPolicy(CacheAwarePolicy):
     """``cache_aware`` whose admissible set keeps only the replicas with room for the
     request's blocks, when one has (``any_replica``: else any replica with room)."""
 
-    def __init__(self, any_replica: bool = False, **kwargs):
+    def __init__(self, any_replica: bool = False, sessions_stay: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.any_replica = any_replica
+        self.sessions_stay = sessions_stay
+        self._unfiltered: list[ReplicaLoad] = []
+
+    def _session_home(self, prev, hashes, admissible, index, matches):
+        if self.sessions_stay:
+            admissible = self._unfiltered  # a session's home is judged as before
+        return super()._session_home(prev, hashes, admissible, index, matches)
 
     def _admissible(self, replicas: Sequence[ReplicaLoad], n_tokens: int, block_size: int,
                     matches: dict[str, int]) -> list[ReplicaLoad]:
-        admissible = super()._admissible(replicas, n_tokens, block_size, matches)
+        admissible = self._unfiltered = super()._admissible(replicas, n_tokens, block_size, matches)
         need = -(-n_tokens // block_size)
 
         def fits(r: ReplicaLoad) -> bool:
@@ -68,6 +77,7 @@ VARIANTS = {
     DEFAULT: (CacheAwarePolicy, {}),
     "fit-first": (FitFirstPolicy, {}),
     "fit-first, any replica": (FitFirstPolicy, {"any_replica": True}),
+    "fit-first, sessions stay home": (FitFirstPolicy, {"sessions_stay": True}),
 }
 
 
