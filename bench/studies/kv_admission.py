@@ -9,20 +9,21 @@ pooled replica (the routing report's reference) never strands a request that way
 another replica has room. ``cache_aware``'s TTFT admission estimates only the prefill
 queue.
 
-Variants (this study's ``FitFirstPolicy``, never registered): among the replicas TTFT
+Variants, all against the policy without it (``fit_first=False``, "without fit-first"):
+``cache_aware``'s own fit-first (shipped since this study: among the replicas TTFT
 admission admits, keep those where the request fits now,
 
     free_blocks_r - queued_prefill_tokens_r / B >= ceil(N / B)
 
-(the request's prompt blocks, cached ones included, since a matched block leaves the
-evictable pool too; the output's blocks are unknown to a router) when any does
-(``fit-first``); or look beyond the admissible set too: any replica where it fits, if no
-admissible one has room (``fit-first, any replica``); or fit-first except for a session's
-home, which is judged on the unfiltered set as before (``fit-first, sessions stay home``:
-moving a session recomputes its context). Otherwise the policy is unchanged.
+the request's prompt blocks, cached ones included, since a matched block leaves the
+evictable pool too; the output's blocks are unknown to a router; ``with_room``), which
+judges a session's home before filtering; and this study's ``FitFirstPolicy`` (never
+registered), which filters before the home check too (``fit-first, session homes too``),
+or also looks beyond the admissible set when no admissible replica has room (``fit-first,
+any replica``).
 
 Tuning traces only (``bench.studies.routing_admission``'s), 4 and 8 replicas; scores
-against the shipped default and sglang + unicache.
+against the policy without fit-first and sglang + unicache.
 
 Writes ``kv_admission.{json,md}`` to ``--out-dir``.
 
@@ -37,47 +38,36 @@ from collections.abc import Sequence
 
 from bench.studies.session_admission import run_variants
 from unicache.router.routing.base import ReplicaLoad
-from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.routing.cache_aware import CacheAwarePolicy, with_room
 
-DEFAULT = "default"
+DEFAULT = "without fit-first"
 
 
 class FitFirstPolicy(CacheAwarePolicy):
-    """``cache_aware`` whose admissible set keeps only the replicas with room for the
-    request's blocks, when one has (``any_replica``: else any replica with room)."""
+    """``cache_aware`` that filters by room (``with_room``) inside admission, so a session's
+    home must have room too (``any_replica``: if no admissible replica has room, any
+    replica with room)."""
 
-    def __init__(self, any_replica: bool = False, sessions_stay: bool = False, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, any_replica: bool = False, **kwargs):
+        super().__init__(fit_first=False, **kwargs)
         self.any_replica = any_replica
-        self.sessions_stay = sessions_stay
-        self._unfiltered: list[ReplicaLoad] = []
-
-    def _session_home(self, prev, hashes, admissible, index, matches):
-        if self.sessions_stay:
-            admissible = self._unfiltered  # a session's home is judged as before
-        return super()._session_home(prev, hashes, admissible, index, matches)
 
     def _admissible(self, replicas: Sequence[ReplicaLoad], n_tokens: int, block_size: int,
                     matches: dict[str, int]) -> list[ReplicaLoad]:
-        admissible = self._unfiltered = super()._admissible(replicas, n_tokens, block_size, matches)
-        need = -(-n_tokens // block_size)
-
-        def fits(r: ReplicaLoad) -> bool:
-            return r.free_blocks - r.queued_prefill_tokens / block_size >= need
-
-        room = [r for r in admissible if fits(r)]
-        if room:
-            return room
-        if self.any_replica:
-            room = [r for r in replicas if fits(r)]
-        return room or admissible
+        admissible = super()._admissible(replicas, n_tokens, block_size, matches)
+        room = with_room(admissible, n_tokens, block_size)
+        if room is admissible and self.any_replica:
+            room = with_room(replicas, n_tokens, block_size)
+            if room is replicas:
+                return admissible  # nobody has room
+        return room
 
 
 VARIANTS = {
-    DEFAULT: (CacheAwarePolicy, {}),
-    "fit-first": (FitFirstPolicy, {}),
+    DEFAULT: (CacheAwarePolicy, {"fit_first": False}),
+    "fit-first (shipped)": (CacheAwarePolicy, {}),
+    "fit-first, session homes too": (FitFirstPolicy, {}),
     "fit-first, any replica": (FitFirstPolicy, {"any_replica": True}),
-    "fit-first, sessions stay home": (FitFirstPolicy, {"sessions_stay": True}),
 }
 
 
