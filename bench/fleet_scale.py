@@ -21,7 +21,7 @@ exactly as the publisher does (``PendingBatch``), then seals it as Redis receive
 Reported: bytes per second per replica, with and without ``stored_parents`` (the cost of
 the parent hashes the index trims with).
 
-Run: .venv/bin/python -m bench.fleet_scale [--fleets 8,64,256,1024] [--iters 2000]
+Run: .venv/bin/python -m bench.fleet_scale [--fleets 8,64,256,1024] [--iters 2000] [--policies cache_aware,cache_aware:fit_first=false]
      [--out-dir bench/results]   (writes fleet_scale.{json,md,png})
 """
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import sys
@@ -124,8 +125,20 @@ def _timed(step, iters: int, warmup: int = 200) -> dict:
     return out
 
 
-def _policy(name: str, index: LocalityIndex, loads):
-    policy = make_routing_policy(name)
+def policy_spec(spec: str) -> tuple[str, dict]:
+    """A ``--policies`` entry: a registry name, or ``name:key=value&key=value`` with JSON
+    values (``cache_aware:fit_first=false``) to time a setting other than the default."""
+    name, _, rest = spec.partition(":")
+    kwargs = {}
+    for item in filter(None, rest.split("&")):
+        key, _, value = item.partition("=")
+        kwargs[key] = json.loads(value)
+    return name, kwargs
+
+
+def _policy(spec: str, index: LocalityIndex, loads):
+    name, kwargs = policy_spec(spec)
+    policy = make_routing_policy(name, **kwargs)
     policy.update_replicas([r.replica_id for r in loads])
     if name == "sglang":
         # SGLang's own approximate trees get the index's contents (its worst case too).
@@ -316,7 +329,8 @@ def main() -> None:
     ap.add_argument("--fleets", default="8,64,256,1024")
     ap.add_argument("--blocks", type=int, default=100_000, help="distinct block hashes indexed (default 100,000)")
     ap.add_argument("--copies", type=int, default=2, help="replicas holding each filler chain (default 2)")
-    ap.add_argument("--policies", default="round_robin,least_loaded,cache_aware,sglang")
+    ap.add_argument("--policies", default="round_robin,least_loaded,cache_aware,sglang",
+                    help="registry names, each optionally name:key=value&key=value (JSON values)")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--bw-requests", type=int, default=2000, help="0 skips the bandwidth part")
     ap.add_argument("--bw-replicas", type=int, default=8)
