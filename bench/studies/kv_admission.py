@@ -36,7 +36,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from bench.studies.session_admission import run_variants
+from bench.studies.variant_study import run_variants
 from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cache_aware import CacheAwarePolicy, with_room
 
@@ -55,6 +55,7 @@ class FitFirstPolicy(CacheAwarePolicy):
     def _admissible(self, replicas: Sequence[ReplicaLoad], n_tokens: int, block_size: int,
                     matches: dict[str, int]) -> list[ReplicaLoad]:
         admissible = super()._admissible(replicas, n_tokens, block_size, matches)
+        # NOTE: ``with_room`` hands back its own argument when no replica in it has room.
         room = with_room(admissible, n_tokens, block_size)
         if room is admissible and self.any_replica:
             room = with_room(replicas, n_tokens, block_size)

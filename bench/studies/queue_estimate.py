@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from bench.studies.session_admission import run_variants
+from bench.studies.variant_study import run_variants
 from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.sim.replay import Replay
