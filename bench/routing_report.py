@@ -255,9 +255,7 @@ def _geo_ratio(a: list[float], b: list[float]) -> float:
 
 def family_summary(results: list[dict], ours_label: str, n: str) -> dict:
     """Means over the family's report traces of every config, and the targets."""
-    labels = [ours_label, "sglang+unicache", "sglang+lru"]
-    if POOLED_LABEL in results[0]["by_replicas"][n]["rows"]:
-        labels.append(POOLED_LABEL)
+    labels = [ours_label, "sglang+unicache", "sglang+lru", POOLED_LABEL]
     agg: dict[str, dict] = {}
     for label in labels:
         rows = [r["by_replicas"][n]["rows"][label] for r in results]
@@ -273,7 +271,7 @@ def family_summary(results: list[dict], ours_label: str, n: str) -> dict:
             "ttft_p99_s": statistics.mean(x["ttft_p99_s"] for x in ref),
             "load_imbalance_max": max(x["load_imbalance"] for x in ref),
         }
-    o, su, sl = agg[ours_label], agg["sglang+unicache"], agg["sglang+lru"]
+    o, su, sl, p = agg[ours_label], agg["sglang+unicache"], agg["sglang+lru"], agg[POOLED_LABEL]
     g_lru = _geo_ratio(o["goodput_u"], sl["goodput_u"])
     g_uc = _geo_ratio(o["goodput_u"], su["goodput_u"])
     checks = {
@@ -288,17 +286,14 @@ def family_summary(results: list[dict], ours_label: str, n: str) -> dict:
                                          "ok": o["token_hit_ratio"] >= su["token_hit_ratio"] - 0.005},
         "load_imbalance": {"value": o["load_imbalance_max"], "target": "<= 1.2", "ok": o["load_imbalance_max"] <= 1.2},
     }
-    out = {"configs": agg, "checks": checks}
-    if POOLED_LABEL in agg:
-        p = agg[POOLED_LABEL]
-        out["pooled"] = {
-            "goodput_vs_sglang_lru": _geo_ratio(p["goodput_u"], sl["goodput_u"]),
-            "goodput_vs_sglang_unicache": _geo_ratio(p["goodput_u"], su["goodput_u"]),
-            "ours_goodput_vs_pooled": _geo_ratio(o["goodput_u"], p["goodput_u"]),
-            "traces_ours_above_pooled": sum(x > y for x, y in zip(o["goodput_u"], p["goodput_u"])),
-            "token_hit_pts_vs_sglang_unicache": 100 * (p["token_hit_ratio"] - su["token_hit_ratio"]),
-        }
-    return out
+    pooled = {
+        "goodput_vs_sglang_lru": _geo_ratio(p["goodput_u"], sl["goodput_u"]),
+        "goodput_vs_sglang_unicache": _geo_ratio(p["goodput_u"], su["goodput_u"]),
+        "ours_goodput_vs_pooled": _geo_ratio(o["goodput_u"], p["goodput_u"]),
+        "traces_ours_above_pooled": sum(x > y for x, y in zip(o["goodput_u"], p["goodput_u"])),
+        "token_hit_pts_vs_sglang_unicache": 100 * (p["token_hit_ratio"] - su["token_hit_ratio"]),
+    }
+    return {"configs": agg, "checks": checks, "pooled": pooled}
 
 
 def _fmt(v: float) -> str:
@@ -353,22 +348,21 @@ def markdown(report: dict) -> str:
         f"{k} {'yes' if v else 'NO'}" for k, v in report["targets_everywhere"].items()) + ".\n")
     lines.append(f"Worst family (most targets missed, then lowest goodput ratio vs sglang+unicache): "
                  f"**{report['worst_family']}**.\n")
-    if any("pooled" in fam for by_n in report["families"].values() for fam in by_n.values()):
-        lines.append("## Reference: the pooled replica\n")
-        lines.append(f"`{POOLED_LABEL}`: one replica holding every replica's blocks and prefill lanes, unicache "
-                     "eviction, the same arrivals (no placement loss, nothing cached twice, no lane idle while "
-                     "another has a queue). Not a proven bound, but where pooled / baseline is below a goodput "
-                     "target, the target is out of a router's reach on that family.\n")
-        lines.append("| family | replicas | pooled / sglang+lru | pooled / sglang+unicache | ours / pooled "
-                     "| traces ours > pooled | pooled token hit pts vs sglang+unicache |")
-        lines.append("|---|---|---|---|---|---|---|")
-        for f, by_n in report["families"].items():
-            for n, fam in by_n.items():
-                p = fam["pooled"]
-                lines.append(f"| {f} | {n} | {_fmt(p['goodput_vs_sglang_lru'])} | {_fmt(p['goodput_vs_sglang_unicache'])} "
-                             f"| {_fmt(p['ours_goodput_vs_pooled'])} | {p['traces_ours_above_pooled']}/{fam['traces']} "
-                             f"| {p['token_hit_pts_vs_sglang_unicache']:+.2f} |")
-        lines.append("")
+    lines.append("## Reference: the pooled replica\n")
+    lines.append(f"`{POOLED_LABEL}`: one replica holding every replica's blocks and prefill lanes, unicache "
+                 "eviction, the same arrivals (no placement loss, nothing cached twice, no lane idle while "
+                 "another has a queue). Not a proven bound, but where pooled / baseline is below a goodput "
+                 "target, the target is out of a router's reach on that family.\n")
+    lines.append("| family | replicas | pooled / sglang+lru | pooled / sglang+unicache | ours / pooled "
+                 "| traces ours > pooled | pooled token hit pts vs sglang+unicache |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for f, by_n in report["families"].items():
+        for n, fam in by_n.items():
+            p = fam["pooled"]
+            lines.append(f"| {f} | {n} | {_fmt(p['goodput_vs_sglang_lru'])} | {_fmt(p['goodput_vs_sglang_unicache'])} "
+                         f"| {_fmt(p['ours_goodput_vs_pooled'])} | {p['traces_ours_above_pooled']}/{fam['traces']} "
+                         f"| {p['token_hit_pts_vs_sglang_unicache']:+.2f} |")
+    lines.append("")
     lines.append("SLO per trace (unloaded TTFT = one request alone, nothing cached):\n")
     lines.append("| trace | requests | SLO rule | SLO s | 3 x unloaded median s | unloaded p90 s |")
     lines.append("|---|---|---|---|---|---|")
