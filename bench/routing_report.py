@@ -79,9 +79,10 @@ POOLED_LABEL = "pooled+unicache"
 # replicas with room for the request's blocks (fit_first). TTFT admission itself, against the
 # fixed balance ratio it replaced, is bench.studies.routing_admission's question.
 CANDIDATES: dict[str, dict] = {
-    f"af{af}-ch{ch}-fp{fp}-fit{int(fit)}": {"admission_factor": af, "churn_weight": ch, "footprint_weight": fp,
-                                           "fit_first": fit}
+    f"af{af}-ch{ch}-fp{fp}-fit{int(fit)}-qs{int(qs)}": {"admission_factor": af, "churn_weight": ch,
+                                                         "footprint_weight": fp, "fit_first": fit, "queue_share": qs}
     for af in (1.5, 2.0, 3.0) for ch in (0.5, 0.0) for fp in (0.5, 0.0) for fit in (True, False)
+    for qs in (True, False)
 }
 U_START, U_MIN, U_MAX = 0.5, 1.0 / 16, 8.0
 BISECT_STEPS = 3  # geometric bisections of the doubling bracket (see the module docstring)

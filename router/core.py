@@ -455,6 +455,7 @@ class RouterCore:
             raise
         now = time.perf_counter()
         rec.last_message = time.monotonic()
+        self.policy.on_first_token(prep.routing, rid)
         if ftt is not None:
             ftt.observe(rid, now - t0)
         self.metrics.ttft.observe(now - prep.arrival)

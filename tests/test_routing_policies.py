@@ -282,6 +282,49 @@ def test_cache_aware_ttft_admission_excludes_a_replica_whose_queue_outweighs_its
     assert (d.replica_id, d.reason) == ("r0", "load")
 
 
+def test_cache_aware_queue_share_counts_only_the_uncached_part_of_a_queue():
+    idx = make_index({"r1": list(range(10))})
+    w = make_request("w", range(12))  # r1 holds 10 of its 12 blocks: 32 of 192 tokens uncached
+    q = make_request("q", range(10))  # all cached on r1
+    reps = [load("r0"), load("r1", queued=2000)]
+    shared, whole = CacheAwarePolicy(load_weight=0.0), CacheAwarePolicy(load_weight=0.0, queue_share=False)
+    for p in (shared, whole):
+        d = p.choose(w, [load("r0"), load("r1")], idx)
+        assert (d.replica_id, d.matched_blocks) == ("r1", 10)
+        p.on_request_routed(w, d)
+    assert shared._share == {"r1": 32 / 192} and shared._queued_tokens == {"r1": [32, 192]}
+    assert whole._share == {} and whole._queued == {}
+    # r1's published queue, 2000 whole-prompt tokens, is 2000 x 1/6 uncached by the share:
+    # estimate 0 + 333.3 / 4 lanes <= 2 x 160 (r0), so r1 is admissible and its cache wins;
+    # counted whole, 500 > 320 and only r0 is.
+    assert shared.choose(q, reps, idx).replica_id == "r1"
+    assert whole.choose(q, reps, idx).replica_id == "r0"
+    # w's first token: nothing of this router's waits at r1, so its queue counts whole again.
+    shared.on_first_token(w, "r1")
+    assert shared._share == {} and shared._queued == {} and shared._queued_tokens == {}
+    assert shared.choose(q, reps, idx).replica_id == "r0"
+
+
+def test_cache_aware_queue_share_follows_retries_finishes_bounds_and_departures():
+    p = CacheAwarePolicy(max_inflight=2)
+    idx = make_index({"r1": list(range(3))})
+    a = make_request("a", range(4))  # 64 tokens
+    p.on_request_routed(a, RouteDecision("r0", "load", matched_blocks=0))
+    p.on_request_routed(a, RouteDecision("r1", "index_prefix", matched_blocks=3))  # a retry elsewhere
+    assert p._queued_tokens == {"r1": [16, 64]} and p._share == {"r1": 0.25}
+    b, c = make_request("b", range(100, 102)), make_request("c", range(200, 203))
+    p.on_request_routed(b, RouteDecision("r1", "load", matched_blocks=0))
+    p.on_request_routed(c, RouteDecision("r2", "load", matched_blocks=0))  # a (oldest) dropped
+    assert list(p._queued) == ["b", "c"]
+    assert p._queued_tokens == {"r1": [32, 32], "r2": [48, 48]} and p._share == {"r1": 1.0, "r2": 1.0}
+    p.on_request_finished(b, "r1")  # failed before its first token
+    assert p._queued_tokens == {"r2": [48, 48]}
+    p.on_replica_died("r2")
+    assert p._queued == {} and p._queued_tokens == {} and p._share == {}
+    d = p.choose(a, [load("r1", queued=640)], idx)
+    assert d.replica_id == "r1"
+
+
 def test_cache_aware_discounts_blocks_under_eviction_pressure():
     idx = make_index({"r0": list(range(6)), "r1": list(range(5))})
     # Same queued work (10 blocks); r0 has only 10 evictable blocks left (pressure 1).

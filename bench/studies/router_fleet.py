@@ -102,6 +102,11 @@ class RouterFleet(RoutingPolicy):
                 if j != sender:
                     other.apply_routed(events)
 
+    def on_first_token(self, request: RoutingRequest, replica_id: str) -> None:
+        k = self._sender.get(request.request_id)
+        if k is not None:
+            self.routers[k].on_first_token(request, replica_id)
+
     def on_request_finished(self, request: RoutingRequest, replica_id: str) -> None:
         k = self._sender.pop(request.request_id, None)
         if k is not None:

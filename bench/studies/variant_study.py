@@ -1,5 +1,5 @@
 """The shared harness of the routing studies that compare ``cache_aware`` variants on the
-suite's tuning traces (``bench.studies.session_admission``, ``queue_estimate``,
+suite's tuning traces (``bench.studies.session_admission``, ``queue_share``,
 ``kv_admission``): replay each variant and sglang + unicache through the routing
 report's machinery (``bench.routing_report.run_jobs``), summarise every variant against
 the study's reference variant, write ``<stem>.{json,md}``.

@@ -11,8 +11,10 @@ tokens computed):
     est_r = uncached_r + queued_prefill_tokens_r / prefill_lanes
     uncached_r = max(0, N - B * m_r)       m_r: leading blocks the index shows on r
 
-(``queued_prefill_tokens`` is prompt work admitted and not computed yet; a replica runs
-``prefill_lanes`` prefill batches at once.) A replica is *admissible* when
+(``queued_prefill_tokens`` is prompt work admitted and not computed yet, whole prompts as
+replicas publish it; a caller that knows what share of it is uncached passes that share,
+``queue_share[r]``, and the queue counts ``queued_prefill_tokens_r * queue_share[r]``;
+a replica runs ``prefill_lanes`` prefill batches at once.) A replica is *admissible* when
 
     est_r <= factor * min_r' est_r'
 
@@ -22,8 +24,9 @@ replica is always admissible, so the set is never empty.
 
 Invariants:
     * ``admissible`` keeps the input order and is never empty for a non-empty input.
-    * The estimate depends only on the request's length, the index's match and the
-      replica's published load (the live router and the simulator see the same inputs).
+    * The estimate depends only on the request's length, the index's match, the
+      replica's published load and the caller's queue share (the live router and the
+      simulator see the same inputs).
 """
 
 from __future__ import annotations
@@ -54,18 +57,25 @@ class TTFTAdmission:
         if self.prefill_lanes < 1:
             raise ValueError("prefill_lanes must be >= 1")
 
-    def estimate(self, num_prompt_tokens: int, block_size: int, matched_blocks: int, load: ReplicaLoad) -> float:
+    def estimate(self, num_prompt_tokens: int, block_size: int, matched_blocks: int, load: ReplicaLoad,
+                 queue_share: float = 1.0) -> float:
         """Estimated TTFT on ``load``'s replica, in prefill tokens."""
         uncached = max(0, num_prompt_tokens - block_size * matched_blocks)
-        return uncached + load.queued_prefill_tokens / self.prefill_lanes
+        return uncached + load.queued_prefill_tokens * queue_share / self.prefill_lanes
 
     def admissible(self, replicas: Sequence[ReplicaLoad], num_prompt_tokens: int, block_size: int,
-                   matches: Mapping[str, int]) -> list[ReplicaLoad]:
+                   matches: Mapping[str, int], queue_share: Mapping[str, float] | None = None) -> list[ReplicaLoad]:
         """The replicas whose estimate is within ``factor`` of the best (``matches``: the
-        index's leading-block match per replica; a replica left out matches 0)."""
+        index's leading-block match per replica; a replica left out matches 0;
+        ``queue_share``: the uncached share of a replica's queue, 1 where left out)."""
         # NOTE: ``estimate`` inlined (the router runs this per request over every replica)
         lanes, get = self.prefill_lanes, matches.get
-        est = [max(0, num_prompt_tokens - block_size * get(r.replica_id, 0)) + r.queued_prefill_tokens / lanes
-               for r in replicas]
+        if queue_share:
+            share = queue_share.get
+            est = [max(0, num_prompt_tokens - block_size * get(r.replica_id, 0))
+                   + r.queued_prefill_tokens * share(r.replica_id, 1.0) / lanes for r in replicas]
+        else:
+            est = [max(0, num_prompt_tokens - block_size * get(r.replica_id, 0)) + r.queued_prefill_tokens / lanes
+                   for r in replicas]
         cap = self.factor * min(est)
         return [r for r, e in zip(replicas, est) if e <= cap]

@@ -177,6 +177,10 @@ class RoutingPolicy(ABC):
     def on_request_routed(self, request: RoutingRequest, decision: RouteDecision) -> None:
         """Called after ``choose`` once the request was sent."""
 
+    def on_first_token(self, request: RoutingRequest, replica_id: str) -> None:
+        """``replica_id`` sent the request's first token: its prefill is done (the live
+        router: the replica's first message; the simulator: the end of its prefill)."""
+
     def on_request_finished(self, request: RoutingRequest, replica_id: str) -> None:
         """The request completed (or failed) on ``replica_id``."""
 

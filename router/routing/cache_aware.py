@@ -28,7 +28,12 @@ every live replica r:
     hit_r    = B * (m_r + g_r + (1 - host_cost) * h_r) * (1 - evict_weight * p_r)
                (a matched block likely to be evicted before use counts less; a host block
                saves its prefill but costs its copy, host_cost of a prefill per token)
-    load_r   = queued_prefill_tokens_r + request_cost_tokens * outstanding_r
+    load_r   = q_r * queued_prefill_tokens_r + request_cost_tokens * outstanding_r
+    q_r      = the uncached share of r's queue (``queue_share``): of this router's requests
+               routed to r that have not sent their first token, the uncached prompt
+               tokens at routing (N - B * matched blocks of the decision) over their whole
+               prompt tokens; 1 when there are none (replicas publish their queue as whole
+               prompts: an engine learns a request's match only when it schedules it)
     churn_r  = N * max(0, inflow_r / mean(inflow) - 1), inflow_r = the uncached prompt
                tokens routed to r, decayed by (1 - 1/W) per routed request,
                W = max(churn_window, 32 x live replicas)
@@ -56,7 +61,7 @@ published yet (live, that lag moved later turns of sequential sessions before). 
 The request goes to argmin cost_r over the *admissible* replicas, those whose estimated
 TTFT is within ``admission_factor`` of the best replica's
 (``unicache.router.routing.admission``: est_r = uncached prompt tokens by the index +
-queued_prefill_tokens_r / prefill_lanes; a hard guard so locality never makes a request
+q_r * queued_prefill_tokens_r / prefill_lanes; a hard guard so locality never makes a request
 wait longer than recomputing its prefix elsewhere) and, with ``fit_first``, of those the
 ones with room for the request's blocks (``with_room``: free_blocks_r -
 queued_prefill_tokens_r / B >= ceil(N / B)), when any has; ties go to the less loaded
@@ -126,8 +131,12 @@ Invariants:
       over the sessions whose latest turn any router of the cluster sent to r, as their
       routed events said, and ``_inflow`` and the clock ``_routed`` count every router's
       requests too.
-    * A replica that died or left holds no pending blocks, sessions, inflow, footprint
-      or ring points.
+    * ``_queued`` holds at most ``max_inflight`` requests, each routed and without its
+      first token yet; ``_queued_tokens[r]`` sums the uncached and whole prompt tokens
+      of those routed to r, present (and ``_share[r]`` their ratio) only while the whole
+      sum is positive.
+    * A replica that died or left holds no pending blocks, queued requests, sessions,
+      inflow, footprint or ring points.
 """
 
 from __future__ import annotations
@@ -250,6 +259,11 @@ class CacheAwarePolicy(RoutingPolicy):
         fit_first: of the admissible replicas, consider only those with free blocks for
             the request's prompt beyond what their queues need (``with_room``), when any
             has; a session's home is judged before this (default True).
+        queue_share: weigh each replica's queue in the admission estimate and the load
+            term by ``q_r``, the uncached share of this router's requests waiting there
+            (default True; False: whole prompts, as replicas publish them). Fit-first's
+            room and the eviction pressure keep whole prompts: a queued request claims
+            its cached blocks too.
         virtual_nodes: points per replica on the template ring (default 160).
         template_key_blocks: the home is the ring owner of the hash of block
             min(template_blocks, template_key_blocks) - 1 (default 1: the first block, a
@@ -279,6 +293,7 @@ class CacheAwarePolicy(RoutingPolicy):
         session_sticky: bool = True,
         session_hold_frac: float = 0.5,
         fit_first: bool = True,
+        queue_share: bool = True,
         virtual_nodes: int = 160,
         template_key_blocks: int = 1,
         max_sessions: int = 100_000,
@@ -294,6 +309,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.session_sticky = session_sticky
         self.session_hold_frac = session_hold_frac
         self.fit_first = fit_first
+        self.queue_share = queue_share
         self.load_weight = load_weight
         self.request_cost_tokens = request_cost_tokens
         self.evict_weight = evict_weight
@@ -323,12 +339,23 @@ class CacheAwarePolicy(RoutingPolicy):
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._inflight: OrderedDict[str, _InFlight] = OrderedDict()
         self._pending: dict[str, dict[BlockHash, int]] = {}
+        # queue share: request id -> (replica, uncached, whole prompt tokens) until its first
+        # token; per replica the sums and their ratio (only replicas with some waiting)
+        self._queued: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+        self._queued_tokens: dict[str, list[int]] = {}
+        self._share: dict[str, float] = {}
 
     # -- decision -------------------------------------------------------------------
 
     def _admissible(self, replicas: Sequence[ReplicaLoad], n_tokens: int, block_size: int,
                     matches: dict[str, int]) -> list[ReplicaLoad]:
-        return self.admission.admissible(replicas, n_tokens, block_size, matches)
+        return self.admission.admissible(replicas, n_tokens, block_size, matches, self._share)
+
+    def _with_room(self, admissible: list[ReplicaLoad], n_tokens: int, block_size: int,
+                   matches: dict[str, int]) -> list[ReplicaLoad]:
+        """Fit-first's filter (``with_room``; ``matches``: the index's leading-block
+        match per replica, for a study's variant of the rule)."""
+        return with_room(admissible, n_tokens, block_size)
 
     def _template_home(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad]) -> tuple[str | None, float]:
         cls = request.cls
@@ -355,7 +382,7 @@ class CacheAwarePolicy(RoutingPolicy):
             if home is not None:
                 return home
         if self.fit_first:
-            admissible = with_room(admissible, n_tokens, bs)
+            admissible = self._with_room(admissible, n_tokens, bs, matches)
         sticky_id, sticky_blocks = None, 0.0
         if prev is not None and self.sticky_trust:
             sticky_id = prev.replica_id
@@ -374,7 +401,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # fleet runs it per request): locals instead of attributes, ``outstanding`` and
         # ``load_key`` inlined, and the churn / footprint terms skipped where they add
         # exactly 0.0, so every cost is the formula's, bit for bit.
-        pending, inflow, footprint = self._pending, self._inflow, self._footprint
+        pending, inflow, footprint, share = self._pending, self._inflow, self._footprint, self._share
         evict_weight, rct, load_weight = self.evict_weight, self.request_cost_tokens, self.load_weight
         host_weight = 1.0 - self.host_cost
         # runs through both tiers past each replica's GPU match, for the replicas that have one
@@ -408,6 +435,7 @@ class CacheAwarePolicy(RoutingPolicy):
                     if host and reason in ("index_prefix", "load"):
                         reason = "host_prefix"
             qpt = r.queued_prefill_tokens
+            q = qpt * share.get(rid, 1.0) if share and qpt else qpt  # the queue's uncached tokens
             out = r.running + r.waiting
             if r.in_flight > out:
                 out = r.in_flight
@@ -416,9 +444,9 @@ class CacheAwarePolicy(RoutingPolicy):
                 if qpt and r.capacity_blocks:
                     pressure = min(1.0, (qpt / bs) / max(1, r.free_blocks))
                 hit = bs * (m + host_weight * host) * (1.0 - evict_weight * pressure)
-                cost = (n_tokens - hit) + load_weight * (qpt + rct * out)
+                cost = (n_tokens - hit) + load_weight * (q + rct * out)
             else:
-                cost = n_tokens + load_weight * (qpt + rct * out)
+                cost = n_tokens + load_weight * (q + rct * out)
             if churn_scale:
                 iv = inflow.get(rid)
                 if iv is not None and iv > mean_inflow:
@@ -491,6 +519,8 @@ class CacheAwarePolicy(RoutingPolicy):
         inflow[rid] = inflow.get(rid, 0.0) + new_tokens
         if self._outbox is not None:
             self._outbox.append(RoutedEvent(rid, new_tokens, blocks, prev_rid, prev_share))
+        if self.queue_share:
+            self._queue(request.request_id, rid, new_tokens, request.num_prompt_tokens)
         if not self.track_inflight:
             return
         self._release(request.request_id)
@@ -501,7 +531,11 @@ class CacheAwarePolicy(RoutingPolicy):
         while len(self._inflight) > self.max_inflight:
             self._release(next(iter(self._inflight)))
 
+    def on_first_token(self, request: RoutingRequest, replica_id: str) -> None:
+        self._unqueue(request.request_id)
+
     def on_request_finished(self, request: RoutingRequest, replica_id: str) -> None:
+        self._unqueue(request.request_id)
         self._release(request.request_id)
 
     def export_session(self, key: str) -> SessionRecord | None:
@@ -594,6 +628,34 @@ class CacheAwarePolicy(RoutingPolicy):
         self.session_blocks -= len(s.hashes)
         return share
 
+    def _queue(self, request_id: str, replica_id: str, uncached: int, whole: int) -> None:
+        """Count a request routed to ``replica_id`` as waiting for its first token there
+        (a retry's earlier attempt is replaced; the oldest dropped beyond ``max_inflight``)."""
+        self._unqueue(request_id)
+        self._queued[request_id] = (replica_id, uncached, whole)
+        self._requeue(replica_id, uncached, whole)
+        while len(self._queued) > self.max_inflight:
+            self._unqueue(next(iter(self._queued)))
+
+    def _unqueue(self, request_id: str) -> None:
+        q = self._queued.pop(request_id, None)
+        if q is not None:
+            self._requeue(q[0], -q[1], -q[2])
+
+    def _requeue(self, replica_id: str, d_uncached: int, d_whole: int) -> None:
+        """Move ``replica_id``'s sums by the deltas and keep its share (``_share``) their
+        ratio, or absent when nothing waits."""
+        t = self._queued_tokens.get(replica_id)
+        if t is None:
+            t = self._queued_tokens[replica_id] = [0, 0]
+        t[0] += d_uncached
+        t[1] += d_whole
+        if t[1] > 0:
+            self._share[replica_id] = t[0] / t[1]
+        else:
+            del self._queued_tokens[replica_id]
+            self._share.pop(replica_id, None)
+
     def _release(self, request_id: str) -> None:
         fl = self._inflight.pop(request_id, None)
         if fl is None:
@@ -615,6 +677,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # any recent one look many times the mean (see CHURN_WINDOW_PER_REPLICA).
         self._decay = 1.0 - 1.0 / max(self.churn_window, CHURN_WINDOW_PER_REPLICA * len(live))
         known = set(self._pending) | set(self._inflow) | set(self._footprint) | set(self.ring.members)
+        known |= set(self._queued_tokens)
         known |= {f.replica_id for f in self._inflight.values()}
         for rid in known - live:
             self.on_replica_died(rid)
@@ -622,6 +685,8 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def on_replica_died(self, replica_id: str) -> None:
         self._pending.pop(replica_id, None)
+        for rid in [k for k, q in self._queued.items() if q[0] == replica_id]:
+            self._unqueue(rid)
         self._inflow.pop(replica_id, None)
         self._footprint.pop(replica_id, None)
         self.ring.remove(replica_id)

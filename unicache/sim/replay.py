@@ -315,6 +315,11 @@ class Replay:
         decode_s = self.timing.decode_s
         arrival = self._arrival
         promote = self._promote_s
+        if self.router is not None:
+            # the live router sees a request's first token when its prefill is done
+            first_token, routed, rid = self.router.on_first_token, self._routed, rep.replica_id
+            for req in batch:
+                first_token(routed[req.rid], rid)
         for req in batch:
             # NOTE: a promotion's copy delays only its own request (copies run on the
             # copy engine, beside the lane's compute).

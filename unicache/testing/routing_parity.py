@@ -8,7 +8,7 @@ follows that Redis with its ``RedisSubscriber``; once its index equals every rep
 cache and its heartbeats carry the replica's current load (the index is *fresh*), the
 router's own decision path (``RouterCore.choose``: loads from heartbeats, locality from
 the Redis-fed index, the router's policy object) decides too. Both policies are then told
-the simulator's decision (``on_request_routed``) and every finish, so a disagreement does
+the simulator's decision (``on_request_routed``), every first token and every finish, so a disagreement does
 not carry over into later steps; the record is the agreement per step.
 
 Invariants:
@@ -91,6 +91,11 @@ class _ParityReplay(Replay):
         self.driver.record.steps.append(Step(request.request_id, sim.replica_id, live.replica_id, sim.reason, live.reason))
         self.driver.app.policy.on_request_routed(request, sim)
         return sim
+
+    def _prefill_done(self, rep: SimReplica, batch: list, t: float) -> None:
+        for req in batch:
+            self.driver.app.policy.on_first_token(self._routed[req.rid], rep.replica_id)
+        super()._prefill_done(rep, batch, t)
 
     def _done(self, rep: SimReplica, req) -> None:
         rr = self._routed.get(req.rid)
