@@ -20,7 +20,12 @@ per replica (``RoutedBatch.in_flight``), a router sends one at least every
 of every writer heard from within ``peer_ttl_s`` to its own (``ClusterView
 .set_peer_in_flight``): so ``ReplicaLoad.in_flight``, which the policies weigh, is the
 cluster's, not one router's share of it. A router that stops (or whose batches stop
-arriving) drops out of the sum after ``peer_ttl_s``.
+arriving) drops out of the sum after ``peer_ttl_s``. ``cache_aware``'s queue share travels
+alike: each batch carries its writer's uncached and whole prompt tokens of the requests it
+routed that have not sent their first token, per replica (``RoutingPolicy.queued_tokens``;
+``RoutedBatch.queued_uncached_tokens`` / ``queued_prompt_tokens``), and each round hands
+the policy the sums of every other live writer's latest (``set_peer_queued``), so every
+router scales a replica's published queue by the share of all routers' waiting requests.
 
 Invariants:
     * A batch is sealed with the cluster's state key (kind "routed", ``unicache.state_auth``)
@@ -31,7 +36,7 @@ Invariants:
       events is dropped whole and counted (``rejected``); the router's own batches are
       skipped.
     * Memory: at most ``max_pending`` unsent events (about 100 bytes each), and per other
-      writer heard from within ``max_age_s`` its seq and in-flight counts.
+      writer heard from within ``max_age_s`` its seq, in-flight counts and queued sums.
     * An event for a replica the router does not know (``is_known``), or with a share
       that is negative or not finite, is dropped and counted; the others of its batch
       are applied, in order, batches in stream order.
@@ -139,6 +144,9 @@ class TermsExchange:
         self._sent_in_flight: dict[str, int] | None = None  # the counts of the last batch sent
         self._sent_at = -float("inf")
         self._peer_in_flight: dict[str, tuple[float, dict[str, int]]] = {}  # writer -> (heard at, counts)
+        self._sent_queued: dict[str, tuple[int, int]] = {}  # the queued sums of the last batch sent
+        # writer -> (heard at, replica -> (uncached, whole) queued prompt tokens)
+        self._peer_queued: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
 
     def _count(self, outcome: str) -> None:
         if self._counter is not None:
@@ -146,12 +154,16 @@ class TermsExchange:
 
     # -- one round ------------------------------------------------------------------
 
-    def encode(self, events: list[RoutedEvent], in_flight: dict[str, int] | None = None) -> bytes:
-        """The next sealed batch of ``events`` and this router's ``in_flight`` counts
-        (advances this writer's seq)."""
+    def encode(self, events: list[RoutedEvent], in_flight: dict[str, int] | None = None,
+               queued: dict[str, tuple[int, int]] | None = None) -> bytes:
+        """The next sealed batch of ``events``, this router's ``in_flight`` counts and its
+        ``queued`` (uncached, whole) prompt tokens per replica (advances this writer's seq)."""
         self._seq += 1
+        queued = queued or {}
         msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq, in_flight=in_flight or {},
-                                     sent_ms=self.wall_ms())
+                                     sent_ms=self.wall_ms(),
+                                     queued_uncached_tokens={rid: q[0] for rid, q in queued.items()},
+                                     queued_prompt_tokens={rid: q[1] for rid, q in queued.items()})
         for ev in events:
             msg.events.add(replica_id=ev.replica_id, new_tokens=ev.new_tokens, session_blocks=ev.session_blocks,
                            prev_replica_id=ev.prev_replica_id, prev_share=ev.prev_share)
@@ -184,6 +196,10 @@ class TermsExchange:
         if self.cluster is not None:
             counts = {rid: n for rid, n in msg.in_flight.items() if self.is_known(rid)}
             self._peer_in_flight[msg.router_id] = (now, counts)
+        unc = msg.queued_uncached_tokens
+        self._peer_queued[msg.router_id] = (now, {rid: (min(unc.get(rid, 0), whole), whole)
+                                                  for rid, whole in msg.queued_prompt_tokens.items()
+                                                  if whole and self.is_known(rid)})
         out = []
         for ev in msg.events:
             share = ev.prev_share
@@ -202,12 +218,16 @@ class TermsExchange:
         if len(pending) > self.max_pending:
             del pending[: len(pending) - self.max_pending]
         in_flight = self.cluster.own_in_flight() if self.cluster is not None else None
+        queued = self.policy.queued_tokens()
         now = self.clock()
-        if not pending and (self.cluster is None or (in_flight == self._sent_in_flight
-                                                     and now - self._sent_at < self.keepalive_s)):
-            return
+        if not pending:
+            if self.cluster is None and not queued and not self._sent_queued:
+                return  # nothing to send or keep alive
+            if (in_flight == self._sent_in_flight and queued == self._sent_queued
+                    and now - self._sent_at < self.keepalive_s):
+                return
         events = pending[: self.max_batch_events]
-        raw = self.encode(events, in_flight)
+        raw = self.encode(events, in_flight, queued)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.redis.xadd(self.stream, {"b": raw}, maxlen=ROUTED_STREAM_MAXLEN, approximate=True)
@@ -217,7 +237,7 @@ class TermsExchange:
             log.debug("routed batch not sent: %s", type(exc).__name__)
             return
         del pending[: len(events)]
-        self._sent_in_flight, self._sent_at = in_flight, now
+        self._sent_in_flight, self._sent_queued, self._sent_at = in_flight, queued, now
         self.sent_batches += 1
         self.sent_events += len(events)
         self._count("sent")
@@ -260,13 +280,29 @@ class TermsExchange:
                 total[rid] = total.get(rid, 0) + n
         return total
 
+    def peer_queued(self) -> dict[str, tuple[int, int]]:
+        """The sums of the queued (uncached, whole) prompt tokens of every other router
+        heard from within ``peer_ttl_s`` (older writers are forgotten)."""
+        horizon = self.clock() - self.peer_ttl_s
+        total: dict[str, tuple[int, int]] = {}
+        for writer, (heard, sums) in list(self._peer_queued.items()):
+            if heard < horizon:
+                del self._peer_queued[writer]
+                continue
+            for rid, (unc, whole) in sums.items():
+                t = total.get(rid, (0, 0))
+                total[rid] = (t[0] + unc, t[1] + whole)
+        return total
+
     async def step(self) -> None:
         """One round: send what this router routed, apply what the others sent, and
-        hand the cluster view the other routers' in-flight counts."""
+        hand the cluster view the other routers' in-flight counts and the policy their
+        queued sums."""
         await self.publish()
         await self.read(max(1, int(self.interval_s * 1000)))
         if self.cluster is not None:
             self.cluster.set_peer_in_flight(self.peer_in_flight())
+        self.policy.set_peer_queued(self.peer_queued())
 
     async def run(self) -> None:
         """Rounds until cancelled (a failing round waits an interval before the next)."""

@@ -139,6 +139,33 @@ async def test_in_flight_counts_reach_the_other_router_and_expire_with_their_wri
     assert [ld.in_flight for ld in vb.loads()] == [1, 0]
 
 
+async def test_queued_sums_reach_the_other_router_share_and_expire_with_their_writer(clients):
+    """A's requests waiting for their first token enter B's queue share beside B's own;
+    A's first tokens take them out; a writer gone quiet past the TTL drops out."""
+    now = [0.0]
+    pa, pb = CacheAwarePolicy(), CacheAwarePolicy()
+    a = TermsExchange(clients[0], PREFIX, KEY, pa, KNOWN, router_id="a", clock=lambda: now[0])
+    b = TermsExchange(clients[1], PREFIX, KEY, pb, KNOWN, router_id="b", clock=lambda: now[0])
+    await b.step()
+    routed(pa, "r0", [1, 2, 3, 4], matched=3)  # 16 of 64 tokens uncached
+    routed(pa, "r1", [5, 6])  # 32 of 32
+    routed(pb, "r0", [7, 8, 9, 10])  # B's own: 64 of 64
+    await a.step()
+    await b.step()
+    assert pa.queued_tokens() == {"r0": (16, 64), "r1": (32, 32)}
+    assert pb._share == {"r0": (16 + 64) / (64 + 64), "r1": 1.0}
+    await a.step()  # nothing changed, no keepalive due: no batch
+    assert a.sent_batches == 1
+    hs = hash_id_blocks([1, 2, 3, 4])
+    pa.on_first_token(RoutingRequest("q1", RequestClass(task=Task.OTHER), hs, 64, 16), "r0")
+    await a.step()
+    await b.step()
+    assert a.sent_batches == 2 and pb._share == {"r0": 1.0, "r1": 1.0}
+    now[0] += 2.5  # A heard from last 2.5 s ago, TTL 2 s: only B's own request counts
+    await b.step()
+    assert pb._share == {"r0": 1.0} and pb._peer_queued == {}
+
+
 async def test_a_batch_older_than_the_max_age_is_refused_so_old_writers_can_be_forgotten(clients):
     pb = CacheAwarePolicy()
     now_ms = [10_000_000]

@@ -10,6 +10,8 @@ the others ``lag`` requests later (the exchange; live, a batch goes out every 50
 an arrival rate of R requests per second the lag is about R / 20 requests) or never
 (``lag`` None: each router's churn and footprint terms come from its own share of the
 traffic, as before the exchange). With lag 0 the fleet must decide exactly as one router.
+The routers' queued sums (``cache_aware``'s queue share) reach the others at once whenever
+the exchange is on (``lag`` not None), and never without it.
 
 Per report trace of the suite (``bench.routing_report``'s traces: nothing here is tuned)
 and replica count: goodput in u and metrics at u = 0.5 by the report's machinery, for one
@@ -82,6 +84,16 @@ class RouterFleet(RoutingPolicy):
             record = self._store.get(key)
             if record is not None:
                 self.routers[k].import_session(key, record)
+        if self.lag is not None:
+            # NOTE: the queued sums (queue share) travel without lag here: live they ride
+            # the same 50 ms batches as the events.
+            peers: dict[str, tuple[int, int]] = {}
+            for j, other in enumerate(self.routers):
+                if j != k:
+                    for rid, (unc, whole) in other.queued_tokens().items():
+                        t = peers.get(rid, (0, 0))
+                        peers[rid] = (t[0] + unc, t[1] + whole)
+            self.routers[k].set_peer_queued(peers)
         return self.routers[k].choose(request, replicas, index)
 
     def on_request_routed(self, request: RoutingRequest, decision: RouteDecision) -> None:

@@ -213,3 +213,11 @@ class RoutingPolicy(ABC):
 
     def apply_routed(self, events: Sequence[RoutedEvent]) -> None:
         """Apply other routers' routed events, oldest first, as if routed here."""
+
+    def queued_tokens(self) -> dict[str, tuple[int, int]]:
+        """Per replica, the uncached and whole prompt tokens of this router's requests
+        routed there and without their first token yet (empty: the policy keeps none)."""
+        return {}
+
+    def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:
+        """The other routers' ``queued_tokens``, summed per replica (replaces the last)."""

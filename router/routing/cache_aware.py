@@ -29,8 +29,9 @@ every live replica r:
                (a matched block likely to be evicted before use counts less; a host block
                saves its prefill but costs its copy, host_cost of a prefill per token)
     load_r   = q_r * queued_prefill_tokens_r + request_cost_tokens * outstanding_r
-    q_r      = the uncached share of r's queue (``queue_share``): of this router's requests
-               routed to r that have not sent their first token, the uncached prompt
+    q_r      = the uncached share of r's queue (``queue_share``): of the router's requests
+               (sharing terms: every router's) routed to r that have not sent their
+               first token, the uncached prompt
                tokens at routing (N - B * matched blocks of the decision) over their whole
                prompt tokens; 1 when there are none (replicas publish their queue as whole
                prompts: an engine learns a request's match only when it schedules it)
@@ -133,8 +134,9 @@ Invariants:
       requests too.
     * ``_queued`` holds at most ``max_inflight`` requests, each routed and without its
       first token yet; ``_queued_tokens[r]`` sums the uncached and whole prompt tokens
-      of those routed to r, present (and ``_share[r]`` their ratio) only while the whole
-      sum is positive.
+      of those routed to r, present only while the whole sum is positive; ``_share[r]``
+      is the ratio of those sums plus the other routers' (``set_peer_queued``, the terms
+      exchange), present only while the whole total is positive.
     * A replica that died or left holds no pending blocks, queued requests, sessions,
       inflow, footprint or ring points.
 """
@@ -260,10 +262,10 @@ class CacheAwarePolicy(RoutingPolicy):
             the request's prompt beyond what their queues need (``with_room``), when any
             has; a session's home is judged before this (default True).
         queue_share: weigh each replica's queue in the admission estimate and the load
-            term by ``q_r``, the uncached share of this router's requests waiting there
-            (default True; False: whole prompts, as replicas publish them). Fit-first's
-            room and the eviction pressure keep whole prompts: a queued request claims
-            its cached blocks too.
+            term by ``q_r``, the uncached share of the requests waiting there that this
+            router (with the terms exchange: every router) sent (default True; False:
+            whole prompts, as replicas publish them). Fit-first's room and the eviction
+            pressure keep whole prompts: a queued request claims its cached blocks too.
         virtual_nodes: points per replica on the template ring (default 160).
         template_key_blocks: the home is the ring owner of the hash of block
             min(template_blocks, template_key_blocks) - 1 (default 1: the first block, a
@@ -343,6 +345,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # token; per replica the sums and their ratio (only replicas with some waiting)
         self._queued: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
         self._queued_tokens: dict[str, list[int]] = {}
+        self._peer_queued: dict[str, tuple[int, int]] = {}  # the other routers' sums (terms exchange)
         self._share: dict[str, float] = {}
 
     # -- decision -------------------------------------------------------------------
@@ -643,18 +646,38 @@ class CacheAwarePolicy(RoutingPolicy):
             self._requeue(q[0], -q[1], -q[2])
 
     def _requeue(self, replica_id: str, d_uncached: int, d_whole: int) -> None:
-        """Move ``replica_id``'s sums by the deltas and keep its share (``_share``) their
-        ratio, or absent when nothing waits."""
+        """Move ``replica_id``'s sums by the deltas (dropped at 0) and its share with them."""
         t = self._queued_tokens.get(replica_id)
         if t is None:
             t = self._queued_tokens[replica_id] = [0, 0]
         t[0] += d_uncached
         t[1] += d_whole
-        if t[1] > 0:
-            self._share[replica_id] = t[0] / t[1]
-        else:
+        if t[1] <= 0:
             del self._queued_tokens[replica_id]
+        self._reshare(replica_id)
+
+    def _reshare(self, replica_id: str) -> None:
+        """``_share[r]``: the ratio of this router's and the other routers' uncached and
+        whole sums for r together, absent when nothing waits there."""
+        own = self._queued_tokens.get(replica_id)
+        peer = self._peer_queued.get(replica_id)
+        unc = (own[0] if own else 0) + (peer[0] if peer else 0)
+        whole = (own[1] if own else 0) + (peer[1] if peer else 0)
+        if whole > 0:
+            self._share[replica_id] = unc / whole
+        else:
             self._share.pop(replica_id, None)
+
+    def queued_tokens(self) -> dict[str, tuple[int, int]]:
+        return {rid: (t[0], t[1]) for rid, t in self._queued_tokens.items()}
+
+    def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:
+        if not self.queue_share:
+            return
+        changed = set(self._peer_queued) | set(totals)
+        self._peer_queued = dict(totals)
+        for rid in changed:
+            self._reshare(rid)
 
     def _release(self, request_id: str) -> None:
         fl = self._inflight.pop(request_id, None)
@@ -677,7 +700,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # any recent one look many times the mean (see CHURN_WINDOW_PER_REPLICA).
         self._decay = 1.0 - 1.0 / max(self.churn_window, CHURN_WINDOW_PER_REPLICA * len(live))
         known = set(self._pending) | set(self._inflow) | set(self._footprint) | set(self.ring.members)
-        known |= set(self._queued_tokens)
+        known |= set(self._queued_tokens) | set(self._peer_queued)
         known |= {f.replica_id for f in self._inflight.values()}
         for rid in known - live:
             self.on_replica_died(rid)
@@ -687,6 +710,8 @@ class CacheAwarePolicy(RoutingPolicy):
         self._pending.pop(replica_id, None)
         for rid in [k for k, q in self._queued.items() if q[0] == replica_id]:
             self._unqueue(rid)
+        if self._peer_queued.pop(replica_id, None) is not None:
+            self._reshare(replica_id)
         self._inflow.pop(replica_id, None)
         self._footprint.pop(replica_id, None)
         self.ring.remove(replica_id)
