@@ -5,7 +5,7 @@ What is soaked: a real ``RouterApp`` (not started: no sockets) with four static 
 and the default policy (``cache_aware``) and classifier. Per request: ``RouterCore.prepare``
 (hash the token ids salted by tenant, classify), ``RouterCore.choose`` (the policy over
 the locality index), the bookkeeping ``_attempt`` does (in-flight count, ``on_request_routed``,
-the decision metric), the request's finish (``on_request_finished``, in-flight count),
+the decision metric, ``on_first_token``), the request's finish (``on_request_finished``, in-flight count),
 and the chosen replica's stored-block events applied to the index, as the Redis
 subscriber would (the index trims each replica to ``max_index_blocks``, here its
 ``--index-blocks``, default 32,768: replicas of 512k cached tokens). Not soaked: sockets, gRPC/HTTP framing, Redis (the shared session
@@ -121,6 +121,7 @@ def soak(args) -> dict:
         cluster.started(rid)
         policy.on_request_routed(prep.routing, decision)
         metrics.labelled(metrics.decisions, decision.reason, rid).inc()
+        policy.on_first_token(prep.routing, rid)
         hashes = prep.routing.block_hashes
         index.apply_events_unchecked(rid, hashes[decision.matched_blocks:], [])
         cluster.finished(rid)

@@ -14,6 +14,8 @@ policy.sessions        a session's latest turn (replica, hashes)       share 7%,
                                                                        per held hash
 policy.inflight        an unfinished request's hashes (only with       ``max_in_flight``
                        ``track_inflight``)                              requests
+policy.queued          a request without its first token yet:          ``max_in_flight``
+                       (replica, uncached, whole prompt tokens)         requests
 index                  a (block, replica) holding                      ``max_index_blocks``
                                                                        per replica, and the
                                                                        replica's capacity
