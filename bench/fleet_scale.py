@@ -8,7 +8,9 @@ expensive case, and the same 8 holders at every R), plus filler chains of 50 blo
 on ``--copies`` replicas (default 2) spread over the fleet. Every replica reports a load.
 Timed per decision: ``policy.choose`` plus the ``on_request_routed`` and
 ``on_request_finished`` hooks the router calls, for requests without a session (the full
-cost path: no session-home shortcut). p50/p99 per policy and R, the ratio of each p50 to
+cost path: no session-home shortcut; ``--queue-shares``: ``cache_aware`` scales every
+queue by a share, as if other routers' requests waited everywhere). p50/p99 per policy and
+R, the ratio of each p50 to
 ``round_robin``'s at the same R (measured in the same run), and the index work alone:
 ``prefix_matches`` (the hash -> replicas walk) against ``match`` per replica.
 
@@ -136,10 +138,15 @@ def policy_spec(spec: str) -> tuple[str, dict]:
     return name, kwargs
 
 
-def _policy(spec: str, index: LocalityIndex, loads):
+def _policy(spec: str, index: LocalityIndex, loads, queue_shares: bool = False):
     name, kwargs = policy_spec(spec)
     policy = make_routing_policy(name, **kwargs)
     policy.update_replicas([r.replica_id for r in loads])
+    if queue_shares:
+        # every replica with a queue holds other routers' waiting requests, a quarter of
+        # their tokens uncached: a queue share for each (the worst case for its lookups)
+        policy.set_peer_queued({r.replica_id: (r.queued_prefill_tokens // 4, r.queued_prefill_tokens)
+                                for r in loads if r.queued_prefill_tokens})
     if name == "sglang":
         # SGLang's own approximate trees get the index's contents (its worst case too).
         for rid in index.replicas():
@@ -147,8 +154,8 @@ def _policy(spec: str, index: LocalityIndex, loads):
     return policy
 
 
-def time_policy(name: str, prompt, index, loads, iters: int) -> dict:
-    policy = _policy(name, index, loads)
+def time_policy(name: str, prompt, index, loads, iters: int, queue_shares: bool = False) -> dict:
+    policy = _policy(name, index, loads, queue_shares)
     n_tokens = len(prompt) * BLOCK_SIZE
 
     def step(i: int) -> None:
@@ -160,13 +167,13 @@ def time_policy(name: str, prompt, index, loads, iters: int) -> dict:
     return _timed(step, iters)
 
 
-def time_live(name: str, prompt, index, loads, iters: int) -> dict:
+def time_live(name: str, prompt, index, loads, iters: int, queue_shares: bool = False) -> dict:
     """The live router's choice: ``ClusterView.loads`` (replicas known from heartbeats)
     then the policy, with the in-flight bookkeeping around the request."""
     from unicache.router.cluster import ClusterView
     from unicache.v1 import cache_pb2, common_pb2
 
-    policy = _policy(name, index, loads)
+    policy = _policy(name, index, loads, queue_shares)
     cluster = ClusterView(policy, index)
     cluster.redis_connected = True
     for r in loads:
@@ -332,6 +339,9 @@ def main() -> None:
     ap.add_argument("--policies", default="round_robin,least_loaded,cache_aware,sglang",
                     help="registry names, each optionally name:key=value&key=value (JSON values)")
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--queue-shares", action="store_true",
+                    help="give cache_aware a queue share for every replica with a queue (as if other routers' "
+                         "requests waited there): the share's worst case")
     ap.add_argument("--bw-requests", type=int, default=2000, help="0 skips the bandwidth part")
     ap.add_argument("--bw-replicas", type=int, default=8)
     ap.add_argument("--bw-capacity", type=int, default=1000, help="KV blocks per replica in the bandwidth replay")
@@ -352,10 +362,10 @@ def main() -> None:
         rows = []
         for name in policies:
             rows.append({"replicas": n, "entries": entries, "policy": name,
-                         **time_policy(name, prompt, index, loads, args.iters)})
+                         **time_policy(name, prompt, index, loads, args.iters, args.queue_shares)})
             steps.update()
         rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (live: ClusterView.loads + choose)",
-                     **time_live("cache_aware", prompt, index, loads, args.iters)})
+                     **time_live("cache_aware", prompt, index, loads, args.iters, args.queue_shares)})
         steps.update()
         base = next(r for r in rows if r["policy"] == "round_robin")["p50_us"]
         for r in rows:
