@@ -191,6 +191,40 @@ async def test_client_cancel_propagates_to_replica(cluster2):
     assert app.cluster.replicas["r0"].in_flight == 0
 
 
+async def test_the_policy_hears_a_first_token_while_the_stream_goes_on():
+    """The router tells the policy of a request's first token (cache_aware then stops
+    counting it in the replica's queue share) while the rest still streams."""
+    rep = FakeReplica("r0")
+    await rep.start()
+    app = RouterApp(config([rep], routing_policy="cache_aware"))
+    await app.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
+    policy, seen = app.policy, []
+    first_token = policy.on_first_token
+
+    def record(request, replica_id):
+        seen.append((replica_id, {rid: list(t) for rid, t in policy._queued_tokens.items()}))
+        first_token(request, replica_id)
+
+    policy.on_first_token = record
+    try:
+        rep.hold = asyncio.Event()
+        call = router_pb2_grpc.RouterStub(channel).Generate(
+            router_pb2.RouterGenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=3)),
+            metadata=[("x-api-key", "key-a")], timeout=10)
+        first = await call.read()
+        # nothing was cached: all 51 prompt tokens of the request were queued uncached
+        assert first.route.replica_id == "r0" and seen == [("r0", {"r0": [len(PROMPT), len(PROMPT)]})]
+        assert policy._queued == {} and app.cluster.replicas["r0"].in_flight == 1
+        rep.hold.set()
+        rest = [await call.read(), await call.read()]
+        assert [m.finish_reason for m in rest][-1] == common_pb2.FINISH_REASON_LENGTH and len(seen) == 1
+    finally:
+        await channel.close()
+        await app.stop()
+        await rep.stop()
+
+
 async def test_grpc_cluster_state_and_list_replicas(cluster2):
     _, (r0, _), stub = cluster2
     lst = await stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5)
