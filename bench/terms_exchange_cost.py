@@ -14,7 +14,11 @@ the Redis server's own CPU is not in it), in interleaved rounds, medians over ro
       20 x ``--batch`` requests per second);
     * ``apply``: per event, the same batches read and applied by a second exchange, at
       each of ``--replicas`` fleet sizes;
-    * bytes per event in the stream (sealed batch / events).
+    * bytes per event in the stream (sealed batch / events);
+    * the queue share's sums: bytes they add to a batch when every replica has requests
+      of the writer waiting for their first token (the writer's routed requests here
+      never get one), and the CPU of one round's ``set_peer_queued(peer_queued())`` on the
+      reader (once per 50 ms round, not per request).
 
 Per request, a router of K that routes 1/K of the traffic pays ``route`` difference +
 ``publish`` / K + ``apply`` x (K - 1) / K per request of the cluster; the summary gives
@@ -88,6 +92,8 @@ async def exchange_cpu_us(url: str, reqs, batch: int, replicas: int, rnd: int) -
             pa.on_request_routed(req, dec)
         events = pa.take_routed()
         raw = a.encode(events[:batch])
+        queued = pa.queued_tokens()
+        queued_bytes = len(a.encode(events[:batch], None, queued)) - len(raw)
         publish = read = 0.0
         for start in range(0, len(events), batch):
             a._pending = events[start:start + batch]
@@ -98,8 +104,14 @@ async def exchange_cpu_us(url: str, reqs, batch: int, replicas: int, rnd: int) -
             await b.read(1)
             read += time.process_time() - c0
         assert b.applied_events == len(events), (b.applied_events, len(events))
+        c0 = time.process_time()
+        for _ in range(20):
+            pb.set_peer_queued(b.peer_queued())
+        share_round = (time.process_time() - c0) / 20
+        assert set(pb._share) == set(queued)
         return {"publish_us": 1e6 * publish / len(events), "apply_us": 1e6 * read / len(events),
-                "bytes_per_event": len(raw) / min(batch, len(events))}
+                "bytes_per_event": len(raw) / min(batch, len(events)), "queued_bytes_per_batch": queued_bytes,
+                "queued_replicas": len(queued), "share_round_us": 1e6 * share_round}
     finally:
         await ca.aclose()
         await cb.aclose()
@@ -127,7 +139,8 @@ async def run(args) -> dict:
     med = {k: statistics.median(r[k] for r in rounds) for k in ("route_alone_us", "route_shared_us")}
     for n in fleets:
         med[f"exchange_{n}"] = {k: statistics.median(r[f"exchange_{n}"][k] for r in rounds)
-                                for k in ("publish_us", "apply_us", "bytes_per_event")}
+                                for k in ("publish_us", "apply_us", "bytes_per_event", "queued_bytes_per_batch",
+                                          "queued_replicas", "share_round_us")}
     record = med["route_shared_us"] - med["route_alone_us"]
     per_request_k2 = {n: record + med[f"exchange_{n}"]["publish_us"] / 2 + med[f"exchange_{n}"]["apply_us"] / 2
                       for n in fleets}
