@@ -106,6 +106,12 @@ class RouterMetrics:
         self.replica_quarantined = Gauge(
             "unicache_router_replica_quarantined", "1 while routing skips the replica until it answers a probe", ["replica"], registry=r
         )
+        self.replica_queue_share = Gauge(
+            "unicache_router_replica_queue_share",
+            "Uncached share of the replica's queue the routing policy weighs: of the routers' requests there "
+            "without a first token, uncached over whole prompt tokens (1: none wait; cache_aware's queue share)",
+            ["replica"], registry=r,
+        )
         self.indexed_blocks = Gauge(
             "unicache_router_indexed_blocks", "Blocks the locality index holds per replica", ["replica"], registry=r
         )
@@ -145,9 +151,11 @@ class RouterMetrics:
         per_replica = (
             self.replica_hit_ratio, self.replica_used_blocks, self.replica_free_blocks,
             self.replica_load, self.replica_in_flight, self.indexed_blocks, self.replica_quarantined,
+            self.replica_queue_share,
         )
         for g in per_replica:
             g.clear()
+        shares = cluster.policy.queue_shares()
         for load in cluster.all_loads():
             rec = cluster.replicas[load.replica_id]
             rid = load.replica_id
@@ -155,6 +163,8 @@ class RouterMetrics:
             self.replica_load.labels(rid).set(load.outstanding)
             self.replica_in_flight.labels(rid).set(rec.in_flight)
             self.indexed_blocks.labels(rid).set(cluster.index.num_blocks(rid))
+            if shares is not None:
+                self.replica_queue_share.labels(rid).set(shares.get(rid, 1.0))
             if rec.heartbeat is not None:
                 cache = rec.heartbeat.cache
                 self.replica_hit_ratio.labels(rid).set(cache.hit_ratio)

@@ -244,9 +244,30 @@ def test_metrics_per_replica_gauges_follow_membership():
         "unicache_router_redis_connected 0.0",
     ]:
         assert line in text, line
+    assert "unicache_router_replica_queue_share{" not in text  # round_robin keeps no queue share
     cluster.remove("a")
     text = m.render(cluster).decode()
     assert 'replica="a"' not in text and 'unicache_router_replica_load{replica="b"} 0.0' in text
+
+
+def test_metrics_show_cache_awares_queue_share_per_replica():
+    from unicache.router.cluster import ClusterView
+    from unicache.router.index import LocalityIndex
+    from unicache.router.metrics import RouterMetrics
+    from unicache.router.routing.base import RouteDecision, RoutingRequest
+    from unicache.block_hash import hash_id_blocks
+    from unicache.request_class import RequestClass
+    from unicache.router.routing.cache_aware import CacheAwarePolicy
+
+    policy = CacheAwarePolicy()
+    cluster = ClusterView(policy, LocalityIndex())
+    cluster.upsert("a", "h:1")
+    cluster.upsert("b", "h:2")
+    hs = hash_id_blocks([1, 2, 3, 4])
+    policy.on_request_routed(RoutingRequest("q", RequestClass(), hs, 64, 16), RouteDecision("a", "index_prefix", 3))
+    text = RouterMetrics().render(cluster).decode()
+    assert 'unicache_router_replica_queue_share{replica="a"} 0.25' in text  # 16 of 64 tokens uncached
+    assert 'unicache_router_replica_queue_share{replica="b"} 1.0' in text
 
 
 async def test_completion_prompts_get_the_tokenizers_bos_and_chat_templates_do_not(tmp_path):

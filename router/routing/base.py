@@ -221,3 +221,8 @@ class RoutingPolicy(ABC):
 
     def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:
         """The other routers' ``queued_tokens``, summed per replica (replaces the last)."""
+
+    def queue_shares(self) -> dict[str, float] | None:
+        """Per replica, the uncached share of its queue the policy weighs (a replica left
+        out: 1, nothing known to wait there); None when the policy keeps no such share."""
+        return None

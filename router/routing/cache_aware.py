@@ -677,6 +677,9 @@ class CacheAwarePolicy(RoutingPolicy):
     def queued_tokens(self) -> dict[str, tuple[int, int]]:
         return {rid: (t[0], t[1]) for rid, t in self._queued_tokens.items()}
 
+    def queue_shares(self) -> dict[str, float] | None:
+        return dict(self._share) if self.queue_share else None
+
     def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:
         if not self.queue_share:
             return
