@@ -267,28 +267,27 @@ class TermsExchange:
                 self.applied_events += len(events)
                 self._count("applied")
 
-    def peer_in_flight(self) -> dict[str, int]:
-        """The sum of the in-flight counts of every other router heard from within
-        ``peer_ttl_s`` (older writers are forgotten)."""
+    def _live(self, latest: dict[str, tuple[float, dict]]) -> list[dict]:
+        """The latest snapshots of the other routers in ``latest`` (writer -> (heard at,
+        snapshot)) heard from within ``peer_ttl_s``; older writers are forgotten."""
         horizon = self.clock() - self.peer_ttl_s
+        for writer in [w for w, (heard, _) in latest.items() if heard < horizon]:
+            del latest[writer]
+        return [snapshot for _, snapshot in latest.values()]
+
+    def peer_in_flight(self) -> dict[str, int]:
+        """The sum of the in-flight counts of every other live router (``_live``)."""
         total: dict[str, int] = {}
-        for writer, (heard, counts) in list(self._peer_in_flight.items()):
-            if heard < horizon:
-                del self._peer_in_flight[writer]
-                continue
+        for counts in self._live(self._peer_in_flight):
             for rid, n in counts.items():
                 total[rid] = total.get(rid, 0) + n
         return total
 
     def peer_queued(self) -> dict[str, tuple[int, int]]:
-        """The sums of the queued (uncached, whole) prompt tokens of every other router
-        heard from within ``peer_ttl_s`` (older writers are forgotten)."""
-        horizon = self.clock() - self.peer_ttl_s
+        """The sums of the queued (uncached, whole) prompt tokens of every other live
+        router (``_live``)."""
         total: dict[str, tuple[int, int]] = {}
-        for writer, (heard, sums) in list(self._peer_queued.items()):
-            if heard < horizon:
-                del self._peer_queued[writer]
-                continue
+        for sums in self._live(self._peer_queued):
             for rid, (unc, whole) in sums.items():
                 t = total.get(rid, (0, 0))
                 total[rid] = (t[0] + unc, t[1] + whole)
