@@ -64,6 +64,20 @@ def test_prefill_is_chunked_by_the_token_budget():
     assert computed[:3] == [8, 16, 20]
 
 
+def test_published_queue_holds_whole_prompts_until_the_first_token():
+    # A's 20-token prompt is prefilled in 8-token chunks: it stays in the queue, whole,
+    # until the step that computes its last chunk; B waits behind max_num_seqs=1.
+    eng = LLMEngine(tiny_config(max_num_seqs=1, max_num_batched_tokens=8))
+    eng.add_request(make_request("A", list(range(20)), max_tokens=2))
+    eng.add_request(make_request("B", list(range(50, 56)), max_tokens=1))
+    queued = [eng.load().queued_prefill_tokens]
+    while eng.has_unfinished():
+        eng.step()
+        queued.append(eng.load().queued_prefill_tokens)
+    # before; after chunks 1 and 2 (A 8, 16 of 20); A's first token; A done; B done
+    assert queued == [26, 26, 26, 6, 6, 0]
+
+
 def test_engine_config_rejects_nonsense():
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(block_size=0)

@@ -166,6 +166,27 @@ def test_load_imbalance_counts_computed_prefill_tokens():
     assert res["load_imbalance"] == pytest.approx(16 / 10)
 
 
+def test_published_queue_holds_a_prompt_until_its_prefill_is_done():
+    """A replica publishes the whole prompt of every request without its first token,
+    waiting or being prefilled, as the vLLM engine does: the router sees a busy lane."""
+    trace = [req(0, [1, 2, 3, 4]), req(1, [9]), req(3, [5])]  # prefills: 16 tokens = 2 s, then 0.5 s
+    seen = []
+
+    class Watching(Replay):
+        def _snapshot(self):
+            loads = super()._snapshot()
+            seen.append([(r.replica_id, r.queued_prefill_tokens, r.running, r.waiting) for r in loads])
+            return loads
+
+    prepared = prepare(trace, BS)
+    sim = Watching(prepared, ReplayConfig("lru", 64, replicas=2, router="round_robin", lanes=1, timing=LINEAR))
+    sim.run()
+    # t = 0: nothing yet; t = 1: r0 prefills 16 tokens until t = 2; t = 3: both done
+    assert seen == [[("r0", 0, 0, 0), ("r1", 0, 0, 0)],
+                    [("r0", 16, 1, 0), ("r1", 0, 0, 0)],
+                    [("r0", 0, 0, 0), ("r1", 0, 0, 0)]]
+
+
 def test_config_errors():
     prepared = prepare([req(0, [1])], BS)
     with pytest.raises(ValueError, match="capacity"):

@@ -181,6 +181,11 @@ class Scheduler:
         seq.num_store_hashes = 0
 
     def queued_prefill_tokens(self) -> int:
-        return sum(len(s.token_ids) - s.num_computed for s in self.waiting) + sum(
-            len(s.token_ids) - s.num_computed - 1 for s in self.running if len(s.token_ids) - s.num_computed > 1
+        """The whole prompts (with a preempted sequence's output so far) of the sequences
+        without their first token: waiting, or running with more than one token to
+        compute (a prefill in progress). The router scales it by the uncached share of
+        the requests it routed here that have no first token yet (``cache_aware``'s
+        queue share), the same set, so cached parts are not discounted twice."""
+        return sum(len(s.token_ids) for s in self.waiting) + sum(
+            len(s.token_ids) for s in self.running if len(s.token_ids) - s.num_computed > 1
         )

@@ -25,9 +25,10 @@ class ReplicaLoad:
         replica_id: stable id of the replica.
         running: requests decoding or prefilling now.
         waiting: requests queued at the replica.
-        queued_prefill_tokens: prompt tokens not yet computed: a waiting request's whole
-            prompt (its cached part included: every engine, and the simulator, learns
-            the match only when it schedules the request) plus running prefills' rest.
+        queued_prefill_tokens: the whole prompt tokens of the requests admitted that
+            have no first token yet, waiting or being prefilled (cached parts included:
+            every engine, and the simulator, learns the match only when it schedules the
+            request).
         free_blocks: blocks that can be allocated now (uncached free + evictable).
         capacity_blocks: total KV blocks.
         in_flight: requests this router sent that have not finished (with the terms

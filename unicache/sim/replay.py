@@ -287,7 +287,6 @@ class Replay:
                 if req.reusable_blocks < len(req.prompt_hashes):
                     # NOTE: the blocks a hit may not cover are computed, then cached as usual.
                     store.add_block_hashes(req.rid, req.prompt_hashes[req.reusable_blocks:])
-                rep.queued_prefill_tokens -= req.prompt_tokens
                 rep.running += 1
                 hits = alloc.num_hit_blocks
                 hit_tokens = min(hits * bs, req.input_length)
@@ -321,6 +320,7 @@ class Replay:
             for req in batch:
                 first_token(routed[req.rid], rid)
         for req in batch:
+            rep.queued_prefill_tokens -= req.prompt_tokens
             # NOTE: a promotion's copy delays only its own request (copies run on the
             # copy engine, beside the lane's compute).
             delay = promote.pop(req.index, 0.0) if promote else 0.0

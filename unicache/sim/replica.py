@@ -27,6 +27,6 @@ class SimReplica:
     busy_lanes: int = 0
     running: int = 0  # admitted, not finished (prefilling or decoding)
     waiting: deque[SimRequest] = field(default_factory=deque)
-    queued_prefill_tokens: int = 0  # prompt tokens of waiting requests
+    queued_prefill_tokens: int = 0  # prompt tokens of requests waiting or being prefilled (no first token yet)
     computed_prefill_tokens: int = 0  # uncached prompt tokens computed so far
     in_flight: int = 0  # routed here, not finished
