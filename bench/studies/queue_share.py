@@ -28,9 +28,9 @@ Variants, against the policy without it (``queue_share=False``, whole prompts):
       queued request claims its cached blocks too);
     * ``queue share, everywhere``: the estimate in room and pressure too
       (``ShareEverywherePolicy``, this study's);
-    * ``oracle``: without the estimate, but each replica's queue reported as the uncached
-      tokens of its waiting requests, re-matched at every decision
-      (``UncachedQueueReplay``).
+    * ``oracle``: without the estimate, but each replica's waiting requests reported as
+      their uncached tokens, re-matched at every decision (``UncachedQueueReplay``; the
+      requests being prefilled as published, whole).
 
 Tuning traces only (``bench.studies.routing_admission``'s), 4 and 8 replicas; scores
 against the policy without the estimate and sglang + unicache.
@@ -56,8 +56,9 @@ DEFAULT = "whole prompts (no queue share)"
 
 
 class UncachedQueueReplay(Replay):
-    """Reports each replica's queue as the uncached tokens of its waiting requests, matched
-    against its cache now (a lower bound on the prefill work they will need)."""
+    """Reports each replica's waiting requests as their uncached tokens, matched against
+    its cache now (a lower bound on the prefill work they will need); the requests being
+    prefilled stay as published, whole prompts."""
 
     def _snapshot(self) -> list[ReplicaLoad]:
         loads = super()._snapshot()
@@ -65,7 +66,10 @@ class UncachedQueueReplay(Replay):
         out = []
         for rep, load in zip(self.replicas, loads):
             match = rep.store.match_prefix
-            queued = sum(max(0, r.input_length - bs * match(r.prompt_hashes[: r.reusable_blocks])) for r in rep.waiting)
+            waiting = rep.waiting
+            prefilling = load.queued_prefill_tokens - sum(r.prompt_tokens for r in waiting)
+            queued = prefilling + sum(max(0, r.input_length - bs * match(r.prompt_hashes[: r.reusable_blocks]))
+                                      for r in waiting)
             out.append(replace(load, queued_prefill_tokens=queued))
         return out
 
