@@ -678,3 +678,19 @@ def test_hash_ring_joins_one_at_a_time_equal_one_rebuild():
     grown.set_members(ids[5:])
     assert grown.points() == sorted((ring_hash(f"{r}#{i}"), r) for r in ids[5:] for i in range(16))
     assert set(grown._cached) == set(ids[5:])
+
+
+def test_cache_aware_queue_per_lane_counts_the_queue_over_the_prefill_lanes():
+    # r0 holds 8 of the 10 blocks (128 of 160 tokens) and has 200 queued tokens, r1 nothing.
+    idx = make_index({"r0": list(range(8))})
+    reps = [load("r0", queued=200), load("r1")]
+    req = make_request("a", range(10))
+    kw = {"churn_weight": 0.0, "footprint_weight": 0.0, "evict_weight": 0.0, "queue_share": False}
+    # whole queue: r0 costs 160 - 128 + 200 = 232 > r1's 160
+    d = CacheAwarePolicy(**kw).choose(req, reps, idx)
+    assert (d.replica_id, d.score) == ("r1", 160.0)
+    # over 4 lanes: r0 costs 32 + 50 = 82
+    d = CacheAwarePolicy(queue_per_lane=True, **kw).choose(req, reps, idx)
+    assert (d.replica_id, d.reason, d.score) == ("r0", "index_prefix", 82.0)
+    d = CacheAwarePolicy(queue_per_lane=True, prefill_lanes=2, **kw).choose(req, reps, idx)
+    assert (d.replica_id, d.score) == ("r0", 132.0)

@@ -28,7 +28,10 @@ every live replica r:
     hit_r    = B * (m_r + g_r + (1 - host_cost) * h_r) * (1 - evict_weight * p_r)
                (a matched block likely to be evicted before use counts less; a host block
                saves its prefill but costs its copy, host_cost of a prefill per token)
-    load_r   = q_r * queued_prefill_tokens_r + request_cost_tokens * outstanding_r
+    load_r   = q_r * queued_prefill_tokens_r / L + request_cost_tokens * outstanding_r
+               (L = prefill_lanes with ``queue_per_lane``, else 1: the queue drains on every
+               lane while the request's own prefill runs on one, as the admission estimate
+               below counts it)
     q_r      = the uncached share of r's queue (``queue_share``): of the router's requests
                (sharing terms: every router's) routed to r that have not sent their
                first token, the uncached prompt
@@ -302,6 +305,7 @@ class CacheAwarePolicy(RoutingPolicy):
         session_hold_frac: float = 0.5,
         fit_first: bool = True,
         queue_share: bool = True,
+        queue_per_lane: bool = False,
         virtual_nodes: int = 160,
         template_key_blocks: int = 1,
         max_sessions: int = 100_000,
@@ -318,6 +322,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.session_hold_frac = session_hold_frac
         self.fit_first = fit_first
         self.queue_share = queue_share
+        self.queue_per_lane = queue_per_lane
         self.load_weight = load_weight
         self.request_cost_tokens = request_cost_tokens
         self.evict_weight = evict_weight
@@ -412,6 +417,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # exactly 0.0, so every cost is the formula's, bit for bit.
         pending, inflow, footprint, share = self._pending, self._inflow, self._footprint, self._share
         evict_weight, rct, load_weight = self.evict_weight, self.request_cost_tokens, self.load_weight
+        per_lane = 1.0 / self.admission.prefill_lanes if self.queue_per_lane else 0.0
         host_weight = 1.0 - self.host_cost
         # runs through both tiers past each replica's GPU match, for the replicas that have one
         runs = index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None
@@ -445,6 +451,8 @@ class CacheAwarePolicy(RoutingPolicy):
                         reason = "host_prefix"
             qpt = r.queued_prefill_tokens
             q = qpt * share.get(rid, 1.0) if share and qpt else qpt  # the queue's uncached tokens
+            if per_lane:
+                q *= per_lane
             out = r.running + r.waiting
             if r.in_flight > out:
                 out = r.in_flight
