@@ -74,15 +74,17 @@ POOLED = "pooled"
 POOLED_LABEL = "pooled+unicache"
 # Candidate settings of cache_aware chosen among by cross-validation (kwargs over the
 # constructor defaults): how far a replica's estimated TTFT may exceed the best one's and
-# stay admissible, and whether the churn and session-footprint terms (which trade
-# locality for spreading new work) earn their place, and whether to prefer admissible
-# replicas with room for the request's blocks (fit_first). TTFT admission itself, against the
-# fixed balance ratio it replaced, is bench.studies.routing_admission's question.
+# stay admissible, whether the session-footprint term (which trades locality for spreading
+# new work) earns its place, and whether the cost counts a replica's queue over its prefill
+# lanes (queue_per_lane). The churn term, fit-first and the queue share are fixed on: the
+# cross-validation over 48 settings with each of them on and off (7 tuning traces) picked
+# each for 7 of 7, 6 of 7 and 7 of 7 held-out families with the simulator's published queue
+# as it is now. TTFT admission itself, against the fixed balance ratio it replaced, is
+# bench.studies.routing_admission's question.
 CANDIDATES: dict[str, dict] = {
-    f"af{af}-ch{ch}-fp{fp}-fit{int(fit)}-qs{int(qs)}": {"admission_factor": af, "churn_weight": ch,
-                                                         "footprint_weight": fp, "fit_first": fit, "queue_share": qs}
-    for af in (1.5, 2.0, 3.0) for ch in (0.5, 0.0) for fp in (0.5, 0.0) for fit in (True, False)
-    for qs in (True, False)
+    f"af{af}-fp{fp}-ql{int(ql)}": {"admission_factor": af, "churn_weight": 0.5, "footprint_weight": fp,
+                                   "fit_first": True, "queue_share": True, "queue_per_lane": ql}
+    for af in (1.5, 2.0, 3.0) for fp in (0.5, 0.0) for ql in (True, False)
 }
 U_START, U_MIN, U_MAX = 0.5, 1.0 / 16, 8.0
 BISECT_STEPS = 3  # geometric bisections of the doubling bracket (see the module docstring)
@@ -432,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default=str(mooncake_trace()), help="the Mooncake conversation trace")
     ap.add_argument("--points", type=int, default=2, help="report points per generated family (default 2)")
     ap.add_argument("--seeds", type=int, default=2, help="report seeds per point (default 2)")
+    ap.add_argument("--tune-points", type=int, default=4,
+                    help="tuning points per generated family, one seed each (default 4)")
     ap.add_argument("--mooncake-slices", type=int, default=4, help="equal time slices of Mooncake (default 4)")
     ap.add_argument("--mooncake-report", type=int, default=1, help="Mooncake slices reported (after 1 tuning slice)")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of generated arrivals (default 300)")
@@ -451,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     replicas = tuple(int(x) for x in args.replicas.split(","))
     common = {"mooncake": args.trace, "mooncake_slices": args.mooncake_slices, "duration": args.duration,
               "requests_per_s": args.requests_per_s, "capacity_frac": args.capacity_frac, "u_ref": args.u_ref}
-    traces = suite_traces(points=args.points, seeds=args.seeds, mooncake_slices=(1, args.mooncake_report),
-                          families=families)
+    traces = suite_traces(points=args.points, seeds=args.seeds, tune_points=args.tune_points,
+                          mooncake_slices=(1, args.mooncake_report), families=families)
     tune_t = [t for t in traces if t.role == "tune"]
     report_t = [t for t in traces if t.role == "report"]
 
@@ -498,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "workers": args.workers,
         "commit": git_commit(REPO), "python": platform.python_version(),
         "suite": f"{len([f for f in families if f != MOONCAKE])} generated families x {args.points} points x "
-                 f"{args.seeds} seeds, {args.duration:.0f} s each; Mooncake: slice 0 of {args.mooncake_slices} tunes, "
+                 f"{args.seeds} seeds to report, {args.tune_points} other points x 1 other seed to tune, "
+                 f"{args.duration:.0f} s each; Mooncake: slice 0 of {args.mooncake_slices} tunes, "
                  f"{args.mooncake_report} later slice(s) report",
         "traces": {"tune": len(tune_t), "report": len(report_t)},
         "capacity_frac": args.capacity_frac, "u_ref": args.u_ref, "replicas": list(replicas),

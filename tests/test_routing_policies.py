@@ -250,12 +250,15 @@ def test_cache_aware_no_match_ties_to_least_loaded_then_id():
 def test_cache_aware_load_outweighs_a_short_match():
     p = CacheAwarePolicy()
     idx = make_index({"r1": [0, 1]})
-    reps = [load("r0"), load("r1", queued=100)]
-    # r0: 160 - 0 + 0 = 160; r1: 160 - 32 + 100 = 228 (pressure 6.25/1000 blocks -> hit 31.9).
-    assert p.choose(make_request("q", range(10)), reps, idx).replica_id == "r0"
+    reps = [load("r0"), load("r1", queued=400)]
+    # r0: 160 - 0 + 0 = 160; r1: 160 - 32 * (1 - 0.5 * 0.025) + 400 / 4 lanes = 228.4
+    # (pressure: 25 of 1,000 blocks)
+    d = p.choose(make_request("q", range(10)), reps, idx)
+    assert (d.replica_id, d.score) == ("r0", 160.0)
     idx = make_index({"r1": list(range(8))})
-    # r1: 160 - 128*(1 - 0.5*0.00625) + 100 = 132.4 < 160.
-    assert p.choose(make_request("q", range(10)), reps, idx).replica_id == "r1"
+    # r1: 160 - 128 * (1 - 0.5 * 0.025) + 100 = 133.6 < 160.
+    d = p.choose(make_request("q", range(10)), reps, idx)
+    assert (d.replica_id, d.score) == ("r1", pytest.approx(133.6))
 
 
 def test_cache_aware_ttft_admission_keeps_a_cached_request_off_an_idle_replica():
@@ -342,11 +345,11 @@ def test_cache_aware_fit_first_prefers_room_but_keeps_a_sessions_home():
     req = make_request("q", range(40))  # 640 tokens; r0 holds 608 of them
     # r0: free 180 - queue 150 blocks = 30 < 40 needed; r1: 1000 - 125 >= 40. Both are
     # admissible (est r0 32 + 2400/4 = 632, r1 640 + 2000/4 = 1140 <= 2 x 632) and the cost
-    # prefers r0 (32 + 2400 = 2432 < 640 + 2000 = 2640; eviction discount off for clarity).
+    # prefers r0 (32 + 2400/4 = 632 < 640 + 2000/4 = 1140; eviction discount off for clarity).
     reps = [load("r0", queued=2400, free=180), load("r1", queued=2000, free=1000)]
     assert CacheAwarePolicy(evict_weight=0.0, fit_first=False).choose(req, reps, idx).replica_id == "r0"
     d = CacheAwarePolicy(evict_weight=0.0).choose(req, reps, idx)
-    assert (d.replica_id, d.reason, d.score) == ("r1", "load", 2640.0)
+    assert (d.replica_id, d.reason, d.score) == ("r1", "load", 1140.0)
     # Nobody has room: nothing to prefer, the cost decides as without fit-first.
     full = [load("r0", queued=2400, free=180), load("r1", queued=2000, free=150)]
     assert CacheAwarePolicy(evict_weight=0.0).choose(req, full, idx).replica_id == "r0"
@@ -687,7 +690,7 @@ def test_cache_aware_queue_per_lane_counts_the_queue_over_the_prefill_lanes():
     req = make_request("a", range(10))
     kw = {"churn_weight": 0.0, "footprint_weight": 0.0, "evict_weight": 0.0, "queue_share": False}
     # whole queue: r0 costs 160 - 128 + 200 = 232 > r1's 160
-    d = CacheAwarePolicy(**kw).choose(req, reps, idx)
+    d = CacheAwarePolicy(queue_per_lane=False, **kw).choose(req, reps, idx)
     assert (d.replica_id, d.score) == ("r1", 160.0)
     # over 4 lanes: r0 costs 32 + 50 = 82
     d = CacheAwarePolicy(queue_per_lane=True, **kw).choose(req, reps, idx)
