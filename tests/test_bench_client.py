@@ -132,3 +132,30 @@ async def test_cli_replays_a_trace_through_the_router(one_replica_stack, tmp_pat
     records = await run_bench(cfg, read_trace(trace)[:2])
     failed = summarize(records, 1.0)
     assert (failed["requests"], failed["succeeded"], failed["failed"], failed["errors"]) == (2, 0, 2, {"http 401": 2})
+
+
+def _sse_stream(*events: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("events, error, ttft, tokens", [
+    # two tokens that decode to no text (e.g. special ids), then the usage event: a success
+    (({"choices": [{"index": 0, "text": "", "finish_reason": None}]},
+      {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
+      {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}), None, True, 2),
+    # only the usage event: nothing was streamed
+    (({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0}},), "no tokens", False, 0),
+])
+async def test_a_choice_is_a_token_event_even_with_empty_text(events, error, ttft, tokens):
+    import httpx
+
+    from unicache.bench_client import _one
+    from unicache.trace import TraceRequest
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, content=_sse_stream(*events), headers={"content-type": "text/event-stream"}))
+    req = TraceRequest(index=0, timestamp_ms=0.0, input_length=4, output_length=2, hash_ids=[1])
+    async with httpx.AsyncClient(transport=transport) as client:
+        rec = await _one(client, BenchConfig(endpoint="http://x"), req, 0.0)
+    assert (rec.error, not math.isnan(rec.ttft_s), rec.completion_tokens) == (error, ttft, tokens)
+    assert len(rec.itl_s) == (1 if ttft else 0)

@@ -110,7 +110,10 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, req: TraceRequest, t
                     rec.error = "stream error"
                     return rec
                 now = time.perf_counter()
-                if any(c.get("text") for c in event.get("choices") or []):
+                # NOTE: a choice is a token event even with empty text (a special token, or a
+                # UTF-8 byte the detokenizer holds back), as vLLM's benchmark counts it; the
+                # usage-only event has no choices.
+                if event.get("choices"):
                     chunks += 1
                     if last is None:
                         rec.ttft_s = now - sent
