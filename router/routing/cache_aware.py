@@ -86,8 +86,9 @@ published waiting requests only). The queue counts over the prefill lanes in the
 (``queue_per_lane``) since the simulator publishes running prefills as the engines do: a
 running prefill holds one lane of several, and weighed 1:1 against the request's own
 uncached tokens it drove requests off the replicas holding their prefixes (26 tuning traces:
-the shipped policy fed the old figure scored 1.054x / 1.045x at 4 / 8 replicas; counting
-the queue per lane recovers 1.019x / 1.016x of that, ``bench.studies.prefill_queue``).
+the policy with the whole queue in its cost scored 1.054x / 1.045x at 4 / 8 replicas fed
+the old figure than fed the engines'; counting the queue per lane scores 1.019x / 1.016x
+the whole queue, a third of that back, ``bench.studies.prefill_queue``).
 Defaults: load_weight 1.0, request_cost_tokens 128,
 evict_weight 0.5, host_cost 0.08, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
 churn_window 256, footprint_weight 0.5, footprint_window 96, track_inflight off,
