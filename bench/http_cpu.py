@@ -96,13 +96,7 @@ def bare_app(addresses: list[str], metadata=None):
     async def app(scope, receive, send) -> None:
         if scope["type"] != "http":
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = json.loads(b"".join(chunks))
+        body = json.loads(await read_asgi_body(receive))
         request = replica_pb2.GenerateRequest(
             token_ids=replica_pb2.TokenIds(ids=body["prompt"].encode()),
             sampling=common_pb2.SamplingParams(max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 1.0)),
@@ -131,14 +125,24 @@ def bare_app(addresses: list[str], metadata=None):
     return app, channels
 
 
-async def start_bare_http(addresses: list[str], metadata=None):
-    """The bare proxy (``bare_app``) served by uvicorn (httptools) on a free port of
-    127.0.0.1 on the running loop; returns (server, serving task, port, channels)."""
+async def read_asgi_body(receive) -> bytes:
+    """An ASGI HTTP request's whole body."""
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def serve_uvicorn(app):
+    """``app`` served by uvicorn (httptools, no access log, no lifespan) on a free port of
+    127.0.0.1 on the running loop, once it accepts; returns (server, serving task, port).
+    Stop it with ``server.should_exit = True`` and await the task."""
     import socket
 
     import uvicorn
 
-    app, channels = bare_app(addresses, metadata)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
@@ -148,7 +152,15 @@ async def start_bare_http(addresses: list[str], metadata=None):
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
-    return server, task, sock.getsockname()[1], channels
+    return server, task, sock.getsockname()[1]
+
+
+async def start_bare_http(addresses: list[str], metadata=None):
+    """The bare proxy (``bare_app``) served by uvicorn (``serve_uvicorn``); returns (server,
+    serving task, port, channels)."""
+    app, channels = bare_app(addresses, metadata)
+    server, task, port = await serve_uvicorn(app)
+    return server, task, port, channels
 
 
 async def stop_bare_http(server, task, channels) -> None:

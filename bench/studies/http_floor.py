@@ -5,7 +5,8 @@ HTTP/1.1, keep-alive connections): the same streamed ``/v1/completions`` body, 8
 The figure is the server process's CPU (all threads, from /proc) per request, per round,
 rounds interleaved; medians over rounds.
 
-    * ``bare uvicorn``: uvicorn (httptools, uvloop) serving an ASGI app that parses the
+    * ``bare uvicorn``: uvicorn (httptools, uvloop, no access log: ``bench.http_cpu
+      .serve_uvicorn``, as the bare proxy of ``bench.http_cpu``) serving an ASGI app that parses the
       body with ``json.loads`` and streams 8 fixed SSE events and ``[DONE]``: what the
       HTTP server itself costs, nothing routed;
     * ``bare granian (asgi)`` / ``bare granian (rsgi)``: the same app on granian's embedded
@@ -26,7 +27,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,10 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.http_cpu import router_main
+from bench.http_cpu import read_asgi_body, router_main, serve_uvicorn
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, write_report
-from bench.router_profile import replica_spec, replicas_main
+from bench.router_profile import free_port, replica_spec, replicas_main
 from unicache.testing.procfs import cpu_s
 
 TOKENS = 8
@@ -48,13 +48,7 @@ _EVENTS = [b'data: {"id":"cmpl-bare","object":"text_completion","choices":[{"ind
 async def _asgi(scope, receive, send) -> None:
     if scope["type"] != "http":
         return
-    chunks = []
-    while True:
-        m = await receive()
-        chunks.append(m.get("body", b""))
-        if not m.get("more_body"):
-            break
-    json.loads(b"".join(chunks))
+    json.loads(await read_asgi_body(receive))
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     for e in _EVENTS:
         await send({"type": "http.response.body", "body": e, "more_body": True})
@@ -69,13 +63,7 @@ async def _rsgi(scope, proto) -> None:
     await tr.send_bytes(b"data: [DONE]\n\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def bare_main(kind: str, port: int, ports, stop) -> None:
+def bare_main(kind: str, ports, stop) -> None:
     """One bare server (``kind``: uvicorn, granian-asgi, granian-rsgi) until ``stop``."""
     import asyncio
 
@@ -83,14 +71,7 @@ def bare_main(kind: str, port: int, ports, stop) -> None:
 
     async def run() -> None:
         if kind == "uvicorn":
-            import uvicorn
-
-            server = uvicorn.Server(uvicorn.Config(_asgi, host="127.0.0.1", port=port, http="httptools",
-                                                   loop="none", lifespan="off", log_level="warning"))
-            server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-            task = asyncio.create_task(server.serve())
-            while not server.started:
-                await asyncio.sleep(0.01)
+            server, task, port = await serve_uvicorn(_asgi)
             ports.put((kind, port, os.getpid()))
             await asyncio.get_running_loop().run_in_executor(None, stop.wait)
             server.should_exit = True
@@ -101,6 +82,7 @@ def bare_main(kind: str, port: int, ports, stop) -> None:
         from granian.server.embed import Server
 
         rsgi = kind == "granian-rsgi"
+        port = free_port()
         server = Server(_rsgi if rsgi else _asgi, address="127.0.0.1", port=port,
                         interface=Interfaces.RSGI if rsgi else Interfaces.ASGI, log_level=LogLevels.error)
         task = asyncio.create_task(server.serve())
@@ -146,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     _, rep_ports, rep_pid = ports.get(timeout=120)
     servers: dict[str, tuple[int, int]] = {}
     for kind in kinds:
-        p = ctx.Process(target=bare_main, args=(kind, _free_port(), ports, stop))
+        p = ctx.Process(target=bare_main, args=(kind, ports, stop))
         p.start()
         procs.append(p)
         k, port, pid = ports.get(timeout=120)
