@@ -27,6 +27,15 @@ routed that have not sent their first token, per replica (``RoutingPolicy.queued
 the policy the sums of every other live writer's latest (``set_peer_queued``), so every
 router scales a replica's published queue by the share of all routers' waiting requests.
 
+Those maps travel as deltas: a batch carries the replicas whose counts or sums changed
+since the writer's previous batch (``RoutedBatch.delta``; 0 removes a replica), and a
+complete batch goes out at least every ``keepalive_s`` and after any batch that may not
+have arrived (a failed send). A reader applies a delta only on top of the writer's batch
+just before it (seq - 1) that it applied; after a gap it keeps that writer's last view,
+not refreshed, until the next complete batch. At 1,024 replicas with every replica
+holding queued requests a complete batch carries about 22 KB of sums, a delta about 22
+bytes per replica its events touched (``bench.terms_exchange_cost``).
+
 Invariants:
     * A batch is sealed with the cluster's state key (kind "routed", ``unicache.state_auth``)
       and names its writer and a per-writer ``seq`` from 1: a batch that fails its MAC or
@@ -35,6 +44,10 @@ Invariants:
       need only be remembered that long), or that holds more than ``max_batch_events``
       events is dropped whole and counted (``rejected``); the router's own batches are
       skipped.
+    * A reader's view of a writer's in-flight counts and queued sums is the one that
+      writer sent, at most ``keepalive_s`` (plus the stream's delay) late: complete
+      batches set it, deltas change it only when they follow the batch it was built
+      from.
     * Memory: at most ``max_pending`` unsent events (about 100 bytes each), and per other
       writer heard from within ``max_age_s`` its seq, in-flight counts and queued sums.
     * An event for a replica the router does not know (``is_known``), or with a share
@@ -70,6 +83,14 @@ log = logging.getLogger(__name__)
 KIND = "routed"
 
 
+def _changes(new: dict, old: dict, gone):
+    """The entries of ``new`` that differ from ``old``, and ``gone`` for keys only in ``old``."""
+    out = {k: v for k, v in new.items() if old.get(k) != v}
+    for k in old.keys() - new.keys():
+        out[k] = gone
+    return out
+
+
 def new_router_id() -> str:
     """A name for this router process that no other router of the cluster shares."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -97,8 +118,8 @@ class TermsExchange:
             ``unicache_router_terms_exchange``; None: the attributes only).
         cluster: the router's cluster view, whose in-flight counts are shared (None: only
             the policy's terms are).
-        keepalive_s: a batch (with the in-flight counts) goes out at least this often
-            (default 0.5 s).
+        keepalive_s: a complete batch (every in-flight count and queued sum, not only
+            the changes) goes out at least this often (default 0.5 s).
         peer_ttl_s: another router's in-flight counts count this long after its latest
             batch (default 2 s).
         max_age_s: a batch written longer ago than this (or this far ahead: clock skew) is
@@ -142,7 +163,8 @@ class TermsExchange:
         self.peer_ttl_s = peer_ttl_s
         self.clock = clock
         self._sent_in_flight: dict[str, int] | None = None  # the counts of the last batch sent
-        self._sent_at = -float("inf")
+        self._full_at = -float("inf")  # when the last complete batch was sent
+        self._need_full = True  # the next batch must be complete (none sent yet, or a send failed)
         self._peer_in_flight: dict[str, tuple[float, dict[str, int]]] = {}  # writer -> (heard at, counts)
         self._sent_queued: dict[str, tuple[int, int]] = {}  # the queued sums of the last batch sent
         # writer -> (heard at, replica -> (uncached, whole) queued prompt tokens)
@@ -155,12 +177,17 @@ class TermsExchange:
     # -- one round ------------------------------------------------------------------
 
     def encode(self, events: list[RoutedEvent], in_flight: dict[str, int] | None = None,
-               queued: dict[str, tuple[int, int]] | None = None) -> bytes:
+               queued: dict[str, tuple[int, int]] | None = None, delta: bool = False) -> bytes:
         """The next sealed batch of ``events``, this router's ``in_flight`` counts and its
-        ``queued`` (uncached, whole) prompt tokens per replica (advances this writer's seq)."""
+        ``queued`` (uncached, whole) prompt tokens per replica (advances this writer's seq);
+        ``delta``: the maps carry only what changed since the last batch sent (0: gone)."""
         self._seq += 1
         queued = queued or {}
-        msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq, in_flight=in_flight or {},
+        in_flight = in_flight or {}
+        if delta:
+            in_flight = _changes(in_flight, self._sent_in_flight or {}, 0)
+            queued = _changes(queued, self._sent_queued, (0, 0))
+        msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq, in_flight=in_flight, delta=delta,
                                      sent_ms=self.wall_ms(),
                                      queued_uncached_tokens={rid: q[0] for rid, q in queued.items()},
                                      queued_prompt_tokens={rid: q[1] for rid, q in queued.items()})
@@ -187,19 +214,15 @@ class TermsExchange:
             self._count("rejected")
             return None
         now = self.clock()
+        # NOTE: a delta builds on the writer's previous batch: only if this reader applied it
+        follows = last is not None and msg.seq == last[0] + 1
         self._peer_seq[msg.router_id] = (msg.seq, now)
         if len(self._peer_seq) > 64:
             # NOTE: a writer unheard for max_age_s can only send batches refused as too old
             # or newer seqs, so its last seq is no longer needed.
             for w in [w for w, (_, heard) in self._peer_seq.items() if now - heard > self.max_age_s]:
                 del self._peer_seq[w]
-        if self.cluster is not None:
-            counts = {rid: n for rid, n in msg.in_flight.items() if self.is_known(rid)}
-            self._peer_in_flight[msg.router_id] = (now, counts)
-        unc = msg.queued_uncached_tokens
-        self._peer_queued[msg.router_id] = (now, {rid: (min(unc.get(rid, 0), whole), whole)
-                                                  for rid, whole in msg.queued_prompt_tokens.items()
-                                                  if whole and self.is_known(rid)})
+        self._take_views(msg, now, follows)
         out = []
         for ev in msg.events:
             share = ev.prev_share
@@ -209,10 +232,44 @@ class TermsExchange:
             out.append(RoutedEvent(ev.replica_id, ev.new_tokens, ev.session_blocks, ev.prev_replica_id, share))
         return out
 
+    def _take_views(self, msg: router_pb2.RoutedBatch, now: float, follows: bool) -> None:
+        """Set (complete batch) or change (a delta that ``follows`` the batch this reader
+        last applied from the writer) the writer's in-flight counts and queued sums; a
+        delta after a gap leaves them as they were, not refreshed."""
+        writer, known = msg.router_id, self.is_known
+        unc = msg.queued_uncached_tokens
+        if not msg.delta:
+            if self.cluster is not None:
+                self._peer_in_flight[writer] = (now, {rid: n for rid, n in msg.in_flight.items() if known(rid)})
+            self._peer_queued[writer] = (now, {rid: (min(unc.get(rid, 0), whole), whole)
+                                               for rid, whole in msg.queued_prompt_tokens.items()
+                                               if whole and known(rid)})
+            return
+        queued = self._peer_queued.get(writer)
+        counts = self._peer_in_flight.get(writer) if self.cluster is not None else None
+        if not follows or queued is None or (self.cluster is not None and counts is None):
+            return
+        sums = queued[1]
+        for rid, whole in msg.queued_prompt_tokens.items():
+            if whole and known(rid):
+                sums[rid] = (min(unc.get(rid, 0), whole), whole)
+            else:
+                sums.pop(rid, None)
+        self._peer_queued[writer] = (now, sums)
+        if counts is not None:
+            flights = counts[1]
+            for rid, n in msg.in_flight.items():
+                if n and known(rid):
+                    flights[rid] = n
+                else:
+                    flights.pop(rid, None)
+            self._peer_in_flight[writer] = (now, flights)
+
     async def publish(self) -> None:
-        """Append this router's new events (and in-flight counts) to the stream as one
-        batch (kept on failure); nothing when there are no events, the counts are as last
-        sent and the keepalive is not due."""
+        """Append this router's new events (and in-flight counts and queued sums, as
+        changes or complete) to the stream as one batch (kept on failure); nothing when
+        there are no events, the counts and sums are as last sent and no complete batch is
+        due."""
         pending = self._pending
         pending.extend(self.policy.take_routed())
         if len(pending) > self.max_pending:
@@ -220,14 +277,14 @@ class TermsExchange:
         in_flight = self.cluster.own_in_flight() if self.cluster is not None else None
         queued = self.policy.queued_tokens()
         now = self.clock()
+        full = self._need_full or now - self._full_at >= self.keepalive_s
         if not pending:
             if self.cluster is None and not queued and not self._sent_queued:
                 return  # nothing to send or keep alive
-            if (in_flight == self._sent_in_flight and queued == self._sent_queued
-                    and now - self._sent_at < self.keepalive_s):
+            if in_flight == self._sent_in_flight and queued == self._sent_queued and not full:
                 return
         events = pending[: self.max_batch_events]
-        raw = self.encode(events, in_flight, queued)
+        raw = self.encode(events, in_flight, queued, delta=not full)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.redis.xadd(self.stream, {"b": raw}, maxlen=ROUTED_STREAM_MAXLEN, approximate=True)
@@ -235,9 +292,12 @@ class TermsExchange:
             self.errors += 1
             self._count("error")
             log.debug("routed batch not sent: %s", type(exc).__name__)
+            self._need_full = True  # it may have been written all the same: the readers' next base is uncertain
             return
         del pending[: len(events)]
-        self._sent_in_flight, self._sent_queued, self._sent_at = in_flight, queued, now
+        self._sent_in_flight, self._sent_queued = in_flight, queued
+        if full:
+            self._full_at, self._need_full = now, False
         self.sent_batches += 1
         self.sent_events += len(events)
         self._count("sent")

@@ -181,3 +181,82 @@ async def test_a_batch_older_than_the_max_age_is_refused_so_old_writers_can_be_f
         await clients[0].xadd(w.stream, {"b": w.encode([RoutedEvent("r0", 1)])})
     await b.read(1)
     assert (b.rejected, b.applied_batches, pb._inflow) == (2, 1, {"r0": 1.0})
+
+
+def _batches(raws: list[bytes]) -> list[router_pb2.RoutedBatch]:
+    signer = StateSigner(KEY)
+    return [router_pb2.RoutedBatch.FromString(signer.open("routed", raw)) for raw in raws]
+
+
+async def _stream_batches(client, stream: str) -> list[router_pb2.RoutedBatch]:
+    return _batches([fields[b"b"] for _, fields in await client.xrange(stream)])
+
+
+async def test_queued_sums_travel_as_changes_between_complete_batches(clients):
+    """After a complete batch, a batch carries only the replicas whose sums changed (a
+    first token's replica with 0: gone); the reader's view stays the writer's exactly;
+    the keepalive sends everything again."""
+    now = [0.0]
+    known = {"r0", "r1", "r2"}.__contains__
+    pa, pb = CacheAwarePolicy(), CacheAwarePolicy()
+    a = TermsExchange(clients[0], PREFIX, KEY, pa, known, router_id="a", clock=lambda: now[0])
+    b = TermsExchange(clients[1], PREFIX, KEY, pb, known, router_id="b", clock=lambda: now[0])
+    await b.step()
+    routed(pa, "r0", [1, 2, 3, 4], matched=3)  # (16, 64)
+    routed(pa, "r1", [5, 6])  # (32, 32)
+    routed(pa, "r2", [7])  # (16, 16)
+    await a.step()
+    await b.step()
+    assert b._peer_queued["a"][1] == pa.queued_tokens() == {"r0": (16, 64), "r1": (32, 32), "r2": (16, 16)}
+    routed(pa, "r1", [8, 9, 10])  # r1: (80, 80)
+    pa.on_first_token(RoutingRequest("q7", RequestClass(task=Task.OTHER), hash_id_blocks([7]), 16, 16), "r2")
+    now[0] += 0.1
+    await a.step()
+    await b.step()
+    assert b._peer_queued["a"][1] == pa.queued_tokens() == {"r0": (16, 64), "r1": (80, 80)}
+    now[0] += 0.5  # the keepalive: complete again, though nothing changed
+    await a.step()
+    await b.step()
+    full, delta, keepalive = await _stream_batches(clients[0], a.stream)
+    assert (full.delta, delta.delta, keepalive.delta) == (False, True, False)
+    assert dict(full.queued_prompt_tokens) == {"r0": 64, "r1": 32, "r2": 16}
+    assert dict(delta.queued_prompt_tokens) == {"r1": 80, "r2": 0}
+    assert dict(delta.queued_uncached_tokens) == {"r1": 80, "r2": 0}
+    assert dict(keepalive.queued_prompt_tokens) == {"r0": 64, "r1": 80}
+    assert b._peer_queued["a"][1] == {"r0": (16, 64), "r1": (80, 80)}
+    assert pb._share == {"r0": 16 / 64, "r1": 1.0}
+
+
+async def test_a_reader_without_the_previous_batch_waits_for_a_complete_one(clients):
+    """A reader that starts after the writer's complete batch applies the deltas' events
+    but not their changes (it has no view to change) until the next complete batch; a
+    failed send makes the writer's next batch complete."""
+    now = [0.0]
+    pa, pb = CacheAwarePolicy(), CacheAwarePolicy()
+    a = TermsExchange(clients[0], PREFIX, KEY, pa, KNOWN, router_id="a", clock=lambda: now[0])
+    routed(pa, "r0", [1, 2])
+    await a.step()  # complete, before b reads
+    b = TermsExchange(clients[1], PREFIX, KEY, pb, KNOWN, router_id="b", clock=lambda: now[0])
+    await b.step()  # reads from the stream's end
+    routed(pa, "r1", [3])
+    now[0] += 0.1
+    await a.step()  # a delta: r1 only
+    await b.step()
+    assert b.applied_events == 1 and "a" not in b._peer_queued and pb._inflow["r1"] == 16.0
+    real_xadd = a.redis.xadd
+
+    async def failing(*args, **kwargs):
+        raise ConnectionError("down")
+
+    a.redis.xadd = failing
+    routed(pa, "r0", [4])
+    now[0] += 0.1
+    await a.step()
+    assert a.errors == 1
+    a.redis.xadd = real_xadd
+    now[0] += 0.1
+    await a.step()  # complete again after the failure, keepalive not due
+    await b.step()
+    batches = await _stream_batches(clients[0], a.stream)
+    assert [m.delta for m in batches] == [False, True, False]
+    assert b._peer_queued["a"][1] == pa.queued_tokens() == {"r0": (48, 48), "r1": (16, 16)}

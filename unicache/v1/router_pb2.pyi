@@ -143,7 +143,7 @@ class RoutedEvent(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., new_tokens: _Optional[int] = ..., session_blocks: _Optional[int] = ..., prev_replica_id: _Optional[str] = ..., prev_share: _Optional[float] = ...) -> None: ...
 
 class RoutedBatch(_message.Message):
-    __slots__ = ("router_id", "seq", "events", "in_flight", "sent_ms", "queued_uncached_tokens", "queued_prompt_tokens")
+    __slots__ = ("router_id", "seq", "events", "in_flight", "sent_ms", "queued_uncached_tokens", "queued_prompt_tokens", "delta")
     class InFlightEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class RoutedBatch(_message.Message):
     SENT_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     seq: int
     events: _containers.RepeatedCompositeFieldContainer[RoutedEvent]
@@ -179,4 +180,5 @@ class RoutedBatch(_message.Message):
     sent_ms: int
     queued_uncached_tokens: _containers.ScalarMap[str, int]
     queued_prompt_tokens: _containers.ScalarMap[str, int]
-    def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., sent_ms: _Optional[int] = ..., queued_uncached_tokens: _Optional[_Mapping[str, int]] = ..., queued_prompt_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    delta: bool
+    def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., sent_ms: _Optional[int] = ..., queued_uncached_tokens: _Optional[_Mapping[str, int]] = ..., queued_prompt_tokens: _Optional[_Mapping[str, int]] = ..., delta: _Optional[bool] = ...) -> None: ...
