@@ -11,14 +11,22 @@ the Redis server's own CPU is not in it), in interleaved rounds, medians over ro
     * ``route``: ``on_request_routed`` per request, terms shared or not (the recording's
       cost is the difference);
     * ``publish``: per event, batches of ``--batch`` events (50 ms of traffic at
-      20 x ``--batch`` requests per second);
+      20 x ``--batch`` requests per second), in a steady state: first 2 requests per
+      replica are routed (so every replica holds requests of the writer waiting for their
+      first token) and sent as one complete batch; then each batch routes ``--batch`` new
+      requests and gives the ``--batch`` oldest their first token, so the queued sums
+      travel as changes, with a complete batch every keepalive (0.5 s of the batches'
+      50 ms clock);
     * ``apply``: per event, the same batches read and applied by a second exchange, at
-      each of ``--replicas`` fleet sizes;
-    * bytes per event in the stream (sealed batch / events);
-    * the queue share's sums: bytes they add to a batch when every replica has requests
-      of the writer waiting for their first token (the writer's routed requests here
-      never get one), and the CPU of one round's ``set_peer_queued(peer_queued())`` on the
-      reader (once per 50 ms round, not per request).
+      each of ``--replicas`` fleet sizes; each fleet size also as ``_complete``: every
+      batch complete (the keepalive below the batches' interval), as the exchange sent
+      before it sent changes, rounds interleaved;
+    * bytes per event in the stream (events alone: sealed batch without sums / events);
+    * the queue share's sums: bytes they add to a complete batch when every replica has
+      requests of the writer waiting for their first token, the median sealed size of
+      the steady state's complete and delta batches, and the CPU of one round's
+      ``set_peer_queued(peer_queued())`` on the reader (once per 50 ms round, not per
+      request).
 
 Per request, a router of K that routes 1/K of the traffic pays ``route`` difference +
 ``publish`` / K + ``apply`` x (K - 1) / K per request of the cluster; the summary gives
@@ -41,6 +49,7 @@ from unicache.request_class import RequestClass, Task
 from unicache.router.routing.base import RouteDecision, RoutingRequest
 from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.router.terms_exchange import TermsExchange
+from unicache.v1 import router_pb2
 
 BS = 16
 
@@ -71,7 +80,10 @@ def route_cpu_us(reqs, shared: bool) -> float:
     return 1e6 * (time.process_time() - c0) / len(reqs)
 
 
-async def exchange_cpu_us(url: str, reqs, batch: int, replicas: int, rnd: int) -> dict:
+async def exchange_cpu_us(url: str, reqs, batch: int, replicas: int, rnd: int, complete: bool = False) -> dict:
+    """One fleet size's steady state (module docstring); ``complete``: every batch
+    complete (a keepalive shorter than the batches' 50 ms: what the exchange sent before
+    it sent changes)."""
     import redis.asyncio as aioredis
 
     from unicache.state_auth import parse_cluster_key
@@ -80,38 +92,58 @@ async def exchange_cpu_us(url: str, reqs, batch: int, replicas: int, rnd: int) -
     ca, cb = aioredis.from_url(url), aioredis.from_url(url)
     known = {f"r{i}" for i in range(replicas)}.__contains__
     pa, pb = CacheAwarePolicy(), CacheAwarePolicy()
-    prefix = f"bench{rnd}x{replicas}"
-    a = TermsExchange(ca, prefix, key, pa, known, router_id="a")
-    b = TermsExchange(cb, prefix, key, pb, known, router_id="b")
+    prefix = f"bench{rnd}x{replicas}{'c' if complete else 'd'}"
+    clock = [0.0]  # the batches' clock: 50 ms per batch
+    a = TermsExchange(ca, prefix, key, pa, known, router_id="a", clock=lambda: clock[0],
+                      keepalive_s=0.04 if complete else 0.5)
+    b = TermsExchange(cb, prefix, key, pb, known, router_id="b", clock=lambda: clock[0])
     pb.update_replicas(sorted(f"r{i}" for i in range(replicas)))
     for i in range(replicas):  # every replica has churn and footprint entries, as in a busy fleet
         pb._inflow[f"r{i}"] = pb._footprint[f"r{i}"] = 1.0
     try:
         await b.read(1)
-        for req, dec in reqs:  # recorded beforehand: publish's cost alone below
+        warm = 2 * replicas
+        for req, dec in reqs[:warm]:  # every replica holds the writer's queued requests
             pa.on_request_routed(req, dec)
         events = pa.take_routed()
-        raw = a.encode(events[:batch])
         queued = pa.queued_tokens()
+        raw = a.encode(events[:batch])
         queued_bytes = len(a.encode(events[:batch], None, queued)) - len(raw)
+        a._seq -= 2  # the probes were never sent
+        a._pending = list(events)
+        await a.publish()  # complete
+        await b.read(1)
         publish = read = 0.0
-        for start in range(0, len(events), batch):
-            a._pending = events[start:start + batch]
+        sent = 0
+        for start in range(warm, len(reqs), batch):
+            for req, dec in reqs[start:start + batch]:  # routed, not timed
+                pa.on_request_routed(req, dec)
+            for req, dec in reqs[start - warm:start - warm + batch]:  # the oldest get their first token
+                pa.on_first_token(req, dec.replica_id)
+            clock[0] += 0.05
+            sent += min(batch, len(reqs) - start)
             c0 = time.process_time()
             await a.publish()
             publish += time.process_time() - c0
             c0 = time.process_time()
             await b.read(1)
             read += time.process_time() - c0
-        assert b.applied_events == len(events), (b.applied_events, len(events))
+        assert b.applied_events == warm + sent, (b.applied_events, warm + sent)
+        assert b.peer_queued() == pa.queued_tokens()  # the changes kept the reader's view exact
+        sizes = {True: [], False: []}
+        for _, fields in (await cb.xrange(a.stream))[1:]:
+            msg = router_pb2.RoutedBatch.FromString(a.signer.open("routed", fields[b"b"]))
+            sizes[msg.delta].append(len(fields[b"b"]))
         c0 = time.process_time()
         for _ in range(20):
             pb.set_peer_queued(b.peer_queued())
         share_round = (time.process_time() - c0) / 20
-        assert set(pb._share) == set(queued)
-        return {"publish_us": 1e6 * publish / len(events), "apply_us": 1e6 * read / len(events),
+        return {"publish_us": 1e6 * publish / sent, "apply_us": 1e6 * read / sent,
                 "bytes_per_event": len(raw) / min(batch, len(events)), "queued_bytes_per_batch": queued_bytes,
-                "queued_replicas": len(queued), "share_round_us": 1e6 * share_round}
+                "queued_replicas": len(queued), "share_round_us": 1e6 * share_round,
+                "complete_batches": len(sizes[False]), "delta_batches": len(sizes[True]),
+                "complete_batch_bytes": statistics.median(sizes[False]) if sizes[False] else 0,
+                "delta_batch_bytes": statistics.median(sizes[True]) if sizes[True] else 0}
     finally:
         await ca.aclose()
         await cb.aclose()
@@ -132,18 +164,22 @@ async def run(args) -> dict:
             for shared in order:
                 rnd["route_shared_us" if shared else "route_alone_us"] = route_cpu_us(reqs, shared)
             for n in fleets:
-                rnd[f"exchange_{n}"] = await exchange_cpu_us(server.url, requests(args.requests, n), args.batch, n, r)
+                for complete in ((False, True) if r % 2 == 0 else (True, False)):
+                    rnd[f"exchange_{n}{'_complete' if complete else ''}"] = await exchange_cpu_us(
+                        server.url, requests(args.requests, n), args.batch, n, r, complete)
             rounds.append(rnd)
     finally:
         server.close()
     med = {k: statistics.median(r[k] for r in rounds) for k in ("route_alone_us", "route_shared_us")}
-    for n in fleets:
-        med[f"exchange_{n}"] = {k: statistics.median(r[f"exchange_{n}"][k] for r in rounds)
+    keys = [f"exchange_{n}{c}" for n in fleets for c in ("", "_complete")]
+    for name in keys:
+        med[name] = {k: statistics.median(r[name][k] for r in rounds)
                                 for k in ("publish_us", "apply_us", "bytes_per_event", "queued_bytes_per_batch",
-                                          "queued_replicas", "share_round_us")}
+                                          "queued_replicas", "share_round_us", "complete_batches", "delta_batches",
+                                          "complete_batch_bytes", "delta_batch_bytes")}
     record = med["route_shared_us"] - med["route_alone_us"]
-    per_request_k2 = {n: record + med[f"exchange_{n}"]["publish_us"] / 2 + med[f"exchange_{n}"]["apply_us"] / 2
-                      for n in fleets}
+    per_request_k2 = {name.removeprefix("exchange_"): record + med[name]["publish_us"] / 2 + med[name]["apply_us"] / 2
+                      for name in keys}
     return {"config": vars(args), "rounds": rounds, "median": med, "record_us": record,
             "per_request_us_2_routers": per_request_k2}
 
