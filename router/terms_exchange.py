@@ -32,9 +32,12 @@ since the writer's previous batch (``RoutedBatch.delta``; 0 removes a replica), 
 complete batch goes out at least every ``keepalive_s`` and after any batch that may not
 have arrived (a failed send). A reader applies a delta only on top of the writer's batch
 just before it (seq - 1) that it applied; after a gap it keeps that writer's last view,
-not refreshed, until the next complete batch. At 1,024 replicas with every replica
-holding queued requests a complete batch carries about 22 KB of sums, a delta about 22
-bytes per replica its events touched (``bench.terms_exchange_cost``).
+not refreshed, until the next complete batch. The writer learns the changed sums from
+the policy (``RoutingPolicy.take_queued_changes``), and a reader reshares only the replicas
+whose totals moved, so a round costs what changed, not the fleet (except the complete
+batches). At 1,024 replicas with every replica holding queued requests a complete batch
+carries about 22 KB of sums, a delta about 22 bytes per replica its events touched
+(``bench.terms_exchange_cost``).
 
 Invariants:
     * A batch is sealed with the cluster's state key (kind "routed", ``unicache.state_auth``)
@@ -180,14 +183,10 @@ class TermsExchange:
                queued: dict[str, tuple[int, int]] | None = None, delta: bool = False) -> bytes:
         """The next sealed batch of ``events``, this router's ``in_flight`` counts and its
         ``queued`` (uncached, whole) prompt tokens per replica (advances this writer's seq);
-        ``delta``: the maps carry only what changed since the last batch sent (0: gone)."""
+        ``delta``: the maps given are the changes since the last batch sent (0: gone)."""
         self._seq += 1
         queued = queued or {}
-        in_flight = in_flight or {}
-        if delta:
-            in_flight = _changes(in_flight, self._sent_in_flight or {}, 0)
-            queued = _changes(queued, self._sent_queued, (0, 0))
-        msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq, in_flight=in_flight, delta=delta,
+        msg = router_pb2.RoutedBatch(router_id=self.router_id, seq=self._seq, in_flight=in_flight or {}, delta=delta,
                                      sent_ms=self.wall_ms(),
                                      queued_uncached_tokens={rid: q[0] for rid, q in queued.items()},
                                      queued_prompt_tokens={rid: q[1] for rid, q in queued.items()})
@@ -275,16 +274,22 @@ class TermsExchange:
         if len(pending) > self.max_pending:
             del pending[: len(pending) - self.max_pending]
         in_flight = self.cluster.own_in_flight() if self.cluster is not None else None
-        queued = self.policy.queued_tokens()
         now = self.clock()
         full = self._need_full or now - self._full_at >= self.keepalive_s
+        policy, sent = self.policy, self._sent_queued
+        if full:
+            queued = policy.queued_tokens()
+            policy.take_queued_changes()  # a complete batch carries them all
+        else:  # NOTE: the replicas whose sums moved since the last round, not every replica
+            queued = {rid: v for rid, v in policy.take_queued_changes().items() if sent.get(rid, (0, 0)) != v}
         if not pending:
-            if self.cluster is None and not queued and not self._sent_queued:
+            if self.cluster is None and not queued and not sent:
                 return  # nothing to send or keep alive
-            if in_flight == self._sent_in_flight and queued == self._sent_queued and not full:
+            if not full and not queued and in_flight == self._sent_in_flight:
                 return
         events = pending[: self.max_batch_events]
-        raw = self.encode(events, in_flight, queued, delta=not full)
+        flights = in_flight if full or in_flight is None else _changes(in_flight, self._sent_in_flight or {}, 0)
+        raw = self.encode(events, flights, queued, delta=not full)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.redis.xadd(self.stream, {"b": raw}, maxlen=ROUTED_STREAM_MAXLEN, approximate=True)
@@ -295,9 +300,16 @@ class TermsExchange:
             self._need_full = True  # it may have been written all the same: the readers' next base is uncertain
             return
         del pending[: len(events)]
-        self._sent_in_flight, self._sent_queued = in_flight, queued
+        self._sent_in_flight = in_flight
         if full:
+            self._sent_queued = queued
             self._full_at, self._need_full = now, False
+        else:
+            for rid, v in queued.items():
+                if v[1]:
+                    sent[rid] = v
+                else:
+                    sent.pop(rid, None)
         self.sent_batches += 1
         self.sent_events += len(events)
         self._count("sent")
@@ -346,8 +358,11 @@ class TermsExchange:
     def peer_queued(self) -> dict[str, tuple[int, int]]:
         """The sums of the queued (uncached, whole) prompt tokens of every other live
         router (``_live``)."""
+        live = self._live(self._peer_queued)
+        if len(live) == 1:  # one other router (two in all): its sums are the total
+            return dict(live[0])
         total: dict[str, tuple[int, int]] = {}
-        for sums in self._live(self._peer_queued):
+        for sums in live:
             for rid, (unc, whole) in sums.items():
                 t = total.get(rid, (0, 0))
                 total[rid] = (t[0] + unc, t[1] + whole)

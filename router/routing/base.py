@@ -220,6 +220,11 @@ class RoutingPolicy(ABC):
         routed there and without their first token yet (empty: the policy keeps none)."""
         return {}
 
+    def take_queued_changes(self) -> dict[str, tuple[int, int]]:
+        """``queued_tokens``' entries that changed since the last call, (0, 0) for a
+        replica whose sums fell to nothing (the terms exchange's deltas; empty: none)."""
+        return {}
+
     def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:
         """The other routers' ``queued_tokens``, summed per replica (replaces the last)."""
 

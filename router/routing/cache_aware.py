@@ -366,6 +366,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # token; per replica the sums and their ratio (only replicas with some waiting)
         self._queued: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
         self._queued_tokens: dict[str, list[int]] = {}
+        self._queued_changed: set[str] = set()  # replicas whose sums moved since take_queued_changes
         self._peer_queued: dict[str, tuple[int, int]] = {}  # the other routers' sums (terms exchange)
         self._share: dict[str, float] = {}
 
@@ -678,6 +679,7 @@ class CacheAwarePolicy(RoutingPolicy):
         t[1] += d_whole
         if t[1] <= 0:
             del self._queued_tokens[replica_id]
+        self._queued_changed.add(replica_id)
         self._reshare(replica_id)
 
     def _reshare(self, replica_id: str) -> None:
@@ -695,13 +697,22 @@ class CacheAwarePolicy(RoutingPolicy):
     def queued_tokens(self) -> dict[str, tuple[int, int]]:
         return {rid: (t[0], t[1]) for rid, t in self._queued_tokens.items()}
 
+    def take_queued_changes(self) -> dict[str, tuple[int, int]]:
+        changed, self._queued_changed = self._queued_changed, set()
+        get = self._queued_tokens.get
+        return {rid: ((t[0], t[1]) if (t := get(rid)) is not None else (0, 0)) for rid in changed}
+
     def queue_shares(self) -> dict[str, float] | None:
         return dict(self._share) if self.queue_share else None
 
     def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:
         if not self.queue_share:
             return
-        changed = set(self._peer_queued) | set(totals)
+        # NOTE: only the replicas whose totals moved are reshared (a 50 ms round at 1,024
+        # replicas changes a few dozen of them)
+        old, get = self._peer_queued, self._peer_queued.get
+        changed = [rid for rid, t in totals.items() if get(rid) != t]
+        changed += [rid for rid in old if rid not in totals]
         self._peer_queued = dict(totals)
         for rid in changed:
             self._reshare(rid)
