@@ -33,6 +33,9 @@ Per request, a router of K that routes 1/K of the traffic pays ``route`` differe
 K = 2.
 
     .venv/bin/python -m bench.terms_exchange_cost [--requests 20000] [--rounds 5] [--batch 50] [--json OUT]
+
+With ``--json OUT`` it also draws OUT with the suffix .png: per fleet size, a router of two's
+cost per request and the batch bytes, as changes and with every batch complete.
 """
 
 from __future__ import annotations
@@ -185,6 +188,33 @@ async def run(args) -> dict:
             "per_request_us_2_routers": per_request_k2}
 
 
+def plot(out: dict, path: Path) -> None:
+    """Per fleet size: a router of two's µs per request and the median batch bytes, as
+    changes against every batch complete (``run``'s medians)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.report_files import save_figure
+
+    fleets = [int(x) for x in out["config"]["replicas"].split(",")]
+    med, per = out["median"], out["per_request_us_2_routers"]
+    xs = range(len(fleets))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for off, (suffix, label) in enumerate((("", "changes (shipped)"), ("_complete", "every batch complete"))):
+        pos = [x + (off - 0.5) * 0.38 for x in xs]
+        a.bar(pos, [per[f"{n}{suffix}"] for n in fleets], width=0.38, label=label)
+        key = "delta_batch_bytes" if not suffix else "complete_batch_bytes"
+        b.bar(pos, [med[f"exchange_{n}{suffix}"][key] for n in fleets], width=0.38, label=label)
+    for ax, title in ((a, "router of two: exchange CPU per request (µs)"), (b, "median batch (bytes)")):
+        ax.set_xticks(list(xs), [f"{n} replicas" for n in fleets])
+        ax.set_title(title)
+        ax.legend()
+    b.set_yscale("log")
+    save_figure(fig, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=20000)
@@ -197,6 +227,7 @@ def main() -> None:
     text = json.dumps(out, indent=1, default=str)
     if args.json:
         args.json.write_text(text + "\n")
+        plot(out, args.json.with_suffix(".png"))
     print(json.dumps({"median": out["median"], "record_us": out["record_us"],
                       "per_request_us_2_routers": out["per_request_us_2_routers"]}, indent=1))
 
