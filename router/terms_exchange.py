@@ -52,7 +52,8 @@ Invariants:
       batches set it, deltas change it only when they follow the batch it was built
       from.
     * Memory: at most ``max_pending`` unsent events (about 100 bytes each), and per other
-      writer heard from within ``max_age_s`` its seq, in-flight counts and queued sums.
+      writer heard from within ``max_age_s`` its seq, in-flight counts and queued sums (and
+      the seq those figures are exact for).
     * An event for a replica the router does not know (``is_known``), or with a share
       that is negative or not finite, is dropped and counted; the others of its batch
       are applied, in order, batches in stream order.
@@ -156,6 +157,7 @@ class TermsExchange:
         self._seq = 0
         self._last_id: str | None = None  # stream position read up to
         self._peer_seq: dict[str, tuple[int, float]] = {}  # writer -> (last seq, heard at)
+        self._view_seq: dict[str, int] = {}  # writer -> seq of the batch its figures here are exact for
         self.max_age_s = max_age_s
         self.wall_ms = wall_ms
         self.sent_batches = self.sent_events = self.applied_batches = self.applied_events = 0
@@ -213,15 +215,14 @@ class TermsExchange:
             self._count("rejected")
             return None
         now = self.clock()
-        # NOTE: a delta builds on the writer's previous batch: only if this reader applied it
-        follows = last is not None and msg.seq == last[0] + 1
         self._peer_seq[msg.router_id] = (msg.seq, now)
         if len(self._peer_seq) > 64:
             # NOTE: a writer unheard for max_age_s can only send batches refused as too old
             # or newer seqs, so its last seq is no longer needed.
             for w in [w for w, (_, heard) in self._peer_seq.items() if now - heard > self.max_age_s]:
                 del self._peer_seq[w]
-        self._take_views(msg, now, follows)
+                self._view_seq.pop(w, None)
+        self._take_views(msg, now)
         out = []
         for ev in msg.events:
             share = ev.prev_share
@@ -231,18 +232,23 @@ class TermsExchange:
             out.append(RoutedEvent(ev.replica_id, ev.new_tokens, ev.session_blocks, ev.prev_replica_id, share))
         return out
 
-    def _take_views(self, msg: router_pb2.RoutedBatch, now: float, follows: bool) -> None:
-        """Set (complete batch) or change (a delta that ``follows`` the batch this reader
-        last applied from the writer) the writer's in-flight counts and queued sums; a
-        delta after a gap leaves them as they were, not refreshed."""
+    def _take_views(self, msg: router_pb2.RoutedBatch, now: float) -> None:
+        """Set (complete batch) or change (a delta right after the writer's batch whose
+        figures this reader holds) the writer's in-flight counts and queued sums; any other
+        delta leaves them as they were, not refreshed, until the next complete batch."""
         writer, known = msg.router_id, self.is_known
         unc = msg.queued_uncached_tokens
+        # NOTE: a delta builds on the writer's previous batch: only if these figures came
+        # from it (a batch seen but not applied after a gap does not count)
+        follows = self._view_seq.get(writer) == msg.seq - 1
+        self._view_seq.pop(writer, None)  # set again below only when the figures stay exact
         if not msg.delta:
             if self.cluster is not None:
                 self._peer_in_flight[writer] = (now, {rid: n for rid, n in msg.in_flight.items() if known(rid)})
             self._peer_queued[writer] = (now, {rid: (min(unc.get(rid, 0), whole), whole)
                                                for rid, whole in msg.queued_prompt_tokens.items()
                                                if whole and known(rid)})
+            self._view_seq[writer] = msg.seq
             return
         queued = self._peer_queued.get(writer)
         counts = self._peer_in_flight.get(writer) if self.cluster is not None else None
@@ -263,6 +269,7 @@ class TermsExchange:
                 else:
                     flights.pop(rid, None)
             self._peer_in_flight[writer] = (now, flights)
+        self._view_seq[writer] = msg.seq
 
     async def publish(self) -> None:
         """Append this router's new events (and in-flight counts and queued sums, as
