@@ -264,6 +264,9 @@ async def test_a_reader_without_the_previous_batch_waits_for_a_complete_one(clie
 
 def test_the_policy_hands_over_the_queued_sums_that_moved_since_it_last_did():
     p = CacheAwarePolicy()
+    routed(p, "r2", [9])  # before sharing terms: nothing is kept for an exchange
+    p.share_terms()
+    assert p.take_queued_changes() == {}
     routed(p, "r0", [1, 2, 3, 4], matched=3)  # (16, 64)
     routed(p, "r1", [5, 6])  # (32, 32)
     assert p.take_queued_changes() == {"r0": (16, 64), "r1": (32, 32)}
@@ -271,4 +274,4 @@ def test_the_policy_hands_over_the_queued_sums_that_moved_since_it_last_did():
     p.on_first_token(RoutingRequest("q5", RequestClass(task=Task.OTHER), hash_id_blocks([5, 6]), 32, 16), "r1")
     routed(p, "r0", [7])  # r0: (32, 80)
     assert p.take_queued_changes() == {"r0": (32, 80), "r1": (0, 0)}
-    assert p.queued_tokens() == {"r0": (32, 80)}
+    assert p.queued_tokens() == {"r0": (32, 80), "r2": (16, 16)}

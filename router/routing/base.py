@@ -222,7 +222,8 @@ class RoutingPolicy(ABC):
 
     def take_queued_changes(self) -> dict[str, tuple[int, int]]:
         """``queued_tokens``' entries that changed since the last call, (0, 0) for a
-        replica whose sums fell to nothing (the terms exchange's deltas; empty: none)."""
+        replica whose sums fell to nothing (the terms exchange's deltas, once ``share_terms``
+        is on; empty: none)."""
         return {}
 
     def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:

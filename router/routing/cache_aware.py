@@ -366,7 +366,9 @@ class CacheAwarePolicy(RoutingPolicy):
         # token; per replica the sums and their ratio (only replicas with some waiting)
         self._queued: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
         self._queued_tokens: dict[str, list[int]] = {}
-        self._queued_changed: set[str] = set()  # replicas whose sums moved since take_queued_changes
+        # replicas whose sums moved since take_queued_changes (kept only while sharing terms,
+        # whose exchange takes them every round: a lone router's would gather every id ever seen)
+        self._queued_changed: set[str] = set()
         self._peer_queued: dict[str, tuple[int, int]] = {}  # the other routers' sums (terms exchange)
         self._share: dict[str, float] = {}
 
@@ -679,7 +681,8 @@ class CacheAwarePolicy(RoutingPolicy):
         t[1] += d_whole
         if t[1] <= 0:
             del self._queued_tokens[replica_id]
-        self._queued_changed.add(replica_id)
+        if self._outbox is not None:  # sharing terms: the exchange takes the changes each round
+            self._queued_changed.add(replica_id)
         self._reshare(replica_id)
 
     def _reshare(self, replica_id: str) -> None:
