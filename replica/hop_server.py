@@ -32,6 +32,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from unicache import hop
+from unicache.coalesce import CoalescingWriter
 from unicache.replica.call_auth import Refusals
 from unicache.replica.call_error import ReplicaCallError
 from unicache.state_auth import StateAuthError
@@ -119,7 +120,7 @@ class _HopConnection(asyncio.Protocol):
     def __init__(self, server: HopServer):
         self.server = server
         self.transport: asyncio.Transport | None = None
-        self.out: hop.FrameWriter | None = None  # every frame to the router goes through it
+        self.out: CoalescingWriter | None = None  # every frame to the router goes through it
         self.parser = hop.FrameParser(self._on_handshake_frame, hop.NONCE_BYTES + hop.PROOF_BYTES)
         self.streams: dict[int, asyncio.Task] = {}
         self.nonce = hop.new_nonce()
@@ -129,7 +130,7 @@ class _HopConnection(asyncio.Protocol):
     # --- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.out = hop.FrameWriter(transport, asyncio.get_running_loop())
+        self.out = CoalescingWriter(transport, asyncio.get_running_loop())
         hop.set_keepalive(transport)
         self.server.connections.add(self)
         flags = hop.FLAG_AUTH if self.server.auth is not None else 0

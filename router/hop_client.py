@@ -35,6 +35,7 @@ import logging
 import grpc
 
 from unicache import hop
+from unicache.coalesce import CoalescingWriter
 from unicache.state_auth import StateAuthError
 from unicache.v1 import replica_pb2, router_pb2
 
@@ -119,7 +120,7 @@ class HopConnection(asyncio.Protocol):
     def __init__(self, client: "HopClient"):
         self.client = client
         self.transport: asyncio.Transport | None = None
-        self.out: hop.FrameWriter | None = None  # REQUEST and CANCEL frames (one send per loop iteration)
+        self.out: CoalescingWriter | None = None  # REQUEST and CANCEL frames (one send per loop iteration)
         self.parser = hop.FrameParser(self._on_frame, client.max_message_bytes)
         self.streams: dict[int, HopStream] = {}
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -136,7 +137,7 @@ class HopConnection(asyncio.Protocol):
     # --- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.out = hop.FrameWriter(transport, asyncio.get_running_loop())
+        self.out = CoalescingWriter(transport, asyncio.get_running_loop())
         hop.set_keepalive(transport)
 
     def data_received(self, data: bytes) -> None:

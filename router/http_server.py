@@ -10,7 +10,11 @@ its HTTP protocol class (``parser_protocol``: httptools when installed, else h11
   ``body_timeout_s`` (a chunked body that never ends, a Content-Length longer than the
   body): the client gets a 408 when no response has started, and the connection closes;
 * a connection cap: beyond ``max_connections`` open connections a new one gets a 503
-  and is closed at once.
+  and is closed at once;
+* coalesced writes (``CoalescingTransport``): the writes of one loop iteration share a
+  send, and a response's head waits for its first body write, so a streamed response
+  whose events are ready together is one or two sends, not one per event (an 8-token
+  stream made 11, and those sends were a third of the router's CPU per request).
 
 Error bodies use the front door's one mapping (``openai_errors``). Each closure is one
 INFO line. Invariant: a connection is never in the head or body phase longer than its
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from unicache.coalesce import CoalescingWriter
 from unicache.errors import UsageError
 from unicache.router.openai_errors import ApiError
 
@@ -99,6 +104,34 @@ def loop_factory(name: str = "auto"):
     return uvloop.new_event_loop
 
 
+class CoalescingTransport(CoalescingWriter):
+    """The transport uvicorn's protocol writes to: ``CoalescingWriter`` over the
+    connection's transport, which answers every other call (``is_closing``,
+    ``get_extra_info``, ``pause_reading``, ``abort``, ...). ``hold_next()`` makes the next
+    write a ``hold`` (the protocol calls it once a request is in, so the response's head
+    leaves with the first body chunk or the whole body; uvicorn writes them separately).
+    ``abort()`` drops what is pending (the transport is closing)."""
+
+    __slots__ = ("_hold_next",)
+
+    def __init__(self, transport, loop):
+        super().__init__(transport, loop)
+        self._hold_next = False
+
+    def hold_next(self) -> None:
+        self._hold_next = True
+
+    def write(self, data: bytes) -> None:
+        if self._hold_next:
+            self._hold_next = False
+            self.hold(data)
+        else:
+            super().write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.transport, name)
+
+
 def guarded_protocol(limits: HttpLimits, base: type | None = None) -> type:
     """A subclass of uvicorn's HTTP protocol (``base``, default ``parser_protocol()``) that
     enforces ``limits``. It relies on what both uvicorn protocols share: ``self.cycle``
@@ -113,7 +146,7 @@ def guarded_protocol(limits: HttpLimits, base: type | None = None) -> type:
         _guard_bytes = 0
 
         def connection_made(self, transport) -> None:  # noqa: ANN001
-            super().connection_made(transport)
+            super().connection_made(CoalescingTransport(transport, asyncio.get_running_loop()))
             if len(self.connections) > limits.max_connections:
                 log.info("closing connection from %s: %d connections open (cap %d)", _peer(self), len(self.connections) - 1, limits.max_connections)
                 transport.write(raw_error(ApiError(503, f"too many connections (cap {limits.max_connections}); retry later", "too_many_connections")))
@@ -146,11 +179,15 @@ def guarded_protocol(limits: HttpLimits, base: type | None = None) -> type:
                 if cycle.more_body:
                     self._guard_arm("body", limits.body_timeout_s)
                 else:
-                    self._guard_cancel()
-                    self._guard_phase = "app"
+                    self._guard_app()
             elif self._guard_phase == "body" and not cycle.more_body:
-                self._guard_cancel()
-                self._guard_phase = "app"
+                self._guard_app()
+
+        def _guard_app(self) -> None:
+            """The request is in: the app answers it (its head waits for the body)."""
+            self._guard_cancel()
+            self._guard_phase = "app"
+            self.transport.hold_next()
 
         def _guard_arm(self, phase: str, timeout_s: float) -> None:
             self._guard_cancel()
