@@ -13,7 +13,9 @@ and both sides import the same library versions.
         -- python -m bench.router_profile ... --json {out}
 
 In the command, ``python`` is replaced by the side's interpreter and ``{out}`` by the path
-the benchmark writes its JSON to; it runs in the side's worktree. Reported per field: each
+the benchmark writes its JSON to; it runs in the side's worktree. ``--copy PATH`` (repeatable)
+copies that file of the head's tree into the base's before the rounds, so both sides run
+the same benchmark code (a benchmark newer than the base, or one changed since). Reported per field: each
 round's head / base ratio, the median of those ratios, and both sides' medians.
 """
 
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--field", action="append", required=True, help="dotted path of a number in the benchmark's JSON")
     ap.add_argument("--json")
     ap.add_argument("--md")
+    ap.add_argument("--copy", action="append", default=[], metavar="PATH",
+                    help="a file (relative to the repository) copied from the head's tree into the base's")
     args = ap.parse_args(argv[:split])
     command = argv[split + 1:]
     if not command or "{out}" not in " ".join(command):
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, commit in sides.items():
             print(f"setting up {name} at {commit[:10]}", file=sys.stderr, flush=True)
             pythons[name] = make_side(root, name, commit)
+        for rel in args.copy:
+            dest = root / "base" / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / "head" / rel, dest)
         rounds = []
         for i in range(args.rounds):
             order = ("base", "head") if i % 2 == 0 else ("head", "base")
