@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 from bench.load_test import join_children
+from bench.rounds import round_order
 from bench.router_profile import cpu_s, profile_report, replica_spec, replicas_main, start_baseline
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -223,7 +224,7 @@ async def drive(args, front: dict[str, tuple[int, int]], reference: str) -> dict
     rounds = []
     names = list(front)
     for k in range(args.rounds):
-        order = names[k % len(names):] + names[: k % len(names)]
+        order = round_order(names, k)
         rnd = {}
         for name in order:
             port, pid = front[name]

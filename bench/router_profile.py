@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 from bench.load_test import burst, join_children
+from bench.rounds import round_order
 from unicache.testing.procfs import cpu_s
 
 
@@ -233,8 +234,7 @@ async def drive(args, rep_ports: list[tuple[int, int]], front: dict[str, tuple[i
         d["cpu_ms_per_request"] = round(1e3 * (cpu_s(rep_pid) - c0) / args.requests, 3)
         rnd = {"direct": d}
         # NOTE: the order turns every round, so no front door always follows the same one.
-        names = list(stubs)
-        names = names[len(rounds) % len(names):] + names[: len(rounds) % len(names)]
+        names = round_order(list(stubs), len(rounds))
         for name in names:
             stub = stubs[name]
             if name == profiled:

@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from bench.load_test import burst, prompt
+from bench.rounds import round_order
 from bench.router_profile import free_port, replica_spec, replicas_main
 from unicache.testing.procfs import child_pids, cpu_s
 
@@ -129,7 +130,7 @@ async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]], replicas
     counts = sorted(routers)
     rounds = []
     for i in range(args.rounds):
-        order = counts[i % len(counts):] + counts[: i % len(counts)]
+        order = round_order(counts, i)
         rnd = {}
         for n in order:
             pids = worker_pids(routers[n][0], n)

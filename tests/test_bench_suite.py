@@ -18,7 +18,7 @@ import pytest
 from tests.support.source_tree import REPO
 
 BENCH = REPO / "bench"
-HELPERS = {"bench.paths", "bench.report_files", "bench.mix_traces", "bench.unicache_variants"}
+HELPERS = {"bench.paths", "bench.report_files", "bench.mix_traces", "bench.rounds", "bench.unicache_variants"}
 
 
 def bench_modules() -> list[str]:
@@ -102,3 +102,12 @@ def test_a_bench_module_runs_as_a_module_from_the_repo_root():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--seeds" in out.stdout
+
+
+def test_round_order_puts_each_variant_in_each_position_once_per_cycle():
+    from bench.rounds import round_order
+
+    names = ["a", "b", "c"]
+    orders = [round_order(names, k) for k in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert names == ["a", "b", "c"] and round_order((), 5) == []

@@ -37,6 +37,7 @@ from pathlib import Path
 from bench.http_cpu import read_asgi_body, router_main, serve_uvicorn
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, write_report
+from bench.rounds import round_order
 from bench.router_profile import free_port, replica_spec, replicas_main
 from unicache.testing.procfs import cpu_s
 
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 h2load(port, 200, str(body), args.concurrency)  # warm-up
             names = list(servers)
             for i in range(args.rounds):
-                order = names[i % len(names):] + names[: i % len(names)]
+                order = round_order(names, i)
                 row = {}
                 for name in order:
                     port, pid = servers[name]

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from bench.load_test import burst, join_children
+from bench.rounds import round_order
 from bench.router_profile import replica_spec, replicas_main
 from unicache.replica.engine.api import EngineOutput
 from unicache.replica.engine.async_engine import AsyncEngine
@@ -220,7 +221,7 @@ async def channels_part(args, ctx, ports, stop, children) -> dict:
     names = list(front)
     for r in range(args.rounds):
         rnd = {}
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in round_order(names, r):
             c0 = cpu_s(front[name][1])
             res = await burst(stubs[name], args.requests, args.max_tokens, False)
             assert res["ok"] == args.requests and not res["malformed_answers"], (name, res)
@@ -249,7 +250,7 @@ async def coalesce_part(args, ctx, ports, stop, children) -> dict:
     names = list(front)
     for r in range(args.rounds):
         rnd, texts = {}, {}
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in round_order(names, r):
             port, pid, rpid = front[name]
             c0, r0 = cpu_s(pid), cpu_s(rpid)
             res = await stream_burst(port, args.streams, args.stream_tokens, f"round {r}")
