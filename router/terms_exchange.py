@@ -237,32 +237,28 @@ class TermsExchange:
         figures this reader holds) the writer's in-flight counts and queued sums; any other
         delta leaves them as they were, not refreshed, until the next complete batch."""
         writer, known = msg.router_id, self.is_known
-        unc = msg.queued_uncached_tokens
         # NOTE: a delta builds on the writer's previous batch: only if these figures came
         # from it (a batch seen but not applied after a gap does not count)
         follows = self._view_seq.get(writer) == msg.seq - 1
         self._view_seq.pop(writer, None)  # set again below only when the figures stay exact
-        if not msg.delta:
-            if self.cluster is not None:
-                self._peer_in_flight[writer] = (now, {rid: n for rid, n in msg.in_flight.items() if known(rid)})
-            self._peer_queued[writer] = (now, {rid: (min(unc.get(rid, 0), whole), whole)
-                                               for rid, whole in msg.queued_prompt_tokens.items()
-                                               if whole and known(rid)})
-            self._view_seq[writer] = msg.seq
-            return
-        queued = self._peer_queued.get(writer)
-        counts = self._peer_in_flight.get(writer) if self.cluster is not None else None
-        if not follows or queued is None or (self.cluster is not None and counts is None):
-            return
-        sums = queued[1]
+        sharing_counts = self.cluster is not None
+        if not msg.delta:  # a complete batch: the changes from nothing
+            sums: dict[str, tuple[int, int]] = {}
+            flights: dict[str, int] | None = {} if sharing_counts else None
+        else:
+            queued = self._peer_queued.get(writer)
+            counts = self._peer_in_flight.get(writer) if sharing_counts else None
+            if not follows or queued is None or (sharing_counts and counts is None):
+                return
+            sums, flights = queued[1], (counts[1] if counts is not None else None)
+        unc = msg.queued_uncached_tokens
         for rid, whole in msg.queued_prompt_tokens.items():
             if whole and known(rid):
                 sums[rid] = (min(unc.get(rid, 0), whole), whole)
             else:
                 sums.pop(rid, None)
         self._peer_queued[writer] = (now, sums)
-        if counts is not None:
-            flights = counts[1]
+        if flights is not None:
             for rid, n in msg.in_flight.items():
                 if n and known(rid):
                     flights[rid] = n
