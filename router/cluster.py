@@ -7,7 +7,8 @@ Invariants:
       routing policy (``update_replicas``, ``on_replica_died``) and drop the replica's
       locality-index entry, so policy, index and membership never disagree for long.
     * ``in_flight[r]`` counts requests this router forwarded to r and not yet finished;
-      it never goes negative.
+      it never goes negative, and ``total_in_flight()`` is their sum over the current
+      replicas (kept as a count, not summed per request).
     * A quarantined replica (it refused a call, or stalled before its first message) is
       never offered to routing while a healthy one is left; it leaves quarantine when a
       probe succeeds (``probe_succeeded``, driven by ``unicache.router.prober``) or when
@@ -113,6 +114,7 @@ class ClusterView:
         self._empty = EmptyView()
         self.removal_hooks: list[Callable[[str], None]] = []
         self._order: list[str] = []
+        self._in_flight_total = 0  # sum of the records' in_flight
 
     # --- membership -------------------------------------------------------------------
     def upsert(
@@ -141,8 +143,10 @@ class ClusterView:
 
     def remove(self, replica_id: str) -> None:
         """The replica died (heartbeat expired): forget it everywhere."""
-        if self.replicas.pop(replica_id, None) is None:
+        rec = self.replicas.pop(replica_id, None)
+        if rec is None:
             return
+        self._in_flight_total -= rec.in_flight  # its requests' ends will find no record
         self._order = sorted(self.replicas)
         self.index.drop_replica(replica_id)
         self.policy.on_replica_died(replica_id)
@@ -228,6 +232,7 @@ class ClusterView:
         rec = self.replicas.get(replica_id)
         if rec is not None:
             rec.in_flight += 1
+            self._in_flight_total += 1
             rec.load.in_flight = rec.all_in_flight
             rec.routed += 1
 
@@ -235,11 +240,13 @@ class ClusterView:
         rec = self.replicas.get(replica_id)
         if rec is not None and rec.in_flight > 0:
             rec.in_flight -= 1
+            self._in_flight_total -= 1
             rec.load.in_flight = rec.all_in_flight
 
     def total_in_flight(self) -> int:
-        """This router's requests in flight (what its ``max_in_flight`` bounds)."""
-        return sum(r.in_flight for r in self.replicas.values())
+        """This router's requests in flight (what its ``max_in_flight`` bounds), on the
+        replicas it still knows."""
+        return self._in_flight_total
 
     def own_in_flight(self) -> dict[str, int]:
         """This router's requests in flight per replica, where not 0 (what it tells the

@@ -37,3 +37,23 @@ def test_loads_follow_heartbeats_in_flight_membership_and_quarantine():
     cv.upsert("c", "h:3", beat("c", 1, 10))
     assert [l.replica_id for l in cv.all_loads()] == ["a", "c"]
     assert [l.replica_id for l in cv.loads()] == ["c"]
+
+
+def test_total_in_flight_is_the_sum_over_the_replicas_still_known():
+    cv = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
+    cv.upsert("a", "h:1")
+    cv.upsert("b", "h:2")
+    for rid in ("a", "a", "b", "b", "b"):
+        cv.started(rid)
+    cv.finished("a")
+    cv.finished("zz")  # unknown: nothing moves
+    assert cv.total_in_flight() == 4 == sum(r.in_flight for r in cv.replicas.values())
+    cv.remove("b")  # its three requests leave the count now; their ends find no record
+    assert cv.total_in_flight() == 1
+    cv.finished("b")
+    cv.finished("a")
+    cv.finished("a")  # never below 0
+    assert cv.total_in_flight() == 0
+    cv.upsert("b", "h:2")
+    cv.started("b")
+    assert cv.total_in_flight() == 1 == cv.replicas["b"].in_flight
