@@ -22,6 +22,12 @@ so the cache-best replica keeps the request unless its queueing delay makes the
 estimated TTFT more than ``factor`` times the best alternative's. The least-estimate
 replica is always admissible, so the set is never empty.
 
+A replica the index shows nothing of estimates at least N (its queue only adds), so when
+the best replica that matches estimates below N / factor, no other one can be admissible
+nor the best: the set is then found among the matching replicas alone, without
+estimating the rest of the fleet (``admissible``: the same set, in the same order, as the
+full pass; at 1,024 replicas the full pass cost about 0.25 ms of a 0.47 ms decision).
+
 Invariants:
     * ``admissible`` keeps the input order and is never empty for a non-empty input.
     * The estimate depends only on the request's length, the index's match, the
@@ -32,9 +38,49 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 
 from unicache.router.routing.base import ReplicaLoad
+
+_replica_id = attrgetter("replica_id")
+
+# The matching replicas are tried first in fleets of at least this many replicas, when at
+# most 1 / MATCHES_FIRST_MAX_SHARE of them match (below, the full pass costs about as much;
+# above, as when every replica holds a shared system prompt's first block, trying them
+# first is a second full pass whenever it cannot decide).
+MATCHES_FIRST_MIN_REPLICAS = 32
+MATCHES_FIRST_MAX_SHARE = 4
+
+
+class ReplicaPositions:
+    """Where each replica id sits in the replicas sequence a policy is handed: O(1) per id
+    while the fleet's membership and order stay as they were (the live router and the
+    simulator pass the same ids in the same order request after request), rebuilt (one
+    pass at C speed) when an id is not where the map says.
+
+    Invariant: ``find`` returns i only if ``replicas[i].replica_id == rid``, and None only
+    if no element of ``replicas`` has that id (the map was rebuilt from this sequence in
+    this lookup round: ``new_round`` starts one)."""
+
+    __slots__ = ("_pos", "_fresh")
+
+    def __init__(self) -> None:
+        self._pos: dict[str, int] = {}
+        self._fresh = False  # the map was built from the current round's sequence
+
+    def new_round(self) -> None:
+        self._fresh = False
+
+    def find(self, replicas: Sequence[ReplicaLoad], rid: str) -> int | None:
+        i = self._pos.get(rid)
+        if i is not None and i < len(replicas) and replicas[i].replica_id == rid:
+            return i
+        if self._fresh:
+            return None
+        self._pos = dict(zip(map(_replica_id, replicas), range(len(replicas))))
+        self._fresh = True
+        return self._pos.get(rid)
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,6 +96,7 @@ class TTFTAdmission:
 
     factor: float = 2.0
     prefill_lanes: int = 4
+    _positions: ReplicaPositions = field(default_factory=ReplicaPositions, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.factor >= 1.0:
@@ -68,6 +115,10 @@ class TTFTAdmission:
         """The replicas whose estimate is within ``factor`` of the best (``matches``: the
         index's leading-block match per replica; a replica left out matches 0;
         ``queue_share``: the uncached share of a replica's queue, 1 where left out)."""
+        if len(replicas) >= MATCHES_FIRST_MIN_REPLICAS and 0 < len(matches) * MATCHES_FIRST_MAX_SHARE <= len(replicas):
+            found = self._among_matches(replicas, num_prompt_tokens, block_size, matches, queue_share)
+            if found is not None:
+                return found
         # NOTE: ``estimate`` inlined (the router runs this per request over every replica)
         lanes, get = self.prefill_lanes, matches.get
         if queue_share:
@@ -79,3 +130,36 @@ class TTFTAdmission:
                    for r in replicas]
         cap = self.factor * min(est)
         return [r for r, e in zip(replicas, est) if e <= cap]
+
+    def _among_matches(self, replicas: Sequence[ReplicaLoad], num_prompt_tokens: int, block_size: int,
+                       matches: Mapping[str, int], queue_share: Mapping[str, float] | None) -> list[ReplicaLoad] | None:
+        """``admissible``'s result found among the replicas in ``matches`` alone, or None
+        when that cannot be decided there.
+
+        Exact: every other replica estimates N + (its queue) >= N (floats: N is exact and
+        adding a non-negative number never rounds below it). If ``factor * best < N`` for
+        the lowest estimate ``best`` among the matching replicas, that is the lowest
+        overall, the cap is the same float, and no other replica is within it. Estimates
+        are computed with the full pass's expressions, so equal inputs give equal floats."""
+        lanes = self.prefill_lanes
+        positions = self._positions
+        positions.new_round()
+        share = queue_share.get if queue_share else None
+        found: list[tuple[int, float]] = []
+        for rid, m in matches.items():
+            i = positions.find(replicas, rid)
+            if i is None:
+                continue  # not offered (quarantined, excluded)
+            r = replicas[i]
+            uncached = max(0, num_prompt_tokens - block_size * m)
+            if share is not None:
+                found.append((i, uncached + r.queued_prefill_tokens * share(rid, 1.0) / lanes))
+            else:
+                found.append((i, uncached + r.queued_prefill_tokens / lanes))
+        if not found:
+            return None
+        cap = self.factor * min(e for _, e in found)
+        if not cap < num_prompt_tokens:
+            return None
+        found.sort()
+        return [replicas[i] for i, e in found if e <= cap]

@@ -389,7 +389,7 @@ class CacheAwarePolicy(RoutingPolicy):
         tb = cls.template_blocks
         if not (cls.template and self.template_trust and 0 < tb <= len(request.block_hashes)):
             return None, 0.0
-        live = {r.replica_id for r in replicas}
+        live = set(map(_replica_id, replicas))
         for rid in live - self.ring.members:
             self.ring.add(rid)
         k = min(tb, self.template_key_blocks) if self.template_key_blocks else tb
