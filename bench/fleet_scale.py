@@ -11,7 +11,9 @@ Timed per decision: ``policy.choose`` plus the ``on_request_routed`` and
 cost path: no session-home shortcut; ``--queue-shares``: ``cache_aware`` scales every
 queue by a share, as if other routers' requests waited everywhere). p50/p99 per policy and
 R, the ratio of each p50 to
-``round_robin``'s at the same R (measured in the same run), and the index work alone:
+``round_robin``'s at the same R (measured in the same run), ``cache_aware`` also for a
+500-block prompt no replica holds (every replica a candidate: the full pass over the
+fleet's loads, which a prompt whose holders are clearly fastest skips), and the index work alone:
 ``prefix_matches`` (the hash -> replicas walk) against ``match`` per replica.
 
 Memory. ``tracemalloc`` around building the index: bytes per (block, replica) entry.
@@ -354,7 +356,7 @@ def main() -> None:
     if "round_robin" not in policies:
         policies.insert(0, "round_robin")
     decisions, lookups = [], []
-    steps = tqdm(total=len(fleets) * (len(policies) + 2), desc="decisions", file=sys.stderr, unit="run")
+    steps = tqdm(total=len(fleets) * (len(policies) + 3), desc="decisions", file=sys.stderr, unit="run")
     for n in fleets:
         prompt, index, loads = build_index(n, args.blocks, args.copies)
         entries = index.num_entries()
@@ -366,6 +368,10 @@ def main() -> None:
             steps.update()
         rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (live: ClusterView.loads + choose)",
                      **time_live("cache_aware", prompt, index, loads, args.iters, args.queue_shares)})
+        steps.update()
+        cold = _hashes(random.Random(n + 1), PROMPT_BLOCKS)  # no replica holds any of it
+        rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (a prompt no replica holds)",
+                     **time_policy("cache_aware", cold, index, loads, args.iters, args.queue_shares)})
         steps.update()
         base = next(r for r in rows if r["policy"] == "round_robin")["p50_us"]
         for r in rows:

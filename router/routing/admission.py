@@ -120,13 +120,14 @@ class TTFTAdmission:
             if found is not None:
                 return found
         # NOTE: ``estimate`` inlined (the router runs this per request over every replica)
-        lanes, get = self.prefill_lanes, matches.get
+        # (``u if u > 0 else 0`` is ``max(0, u)`` on ints, without a call per replica)
+        lanes, get, n, bs = self.prefill_lanes, matches.get, num_prompt_tokens, block_size
         if queue_share:
             share = queue_share.get
-            est = [max(0, num_prompt_tokens - block_size * get(r.replica_id, 0))
+            est = [(u if (u := n - bs * get(r.replica_id, 0)) > 0 else 0)
                    + r.queued_prefill_tokens * share(r.replica_id, 1.0) / lanes for r in replicas]
         else:
-            est = [max(0, num_prompt_tokens - block_size * get(r.replica_id, 0)) + r.queued_prefill_tokens / lanes
+            est = [(u if (u := n - bs * get(r.replica_id, 0)) > 0 else 0) + r.queued_prefill_tokens / lanes
                    for r in replicas]
         cap = self.factor * min(est)
         return [r for r, e in zip(replicas, est) if e <= cap]

@@ -441,7 +441,7 @@ class CacheAwarePolicy(RoutingPolicy):
             rid = r.replica_id
             m_index = matches.get(rid, 0)
             m, reason = float(m_index), ("index_prefix" if m_index else "load")
-            pend = pending.get(rid)
+            pend = pending.get(rid) if pending else None
             if pend:
                 k = m_index
                 while k < n_hashes and hashes[k] in pend:
@@ -479,8 +479,8 @@ class CacheAwarePolicy(RoutingPolicy):
                 cost = n_tokens + load_weight * (q + rct * out)
             if churn_scale:
                 iv = inflow.get(rid)
-                if iv is not None and iv > mean_inflow:
-                    cost += churn_scale * max(0.0, iv / mean_inflow - 1.0)
+                if iv is not None and iv > mean_inflow:  # then iv / mean >= 1.0: max(0, .) is a no-op
+                    cost += churn_scale * (iv / mean_inflow - 1.0)
             if foot_scale and r.capacity_blocks and (rid in footprint or rid == own_id):
                 foot = footprint.get(rid, 0.0) - (own_share if rid == own_id else 0.0)
                 cost += foot_scale * max(0.0, foot) / r.capacity_blocks
