@@ -3,6 +3,9 @@ latest heartbeat and the router's in-flight count say, by replica id, every time
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from unicache.router.cluster import ClusterView
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.registry import make_routing_policy
@@ -57,3 +60,38 @@ def test_total_in_flight_is_the_sum_over_the_replicas_still_known():
     cv.upsert("b", "h:2")
     cv.started("b")
     assert cv.total_in_flight() == 1 == cv.replicas["b"].in_flight
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["beat", "static", "remove", "quarantine", "release", "start", "finish",
+                                               "restart", "peers"]),
+                              st.sampled_from(["a", "b", "c"]), st.integers(0, 3)), max_size=60))
+def test_kept_loads_list_is_always_what_a_fresh_filter_gives(ops):
+    """``loads()`` keeps its list between calls; after any sequence of membership,
+    heartbeat, quarantine, in-flight and peer-count changes it must hold exactly the
+    healthy replicas' current load objects, by id, with the fields their records say."""
+    cv = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
+    for op, rid, k in ops:
+        if op == "beat":
+            cv.upsert(rid, f"h:{rid}", beat(rid, k, 10 * k))
+        elif op == "static":
+            cv.upsert(rid, f"h:{rid}")
+        elif op == "restart":
+            cv.upsert(rid, f"h:{rid}:{k}", beat(rid, k, k))  # a new address releases a quarantine
+        elif op == "remove":
+            cv.remove(rid)
+        elif op == "quarantine":
+            cv.quarantine(rid)
+        elif op == "release":
+            cv.probe_succeeded(rid)
+        elif op == "start":
+            cv.started(rid)
+        elif op == "finish":
+            cv.finished(rid)
+        else:
+            cv.set_peer_in_flight({rid: k})
+        got = cv.loads()
+        recs = [cv.replicas[r] for r in sorted(cv.replicas) if not cv.replicas[r].quarantined]
+        assert [id(x) for x in got] == [id(r.load) for r in recs]
+        assert view(got) == view(ClusterView._load(r) for r in recs)
+        assert cv.loads() is got  # kept until something changes

@@ -74,7 +74,7 @@ class IdleOverride(ClusterView):
                 del idle[replica_id]
             else:
                 rec = self.replicas[replica_id]
-                rec.load = self._idle_load(rec)
+                self.replace_load(rec, self._idle_load(rec))
         return new
 
     def finished(self, replica_id: str) -> None:
@@ -82,7 +82,7 @@ class IdleOverride(ClusterView):
         rec = self.replicas.get(replica_id)
         if rec is not None and rec.all_in_flight == 0 and rec.heartbeat is not None:
             self._idle_since[replica_id] = self.clock()
-            rec.load = self._idle_load(rec)
+            self.replace_load(rec, self._idle_load(rec))
 
 
 async def run_variant(variant: str, args, seed: int) -> dict:
