@@ -437,31 +437,44 @@ class CacheAwarePolicy(RoutingPolicy):
         best_r: ReplicaLoad | None = None
         best_cost, best_m, best_reason = 0.0, 0.0, ""
         n_hashes = len(hashes)
+        # the replicas the request could hit (index match, blocks in flight, a host-tier run,
+        # the session's sticky replica, the template's home): any other one matches nothing
+        # and costs only its load terms (set once here, not tested field by field per replica)
+        could_hit = set(matches)
+        if pending:
+            could_hit.update(pending)
+        if runs:
+            could_hit.update(runs)
+        could_hit.add(sticky_id)
+        could_hit.add(home_id)
         for r in admissible:
             rid = r.replica_id
-            m_index = matches.get(rid, 0)
-            m, reason = float(m_index), ("index_prefix" if m_index else "load")
-            pend = pending.get(rid) if pending else None
-            if pend:
-                k = m_index
-                while k < n_hashes and hashes[k] in pend:
-                    k += 1
-                if k > m:
-                    m, reason = float(k), "inflight_prefix"
-            if rid == sticky_id and sticky_blocks > m and index.is_stale(rid):
-                m, reason = sticky_blocks, "session_sticky"
-            if rid == home_id and home_blocks > m:
-                m, reason = home_blocks, "template_home"
             host = 0.0
-            if runs:
-                run = runs.get(rid)
-                if run is not None and m_index + run.length > m:
-                    # the run's blocks past m: GPU ones are full hits, host ones promoted
-                    gpu = sum(1 for i in run.gpu_at if i >= m) if run.gpu_at else 0
-                    host = m_index + run.length - m - gpu
-                    m += gpu
-                    if host and reason in ("index_prefix", "load"):
-                        reason = "host_prefix"
+            if rid not in could_hit:
+                m, reason = 0.0, "load"
+            else:
+                m_index = matches.get(rid, 0)
+                m, reason = float(m_index), ("index_prefix" if m_index else "load")
+                pend = pending.get(rid) if pending else None
+                if pend:
+                    k = m_index
+                    while k < n_hashes and hashes[k] in pend:
+                        k += 1
+                    if k > m:
+                        m, reason = float(k), "inflight_prefix"
+                if rid == sticky_id and sticky_blocks > m and index.is_stale(rid):
+                    m, reason = sticky_blocks, "session_sticky"
+                if rid == home_id and home_blocks > m:
+                    m, reason = home_blocks, "template_home"
+                if runs:
+                    run = runs.get(rid)
+                    if run is not None and m_index + run.length > m:
+                        # the run's blocks past m: GPU ones are full hits, host ones promoted
+                        gpu = sum(1 for i in run.gpu_at if i >= m) if run.gpu_at else 0
+                        host = m_index + run.length - m - gpu
+                        m += gpu
+                        if host and reason in ("index_prefix", "load"):
+                            reason = "host_prefix"
             qpt = r.queued_prefill_tokens
             q = qpt * share.get(rid, 1.0) if share and qpt else qpt  # the queue's uncached tokens
             if per_lane:
