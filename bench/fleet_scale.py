@@ -111,8 +111,11 @@ def _timed(step, iters: int, warmup: int = 200) -> dict:
     """``step(i)`` timed ``iters`` times after ``warmup``: CPU time of this thread (what a
     decision costs; on a shared machine wall-clock p99 mostly measures preemption) and
     wall clock, p50/p99/mean in µs."""
-    # NOTE: the index's objects are long-lived; frozen, a collection of the young
-    # generation does not walk them (a live router would do the same after a resync).
+    # NOTE: the index's objects are long-lived; frozen, no collection walks them while
+    # decisions are timed. The router does not freeze its heap: CPython collects the oldest
+    # generation only once the objects promoted since the last such collection exceed a
+    # quarter of the long-lived ones, rare once a router's index is built, and that pause
+    # (tens of ms over millions of index objects) is not in these figures.
     gc.collect()
     gc.freeze()
     cpu, wall = [], []
