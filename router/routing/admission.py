@@ -96,7 +96,7 @@ class TTFTAdmission:
 
     factor: float = 2.0
     prefill_lanes: int = 4
-    _positions: ReplicaPositions = field(default_factory=ReplicaPositions, compare=False, repr=False)
+    _positions: ReplicaPositions = field(default_factory=ReplicaPositions, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.factor >= 1.0:
