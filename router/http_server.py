@@ -129,6 +129,8 @@ class CoalescingTransport(CoalescingWriter):
             super().write(data)
 
     def __getattr__(self, name: str):
+        if name == "transport":  # not set yet (a half-built object): no recursion through it
+            raise AttributeError(name)
         return getattr(self.transport, name)
 
 
