@@ -122,7 +122,13 @@ class TTFTAdmission:
         # NOTE: ``estimate`` inlined (the router runs this per request over every replica)
         # (``u if u > 0 else 0`` is ``max(0, u)`` on ints, without a call per replica)
         lanes, get, n, bs = self.prefill_lanes, matches.get, num_prompt_tokens, block_size
-        if queue_share:
+        if not matches:  # no replica holds the first block: every uncached part is n (>= 0)
+            if queue_share:
+                share = queue_share.get
+                est = [n + r.queued_prefill_tokens * share(r.replica_id, 1.0) / lanes for r in replicas]
+            else:
+                est = [n + r.queued_prefill_tokens / lanes for r in replicas]
+        elif queue_share:
             share = queue_share.get
             est = [(u if (u := n - bs * get(r.replica_id, 0)) > 0 else 0)
                    + r.queued_prefill_tokens * share(r.replica_id, 1.0) / lanes for r in replicas]
