@@ -196,9 +196,21 @@ async def test_replicas_sharing_a_port_span_each_bind_the_next_free_port():
 
     from prometheus_client import CollectorRegistry
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
+    def free_pair() -> int:
+        """A port p with p and p + 1 both free just now (an ephemeral port's neighbour may be
+        taken by another socket of this process: check both, as the servers will need them)."""
+        for _ in range(50):
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", 0))
+                p = a.getsockname()[1]
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+                return p
+        raise RuntimeError("no two consecutive free loopback ports")
+
+    base = free_pair()
     servers = [MetricsServer([CollectorRegistry()], port=base, port_span=2) for _ in range(3)]
     try:
         assert [await s.start() for s in servers[:2]] == [base, base + 1]
