@@ -148,3 +148,26 @@ async def test_events_of_different_iterations_leave_at_once(parser):
     writes = await _serve_one_connection(parser, _sse_app(spread=True), requests=1)
     assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(_chunked(EVENTS[0]))
     assert writes[1:] == [_chunked(e) for e in EVENTS[1:]] + [b"0\r\n\r\n"]  # none waits for another
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+async def test_a_100_continue_leaves_at_once_and_the_response_after_the_body(parser):
+    """curl sends ``Expect: 100-continue`` with bodies over 1 KiB and waits for the 100:
+    it must not be held; the response then goes out as for any request."""
+    from unicache.router.http_server import parser_protocol
+
+    config = uvicorn_config(_sse_app(spread=False), HttpLimits(), parser_protocol(parser))
+    config.load()
+    proto = config.http_protocol_class(config=config, server_state=uvicorn.server.ServerState(), app_state={})
+    raw = _RecordingTransport()
+    proto.connection_made(raw)
+    proto.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n")
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert raw.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+    proto.data_received(b"{}")
+    for _ in range(10):
+        await asyncio.sleep(0)
+    proto.connection_lost(None)
+    assert len(raw.writes) == 3 and raw.writes[1].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert raw.writes[1].endswith(_chunked(EVENTS[0])) and raw.writes[2].endswith(b"0\r\n\r\n")
