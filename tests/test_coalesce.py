@@ -152,8 +152,10 @@ async def test_events_of_different_iterations_leave_at_once(parser):
 
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 async def test_a_100_continue_leaves_at_once_and_the_response_after_the_body(parser):
-    """curl sends ``Expect: 100-continue`` with bodies over 1 KiB and waits for the 100:
-    it must not be held; the response then goes out as for any request."""
+    """curl sends ``Expect: 100-continue`` with bodies over 1 KiB and waits for the 100
+    before sending the body: the 100 must reach it with no body write to ride on (a
+    held write that waited for one would deadlock); the response then goes out as for
+    any request."""
     from unicache.router.http_server import parser_protocol
 
     config = uvicorn_config(_sse_app(spread=False), HttpLimits(), parser_protocol(parser))
