@@ -18,8 +18,8 @@ Invariants:
       are none.
     * ``removal_hooks`` run once per replica that leaves (``remove``), so per-replica
       state elsewhere (metric series, first-token estimates) goes with it.
-    * ``rec.load`` equals what the heartbeat and ``in_flight`` say (it is rebuilt when a
-      heartbeat arrives and its ``in_flight`` moves with the record's), and ``_order``
+    * ``rec.load`` equals what the heartbeat and ``in_flight`` say (a heartbeat rewrites it
+      in place, ``_fill_load``, and its ``in_flight`` moves with the record's), and ``_order``
       is the sorted replica ids: ``loads`` only filters, it builds nothing per replica
       (1,024 replicas: building the snapshot per request cost about 1 ms of CPU).
     * ``_healthy`` is None or ``loads()``'s answer with nothing excluded: every
@@ -52,7 +52,7 @@ class ReplicaRecord:
     in_flight: int = 0  # this router's requests on the replica, not finished yet
     peer_in_flight: int = 0  # the cluster's other routers' (their latest terms-exchange batch)
     routed: int = 0
-    load: ReplicaLoad | None = None  # what policies see: rebuilt per heartbeat, in_flight kept current
+    load: ReplicaLoad | None = None  # what policies see: rewritten in place per heartbeat, in_flight kept current
     static_hop: str = ""  # a static replica's framed hop address (``--replicas id=addr@hop``)
 
     @property
@@ -146,7 +146,7 @@ class ClusterView:
                 rec.load = self._load(rec)
                 self._healthy = None
             else:
-                self._refresh_load(rec)
+                self._fill_load(rec.load, rec)
         if new:
             self.policy.update_replicas(sorted(self.replicas))
             if self._on_change:
@@ -202,29 +202,21 @@ class ClusterView:
         self._healthy = None
 
     @staticmethod
-    def _refresh_load(rec: ReplicaRecord) -> None:
-        """Write the record's heartbeat and in-flight counts into its load object in place
-        (``_load``'s fields; a record with no heartbeat keeps zeros but for in_flight)."""
-        load, hb = rec.load, rec.heartbeat
+    def _load(rec: ReplicaRecord) -> ReplicaLoad:
+        """A new load object for ``rec`` (``_fill_load``)."""
+        load = ReplicaLoad(rec.replica_id)
+        ClusterView._fill_load(load, rec)
+        return load
+
+    @staticmethod
+    def _fill_load(load: ReplicaLoad, rec: ReplicaRecord) -> None:
+        """Write ``rec``'s heartbeat figures (none before its first) and its in-flight
+        count into ``load``, in place."""
+        hb = rec.heartbeat
         if hb is not None:
             load.running, load.waiting, load.queued_prefill_tokens = hb.running, hb.waiting, hb.queued_prefill_tokens
             load.free_blocks, load.capacity_blocks = hb.cache.free_blocks, hb.cache.capacity_blocks
         load.in_flight = rec.all_in_flight
-
-    @staticmethod
-    def _load(rec: ReplicaRecord) -> ReplicaLoad:
-        hb = rec.heartbeat
-        if hb is None:
-            return ReplicaLoad(rec.replica_id, in_flight=rec.all_in_flight)
-        return ReplicaLoad(
-            rec.replica_id,
-            running=hb.running,
-            waiting=hb.waiting,
-            queued_prefill_tokens=hb.queued_prefill_tokens,
-            free_blocks=hb.cache.free_blocks,
-            capacity_blocks=hb.cache.capacity_blocks,
-            in_flight=rec.all_in_flight,
-        )
 
     def healthy(self, replica_id: str) -> bool:
         rec = self.replicas.get(replica_id)

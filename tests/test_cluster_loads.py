@@ -93,5 +93,9 @@ def test_kept_loads_list_is_always_what_a_fresh_filter_gives(ops):
         got = cv.loads()
         recs = [cv.replicas[r] for r in sorted(cv.replicas) if not cv.replicas[r].quarantined]
         assert [id(x) for x in got] == [id(r.load) for r in recs]
-        assert view(got) == view(ClusterView._load(r) for r in recs)
+        expected = [(r.replica_id, *((r.heartbeat.running, r.heartbeat.waiting, r.heartbeat.queued_prefill_tokens,
+                                      r.heartbeat.cache.free_blocks) if r.heartbeat is not None else (0, 0, 0, 0)),
+                     r.in_flight + r.peer_in_flight) for r in recs]
+        assert view(got) == expected
+        assert [x.capacity_blocks for x in got] == [r.heartbeat.cache.capacity_blocks if r.heartbeat is not None else 0 for r in recs]
         assert cv.loads() is got  # kept until something changes
