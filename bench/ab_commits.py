@@ -34,6 +34,7 @@ from pathlib import Path
 
 from bench.paths import REPO
 from bench.report_files import git_commit
+from bench.rounds import round_order
 
 
 def resolve(rev: str) -> str:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copyfile(root / "head" / rel, dest)
         rounds = []
         for i in range(args.rounds):
-            order = ("base", "head") if i % 2 == 0 else ("head", "base")
+            order = round_order(("base", "head"), i)
             print(f"round {i + 1}/{args.rounds}: {' then '.join(order)}", file=sys.stderr, flush=True)
             rounds.append({name: run_side(pythons[name], root / name, command, root / f"{name}_{i}.json") for name in order})
     finally:

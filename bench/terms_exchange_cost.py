@@ -47,6 +47,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench.rounds import round_order
 from unicache.block_hash import hash_id_blocks
 from unicache.request_class import RequestClass, Task
 from unicache.router.routing.base import RouteDecision, RoutingRequest
@@ -164,11 +165,11 @@ async def run(args) -> dict:
         for r in range(args.rounds):
             reqs = requests(args.requests, 4)
             rnd = {}
-            order = (False, True) if r % 2 == 0 else (True, False)
+            order = round_order((False, True), r)
             for shared in order:
                 rnd["route_shared_us" if shared else "route_alone_us"] = route_cpu_us(reqs, shared)
             for n in fleets:
-                for complete in ((False, True) if r % 2 == 0 else (True, False)):
+                for complete in order:
                     rnd[f"exchange_{n}{'_complete' if complete else ''}"] = await exchange_cpu_us(
                         server.url, requests(args.requests, n), args.batch, n, r, complete)
             rounds.append(rnd)

@@ -37,6 +37,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from bench.rounds import round_order
 from unicache.router.cluster import ClusterView
 from unicache.router.routing.base import ReplicaLoad
 from unicache.testing.dashboard_stack import DashboardStack
@@ -110,7 +111,7 @@ async def run_variant(variant: str, args, seed: int) -> dict:
 async def main_async(args) -> dict:
     rounds = []
     for r in range(args.rounds):
-        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        order = round_order(VARIANTS, r)
         rnd = {}
         for v in order:
             rnd[v] = await run_variant(v, args, seed=r)
