@@ -9,7 +9,7 @@ import pytest
 import uvicorn
 
 from unicache.coalesce import CoalescingWriter
-from unicache.router.http_server import CoalescingTransport, HttpLimits, uvicorn_config
+from unicache.router.http_server import CoalescingTransport, HttpLimits, parser_protocol, uvicorn_config
 
 
 class _RecordingTransport:
@@ -114,14 +114,19 @@ def _chunked(body: bytes) -> bytes:
     return b"%x\r\n" % len(body) + body + b"\r\n"
 
 
-async def _serve_one_connection(parser: str, app, requests: int) -> list[bytes]:
-    from unicache.router.http_server import parser_protocol
-
+def _connected(parser: str, app):
+    """The front door's guarded uvicorn protocol (``parser``) serving ``app``, connected
+    to a recording transport: (protocol, transport)."""
     config = uvicorn_config(app, HttpLimits(), parser_protocol(parser))
     config.load()
     proto = config.http_protocol_class(config=config, server_state=uvicorn.server.ServerState(), app_state={})
     raw = _RecordingTransport()
     proto.connection_made(raw)
+    return proto, raw
+
+
+async def _serve_one_connection(parser: str, app, requests: int) -> list[bytes]:
+    proto, raw = _connected(parser, app)
     for _ in range(requests):
         before = len(raw.writes)
         proto.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
@@ -156,13 +161,7 @@ async def test_a_100_continue_leaves_at_once_and_the_response_after_the_body(par
     before sending the body: the 100 must reach it with no body write to ride on (a
     held write that waited for one would deadlock); the response then goes out as for
     any request."""
-    from unicache.router.http_server import parser_protocol
-
-    config = uvicorn_config(_sse_app(spread=False), HttpLimits(), parser_protocol(parser))
-    config.load()
-    proto = config.http_protocol_class(config=config, server_state=uvicorn.server.ServerState(), app_state={})
-    raw = _RecordingTransport()
-    proto.connection_made(raw)
+    proto, raw = _connected(parser, _sse_app(spread=False))
     proto.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n")
     for _ in range(5):
         await asyncio.sleep(0)
