@@ -39,11 +39,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 
-from unicache.router.routing.base import ReplicaLoad
+from unicache.router.routing.base import ReplicaLoad, replica_id_of
 
-_replica_id = attrgetter("replica_id")
 
 # The matching replicas are tried first in fleets of at least this many replicas, when at
 # most 1 / MATCHES_FIRST_MAX_SHARE of them match (below, the full pass costs about as much;
@@ -78,7 +76,7 @@ class ReplicaPositions:
             return i
         if self._fresh:
             return None
-        self._pos = dict(zip(map(_replica_id, replicas), range(len(replicas))))
+        self._pos = dict(zip(map(replica_id_of, replicas), range(len(replicas))))
         self._fresh = True
         return self._pos.get(rid)
 

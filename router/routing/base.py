@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 from unicache.block_hash import BlockHash
@@ -47,6 +48,10 @@ class ReplicaLoad:
     def outstanding(self) -> int:
         """The load measure most policies compare: max of router and replica views."""
         return max(self.in_flight, self.running + self.waiting)
+
+
+# ``replica_id_of(load)`` is ``load.replica_id``, callable at C speed (``map`` over a fleet).
+replica_id_of = attrgetter("replica_id")
 
 
 class TierRun(NamedTuple):

@@ -166,19 +166,17 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
 
 from unicache.block_hash import BlockHash
 from unicache.router.routing.admission import TTFTAdmission
 from unicache.router.routing.base import (
-    LocalityView, ReplicaLoad, RouteDecision, RoutedEvent, RoutingPolicy, RoutingRequest, SessionRecord,
+    LocalityView, ReplicaLoad, RouteDecision, RoutedEvent, RoutingPolicy, RoutingRequest, SessionRecord, replica_id_of,
 )
 from unicache.router.routing.least_loaded import load_key
 from unicache.router.routing.registry import register_routing_policy
 from unicache.router.routing.session_affinity import HashRing, session_key
 
 
-_replica_id = attrgetter("replica_id")
 
 
 def with_room(replicas: list[ReplicaLoad], num_prompt_tokens: int, block_size: int) -> list[ReplicaLoad]:
@@ -389,7 +387,7 @@ class CacheAwarePolicy(RoutingPolicy):
         tb = cls.template_blocks
         if not (cls.template and self.template_trust and 0 < tb <= len(request.block_hashes)):
             return None, 0.0
-        live = set(map(_replica_id, replicas))
+        live = set(map(replica_id_of, replicas))
         for rid in live - self.ring.members:
             self.ring.add(rid)
         k = min(tb, self.template_key_blocks) if self.template_key_blocks else tb
@@ -420,7 +418,7 @@ class CacheAwarePolicy(RoutingPolicy):
         churn_scale, mean_inflow = 0.0, 0.0
         if self.churn_weight and self._inflow:
             # NOTE: map over C callables: the same sum, in the same order, at C speed
-            mean_inflow = sum(map(self._inflow.get, map(_replica_id, replicas), repeat(0.0))) / len(replicas)
+            mean_inflow = sum(map(self._inflow.get, map(replica_id_of, replicas), repeat(0.0))) / len(replicas)
             if mean_inflow > 0:
                 churn_scale = self.churn_weight * n_tokens
 

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from operator import attrgetter
 
 from unicache.block_hash import BlockHash
-from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from unicache.router.routing.base import (
+    LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest, replica_id_of,
+)
 from unicache.router.routing.least_loaded import load_key
 from unicache.router.routing.registry import register_routing_policy
 
@@ -99,7 +100,6 @@ class ApproxTree:
                 del roots[bh]
 
 
-_replica_id = attrgetter("replica_id")
 
 
 @register_routing_policy("sglang")
@@ -165,7 +165,7 @@ class SGLangPolicy(RoutingPolicy):
         if held:
             # NOTE: only trees holding the first block can match; the order of the visit
             # does not matter (the winner is the max of (m, tick, id)).
-            live = set(map(_replica_id, replicas))
+            live = set(map(replica_id_of, replicas))
             trees = self.trees
             for rid in held:
                 if rid not in live:
