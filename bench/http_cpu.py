@@ -50,7 +50,10 @@ VARIANTS = {  # name -> (http_parser, event_loop)
 }
 
 
-def router_main(spec: str, parser: str, loop_name: str, ports, stop, profile_path: str | None = None) -> None:
+def router_main(spec: str, parser: str, loop_name: str, ports, stop, profile_path: str | None = None,
+                policy: str = "round_robin", grpc_port_too: bool = False) -> None:
+    """The router (``RouterApp``, no auth, no Redis) until ``stop``; puts ("router", HTTP
+    port, pid) to ``ports`` and, with ``grpc_port_too``, then ("router-grpc", gRPC port, pid)."""
     from unicache.router.app import RouterApp
     from unicache.router.config import build_config
     from unicache.router.http_server import loop_factory
@@ -60,7 +63,7 @@ def router_main(spec: str, parser: str, loop_name: str, ports, stop, profile_pat
 
         cfg = build_config(env={}, overrides={
             "grpc_port": 0, "http_port": 0, "use_redis": False, "auth_enabled": False,
-            "routing_policy": "round_robin", "replicas": spec, "http_parser": parser, "event_loop": loop_name,
+            "routing_policy": policy, "replicas": spec, "http_parser": parser, "event_loop": loop_name,
         })
         app = RouterApp(cfg)
         await app.start()
@@ -68,6 +71,8 @@ def router_main(spec: str, parser: str, loop_name: str, ports, stop, profile_pat
         if prof is not None:
             prof.enable()
         ports.put(("router", app.http_port, os.getpid()))
+        if grpc_port_too:
+            ports.put(("router-grpc", app.grpc_port, os.getpid()))
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         if prof is not None:
             prof.disable()

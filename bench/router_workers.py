@@ -63,10 +63,11 @@ def grpc_frame(max_tokens: int) -> bytes:
     return b"\x00" + len(body).to_bytes(4, "big") + body
 
 
-def h2load_burst(port: int, n: int, channels: int, frame_path: str) -> dict:
-    """``n`` streams from h2load over ``channels`` connections; requests/s and latency as
-    h2load measured them, and its success counts (checked by the caller)."""
-    streams = max(1, -(-n // channels))
+def h2load_burst(port: int, n: int, channels: int, frame_path: str, streams: int | None = None) -> dict:
+    """``n`` streams from h2load over ``channels`` connections, at most ``streams`` at once
+    on each (default: all of them at once); requests/s and latency as h2load measured
+    them, and its success counts (checked by the caller: a gRPC error is HTTP 200 too)."""
+    streams = streams or max(1, -(-n // channels))
     cmd = ["h2load", "-n", str(n), "-c", str(channels), "-m", str(streams), "-d", frame_path,
            "-H", "content-type: application/grpc", "-H", "te: trailers", f"http://127.0.0.1:{port}/unicache.v1.Router/Generate"]
     t0, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
