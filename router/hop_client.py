@@ -39,7 +39,7 @@ from unicache.coalesce import CoalescingWriter
 from unicache.state_auth import StateAuthError
 from unicache.v1 import replica_pb2, router_pb2
 
-from unicache.router.replica_stream import ReplicaStream, parse_replica_message, rpc_error
+from unicache.router.replica_stream import ReplicaStream, parse_replica_message, rpc_error, take_queued
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class HopStream(ReplicaStream):
         items = self._items
         while True:
             if items:
-                return items.popleft()
+                return take_queued(items)
             if self._ended:
                 if self._error is not None:
                     raise self._error

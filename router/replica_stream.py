@@ -10,11 +10,15 @@ Invariants:
       (``tests/test_router_units.py`` checks it), so every field arrives and the gRPC
       front door passes the message on as its own (``route`` set on the first) without
       copying it per token.
+    * ``take_queued`` hands on, as one message, the messages of one sample that arrived
+      before the request path asked for them: the same tokens, text, logprobs, finish and
+      usage, in order, in fewer messages (a client reads each message as a delta).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable
 
 import grpc
@@ -28,6 +32,34 @@ _CHECK_AHEAD_S = 0.01
 parse_replica_message = router_pb2.RouterGenerateResponse.FromString  # see the module invariants
 
 _NO_METADATA = grpc.aio.Metadata()
+
+
+def take_queued(items: collections.deque) -> router_pb2.RouterGenerateResponse:
+    """The first message of non-empty ``items`` with the messages queued behind it merged
+    in, as long as they continue the same sample (``index``) and it has not ended
+    (finish reason or usage set): token ids and logprobs extended, text deltas
+    concatenated, the last one's finish reason and usage kept. The merged messages leave
+    ``items``; a message of another sample, or any after a sample's end, stays.
+
+    Why: a request path that falls behind its replica (a loaded router, a replica that
+    emits several tokens at once) then pays its per-message costs (a front-door write, an
+    SSE event, a gRPC message) once per batch instead of once per token, as vLLM's
+    output collector merges what a slow consumer has not read yet. Nothing waits for a
+    merge: only what already arrived is taken.
+    """
+    msg = items.popleft()
+    while items and not msg.finish_reason and not msg.HasField("usage") and items[0].index == msg.index:
+        nxt = items.popleft()
+        msg.token_ids.extend(nxt.token_ids)
+        if nxt.text:
+            msg.text += nxt.text
+        if nxt.logprobs:
+            msg.logprobs.extend(nxt.logprobs)
+        if nxt.finish_reason:
+            msg.finish_reason = nxt.finish_reason
+        if nxt.HasField("usage"):
+            msg.usage.CopyFrom(nxt.usage)
+    return msg
 
 
 def rpc_error(code: grpc.StatusCode, details: str, refusal: str = "") -> grpc.aio.AioRpcError:

@@ -318,3 +318,58 @@ async def test_completion_prompts_get_the_tokenizers_bos_and_chat_templates_do_n
     finally:
         await app.stop()
     assert app.core.encode("hello world", add_special_tokens=True) == [0, 2, 3]
+
+
+def _msg(**kw) -> router_pb2.RouterGenerateResponse:
+    return router_pb2.RouterGenerateResponse(**kw)
+
+
+def test_queued_messages_of_one_sample_are_handed_on_as_one():
+    from collections import deque
+
+    from unicache.router.replica_stream import take_queued
+
+    lp = [common_pb2.TokenLogprobs(logprob=-float(i)) for i in range(4)]
+    usage = common_pb2.Usage(prompt_tokens=9, completion_tokens=4)
+    items = deque([
+        _msg(token_ids=[1], text="a", logprobs=[lp[0]]),
+        _msg(token_ids=[2, 3], text="bc", logprobs=lp[1:3]),
+        _msg(token_ids=[], text=""),  # a message with nothing new (held-back text) merges to nothing
+        _msg(token_ids=[4], text="d", logprobs=[lp[3]], finish_reason=common_pb2.FINISH_REASON_STOP, usage=usage),
+        _msg(index=1, token_ids=[5], text="e"),
+    ])
+    assert take_queued(items) == _msg(token_ids=[1, 2, 3, 4], text="abcd", logprobs=lp,
+                                      finish_reason=common_pb2.FINISH_REASON_STOP, usage=usage)
+    assert list(items) == [_msg(index=1, token_ids=[5], text="e")]  # another sample's message stays
+    assert take_queued(items) == _msg(index=1, token_ids=[5], text="e") and not items
+
+
+def test_take_queued_stops_at_a_sample_change_and_after_an_end():
+    from collections import deque
+
+    from unicache.router.replica_stream import take_queued
+
+    items = deque([_msg(index=0, token_ids=[1]), _msg(index=1, token_ids=[2]), _msg(index=0, token_ids=[3])])
+    assert take_queued(items) == _msg(index=0, token_ids=[1]) and len(items) == 2  # interleaved samples stay apart
+    ended = deque([_msg(token_ids=[1], finish_reason=common_pb2.FINISH_REASON_LENGTH), _msg(token_ids=[2])])
+    assert take_queued(ended) == _msg(token_ids=[1], finish_reason=common_pb2.FINISH_REASON_LENGTH) and len(ended) == 1
+    used = deque([_msg(token_ids=[1], usage=common_pb2.Usage(completion_tokens=1)), _msg(token_ids=[2])])
+    assert take_queued(used).token_ids == [1] and len(used) == 1
+
+
+def test_take_queued_knows_every_field_a_replica_sends():
+    """A field added to GenerateResponse must be merged by ``take_queued`` too: this lists
+    the ones it handles (``route`` is the router's own)."""
+    handled = {"index", "token_ids", "text", "finish_reason", "usage", "logprobs"}
+    assert {f.name for f in replica_pb2.GenerateResponse.DESCRIPTOR.fields} == handled
+
+
+async def test_a_hop_stream_reads_what_arrived_before_it_asked_as_one_message():
+    from unicache.router.hop_client import HopStream
+
+    stream = HopStream(None, b"", deadline=0.0)  # ended below, so it never connects
+    for i, t in enumerate("abc"):
+        stream._push(_msg(token_ids=[i], text=t))
+    stream._finish(None)
+    assert await stream.next() == _msg(token_ids=[0, 1, 2], text="abc")
+    assert await stream.next() is None
