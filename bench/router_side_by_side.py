@@ -31,7 +31,7 @@ Run (from the repository root; ``apt-get install nghttp2-client`` for h2load; th
 routers: ``python3 -m venv /tmp/rr && /tmp/rr/bin/pip install sglang-router==0.3.2
 vllm-router==0.1.17``):
     .venv/bin/python -m bench.router_side_by_side [--rust-bin /tmp/rr/bin] [--requests 4000]
-        [--rounds 5] [--out-dir bench/results]   (writes router_side_by_side.{json,md,png})
+        [--rounds 5] [--out-dir bench/results] [--json OUT]   (writes router_side_by_side.{json,md,png})
 """
 
 from __future__ import annotations
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="cache_aware", help="this router's routing policy (default cache_aware)")
     ap.add_argument("--rust-bin", default=None, help="folder holding sglang-router / vllm-router (default: PATH)")
     ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--json", default=None, help="also write the report's JSON here (for bench.ab_commits)")
     args = ap.parse_args(argv)
     if shutil.which("h2load") is None:
         ap.error("h2load not found (apt-get install nghttp2-client)")
@@ -297,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {s['unicache_over_this']:.2f}x | {s['requests_per_s']:.0f} "
                      f"| {'-' if bcpu is None else f'{bcpu:.3f}'} | {s['all_succeeded']} |")
     write_report(Path(args.out_dir), "router_side_by_side", report, "\n".join(lines) + "\n", plot)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if all(s["all_succeeded"] for s in summary.values()) else 1
 
 
