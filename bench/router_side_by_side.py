@@ -23,6 +23,12 @@ process's CPU (all threads, from /proc) per request, per round, rounds interleav
       uvloop). h2load counts a gRPC error as HTTP 200, so these rows succeed only when the
       fake replicas answered as many streams as were sent.
 
+Latency (``--latency-requests``): the same request sent one at a time on one connection,
+p50 / p99 of the time to the end of each response (h2load's per-request log), and each
+server's p50 over bare uvicorn's in the same round (what routing through it adds over a
+minimal Python server answering by itself: the Rust routers' fake workers are that app,
+this router's fake replicas answer over the hop).
+
 Every backend streams ``TOKENS`` events at once (the cheapest backend: the router's own
 cost is what is left). The Rust routers try to fetch a tokenizer for the fake model name
 at start and go on without one (their cache-aware policies match on text).
@@ -127,6 +133,25 @@ def rust_command(name: str, exe: str, port: int, worker_ports: list[int]) -> lis
     return [exe, *common, "--log-level", "error"]
 
 
+def latency_ms(port: int, n: int, payload: str, grpc: bool) -> dict:
+    """``n`` requests one at a time on one connection (h2load ``-c 1``; ``grpc``: HTTP/2
+    with gRPC framing to ``Router.Generate``, else HTTP/1.1 ``/v1/completions``): p50 and
+    p99 of each request's time to the end of its response, from h2load's per-request log,
+    in ms, and how many failed."""
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        cmd = ["h2load", "-n", str(n), "-c", "1", "-m", "1", "-d", payload, "--log-file", log.name]
+        if grpc:
+            cmd += ["-H", "content-type: application/grpc", "-H", "te: trailers",
+                    f"http://127.0.0.1:{port}/unicache.v1.Router/Generate"]
+        else:
+            cmd += ["--h1", "-H", "content-type: application/json", f"http://127.0.0.1:{port}/v1/completions"]
+        subprocess.run(cmd, capture_output=True, check=True, timeout=600)
+        rows = [line.split("\t") for line in Path(log.name).read_text().splitlines() if line.strip()]
+    ok = sorted(int(r[2]) / 1e3 for r in rows if r[1] == "200")
+    pick = lambda q: ok[min(len(ok) - 1, int(q * len(ok)))] if ok else float("nan")  # noqa: E731
+    return {"p50_ms": round(pick(0.5), 3), "p99_ms": round(pick(0.99), 3), "failed": n - len(ok)}
+
+
 def wait_ready(port: int, body: bytes, timeout_s: float = 90.0) -> None:
     """Until a streamed completion through ``port`` answers 200 (RuntimeError past the timeout)."""
     deadline = time.monotonic() + timeout_s
@@ -168,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--latency-requests", type=int, default=1000,
+                    help="requests sent one at a time per server and round for the latency figures (0: none)")
     ap.add_argument("--policy", default="cache_aware", help="this router's routing policy (default cache_aware)")
     ap.add_argument("--rust-bin", default=None, help="folder holding sglang-router / vllm-router (default: PATH)")
     ap.add_argument("--out-dir", default=str(RESULTS))
@@ -254,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                     res["cpu_ms_per_request"] = round(1e3 * (cpu_s(pid) - c0) / args.requests, 4)
                     if b:
                         res["backend_cpu_ms_per_request"] = round(1e3 * (cpu_s(b) - b0) / args.requests, 4)
+                    if args.latency_requests:
+                        grpc = name in grpc_servers
+                        res["latency"] = latency_ms(port, args.latency_requests, str(frame if grpc else body), grpc)
                     row[name] = res
                     print(f"round {i + 1}/{args.rounds}: {name}: {res}", file=sys.stderr, flush=True)
                 rounds.append(row)
@@ -276,6 +306,15 @@ def main(argv: list[str] | None = None) -> int:
         # drift cancels within a round); gRPC rows against this router's gRPC door
         s["unicache_over_this"] = round(statistics.median(
             r[ref]["cpu_ms_per_request"] / r[name]["cpu_ms_per_request"] for r in rounds), 3)
+        if args.latency_requests:
+            for q in ("p50_ms", "p99_ms"):
+                s[f"latency_{q}"] = statistics.median(r[name]["latency"][q] for r in rounds)
+            s["latency_failed"] = sum(r[name]["latency"]["failed"] for r in rounds)
+            s["all_succeeded"] = s["all_succeeded"] and not s["latency_failed"]
+            # the latency this server adds over bare uvicorn answering the same request
+            # itself (the Rust routers' workers are that app), per round, then the median
+            s["added_p50_ms_over_bare_uvicorn"] = round(statistics.median(
+                r[name]["latency"]["p50_ms"] - r["bare uvicorn"]["latency"]["p50_ms"] for r in rounds), 3)
         summary[name] = s
     load = os.getloadavg()[0]
     report = {"command": "python -m bench.router_side_by_side " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -292,11 +331,17 @@ def main(argv: list[str] | None = None) -> int:
              "4 fake OpenAI workers.\n",
              "| server | CPU ms / request (median, range) | unicache / this (per-round median; gRPC rows: its gRPC door) | requests/s "
              "| backend CPU ms / request | every request succeeded |", "|---|---|---|---|---|---|"]
+    if args.latency_requests:
+        lines[-2] = lines[-2].replace(" | every request succeeded |", " | latency p50 / p99 ms, one at a time "
+                                      "| added p50 ms over bare uvicorn | every request succeeded |")
+        lines[-1] = "|---|---|---|---|---|---|---|---|"
     for name, s in summary.items():
         bcpu = statistics.median(r[name]["backend_cpu_ms_per_request"] for r in rounds) if name in backend else None
+        lat = (f"| {s['latency_p50_ms']:.3f} / {s['latency_p99_ms']:.3f} | {s['added_p50_ms_over_bare_uvicorn']:+.3f} "
+               if args.latency_requests else "")
         lines.append(f"| {name} | {s['cpu_ms_per_request']:.3f} ({s['cpu_ms_range'][0]:.3f}-{s['cpu_ms_range'][1]:.3f}) "
                      f"| {s['unicache_over_this']:.2f}x | {s['requests_per_s']:.0f} "
-                     f"| {'-' if bcpu is None else f'{bcpu:.3f}'} | {s['all_succeeded']} |")
+                     f"| {'-' if bcpu is None else f'{bcpu:.3f}'} {lat}| {s['all_succeeded']} |")
     write_report(Path(args.out_dir), "router_side_by_side", report, "\n".join(lines) + "\n", plot)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
