@@ -54,6 +54,12 @@ def fields(msg) -> tuple:
     return (msg.index, list(msg.token_ids), msg.text, msg.finish_reason, msg.HasField("usage"), u.prompt_tokens, u.cached_tokens, u.completion_tokens)
 
 
+def tokens(msgs) -> list[int]:
+    """The token ids of a stream's messages, in order (a router's hop stream hands on as one
+    message what queued before it was read, so a message may carry several)."""
+    return [t for m in msgs for t in m.token_ids]
+
+
 async def collect(stream) -> list:
     msgs = []
     try:
@@ -111,7 +117,7 @@ async def test_streams_share_one_connection(served):
     prompts = [[p + i for p in PROMPT] for i in range(8)]
     want = [await collect(clients.generate(grpc_addr, make_request(p, max_tokens=4), 30)) for p in prompts]
     got = await asyncio.gather(*(collect(clients.generate(grpc_addr, make_request(p, max_tokens=4), 30, hop_addr, "r0")) for p in prompts))
-    assert [[m.token_ids[:] for m in ms] for ms in got] == [[m.token_ids[:] for m in ms] for ms in want]
+    assert [tokens(ms) for ms in got] == [tokens(ms) for ms in want]
     assert clients.hop(hop_addr, "r0").connects == 1
     assert len(server.hop.connections) == 1
 
@@ -123,7 +129,7 @@ async def test_transport_grpc_never_uses_the_hop(served):
     try:
         stream = clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0")
         assert isinstance(stream, GrpcReplicaStream)
-        assert len(await collect(stream)) == 2
+        assert len(tokens(await collect(stream))) == 2
         assert not server.hop.connections
     finally:
         await clients.close()
@@ -163,7 +169,7 @@ async def test_closing_midway_cancels_at_the_replica_and_frees_blocks(served):
     await streams_ended(server)
     await eventually(lambda: engine.load().running == 0, "the engine to drop the request")
     # the connection survives a cancelled stream
-    assert len(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0"))) == 2
+    assert len(tokens(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0")))) == 2
     assert clients.hop(hop_addr, "r0").connects == 1
 
 
@@ -204,7 +210,7 @@ async def test_lost_connection_fails_open_streams_unavailable_then_reconnects(se
     err = await failure(stream)
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert await no_blocks_referenced(engine)
-    assert len(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0"))) == 2
+    assert len(tokens(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0")))) == 2
     assert clients.hop(hop_addr, "r0").connects == 2
 
 
@@ -245,7 +251,7 @@ async def test_no_key_on_either_side_still_checks_the_replica_id(engine):
     server = await serve(engine, key=None)
     try:
         ok = HopClient(addresses(server)[1], "r0", None)
-        assert len(await collect(ok.stream(make_request(PROMPT, max_tokens=2), 5))) == 2
+        assert len(tokens(await collect(ok.stream(make_request(PROMPT, max_tokens=2), 5)))) == 2
         ok.close()
     finally:
         await server.stop()
@@ -348,14 +354,14 @@ async def test_a_replica_leaving_keeps_its_open_streams_then_closes(served):
     engine, server, clients = served
     grpc_addr, hop_addr = addresses(server)
     stream = clients.generate(grpc_addr, make_request(PROMPT, max_tokens=6), 30, hop_addr, "r0")
-    assert await stream.first() is not None
+    assert (first := await stream.first()) is not None
     conn = clients.hop(hop_addr, "r0")._conn
     clients.forget_replica("r0")
     assert conn.usable and "r0" not in clients._hops
     rest = []
     while (msg := await stream.next()) is not None:
         rest.append(msg)
-    assert len(rest) == 5 and rest[-1].finish_reason == 1
+    assert len(tokens([first, *rest])) == 6 and rest[-1].finish_reason == 1
     assert not conn.usable
 
 
@@ -390,12 +396,12 @@ async def test_router_reaches_replicas_over_their_advertised_hop():
 async def test_a_replica_on_a_new_hop_address_retires_the_old_one(served):
     engine, server, clients = served
     grpc_addr, hop_addr = addresses(server)
-    assert len(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0"))) == 2
+    assert len(tokens(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0")))) == 2
     old = clients.hop(hop_addr, "r0")._conn
     moved = await serve(engine)  # the same replica id, restarted on new ports
     try:
         new_grpc, new_hop = addresses(moved)
-        assert len(await collect(clients.generate(new_grpc, make_request(PROMPT, max_tokens=2), 30, new_hop, "r0"))) == 2
+        assert len(tokens(await collect(clients.generate(new_grpc, make_request(PROMPT, max_tokens=2), 30, new_hop, "r0")))) == 2
         assert [(c.address, rid) for rid, c in clients._hops.items()] == [(new_hop, "r0")] and not old.usable
     finally:
         await moved.stop()
@@ -404,7 +410,7 @@ async def test_a_replica_on_a_new_hop_address_retires_the_old_one(served):
 async def test_stopping_finishes_running_streams_and_refuses_new_ones_unavailable(engine):
     async with served_hop(engine, faults=FaultInjection(token_delay_s=0.05)) as (server, client):
         running = client.stream(make_request(PROMPT, max_tokens=6), 30)
-        assert await running.first() is not None
+        assert (first := await running.first()) is not None
         stopping = asyncio.create_task(server.stop())
         await asyncio.sleep(0.01)
         err = await failure(client.stream(make_request(PROMPT, max_tokens=2), 30))
@@ -412,7 +418,7 @@ async def test_stopping_finishes_running_streams_and_refuses_new_ones_unavailabl
         rest = []
         while (msg := await running.next()) is not None:
             rest.append(msg)
-        assert len(rest) == 5  # finished within the grace period
+        assert len(tokens([first, *rest])) == 6  # finished within the grace period
         await stopping
 
 
@@ -420,7 +426,7 @@ async def test_both_ends_of_a_hop_connection_keep_tcp_alive(served):
     """A replica that vanishes without closing its connection is found by TCP keepalive."""
     engine, server, clients = served
     grpc_addr, hop_addr = addresses(server)
-    assert len(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0"))) == 2
+    assert len(tokens(await collect(clients.generate(grpc_addr, make_request(PROMPT, max_tokens=2), 30, hop_addr, "r0")))) == 2
     ends = [clients.hop(hop_addr, "r0")._conn.transport, *(c.transport for c in server.hop.connections)]
     assert len(ends) == 2
     for transport in ends:
@@ -438,13 +444,13 @@ async def test_connection_outcomes_are_counted(engine):
     server = await serve(engine)
     try:
         ok = HopClient(addresses(server)[1], "r0", hop.HopAuth(KEY), counter=counter)
-        assert len(await collect(ok.stream(make_request(PROMPT, max_tokens=2), 5))) == 2
+        assert len(tokens(await collect(ok.stream(make_request(PROMPT, max_tokens=2), 5)))) == 2
         for conn in list(server.hop.connections):
             conn.close()  # the replica side drops it
         await eventually(lambda: counts()["lost"] == 1, "the drop to be counted")
         wrong = HopClient(addresses(server)[1], "r0", hop.HopAuth(OTHER_KEY), counter=counter)
         await failure(wrong.stream(make_request(PROMPT, max_tokens=2), 5))
-        assert len(await collect(ok.stream(make_request(PROMPT, max_tokens=2), 5))) == 2  # reconnects
+        assert len(tokens(await collect(ok.stream(make_request(PROMPT, max_tokens=2), 5)))) == 2  # reconnects
         ok.close()  # closed by this side: not "lost"
     finally:
         await server.stop()
