@@ -20,13 +20,16 @@ process's CPU (all threads, from /proc) per request, per round, rounds interleav
       sent by h2load over HTTP/2 with gRPC framing (one stream at a time per connection,
       as the HTTP rows); ``bare grpc.aio proxy``: a grpc.aio ``Router.Generate`` that only
       forwards to the fake replicas' gRPC ports (``bench.router_profile.start_bare_proxy``,
-      uvloop). h2load counts a gRPC error as HTTP 200, so these rows succeed only when the
-      fake replicas answered as many streams as were sent.
+      uvloop); ``bare grpc.aio server``: a grpc.aio ``Router.Generate`` streaming the
+      tokens itself (the floor of grpc.aio, nothing routed). h2load counts a gRPC error as
+      HTTP 200, so the rows behind the fake replicas succeed only when those answered as
+      many streams as were sent.
 
 Latency (``--latency-requests``): the same request sent one at a time on one connection,
 p50 / p99 of the time to the end of each response (h2load's per-request log), and each
-server's p50 over bare uvicorn's in the same round (what routing through it adds over a
-minimal Python server answering by itself: the Rust routers' fake workers are that app,
+server's p50 over the bare server's of its protocol in the same round (bare uvicorn, or
+the bare grpc.aio server for the gRPC rows: what routing through it adds over a minimal
+Python server answering by itself; the Rust routers' fake workers are bare uvicorn's app,
 this router's fake replicas answer over the hop).
 
 Every backend streams ``TOKENS`` events at once (the cheapest backend: the router's own
@@ -119,6 +122,35 @@ def bare_grpc_main(addresses: list[str], ports, stop) -> None:
         await server.stop(0)
         for c in channels:
             await c.close()
+
+    uvloop.run(run())
+
+
+def bare_grpc_server_main(ports, stop) -> None:
+    """A grpc.aio ``Router.Generate`` that answers by itself, streaming ``TOKENS`` prebuilt
+    messages (the gRPC analogue of bare uvicorn: what grpc.aio costs, nothing routed), on
+    uvloop until ``stop``; puts ("bare-grpc-server", port, pid) to ``ports``."""
+    import grpc
+    import uvloop
+
+    from unicache.v1 import router_pb2
+
+    messages = [router_pb2.RouterGenerateResponse(token_ids=[i], text=f"t{i}").SerializeToString() for i in range(TOKENS)]
+
+    async def generate(request, context):
+        for m in messages:
+            yield m
+
+    async def run() -> None:
+        handler = grpc.unary_stream_rpc_method_handler(
+            generate, request_deserializer=router_pb2.RouterGenerateRequest.FromString, response_serializer=None)
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("unicache.v1.Router", {"Generate": handler}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ports.put(("bare-grpc-server", port, os.getpid()))
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        await server.stop(0)
 
     uvloop.run(run())
 
@@ -242,7 +274,12 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(p)
             _, port, pid = ports.get(timeout=120)
             servers["bare grpc.aio proxy"], backend["bare grpc.aio proxy"] = (port, pid), rep_pid
-            grpc_servers.update({"unicache (gRPC)", "bare grpc.aio proxy"})
+            p = ctx.Process(target=bare_grpc_server_main, args=(ports, stop))
+            p.start()
+            procs.append(p)
+            _, port, pid = ports.get(timeout=120)
+            servers["bare grpc.aio server"] = (port, pid)
+            grpc_servers.update({"unicache (gRPC)", "bare grpc.aio proxy", "bare grpc.aio server"})
             for name, exe in rust.items():
                 port = free_port()
                 rp = subprocess.Popen(rust_command(name, exe, port, worker_ports), stdout=subprocess.DEVNULL,
@@ -311,10 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                 s[f"latency_{q}"] = statistics.median(r[name]["latency"][q] for r in rounds)
             s["latency_failed"] = sum(r[name]["latency"]["failed"] for r in rounds)
             s["all_succeeded"] = s["all_succeeded"] and not s["latency_failed"]
-            # the latency this server adds over bare uvicorn answering the same request
-            # itself (the Rust routers' workers are that app), per round, then the median
-            s["added_p50_ms_over_bare_uvicorn"] = round(statistics.median(
-                r[name]["latency"]["p50_ms"] - r["bare uvicorn"]["latency"]["p50_ms"] for r in rounds), 3)
+            # the latency this server adds over a bare server of its protocol answering
+            # the same request itself (bare uvicorn: the Rust routers' workers are that
+            # app; gRPC rows: the bare grpc.aio server), per round, then the median
+            floor = "bare grpc.aio server" if name in grpc_servers else "bare uvicorn"
+            s["added_p50_ms_over_bare_server"] = round(statistics.median(
+                r[name]["latency"]["p50_ms"] - r[floor]["latency"]["p50_ms"] for r in rounds), 3)
         summary[name] = s
     load = os.getloadavg()[0]
     report = {"command": "python -m bench.router_side_by_side " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -333,11 +372,11 @@ def main(argv: list[str] | None = None) -> int:
              "| backend CPU ms / request | every request succeeded |", "|---|---|---|---|---|---|"]
     if args.latency_requests:
         lines[-2] = lines[-2].replace(" | every request succeeded |", " | latency p50 / p99 ms, one at a time "
-                                      "| added p50 ms over bare uvicorn | every request succeeded |")
+                                      "| added p50 ms over the bare server (gRPC rows: grpc.aio's) | every request succeeded |")
         lines[-1] = "|---|---|---|---|---|---|---|---|"
     for name, s in summary.items():
         bcpu = statistics.median(r[name]["backend_cpu_ms_per_request"] for r in rounds) if name in backend else None
-        lat = (f"| {s['latency_p50_ms']:.3f} / {s['latency_p99_ms']:.3f} | {s['added_p50_ms_over_bare_uvicorn']:+.3f} "
+        lat = (f"| {s['latency_p50_ms']:.3f} / {s['latency_p99_ms']:.3f} | {s['added_p50_ms_over_bare_server']:+.3f} "
                if args.latency_requests else "")
         lines.append(f"| {name} | {s['cpu_ms_per_request']:.3f} ({s['cpu_ms_range'][0]:.3f}-{s['cpu_ms_range'][1]:.3f}) "
                      f"| {s['unicache_over_this']:.2f}x | {s['requests_per_s']:.0f} "
