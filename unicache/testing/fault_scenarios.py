@@ -395,11 +395,12 @@ async def router_restart(
 
     async def when_idle(router: RouterHandle, prompt: str) -> Reply:
         await idle(router)
-        # NOTE: and once the index equals every replica's cache. On 2026-12-03 the first
-        # router's index showed no holder of one of the six prompts right before its warm
-        # send in most runs (also at 6ec93f6), with no summary or event batch touching
-        # those blocks in between; not diagnosed (see the stop 28 note). The warm sends
-        # check routing by an index that follows the caches, as the rebuilt sends do.
+        # NOTE: and once the index equals every replica's cache: the event batches can
+        # lag the heartbeats. Measured on a fast host: at the first warm send the index,
+        # in sync (no gap), lacked the last two cold prompts' 120 blocks and caught up
+        # 63 ms later; a warm send in that window went elsewhere with nothing cached.
+        # The warm sends check routing by an index that follows the caches, as the
+        # rebuilt sends below do.
         await wait_for(lambda: index_matches_caches(router, replicas), "indexed blocks == caches", 10, 0.05)
         return await router.generate(prompt)
 
