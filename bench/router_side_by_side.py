@@ -60,13 +60,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.fleet_scale import pct
 from bench.http_cpu import read_asgi_body, router_main, serve_uvicorn
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, save_figure, write_report
 from bench.rounds import round_order
 from bench.router_profile import free_port, replica_spec, replicas_main, start_bare_proxy
 from bench.router_workers import grpc_frame, h2load_burst
-from bench.studies.http_floor import _EVENTS, TOKENS, bare_main, h2load
+from bench.studies.http_floor import TOKENS, bare_main, h2load
+from bench.studies.http_floor import _asgi as bare_app
 from unicache.model_name import DEFAULT_MODEL_NAME
 from unicache.testing.procfs import cpu_s
 
@@ -77,19 +79,15 @@ _INFO = json.dumps({"model_path": MODEL, "tokenizer_path": MODEL, "is_generation
 
 
 async def worker_app(scope, receive, send) -> None:
-    """A fake OpenAI worker: POST ``/v1/completions`` streams ``TOKENS`` events and
-    ``[DONE]``; any other path (the routers' health and model-info probes) answers one
-    JSON body with what they read."""
+    """A fake OpenAI worker: POST ``/v1/completions`` is bare uvicorn's app (streams
+    ``TOKENS`` events and ``[DONE]``); any other path (the routers' health and model-info
+    probes) answers one JSON body with what they read."""
     if scope["type"] != "http":
         return
-    body = await read_asgi_body(receive)
     if scope["method"] == "POST" and scope["path"] == "/v1/completions":
-        json.loads(body)
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        for e in _EVENTS:
-            await send({"type": "http.response.body", "body": e, "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        await bare_app(scope, receive, send)
         return
+    await read_asgi_body(receive)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": _INFO})
 
@@ -180,8 +178,9 @@ def latency_ms(port: int, n: int, payload: str, grpc: bool) -> dict:
         subprocess.run(cmd, capture_output=True, check=True, timeout=600)
         rows = [line.split("\t") for line in Path(log.name).read_text().splitlines() if line.strip()]
     ok = sorted(int(r[2]) / 1e3 for r in rows if r[1] == "200")
-    pick = lambda q: ok[min(len(ok) - 1, int(q * len(ok)))] if ok else float("nan")  # noqa: E731
-    return {"p50_ms": round(pick(0.5), 3), "p99_ms": round(pick(0.99), 3), "failed": n - len(ok)}
+    if not ok:
+        return {"p50_ms": float("nan"), "p99_ms": float("nan"), "failed": n}
+    return {"p50_ms": round(pct(ok, 0.5), 3), "p99_ms": round(pct(ok, 0.99), 3), "failed": n - len(ok)}
 
 
 def wait_ready(port: int, body: bytes, timeout_s: float = 90.0) -> None:
@@ -234,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if shutil.which("h2load") is None:
         ap.error("h2load not found (apt-get install nghttp2-client)")
-    search = args.rust_bin if args.rust_bin else None
-    rust = {name: exe for name in ("sglang-router", "vllm-router") if (exe := shutil.which(name, path=search))}
+    rust = {name: exe for name in ("sglang-router", "vllm-router") if (exe := shutil.which(name, path=args.rust_bin))}
     for name in {"sglang-router", "vllm-router"} - set(rust):
         print(f"{name} not found: left out of this run", file=sys.stderr)
     t0 = time.perf_counter()
@@ -261,6 +259,15 @@ def main(argv: list[str] | None = None) -> int:
                 p.start()
             started = {kind: (value, pid) for kind, value, pid in (ports.get(timeout=120) for _ in procs)}
             (rep_ports, rep_pid), (worker_ports, worker_pid) = started["replicas"], started["workers"]
+
+            def spawn(target, *a) -> tuple[int, int]:
+                """Start ``target(*a, ports, stop)`` in a process; its (port, pid) message."""
+                p = ctx.Process(target=target, args=(*a, ports, stop))
+                p.start()
+                procs.append(p)
+                _, port, pid = ports.get(timeout=120)
+                return port, pid
+
             p = ctx.Process(target=router_main, args=(replica_spec(rep_ports, hop=True), "httptools", "uvloop", ports,
                                                       stop, None, args.policy, True))
             p.start()
@@ -269,16 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             _, gport, _ = ports.get(timeout=120)
             servers["unicache"], backend["unicache"] = (port, pid), rep_pid
             servers["unicache (gRPC)"], backend["unicache (gRPC)"] = (gport, pid), rep_pid
-            p = ctx.Process(target=bare_grpc_main, args=([f"127.0.0.1:{g}" for g, _ in rep_ports], ports, stop))
-            p.start()
-            procs.append(p)
-            _, port, pid = ports.get(timeout=120)
-            servers["bare grpc.aio proxy"], backend["bare grpc.aio proxy"] = (port, pid), rep_pid
-            p = ctx.Process(target=bare_grpc_server_main, args=(ports, stop))
-            p.start()
-            procs.append(p)
-            _, port, pid = ports.get(timeout=120)
-            servers["bare grpc.aio server"] = (port, pid)
+            servers["bare grpc.aio proxy"] = spawn(bare_grpc_main, [f"127.0.0.1:{g}" for g, _ in rep_ports])
+            backend["bare grpc.aio proxy"] = rep_pid
+            servers["bare grpc.aio server"] = spawn(bare_grpc_server_main)
             grpc_servers.update({"unicache (gRPC)", "bare grpc.aio proxy", "bare grpc.aio server"})
             for name, exe in rust.items():
                 port = free_port()
@@ -287,11 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                 rust_procs.append(rp)
                 wait_ready(port, body.read_bytes())
                 servers[name], backend[name] = (port, rp.pid), worker_pid
-            p = ctx.Process(target=bare_main, args=("uvicorn", ports, stop))
-            p.start()
-            procs.append(p)
-            _, port, pid = ports.get(timeout=120)
-            servers["bare uvicorn"] = (port, pid)
+            servers["bare uvicorn"] = spawn(bare_main, "uvicorn")
+
             def send(name: str, port: int, n: int) -> dict:
                 """``n`` requests to server ``name``; ``succeeded`` counts only what its
                 backend answered too, where that is known (the fake replicas)."""
