@@ -163,7 +163,9 @@ async def test_closing_midway_cancels_at_the_replica_and_frees_blocks(served):
     grpc_addr, hop_addr = addresses(server)
     stream = clients.generate(grpc_addr, make_request(PROMPT, max_tokens=100), 30, hop_addr, "r0")
     first = await stream.first()
-    assert len(first.token_ids) == 1
+    # the hop hands on as one message what queued before it was read: the first may carry more
+    # than one token, but closing must come before the request's end
+    assert 1 <= len(first.token_ids) < 100 and not first.finish_reason
     stream.close()
     assert await no_blocks_referenced(engine)
     await streams_ended(server)
