@@ -187,6 +187,31 @@ def test_published_queue_holds_a_prompt_until_its_prefill_is_done():
                     [("r0", 0, 0, 0), ("r1", 0, 0, 0)]]
 
 
+@pytest.mark.parametrize("flush_s, seen_at", [
+    (0.0, [(0.0, 0, 0), (2.5, 4, 0), (5.0, 4, 1)]),  # the index never lags
+    (4.0, [(0.0, 0, 0), (2.5, 0, 0), (5.0, 4, 0)]),  # r0 flushes at 4, 8, ...; r1 at 2, 6, ...
+])
+def test_index_sees_store_events_at_the_replicas_next_flush(flush_s, seen_at):
+    """r0 caches four blocks at t = 2 (its prefill's end), r1 one at t = 3: with a 4 s
+    publishing period the router's index learns of r0's at r0's flush at t = 4 and of
+    r1's at r1's flush at t = 6, after the last arrival."""
+    trace = [req(0, [1, 2, 3, 4]), req(2.5, [7]), req(5, [8])]
+    seen = []
+
+    class Watching(Replay):
+        def _snapshot(self):
+            loads = super()._snapshot()
+            seen.append((self._now, self.index.num_blocks("r0"), self.index.num_blocks("r1")))
+            return loads
+
+    prepared = prepare(trace, BS)
+    sim = Watching(prepared, ReplayConfig("lru", 64, replicas=2, router="round_robin", lanes=1, timing=LINEAR,
+                                          index_flush_s=flush_s))
+    sim.run()
+    assert [r.flush_phase_s for r in sim.replicas] == [0.0, flush_s / 2]
+    assert seen == seen_at
+
+
 def test_config_errors():
     prepared = prepare([req(0, [1])], BS)
     with pytest.raises(ValueError, match="capacity"):
@@ -197,6 +222,8 @@ def test_config_errors():
         Replay(prepared, ReplayConfig("lru", 4, replicas=2))
     with pytest.raises(ValueError, match="rate_scale must be positive"):
         Replay(prepared, ReplayConfig("lru", 4, rate_scale=0.0))
+    with pytest.raises(ValueError, match="index_flush_s must not be negative"):
+        Replay(prepared, ReplayConfig("lru", 4, index_flush_s=-0.1))
 
 
 def test_percentile_nearest_rank():

@@ -12,7 +12,10 @@ dropped and a match into host blocks promotes them; the promotion's copy time
 
 With several replicas a routing policy (``unicache.router.routing``) picks one per request from
 load snapshots and a ``LocalityIndex`` fed by the replicas' own store events: the same
-policy objects the live router runs.
+policy objects the live router runs. With ``index_flush_s`` > 0 those events reach the
+index as the live publisher sends them, at the replica's next flush (replica i of n
+flushes at times (k + i/n) x ``index_flush_s``), so the index lags the caches as a live
+router's does; with 0 it never lags.
 
 Invariants:
     * Events at the same time run in the order pushed; events due no later than the next
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -86,6 +90,9 @@ class ReplayConfig:
         host_capacity_blocks: host-tier blocks per replica (0: no host tier).
         host_policy: the host tier's eviction policy (registry name, built by
             ``make_host_policy``; default unicache).
+        index_flush_s: the replicas' event publishing period (0: the index sees every
+            store event at once; the live publisher's is ``EVENT_FLUSH_INTERVAL_S``,
+            0.05 s). Loads are never stale: only the index lags.
     """
 
     policy: str
@@ -105,6 +112,7 @@ class ReplayConfig:
     rate_scale: float = 1.0
     host_capacity_blocks: int = 0
     host_policy: str = "unicache"
+    index_flush_s: float = 0.0
 
 
 class Replay:
@@ -135,6 +143,8 @@ class Replay:
             raise ValueError("rate_scale must be positive")
         if config.host_capacity_blocks < 0:
             raise ValueError("host capacity must not be negative")
+        if not config.index_flush_s >= 0:
+            raise ValueError("index_flush_s must not be negative")
         self.trace = trace
         self.config = config
         self.progress = progress
@@ -159,6 +169,11 @@ class Replay:
             for i in range(n_stores)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
+        flush = config.index_flush_s if n_stores > 1 else 0.0
+        self._flush_s = flush
+        for i, rep in enumerate(self.replicas):
+            rep.flush_phase_s = flush * i / n_stores
+        self._now = 0.0  # the time of the arrival being routed
         self.router = None
         self.index: LocalityIndex | None = None
         self._routed: dict[str, RoutingRequest] = {}
@@ -251,12 +266,22 @@ class Replay:
 
     # --------------------------------------------------------------- events
     def _arrive(self, req: SimRequest, t: float) -> None:
+        self._now = t
         rep = self.replicas[0] if self.router is None else self._route(req)
         rep.waiting.append(req)
         rep.queued_prefill_tokens += req.prompt_tokens
         rep.in_flight += 1
         if rep.busy_lanes < rep.lanes:
             self._schedule(rep, t)
+        if self._flush_s:
+            self._publish(rep, t)
+
+    def _publish(self, rep: SimReplica, t: float) -> None:
+        """Hand the store's events made at ``t`` to the replica's next flush."""
+        events = self._take_events(rep)
+        if events:
+            f, phase = self._flush_s, rep.flush_phase_s
+            rep.unpublished.append((phase + f * (math.floor((t - phase) / f) + 1), events))
 
     def _schedule(self, rep: SimReplica, t: float) -> None:
         """Start prefill batches on idle lanes while the head of the queue fits."""
@@ -328,6 +353,8 @@ class Replay:
             store.cache_blocks(req.rid, t, len(req.prompt_hashes))
             heapq.heappush(self._heap, (t + delay + decode_s(req.output_length), next(self._seq), _FINISH, rep, req))
         self._schedule(rep, t)
+        if self._flush_s:
+            self._publish(rep, t)
 
     def _finish(self, rep: SimReplica, req: SimRequest, t: float) -> None:
         store = rep.store
@@ -338,6 +365,8 @@ class Replay:
         rep.running -= 1
         self._done(rep, req)
         self._schedule(rep, t)
+        if self._flush_s:
+            self._publish(rep, t)
 
     def _reject(self, rep: SimReplica, req: SimRequest) -> None:
         c = self.counters
@@ -362,12 +391,22 @@ class Replay:
         return self._by_id[decision.replica_id]
 
     def _snapshot(self) -> list[ReplicaLoad]:
-        """Bring the index up to date with every store's events; every replica's load."""
+        """Bring the index up to date with every store's events (with ``index_flush_s``:
+        those flushed by now); every replica's load."""
         index = self.index
         assert index is not None
         loads = []
+        now = self._now
         for rep in self.replicas:
-            _pump(index, rep.replica_id, self._take_events(rep))
+            if not self._flush_s:
+                _pump(index, rep.replica_id, self._take_events(rep))
+            else:
+                due = rep.unpublished
+                events = []
+                while due and due[0][0] <= now:
+                    events.extend(due.popleft()[1])
+                if events or not index.has_replica(rep.replica_id):
+                    _pump(index, rep.replica_id, events)
             loads.append(
                 ReplicaLoad(
                     replica_id=rep.replica_id,

@@ -30,3 +30,5 @@ class SimReplica:
     queued_prefill_tokens: int = 0  # prompt tokens of requests waiting or being prefilled (no first token yet)
     computed_prefill_tokens: int = 0  # uncached prompt tokens computed so far
     in_flight: int = 0  # routed here, not finished
+    flush_phase_s: float = 0.0  # this replica's publisher flushes at (k x period) + this
+    unpublished: deque[tuple[float, list]] = field(default_factory=deque)  # (flushed at, store events), in order
