@@ -32,6 +32,7 @@ from unicache.replica.engine.config import EngineConfig
 from unicache.replica.kv.events import BlockStored
 from unicache.replica.publisher import CachePublisher
 from unicache.state_auth import StateSigner, new_cluster_key, parse_cluster_key
+from unicache.sim.metrics import percentile
 
 KEYS = RedisKeys("bench")
 SIGNER = StateSigner(parse_cluster_key(new_cluster_key()))
@@ -67,11 +68,6 @@ class StampingSource:
 
     def cache_state(self):
         return self.engine.cache_state()
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 async def reader(url: str, arrived: dict[bytes, float], stop: asyncio.Event) -> None:
@@ -155,10 +151,10 @@ async def run(args) -> dict:
         "run_s": round(wall, 3),
         "flush_interval_ms": EVENT_FLUSH_INTERVAL_S * 1000,
         "p50_ms": round(statistics.median(lat) * 1000, 2),
-        "p99_ms": round(pct(lat, 99) * 1000, 2),
+        "p99_ms": round(percentile(lat, 99) * 1000, 2),
         "max_ms": round(max(lat) * 1000, 2),
         "redis_floor_p50_ms": round(statistics.median(floor) * 1000, 3),
-        "redis_floor_p99_ms": round(pct(floor, 99) * 1000, 3),
+        "redis_floor_p99_ms": round(percentile(floor, 99) * 1000, 3),
         "target_p99_ms": 100.0,
     }
     result["p99_over_flush_interval"] = round(result["p99_ms"] / result["flush_interval_ms"], 3)

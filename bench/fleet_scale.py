@@ -51,6 +51,7 @@ from unicache.request_class import RequestClass
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RoutingRequest
 from unicache.router.routing.registry import make_routing_policy
+from unicache.sim.metrics import percentile
 
 PROMPT_BLOCKS = 500
 HOLDERS = 8
@@ -98,13 +99,9 @@ def build_index(replicas: int, blocks: int, copies: int, seed: int = 0):
     return prompt, index, loads
 
 
-def pct(sorted_vals: list[float], q: float) -> float:
-    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
-
-
 def _summary(samples_us: list[float]) -> dict:
     s = sorted(samples_us)
-    return {"p50_us": round(pct(s, 0.5), 2), "p99_us": round(pct(s, 0.99), 2), "mean_us": round(sum(s) / len(s), 2)}
+    return {"p50_us": round(percentile(s, 50), 2), "p99_us": round(percentile(s, 99), 2), "mean_us": round(sum(s) / len(s), 2)}
 
 
 def _timed(step, iters: int, warmup: int = 200) -> dict:

@@ -21,11 +21,7 @@ from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.core import Labelled
 from unicache.block_hash import BlockHash, hash_token_blocks
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+from unicache.sim.metrics import percentile
 
 
 def main() -> None:
@@ -64,7 +60,7 @@ def main() -> None:
         assert decision.replica_id
         for name, dt in (("tokenize", t1 - t0), ("hash_classify", t2 - t1), ("choose", t3 - t2), ("total", t3 - t0)):
             stages[name].append(dt * 1e3)
-    out = {name: {"p50_ms": round(pct(xs, 0.5), 4), "p99_ms": round(pct(xs, 0.99), 4)} for name, xs in stages.items()}
+    out = {name: {"p50_ms": round(percentile(xs, 50), 4), "p99_ms": round(percentile(xs, 99), 4)} for name, xs in stages.items()}
     print(f"policy {args.policy}, {args.prompt_tokens}-token prompt, {args.replicas} replicas x {args.blocks_per_replica} blocks")
     for name, r in out.items():
         print(f"  {name:<14} p50 {r['p50_ms']:8.3f} ms   p99 {r['p99_ms']:8.3f} ms")

@@ -49,16 +49,12 @@ from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.state_auth import CallCredential, new_cluster_key, parse_cluster_key
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
+from unicache.sim.metrics import percentile
 
 
 # Paths whose last hop is the replica's framed hop (with --replica-transport hop): their
 # "added_p50_ms_vs_its_hop" is over direct_hop, the others' over direct_grpc.
 HOP_PATHS = frozenset({"direct_hop", "router_grpc", "router_http", "tree_grpc", "tree_http"})
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 async def run(args) -> dict:
@@ -211,8 +207,8 @@ async def run(args) -> dict:
         await engine.stop()
         if redis is not None:
             redis.close()
-    d50, d99 = pct(times["direct_grpc"], 0.5), pct(times["direct_grpc"], 0.99)
-    h50, h99 = (pct(times["direct_hop"], 0.5), pct(times["direct_hop"], 0.99)) if "direct_hop" in times else (d50, d99)
+    d50, d99 = percentile(times["direct_grpc"], 50), percentile(times["direct_grpc"], 99)
+    h50, h99 = (percentile(times["direct_hop"], 50), percentile(times["direct_hop"], 99)) if "direct_hop" in times else (d50, d99)
     out = {
         "requests": args.requests,
         "prompt_tokens": args.prompt_tokens,
@@ -224,7 +220,7 @@ async def run(args) -> dict:
         "paths": {},
     }
     for name, xs in times.items():
-        p50, p99 = pct(xs, 0.5), pct(xs, 0.99)
+        p50, p99 = percentile(xs, 50), percentile(xs, 99)
         out["paths"][name] = {
             "p50_ms": round(1e3 * p50, 3),
             "p99_ms": round(1e3 * p99, 3),

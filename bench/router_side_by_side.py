@@ -60,7 +60,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.fleet_scale import pct
 from bench.http_cpu import read_asgi_body, router_main, serve_uvicorn
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, save_figure, write_report
@@ -71,6 +70,7 @@ from bench.studies.http_floor import TOKENS, bare_main, h2load
 from bench.studies.http_floor import _asgi as bare_app
 from unicache.model_name import DEFAULT_MODEL_NAME
 from unicache.testing.procfs import cpu_s
+from unicache.sim.metrics import percentile
 
 WORKERS = 4
 MODEL = DEFAULT_MODEL_NAME
@@ -180,7 +180,7 @@ def latency_ms(port: int, n: int, payload: str, grpc: bool) -> dict:
     ok = sorted(int(r[2]) / 1e3 for r in rows if r[1] == "200")
     if not ok:
         return {"p50_ms": float("nan"), "p99_ms": float("nan"), "failed": n}
-    return {"p50_ms": round(pct(ok, 0.5), 3), "p99_ms": round(pct(ok, 0.99), 3), "failed": n - len(ok)}
+    return {"p50_ms": round(percentile(ok, 50), 3), "p99_ms": round(percentile(ok, 99), 3), "failed": n - len(ok)}
 
 
 def wait_ready(port: int, body: bytes, timeout_s: float = 90.0) -> None:

@@ -22,6 +22,7 @@ from unicache.router.routing.base import ReplicaLoad, RoutingRequest
 from unicache.router.routing.registry import make_routing_policy, routing_policy_names
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
+from unicache.sim.metrics import percentile
 
 
 def _rand_hashes(n: int) -> list[BlockHash]:
@@ -39,10 +40,6 @@ def build_state(replicas: int, blocks_per_replica: int, prompt_tokens: int, bloc
         loads.append(ReplicaLoad(rid, running=4 + i % 3, waiting=i % 2, queued_prefill_tokens=512 * (i % 4),
                                  free_blocks=20_000, capacity_blocks=blocks_per_replica, in_flight=4 + i % 3))
     return prompt, index, loads
-
-
-def percentile(sorted_vals: list[float], q: float) -> float:
-    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
 
 
 def time_policy(name: str, prompt, index, loads, iters: int, block_size: int) -> dict:
@@ -63,7 +60,7 @@ def time_policy(name: str, prompt, index, loads, iters: int, block_size: int) ->
         if i >= 200:
             samples.append(dt / 1000.0)
     samples.sort()
-    return {"policy": name, "p50_us": percentile(samples, 0.50), "p99_us": percentile(samples, 0.99),
+    return {"policy": name, "p50_us": percentile(samples, 50), "p99_us": percentile(samples, 99),
             "mean_us": sum(samples) / len(samples)}
 
 
@@ -86,7 +83,7 @@ def main() -> None:
         index.match_all(rids, prompt)
         samples.append((time.perf_counter_ns() - t0) / 1000.0)
     samples.sort()
-    rows = [{"policy": "(index.match_all)", "p50_us": percentile(samples, 0.5), "p99_us": percentile(samples, 0.99),
+    rows = [{"policy": "(index.match_all)", "p50_us": percentile(samples, 50), "p99_us": percentile(samples, 99),
              "mean_us": sum(samples) / len(samples)}]
     rows += [time_policy(n, prompt, index, loads, args.iters, args.block_size) for n in routing_policy_names()]
     base = next(r for r in rows if r["policy"] == "round_robin")["p50_us"]
