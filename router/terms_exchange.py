@@ -95,6 +95,17 @@ def _changes(new: dict, old: dict, gone):
     return out
 
 
+def _apply_changes(view: dict, changes, keep: Callable) -> None:
+    """Apply ``changes`` ((key, value) pairs) to ``view`` in place: a value ``keep(key,
+    value)`` accepts is set, any other removes the key (a 0 count or sum means gone; the
+    inverse of ``_changes``)."""
+    for k, v in changes:
+        if keep(k, v):
+            view[k] = v
+        else:
+            view.pop(k, None)
+
+
 def new_router_id() -> str:
     """A name for this router process that no other router of the cluster shares."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -252,18 +263,11 @@ class TermsExchange:
                 return
             sums, flights = queued[1], (counts[1] if counts is not None else None)
         unc = msg.queued_uncached_tokens
-        for rid, whole in msg.queued_prompt_tokens.items():
-            if whole and known(rid):
-                sums[rid] = (min(unc.get(rid, 0), whole), whole)
-            else:
-                sums.pop(rid, None)
+        changed = ((rid, (min(unc.get(rid, 0), whole), whole)) for rid, whole in msg.queued_prompt_tokens.items())
+        _apply_changes(sums, changed, lambda rid, v: v[1] and known(rid))
         self._peer_queued[writer] = (now, sums)
         if flights is not None:
-            for rid, n in msg.in_flight.items():
-                if n and known(rid):
-                    flights[rid] = n
-                else:
-                    flights.pop(rid, None)
+            _apply_changes(flights, msg.in_flight.items(), lambda rid, n: n and known(rid))
             self._peer_in_flight[writer] = (now, flights)
         self._view_seq[writer] = msg.seq
 
@@ -308,11 +312,7 @@ class TermsExchange:
             self._sent_queued = queued
             self._full_at, self._need_full = now, False
         else:
-            for rid, v in queued.items():
-                if v[1]:
-                    sent[rid] = v
-                else:
-                    sent.pop(rid, None)
+            _apply_changes(sent, queued.items(), lambda rid, v: v[1])
         self.sent_batches += 1
         self.sent_events += len(events)
         self._count("sent")
