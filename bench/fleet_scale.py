@@ -5,7 +5,9 @@ Decision cost. For each fleet size R (default 8, 64, 256, 1,024) a ``LocalityInd
 ``--blocks`` distinct block hashes (default 100,000): the request's 500-block prompt,
 whose first (i + 1) * 500 / 8 blocks replica i of the first 8 holds (long matches, the
 expensive case, and the same 8 holders at every R), plus filler chains of 50 blocks, each
-on ``--copies`` replicas (default 2) spread over the fleet. Every replica reports a load.
+on ``--copies`` replicas (default 2) spread over the fleet. Every replica reports a load,
+and for ``cache_aware`` holds a churn inflow and a session footprint (one earlier session
+turn routed to each: a busy fleet's steady state, whose terms decay at every request).
 Timed per decision: ``policy.choose`` plus the ``on_request_routed`` and
 ``on_request_finished`` hooks the router calls, for requests without a session (the full
 cost path: no session-home shortcut; ``--queue-shares``: ``cache_aware`` scales every
@@ -49,7 +51,7 @@ from unicache.block_hash import BlockHash
 from unicache.redis_keys import EVENT_FLUSH_INTERVAL_S
 from unicache.request_class import RequestClass
 from unicache.router.index import LocalityIndex
-from unicache.router.routing.base import ReplicaLoad, RoutingRequest
+from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
 from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import percentile
 
@@ -149,6 +151,16 @@ def _policy(spec: str, index: LocalityIndex, loads, queue_shares: bool = False):
         # their tokens uncached: a queue share for each (the worst case for its lookups)
         policy.set_peer_queued({r.replica_id: (r.queued_prefill_tokens // 4, r.queued_prefill_tokens)
                                 for r in loads if r.queued_prefill_tokens})
+    if name == "cache_aware":
+        # a busy fleet's steady state: every replica has a churn inflow and a session
+        # footprint (one earlier session turn routed to each), so the terms cost what
+        # they cost in production, not what an idle fleet's would
+        for r in loads:
+            rid = r.replica_id
+            warm = RoutingRequest(f"warm-{rid}", RequestClass(session_id=f"warm-{rid}"),
+                                  [BlockHash(rid.encode().ljust(16, b"w"))], BLOCK_SIZE, BLOCK_SIZE)
+            policy.on_request_routed(warm, RouteDecision(rid, "load"))
+            policy.on_request_finished(warm, rid)
     if name == "sglang":
         # SGLang's own approximate trees get the index's contents (its worst case too).
         for rid in index.replicas():
