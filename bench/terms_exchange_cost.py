@@ -103,7 +103,8 @@ async def exchange_cpu_us(url: str, reqs, batch: int, replicas: int, rnd: int, c
     b = TermsExchange(cb, prefix, key, pb, known, router_id="b", clock=lambda: clock[0])
     pb.update_replicas(sorted(f"r{i}" for i in range(replicas)))
     for i in range(replicas):  # every replica has churn and footprint entries, as in a busy fleet
-        pb._inflow[f"r{i}"] = pb._footprint[f"r{i}"] = 1.0
+        pb._inflow.add(f"r{i}", 1.0)
+        pb._footprint.add(f"r{i}", 1.0)
     try:
         await b.read(1)
         warm = 2 * replicas

@@ -56,7 +56,7 @@ def test_policy_sessions_are_bounded_in_hashes_oldest_first():
     assert [k.split("\x1f")[1] for k in p._sessions] == ["s3", "s4"]  # 8 of 10; adding s4 dropped s0..s2
     assert p.session_blocks == 8
     d = 1 - 1 / 96
-    assert p._footprint == pytest.approx({"r0": 4.0, "r1": 4 * d})  # s4 (just routed), s3 (one request ago)
+    assert p._footprint.as_dict() == pytest.approx({"r0": 4.0, "r1": 4 * d})  # s4 (just routed), s3 (one request ago)
     p.on_replica_died("r1")
     assert p.session_blocks == 4 and list(p._sessions) == ["t\x1fs4"]
 

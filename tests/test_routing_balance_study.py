@@ -19,7 +19,7 @@ def _heavy_r0(policy):
     turn), r1 nothing."""
     policy.on_request_routed(make_request("a", range(100, 140)), RouteDecision("r0", "load"))
     policy.on_request_routed(make_request("t0", range(10), session="s"), RouteDecision("r0", "load"))
-    assert policy._inflow == {"r0": pytest.approx(800.0)}
+    assert policy._inflow.as_dict() == {"r0": pytest.approx(800.0)}
     return policy
 
 

@@ -554,7 +554,7 @@ def test_cache_aware_session_footprint_steers_other_work_away():
     d0 = p.choose(s0, reps, EMPTY)
     assert d0.replica_id == "r0"  # no footprint yet: tie -> id
     p.on_request_routed(s0, d0)
-    assert p._footprint == {"r0": 40.0}
+    assert p._footprint.as_dict() == pytest.approx({"r0": 40.0})
     # Unrelated 10-block prompt: r0 costs 160 + 0.5 * 160 * 40/100 = 192, r1 160.
     b = make_request("b", range(100, 110))
     assert (p.choose(b, reps, EMPTY).replica_id, p.choose(b, reps, EMPTY).score) == ("r1", 160.0)
@@ -568,11 +568,11 @@ def test_cache_aware_session_footprint_steers_other_work_away():
     assert (d1.replica_id, d1.score) == ("r0", 80.0)
     # Every routed request decays the footprint by 1 - 1/96.
     p.on_request_routed(b, RouteDecision("r1", "load"))
-    assert p._footprint["r0"] == pytest.approx(40 * 95 / 96)
+    assert p._footprint.get("r0") == pytest.approx(40 * 95 / 96)
     # The next turn replaces the session's share (here on r1: r0 drops to 0).
     p.on_request_routed(s1, RouteDecision("r1", "load"))
-    assert p._footprint["r0"] == pytest.approx(0.0, abs=1e-9)
-    assert p._footprint["r1"] == pytest.approx(45.0)
+    assert p._footprint.get("r0") == pytest.approx(0.0, abs=1e-9)
+    assert p._footprint.get("r1") == pytest.approx(45.0)
 
 
 def test_cache_aware_forgotten_sessions_leave_the_footprint():
@@ -581,9 +581,9 @@ def test_cache_aware_forgotten_sessions_leave_the_footprint():
     p.on_request_routed(make_request("b", range(100, 105), session="b"), RouteDecision("r0", "load"))
     # Session a was dropped by the bound: only b's 5 blocks remain on r0.
     assert list(p._sessions) == [session_key("default", "b")]
-    assert p._footprint["r0"] == pytest.approx(5.0)
+    assert p._footprint.get("r0") == pytest.approx(5.0)
     p.on_replica_died("r0")
-    assert p._footprint == {} and not p._sessions
+    assert p._footprint.as_dict() == {} and not p._sessions
 
 
 def test_cache_aware_update_replicas_drops_state_of_departed():
@@ -591,7 +591,7 @@ def test_cache_aware_update_replicas_drops_state_of_departed():
     a = make_request("a", range(4), session="s", template_blocks=2)
     p.on_request_routed(a, p.choose(a, [load("r0")], EMPTY))
     p.update_replicas(["r1"])
-    assert p._pending == {} and p._sessions == {} and p._inflow == {} and p._inflight == {}
+    assert p._pending == {} and p._sessions == {} and p._inflow.as_dict() == {} and p._inflight == {}
     assert p.ring.members == {"r1"}
     d = p.choose(make_request("b", range(4), session="s", template_blocks=2), [load("r0", out=1), load("r1")], EMPTY)
     assert d.replica_id == "r1"

@@ -91,7 +91,7 @@ def replay(exchange: bool, seed: int = 0, n: int = 300):
         if exchange:
             y.apply_routed(events)
         for p in (x, y):
-            for mine, alone in ((p._inflow, c._inflow), (p._footprint, c._footprint)):
+            for mine, alone in ((p._inflow.as_dict(), c._inflow.as_dict()), (p._footprint.as_dict(), c._footprint.as_dict())):
                 for r in set(mine) | set(alone):
                     max_gap = max(max_gap, abs(mine.get(r, 0.0) - alone.get(r, 0.0)))
         index.apply_events_unchecked(dc.replica_id, req.block_hashes, [])  # the replica caches it
@@ -153,6 +153,6 @@ def test_a_batch_of_events_applies_as_the_events_one_by_one():
     for start in range(0, len(events), 17):
         batch.apply_routed(events[start:start + 17])
     assert one._routed == batch._routed == len(events) == 80
-    assert batch._inflow == pytest.approx(one._inflow, rel=1e-12)
-    assert batch._footprint == pytest.approx(one._footprint, rel=1e-12)
-    assert one._inflow == pytest.approx(src._inflow, rel=1e-12) and one._footprint == pytest.approx(src._footprint, rel=1e-12)
+    assert batch._inflow.as_dict() == pytest.approx(one._inflow.as_dict(), rel=1e-12)
+    assert batch._footprint.as_dict() == pytest.approx(one._footprint.as_dict(), rel=1e-12)
+    assert one._inflow.as_dict() == pytest.approx(src._inflow.as_dict(), rel=1e-12) and one._footprint.as_dict() == pytest.approx(src._footprint.as_dict(), rel=1e-12)

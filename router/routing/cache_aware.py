@@ -145,7 +145,7 @@ Invariants:
     * Router-side state is bounded: at most ``max_sessions`` sessions holding at most
       ``max_session_blocks`` hashes in all (``session_blocks``), and ``max_inflight``
       tracked requests (oldest dropped first).
-    * ``_footprint[r]`` is the decayed sum, over the remembered sessions whose latest
+    * ``_footprint.get(r)`` is the decayed sum, over the remembered sessions whose latest
       turn went to r, of that turn's prompt blocks (a forgotten session's share is
       taken out; it never goes below 0). Sharing terms (``share_terms``), the sum runs
       over the sessions whose latest turn any router of the cluster sent to r, as their
@@ -169,6 +169,7 @@ from itertools import repeat
 
 from unicache.block_hash import BlockHash
 from unicache.router.routing.admission import TTFTAdmission
+from unicache.router.routing.decaying import DecayingTotals
 from unicache.router.routing.base import (
     LocalityView, ReplicaLoad, RouteDecision, RoutedEvent, RoutingPolicy, RoutingRequest, SessionRecord, replica_id_of,
 )
@@ -350,11 +351,11 @@ class CacheAwarePolicy(RoutingPolicy):
         self.template_key_blocks = template_key_blocks
         self.churn_window = churn_window
         self._decay = 1.0 - 1.0 / churn_window
-        self._inflow: dict[str, float] = {}
+        self._inflow = DecayingTotals()
         self.footprint_weight = footprint_weight
         self.footprint_window = footprint_window
         self._foot_decay = 1.0 - 1.0 / footprint_window
-        self._footprint: dict[str, float] = {}
+        self._footprint = DecayingTotals()
         self._routed = 0  # requests routed so far (by every router, when sharing terms): the decays' clock
         self._outbox: list[RoutedEvent] | None = None  # this router's events, when sharing terms
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
@@ -418,15 +419,18 @@ class CacheAwarePolicy(RoutingPolicy):
         churn_scale, mean_inflow = 0.0, 0.0
         if self.churn_weight and self._inflow:
             # NOTE: map over C callables: the same sum, in the same order, at C speed
-            mean_inflow = sum(map(self._inflow.get, map(replica_id_of, replicas), repeat(0.0))) / len(replicas)
+            # in the totals' raw units: the term reads only inflow / mean
+            mean_inflow = sum(map(self._inflow.raw.get, map(replica_id_of, replicas), repeat(0.0))) / len(replicas)
             if mean_inflow > 0:
                 churn_scale = self.churn_weight * n_tokens
 
         # NOTE: one pass over the admissible replicas, written for speed (a 1,024-replica
         # fleet runs it per request): locals instead of attributes, ``outstanding`` and
         # ``load_key`` inlined, and the churn / footprint terms skipped where they add
-        # exactly 0.0, so every cost is the formula's, bit for bit.
-        pending, inflow, footprint, share = self._pending, self._inflow, self._footprint, self._share
+        # exactly 0.0, so every cost is the formula's, bit for bit (the terms' totals as
+        # ``DecayingTotals`` holds them).
+        pending, share = self._pending, self._share
+        inflow, footprint, foot_unit = self._inflow.raw, self._footprint.raw, self._footprint.unit
         evict_weight, rct, load_weight = self.evict_weight, self.request_cost_tokens, self.load_weight
         per_lane = 1.0 / self.admission.prefill_lanes if self.queue_per_lane else 0.0
         host_weight = 1.0 - self.host_cost
@@ -493,7 +497,7 @@ class CacheAwarePolicy(RoutingPolicy):
                 if iv is not None and iv > mean_inflow:  # then iv / mean >= 1.0: max(0, .) is a no-op
                     cost += churn_scale * (iv / mean_inflow - 1.0)
             if foot_scale and r.capacity_blocks and (rid in footprint or rid == own_id):
-                foot = footprint.get(rid, 0.0) - (own_share if rid == own_id else 0.0)
+                foot = footprint.get(rid, 0.0) * foot_unit - (own_share if rid == own_id else 0.0)
                 cost += foot_scale * max(0.0, foot) / r.capacity_blocks
             if best_r is None or cost < best_cost or (cost == best_cost and (out, qpt, rid) < load_key(best_r)):
                 best_r, best_cost, best_m, best_reason = r, cost, m + host, reason
@@ -530,18 +534,14 @@ class CacheAwarePolicy(RoutingPolicy):
         """Take session ``s``'s share out of its replica's footprint (never below 0);
         returns the share."""
         share = self._session_share(s)
-        fp = self._footprint
-        if s.replica_id in fp:
-            fp[s.replica_id] = max(0.0, fp[s.replica_id] - share)
+        self._footprint.subtract(s.replica_id, share)
         return share
 
     def on_request_routed(self, request: RoutingRequest, decision: RouteDecision) -> None:
         rid = decision.replica_id
         cls = request.cls
         self._routed += 1
-        fp, fdecay = self._footprint, self._foot_decay
-        for r in fp:
-            fp[r] *= fdecay
+        self._footprint.decay(self._foot_decay)
         prev_rid, prev_share, blocks = "", 0.0, 0
         if cls.session_id is not None:
             key = session_key(cls.tenant, cls.session_id)
@@ -553,11 +553,9 @@ class CacheAwarePolicy(RoutingPolicy):
             blocks = len(request.block_hashes)
             self._remember_session(key, _Session(rid, request.block_hashes, self._routed, confirmed))
         inflow = self._inflow
-        decay = self._decay
-        for r in inflow:
-            inflow[r] *= decay
+        inflow.decay(self._decay)
         new_tokens = max(0, request.num_prompt_tokens - decision.matched_blocks * request.block_size)
-        inflow[rid] = inflow.get(rid, 0.0) + new_tokens
+        inflow.add(rid, new_tokens)
         if self._outbox is not None:
             self._outbox.append(RoutedEvent(rid, new_tokens, blocks, prev_rid, prev_share))
         if self.queue_share:
@@ -623,30 +621,25 @@ class CacheAwarePolicy(RoutingPolicy):
         footprint, for each event in order (the session table is left alone: the turn's
         record reaches this router through the session store).
 
-        NOTE: one pass over the replicas per batch, not per event (a 1,024-replica fleet
-        applies batches of tens of events every 50 ms): the terms decay by the batch's
-        length at once and each event's contribution by the steps after it, which is the
-        sequential result (bit for bit for a batch of one) but for where a footprint
-        subtraction would have been clamped at 0 part-way."""
+        NOTE: the terms decay by the batch's length at once (one multiplication:
+        ``DecayingTotals``) and each event's contribution by the steps after it, which is
+        the sequential result (bit for bit for a batch of one) but for rounding and where
+        a footprint subtraction would have been clamped at 0 part-way."""
         m = len(events)
         if not m:
             return
         fp, fdecay, inflow, decay = self._footprint, self._foot_decay, self._inflow, self._decay
         self._routed += m
-        fd_m, d_m = fdecay ** m, decay ** m
-        for r in fp:
-            fp[r] *= fd_m
-        for r in inflow:
-            inflow[r] *= d_m
+        fp.decay(fdecay ** m)
+        inflow.decay(decay ** m)
         for j, ev in enumerate(events):
             after = m - 1 - j  # decay steps that follow this event in the batch
             fw = fdecay ** after if after else 1.0
-            rid, prev = ev.replica_id, ev.prev_replica_id
-            if prev in fp:
-                fp[prev] = max(0.0, fp[prev] - ev.prev_share * fw)
+            rid = ev.replica_id
+            fp.subtract(ev.prev_replica_id, ev.prev_share * fw)
             if ev.session_blocks:
-                fp[rid] = fp.get(rid, 0.0) + ev.session_blocks * fw
-            inflow[rid] = inflow.get(rid, 0.0) + ev.new_tokens * (decay ** after if after else 1.0)
+                fp.add(rid, ev.session_blocks * fw)
+            inflow.add(rid, ev.new_tokens * (decay ** after if after else 1.0))
 
     def _remember_session(self, key: str, s: _Session, footprint: bool = True) -> None:
         """Store ``s`` as session ``key``'s latest turn (not present), add its footprint
@@ -656,8 +649,7 @@ class CacheAwarePolicy(RoutingPolicy):
         sessions[key] = s
         self.session_blocks += len(s.hashes)
         if footprint:
-            fp = self._footprint
-            fp[s.replica_id] = fp.get(s.replica_id, 0.0) + len(s.hashes)
+            self._footprint.add(s.replica_id, len(s.hashes))
         alone = self._outbox is None
         while len(sessions) > self.max_sessions or (self.session_blocks > self.max_session_blocks and len(sessions) > 1):
             self._forget_session(sessions.popitem(last=False)[1], footprint=alone)
