@@ -114,6 +114,7 @@ def _bad_line(tmp_path, line: str):
         (lambda p, t: ["--trace", p, "--capacity-frac", "0.01"], "--capacity-frac: capacity 0.01 of 5 unique blocks is 0 blocks"),
         (lambda p, t: ["--trace", p, "--capacity-blocks", "x"], "--capacity-blocks: 'x' is not a number"),
         (lambda p, t: ["--trace", p, "--block-size", "0"], "--block-size must be positive"),
+        (lambda p, t: ["--trace", p, "--index-flush-s", "-0.05"], "--index-flush-s must not be negative, got -0.05"),
         (lambda p, t: ["--trace", p, "--host-capacity-blocks", "-1"], "--host-capacity-blocks: blocks must not be negative, got -1"),
         (lambda p, t: ["--trace", p, "--host-eviction-policy", "nope"], "--host-eviction-policy: unknown policy 'nope'"),
         (lambda p, t: ["--trace", p, "--model-preset", "gpt-9"], "unknown model preset 'gpt-9'"),
@@ -215,3 +216,8 @@ def test_rate_and_slo_usage_errors(trace_path, capsys, flags, expected):
     assert sim("--trace", trace_path, *flags) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err
+
+
+def test_index_flush_reaches_every_routed_replay(tmp_path):
+    report = _rate_run(tmp_path, "--replicas", "2", "--router", "cache_aware", "--pooled", "--index-flush-s", "0.05")
+    assert [(r["router"], r["index_flush_s"]) for r in report["results"]] == [("cache_aware", 0.05), ("pooled", 0.0)]

@@ -53,6 +53,9 @@ def register(subparsers) -> None:
     sim.add_argument("--replicas", type=int, default=1, help="simulated replicas (default 1)")
     sim.add_argument("--router", default="round_robin", help="comma list of routing policies used with --replicas > 1")
     sim.add_argument("--pooled", action="store_true", help="also run one replica holding replicas x capacity")
+    sim.add_argument("--index-flush-s", type=float, default=0.0,
+                     help="with --replicas > 1: the replicas' event publishing period, so the router's index lags "
+                          "their caches as a live one does (default 0: it never lags; the live publisher's is 0.05)")
     sim.add_argument("--lanes", type=int, default=4, help="concurrent prefill batches per replica (default 4)")
     sim.add_argument("--max-batch-requests", type=int, default=8, help="requests per prefill batch (default 8)")
     sim.add_argument("--max-batch-tokens", type=int, default=16384, help="uncached tokens that close a prefill batch (default 16384)")
@@ -123,6 +126,8 @@ def run_sim(args: argparse.Namespace) -> int:
         raise UsageError(f"--replicas must be positive, got {args.replicas}")
     if args.lanes <= 0 or args.max_batch_requests <= 0:
         raise UsageError("--lanes and --max-batch-requests must be positive")
+    if not args.index_flush_s >= 0:
+        raise UsageError(f"--index-flush-s must not be negative, got {args.index_flush_s}")
     routers: list[str | None] = [None]
     if args.replicas > 1:
         routers = list(_split(args.router, "--router"))
@@ -165,7 +170,7 @@ def run_sim(args: argparse.Namespace) -> int:
     base = ReplayConfig(
         policy=policies[0], capacity_blocks=capacities[0], replicas=args.replicas, lanes=args.lanes,
         max_batch_requests=args.max_batch_requests, max_batch_tokens=args.max_batch_tokens, timing=timing,
-        host_policy=args.host_eviction_policy,
+        host_policy=args.host_eviction_policy, index_flush_s=args.index_flush_s,
     )
     print(
         f"trace {args.trace}: {len(trace.requests)} requests, {trace.unique_blocks} unique blocks, "

@@ -261,6 +261,7 @@ class Replay:
                 replicas=cfg.replicas,
                 pooled=cfg.pooled,
                 load_imbalance=max(computed) / mean if mean else 1.0,
+                index_flush_s=self._flush_s,
             )
         return rec
 
