@@ -217,6 +217,7 @@ def common_prefix_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
 # imbalance 4.49 with the fixed window, 5.64 s and 2.22 with this one; on a generated mix
 # within 3% (``bench.studies.churn_window_fleet``).
 CHURN_WINDOW_PER_REPLICA = 32
+_INF = float("inf")
 
 
 @dataclass(slots=True)
@@ -428,8 +429,9 @@ class CacheAwarePolicy(RoutingPolicy):
         # NOTE: one pass over the admissible replicas, written for speed (a 1,024-replica
         # fleet runs it per request): locals instead of attributes, ``outstanding`` and
         # ``load_key`` inlined, and the churn / footprint terms skipped where they add
-        # exactly 0.0, so every cost is the formula's, bit for bit (the terms' totals as
-        # ``DecayingTotals`` holds them).
+        # exactly 0.0 or where the cost without them already exceeds the best (they are
+        # never negative), so the choice is the formula's, bit for bit (the terms' totals
+        # as ``DecayingTotals`` holds them).
         pending, share = self._pending, self._share
         inflow, footprint, foot_unit = self._inflow.raw, self._footprint.raw, self._footprint.unit
         evict_weight, rct, load_weight = self.evict_weight, self.request_cost_tokens, self.load_weight
@@ -438,7 +440,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # runs through both tiers past each replica's GPU match, for the replicas that have one
         runs = index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None
         best_r: ReplicaLoad | None = None
-        best_cost, best_m, best_reason = 0.0, 0.0, ""
+        best_cost, best_m, best_reason = _INF, 0.0, ""
         n_hashes = len(hashes)
         # the replicas the request could hit (index match, blocks in flight, a host-tier run,
         # the session's sticky replica, the template's home): any other one matches nothing
@@ -493,14 +495,19 @@ class CacheAwarePolicy(RoutingPolicy):
                 cost = (n_tokens - hit) + load_weight * (q + rct * out)
             else:
                 cost = n_tokens + load_weight * (q + rct * out)
+            if cost > best_cost:
+                continue  # the churn and footprint terms only add: this replica cannot win
             if churn_scale:
                 iv = inflow.get(rid)
                 if iv is not None and iv > mean_inflow:  # then iv / mean >= 1.0: max(0, .) is a no-op
                     cost += churn_scale * (iv / mean_inflow - 1.0)
-            if foot_scale and r.capacity_blocks and (rid in footprint or rid == own_id):
-                foot = footprint.get(rid, 0.0) * foot_unit - (own_share if rid == own_id else 0.0)
-                cost += foot_scale * max(0.0, foot) / r.capacity_blocks
-            if best_r is None or cost < best_cost or (cost == best_cost and (out, qpt, rid) < load_key(best_r)):
+            if foot_scale and r.capacity_blocks:
+                fv = footprint.get(rid)
+                if fv is not None or rid == own_id:
+                    foot = (fv * foot_unit if fv is not None else 0.0) - (own_share if rid == own_id else 0.0)
+                    if foot > 0.0:  # max(0, foot): a term of 0.0 leaves the cost as it is
+                        cost += foot_scale * foot / r.capacity_blocks
+            if cost < best_cost or (cost == best_cost and (out, qpt, rid) < load_key(best_r)):
                 best_r, best_cost, best_m, best_reason = r, cost, m + host, reason
         assert best_r is not None  # the least-estimate replica is always admissible
         return RouteDecision(best_r.replica_id, best_reason, matched_blocks=int(best_m), score=best_cost)
