@@ -52,6 +52,7 @@ from unicache.redis_keys import EVENT_FLUSH_INTERVAL_S
 from unicache.request_class import RequestClass
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
+from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import percentile
 
@@ -151,16 +152,6 @@ def _policy(spec: str, index: LocalityIndex, loads, queue_shares: bool = False):
         # their tokens uncached: a queue share for each (the worst case for its lookups)
         policy.set_peer_queued({r.replica_id: (r.queued_prefill_tokens // 4, r.queued_prefill_tokens)
                                 for r in loads if r.queued_prefill_tokens})
-    if name == "cache_aware":
-        # a busy fleet's steady state: every replica has a churn inflow and a session
-        # footprint (one earlier session turn routed to each), so the terms cost what
-        # they cost in production, not what an idle fleet's would
-        for r in loads:
-            rid = r.replica_id
-            warm = RoutingRequest(f"warm-{rid}", RequestClass(session_id=f"warm-{rid}"),
-                                  [BlockHash(rid.encode().ljust(16, b"w"))], BLOCK_SIZE, BLOCK_SIZE)
-            policy.on_request_routed(warm, RouteDecision(rid, "load"))
-            policy.on_request_finished(warm, rid)
     if name == "sglang":
         # SGLang's own approximate trees get the index's contents (its worst case too).
         for rid in index.replicas():
@@ -168,8 +159,24 @@ def _policy(spec: str, index: LocalityIndex, loads, queue_shares: bool = False):
     return policy
 
 
+def _busy_terms(policy, loads) -> None:
+    """A busy fleet's steady state for ``cache_aware``: every replica has a churn inflow
+    and a session footprint (one earlier session turn routed to each), so the terms cost
+    what they cost in production, not what an idle fleet's would. After the replicas are
+    known: a policy forgets the terms of replicas it is told are gone."""
+    if not isinstance(policy, CacheAwarePolicy):
+        return
+    for r in loads:
+        rid = r.replica_id
+        warm = RoutingRequest(f"warm-{rid}", RequestClass(session_id=f"warm-{rid}"),
+                              [BlockHash(rid.encode().ljust(16, b"w"))], BLOCK_SIZE, BLOCK_SIZE)
+        policy.on_request_routed(warm, RouteDecision(rid, "load"))
+        policy.on_request_finished(warm, rid)
+
+
 def time_policy(name: str, prompt, index, loads, iters: int, queue_shares: bool = False) -> dict:
     policy = _policy(name, index, loads, queue_shares)
+    _busy_terms(policy, loads)
     n_tokens = len(prompt) * BLOCK_SIZE
 
     def step(i: int) -> None:
@@ -195,6 +202,7 @@ def time_live(name: str, prompt, index, loads, iters: int, queue_shares: bool = 
             replica_id=r.replica_id, running=r.running, waiting=r.waiting, queued_prefill_tokens=r.queued_prefill_tokens,
             cache=common_pb2.CacheState(replica_id=r.replica_id, free_blocks=r.free_blocks,
                                         capacity_blocks=r.capacity_blocks)))
+    _busy_terms(policy, loads)
     n_tokens = len(prompt) * BLOCK_SIZE
 
     def step(i: int) -> None:

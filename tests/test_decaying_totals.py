@@ -21,7 +21,8 @@ def test_totals_decay_add_subtract_and_clamp_at_zero():
     t.subtract("r9", 1.0)  # no total: nothing
     assert t.as_dict() == {"r0": 3.0, "r1": 0.0}
     assert ("r1" in t, "r9" in t, len(t), sorted(t)) == (True, False, 2, ["r0", "r1"])
-    assert t.get("r9", 7.0) == 7.0 and t.pop("r0") == 3.0 and t.pop("r0") is None
+    assert t.total * t.unit == 3.0  # raw units
+    assert t.get("r9", 7.0) == 7.0 and t.pop("r0") == 3.0 and t.pop("r0") is None and t.total == 0.0
     # raw values compare as the true totals do (what the churn term reads)
     t.add("r2", 6.0)
     t.decay(0.25)
@@ -49,6 +50,10 @@ def test_matches_multiplying_every_total_at_every_step(monkeypatch, renormalise_
             t.subtract(k, x)
             naive[k] = max(0.0, naive[k] - x)
         assert t.unit >= 1.0 / renormalise_at
+        assert t.total == pytest.approx(sum(t.raw.values()), rel=1e-9)
+        if rng.random() < 0.01:
+            gone = f"r{rng.randrange(8)}"
+            assert t.pop(gone) == pytest.approx(naive.pop(gone, None), rel=1e-9) if gone in naive else t.pop(gone) is None
     got = t.as_dict()
     assert got.keys() == naive.keys()
     for k, v in naive.items():

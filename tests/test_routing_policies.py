@@ -383,8 +383,12 @@ def test_cache_aware_follows_in_flight_prefix_until_finished():
     assert q.choose(b, reps, EMPTY).replica_id == "r0"
 
 
-def test_cache_aware_churn_spreads_new_prefixes():
+@pytest.mark.parametrize("members", [[], ["r0", "r1"]])
+def test_cache_aware_churn_spreads_new_prefixes(members):
+    """``members``: the live replicas the policy was told of; when every one of them is
+    offered, the mean inflow comes from the running total instead of a sum over them."""
     p = CacheAwarePolicy()  # churn_weight 0.5
+    p.update_replicas(members)
     reps = [load("r0"), load("r1")]
     a = make_request("a", range(10))
     p.on_request_routed(a, p.choose(a, reps, EMPTY))  # -> r0 (tie by id); 160 new tokens on r0

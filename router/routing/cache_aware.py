@@ -420,9 +420,13 @@ class CacheAwarePolicy(RoutingPolicy):
         home_id, home_blocks = self._template_home(request, replicas)
         churn_scale, mean_inflow = 0.0, 0.0
         if self.churn_weight and self._inflow:
-            # NOTE: map over C callables: the same sum, in the same order, at C speed
             # in the totals' raw units: the term reads only inflow / mean
-            mean_inflow = sum(map(self._inflow.raw.get, map(replica_id_of, replicas), repeat(0.0))) / len(replicas)
+            if len(replicas) == len(self.ring):
+                # every live replica (``replicas`` is a subset of them, and only they have
+                # inflow): the running total is their sum, without a pass over the fleet
+                mean_inflow = self._inflow.total / len(replicas)
+            else:  # NOTE: map over C callables: the same sum, in the same order, at C speed
+                mean_inflow = sum(map(self._inflow.raw.get, map(replica_id_of, replicas), repeat(0.0))) / len(replicas)
             if mean_inflow > 0:
                 churn_scale = self.churn_weight * n_tokens
 

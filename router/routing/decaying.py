@@ -14,6 +14,9 @@ Invariants:
       value is scaled back to its true total (O(keys), once per ln(1e100) / -ln(factor)
       steps: about 59,000 routed requests at a window of 256).
     * A total never goes below 0 (``subtract`` clamps).
+    * ``total`` is the sum of every raw value (kept as they change, so a mean over every
+      key costs O(1); summed afresh where a running sum could lose precision: after a
+      ``pop`` and at renormalisation).
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ RENORMALISE_AT = 1e100
 class DecayingTotals:
     """Totals keyed by replica id, decaying together (see the module docstring)."""
 
-    __slots__ = ("raw", "unit", "_grow")
+    __slots__ = ("raw", "total", "unit", "_grow")
 
     def __init__(self) -> None:
         self.raw: dict[Hashable, float] = {}
+        self.total = 0.0  # the sum of the raw values
         self.unit = 1.0  # true total = raw value * unit
         self._grow = 1.0  # 1 / unit
 
@@ -40,21 +44,25 @@ class DecayingTotals:
             raw, unit = self.raw, self.unit * factor
             for k in raw:
                 raw[k] *= unit
+            self.total = sum(raw.values())
             grow = 1.0
         self._grow = grow
         self.unit = 1.0 / grow
 
     def add(self, key: Hashable, amount: float) -> None:
-        raw = self.raw
-        raw[key] = raw.get(key, 0.0) + amount * self._grow
+        raw, scaled = self.raw, amount * self._grow
+        raw[key] = raw.get(key, 0.0) + scaled
+        self.total += scaled
 
     def subtract(self, key: Hashable, amount: float) -> None:
         """Take ``amount`` off ``key``'s total, never below 0 (nothing when it has none)."""
         raw = self.raw
-        v = raw.get(key)
-        if v is not None:
-            v -= amount * self._grow
-            raw[key] = v if v > 0.0 else 0.0
+        old = raw.get(key)
+        if old is not None:
+            v = old - amount * self._grow
+            v = v if v > 0.0 else 0.0
+            raw[key] = v
+            self.total -= old - v
 
     def get(self, key: Hashable, default: float = 0.0) -> float:
         v = self.raw.get(key)
@@ -62,7 +70,10 @@ class DecayingTotals:
 
     def pop(self, key: Hashable, default: float | None = None) -> float | None:
         v = self.raw.pop(key, None)
-        return default if v is None else v * self.unit
+        if v is None:
+            return default
+        self.total = sum(self.raw.values())
+        return v * self.unit
 
     def as_dict(self) -> dict:
         """Every true total."""
