@@ -10,7 +10,9 @@ workers) and sending bursts of ``--requests`` concurrent streams. Every router s
 the whole run; each round runs every count once, the order turning each round.
 
 Reports per count and round: requests/s, CPU per request of the workers, of the client
-and of the replicas (from /proc) and the 1-minute load average before the burst; the
+and of the replicas (from /proc), the busiest worker's share of the workers' CPU (the
+kernel hashes each new connection to one worker, so a burst over few connections can land
+unevenly) and the 1-minute load average before the burst; the
 figure is the median over rounds of the per-round ratio req/s(N) / req/s(1). On a 2-core
 machine the client, the replicas and the workers compete for the same cores, so that ratio
 is the machine's, not the router's alone: with total CPU per request C (client + replicas +
@@ -136,7 +138,7 @@ async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]], replicas
         for n in order:
             pids = worker_pids(routers[n][0], n)
             load1 = os.getloadavg()[0]
-            c0, rep0, me0, served0 = sum(cpu_s(p) for p in pids), cpu_s(replicas_pid), time.process_time(), served.value
+            c0, rep0, me0, served0 = [cpu_s(p) for p in pids], cpu_s(replicas_pid), time.process_time(), served.value
             if args.client == "h2load":
                 r = await asyncio.to_thread(h2load_burst, routers[n][1], args.requests, args.channels, frame_path)
                 assert r["ok"] == r["done"] == r["status_2xx"] == args.requests, r
@@ -145,7 +147,11 @@ async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]], replicas
                 assert r["ok"] == args.requests and not r["malformed_answers"], r
             assert served.value - served0 == args.requests, (served.value - served0, args.requests)
             per = lambda seconds: round(1e3 * seconds / args.requests, 3)  # noqa: E731
-            r["cpu_ms_per_request"] = per(sum(cpu_s(p) for p in pids) - c0)
+            spent = [cpu_s(p) - c for p, c in zip(pids, c0)]
+            r["cpu_ms_per_request"] = per(sum(spent))
+            # SO_REUSEPORT hashes each new connection to a worker: an uneven split of the
+            # client's connections leaves one worker with more of the burst
+            r["busiest_worker_cpu_share"] = round(max(spent) / sum(spent), 3) if sum(spent) > 0 else 1.0
             r["replicas_cpu_ms_per_request"] = per(cpu_s(replicas_pid) - rep0)
             # the grpc client's CPU is this process's; h2load's its own (the one child reaped meanwhile)
             r["client_cpu_ms_per_request"] = per(r.pop("client_cpu_s") if args.client == "h2load" else time.process_time() - me0)
@@ -162,7 +168,8 @@ async def drive(args, routers: dict[int, tuple[subprocess.Popen, int]], replicas
             await c.close()
     med = lambda n, k: round(statistics.median(r[str(n)][k] for r in rounds), 3)  # noqa: E731
     keys = ["requests_per_s", "ratio_req_per_s_vs_first", "cpu_ms_per_request", "replicas_cpu_ms_per_request",
-            "client_cpu_ms_per_request", "load_avg_1m", "latency_p50_ms" if args.client == "grpc" else "latency_mean_ms"]
+            "client_cpu_ms_per_request", "load_avg_1m", "busiest_worker_cpu_share",
+            "latency_p50_ms" if args.client == "grpc" else "latency_mean_ms"]
     median = {str(n): {k: med(n, k) for k in keys} for n in counts}
     # the ceiling of the module docstring, from the first count's CPU split
     first, cores = median[str(counts[0])], os.cpu_count() or 1
@@ -215,7 +222,7 @@ def main() -> None:
     for i, rnd in enumerate(result["rounds"]):
         print(f"round {i}: " + " | ".join(
             f"{n} workers {r['requests_per_s']} req/s ({r['ratio_req_per_s_vs_first']}x), CPU {r['cpu_ms_per_request']} ms/req, "
-            f"load {r['load_avg_1m']}" for n, r in rnd.items()))
+            f"busiest worker {r['busiest_worker_cpu_share']:.0%} of it, load {r['load_avg_1m']}" for n, r in rnd.items()))
     for n in map(str, counts):
         m = result["median"][n]
         client = f", client {m['client_cpu_ms_per_request']} ms/req"
