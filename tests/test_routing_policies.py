@@ -295,8 +295,8 @@ def test_cache_aware_queue_share_counts_only_the_uncached_part_of_a_queue():
         d = p.choose(w, [load("r0"), load("r1")], idx)
         assert (d.replica_id, d.matched_blocks) == ("r1", 10)
         p.on_request_routed(w, d)
-    assert shared._share == {"r1": 32 / 192} and shared._queued_tokens == {"r1": [32, 192]}
-    assert whole._share == {} and whole._queued == {}
+    assert shared._queues.share == {"r1": 32 / 192} and shared._queues.own == {"r1": [32, 192]}
+    assert whole._queues.share == {} and whole._queues.requests == {}
     # r1's published queue, 2000 whole-prompt tokens, is 2000 x 1/6 uncached by the share:
     # estimate 0 + 333.3 / 4 lanes <= 2 x 160 (r0), so r1 is admissible and its cache wins;
     # counted whole, 500 > 320 and only r0 is.
@@ -304,7 +304,7 @@ def test_cache_aware_queue_share_counts_only_the_uncached_part_of_a_queue():
     assert whole.choose(q, reps, idx).replica_id == "r0"
     # w's first token: nothing of this router's waits at r1, so its queue counts whole again.
     shared.on_first_token(w, "r1")
-    assert shared._share == {} and shared._queued == {} and shared._queued_tokens == {}
+    assert shared._queues.share == {} and shared._queues.requests == {} and shared._queues.own == {}
     assert shared.choose(q, reps, idx).replica_id == "r0"
 
 
@@ -314,16 +314,16 @@ def test_cache_aware_queue_share_follows_retries_finishes_bounds_and_departures(
     a = make_request("a", range(4))  # 64 tokens
     p.on_request_routed(a, RouteDecision("r0", "load", matched_blocks=0))
     p.on_request_routed(a, RouteDecision("r1", "index_prefix", matched_blocks=3))  # a retry elsewhere
-    assert p._queued_tokens == {"r1": [16, 64]} and p._share == {"r1": 0.25}
+    assert p._queues.own == {"r1": [16, 64]} and p._queues.share == {"r1": 0.25}
     b, c = make_request("b", range(100, 102)), make_request("c", range(200, 203))
     p.on_request_routed(b, RouteDecision("r1", "load", matched_blocks=0))
     p.on_request_routed(c, RouteDecision("r2", "load", matched_blocks=0))  # a (oldest) dropped
-    assert list(p._queued) == ["b", "c"]
-    assert p._queued_tokens == {"r1": [32, 32], "r2": [48, 48]} and p._share == {"r1": 1.0, "r2": 1.0}
+    assert list(p._queues.requests) == ["b", "c"]
+    assert p._queues.own == {"r1": [32, 32], "r2": [48, 48]} and p._queues.share == {"r1": 1.0, "r2": 1.0}
     p.on_request_finished(b, "r1")  # failed before its first token
-    assert p._queued_tokens == {"r2": [48, 48]}
+    assert p._queues.own == {"r2": [48, 48]}
     p.on_replica_died("r2")
-    assert p._queued == {} and p._queued_tokens == {} and p._share == {}
+    assert p._queues.requests == {} and p._queues.own == {} and p._queues.share == {}
     d = p.choose(a, [load("r1", queued=640)], idx)
     assert d.replica_id == "r1"
 

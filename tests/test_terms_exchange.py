@@ -153,17 +153,17 @@ async def test_queued_sums_reach_the_other_router_share_and_expire_with_their_wr
     await a.step()
     await b.step()
     assert pa.queued_tokens() == {"r0": (16, 64), "r1": (32, 32)}
-    assert pb._share == {"r0": (16 + 64) / (64 + 64), "r1": 1.0}
+    assert pb._queues.share == {"r0": (16 + 64) / (64 + 64), "r1": 1.0}
     await a.step()  # nothing changed, no keepalive due: no batch
     assert a.sent_batches == 1
     hs = hash_id_blocks([1, 2, 3, 4])
     pa.on_first_token(RoutingRequest("q1", RequestClass(task=Task.OTHER), hs, 64, 16), "r0")
     await a.step()
     await b.step()
-    assert a.sent_batches == 2 and pb._share == {"r0": 1.0, "r1": 1.0}
+    assert a.sent_batches == 2 and pb._queues.share == {"r0": 1.0, "r1": 1.0}
     now[0] += 2.5  # A heard from last 2.5 s ago, TTL 2 s: only B's own request counts
     await b.step()
-    assert pb._share == {"r0": 1.0} and pb._peer_queued == {}
+    assert pb._queues.share == {"r0": 1.0} and pb._queues.peer == {}
 
 
 async def test_a_batch_older_than_the_max_age_is_refused_so_old_writers_can_be_forgotten(clients):
@@ -224,7 +224,7 @@ async def test_queued_sums_travel_as_changes_between_complete_batches(clients):
     assert dict(delta.queued_uncached_tokens) == {"r1": 80, "r2": 0}
     assert dict(keepalive.queued_prompt_tokens) == {"r0": 64, "r1": 80}
     assert b._peer_queued["a"][1] == {"r0": (16, 64), "r1": (80, 80)}
-    assert pb._share == {"r0": 16 / 64, "r1": 1.0}
+    assert pb._queues.share == {"r0": 16 / 64, "r1": 1.0}
 
 
 async def test_a_reader_without_the_previous_batch_waits_for_a_complete_one(clients):

@@ -115,7 +115,7 @@ async def _run(ops) -> None:
 
 
 def _routed_to(policy: CacheAwarePolicy, req: RoutingRequest, rid: str) -> bool:
-    q = policy._queued.get(req.request_id)
+    q = policy._queues.requests.get(req.request_id)
     return q is not None and q[0] == rid
 
 

@@ -79,16 +79,17 @@ class ShareEverywherePolicy(CacheAwarePolicy):
     fit-first's room and the eviction pressure read the scaled figure too."""
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision:
-        share = self._share
+        queues = self._queues
+        share = queues.share
         if not share:
             return super().choose(request, replicas, index)
         scaled = [replace(r, queued_prefill_tokens=int(r.queued_prefill_tokens * share[r.replica_id]))
                   if r.replica_id in share else r for r in replicas]
-        self._share = {}  # NOTE: already applied; the policy must not scale twice
+        queues.share = {}  # NOTE: already applied; the policy must not scale twice
         try:
             return super().choose(request, scaled, index)
         finally:
-            self._share = share
+            queues.share = share
 
 
 VARIANTS = {

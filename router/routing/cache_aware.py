@@ -151,11 +151,9 @@ Invariants:
       over the sessions whose latest turn any router of the cluster sent to r, as their
       routed events said, and ``_inflow`` and the clock ``_routed`` count every router's
       requests too.
-    * ``_queued`` holds at most ``max_inflight`` requests, each routed and without its
-      first token yet; ``_queued_tokens[r]`` sums the uncached and whole prompt tokens
-      of those routed to r, present only while the whole sum is positive; ``_share[r]``
-      is the ratio of those sums plus the other routers' (``set_peer_queued``, the terms
-      exchange), present only while the whole total is positive.
+    * ``_queues`` (``QueueShares``) holds at most ``max_inflight`` requests routed and
+      without their first token yet, their sums per replica and the shares those give
+      with the other routers' sums (``set_peer_queued``, the terms exchange).
     * A replica that died or left holds no pending blocks, queued requests, sessions,
       inflow, footprint or ring points.
 """
@@ -170,6 +168,7 @@ from itertools import repeat
 from unicache.block_hash import BlockHash
 from unicache.router.routing.admission import TTFTAdmission
 from unicache.router.routing.decaying import DecayingTotals
+from unicache.router.routing.queue_share import QueueShares
 from unicache.router.routing.base import (
     LocalityView, ReplicaLoad, RouteDecision, RoutedEvent, RoutingPolicy, RoutingRequest, SessionRecord, replica_id_of,
 )
@@ -363,21 +362,13 @@ class CacheAwarePolicy(RoutingPolicy):
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._inflight: OrderedDict[str, _InFlight] = OrderedDict()
         self._pending: dict[str, dict[BlockHash, int]] = {}
-        # queue share: request id -> (replica, uncached, whole prompt tokens) until its first
-        # token; per replica the sums and their ratio (only replicas with some waiting)
-        self._queued: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
-        self._queued_tokens: dict[str, list[int]] = {}
-        # replicas whose sums moved since take_queued_changes (kept only while sharing terms,
-        # whose exchange takes them every round: a lone router's would gather every id ever seen)
-        self._queued_changed: set[str] = set()
-        self._peer_queued: dict[str, tuple[int, int]] = {}  # the other routers' sums (terms exchange)
-        self._share: dict[str, float] = {}
+        self._queues = QueueShares(max_inflight)
 
     # -- decision -------------------------------------------------------------------
 
     def _admissible(self, replicas: Sequence[ReplicaLoad], n_tokens: int, block_size: int,
                     matches: dict[str, int]) -> list[ReplicaLoad]:
-        return self.admission.admissible(replicas, n_tokens, block_size, matches, self._share)
+        return self.admission.admissible(replicas, n_tokens, block_size, matches, self._queues.share)
 
     def _with_room(self, admissible: list[ReplicaLoad], n_tokens: int, block_size: int,
                    matches: dict[str, int]) -> list[ReplicaLoad]:
@@ -436,7 +427,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # exactly 0.0 or where the cost without them already exceeds the best (they are
         # never negative), so the choice is the formula's, bit for bit (the terms' totals
         # as ``DecayingTotals`` holds them).
-        pending, share = self._pending, self._share
+        pending, share = self._pending, self._queues.share
         inflow, footprint, foot_unit = self._inflow.raw, self._footprint.raw, self._footprint.unit
         evict_weight, rct, load_weight = self.evict_weight, self.request_cost_tokens, self.load_weight
         per_lane = 1.0 / self.admission.prefill_lanes if self.queue_per_lane else 0.0
@@ -571,7 +562,7 @@ class CacheAwarePolicy(RoutingPolicy):
         if self._outbox is not None:
             self._outbox.append(RoutedEvent(rid, new_tokens, blocks, prev_rid, prev_share))
         if self.queue_share:
-            self._queue(request.request_id, rid, new_tokens, request.num_prompt_tokens)
+            self._queues.add(request.request_id, rid, new_tokens, request.num_prompt_tokens)
         if not self.track_inflight:
             return
         self._release(request.request_id)
@@ -583,10 +574,10 @@ class CacheAwarePolicy(RoutingPolicy):
             self._release(next(iter(self._inflight)))
 
     def on_first_token(self, request: RoutingRequest, replica_id: str) -> None:
-        self._unqueue(request.request_id)
+        self._queues.remove(request.request_id)
 
     def on_request_finished(self, request: RoutingRequest, replica_id: str) -> None:
-        self._unqueue(request.request_id)
+        self._queues.remove(request.request_id)
         self._release(request.request_id)
 
     def export_session(self, key: str) -> SessionRecord | None:
@@ -620,6 +611,7 @@ class CacheAwarePolicy(RoutingPolicy):
         longer moves the footprint."""
         if self._outbox is None:
             self._outbox = []
+        self._queues.track_changes()  # the exchange takes the changed sums every round
         return True
 
     def take_routed(self) -> list[RoutedEvent]:
@@ -673,67 +665,18 @@ class CacheAwarePolicy(RoutingPolicy):
         self.session_blocks -= len(s.hashes)
         return share
 
-    def _queue(self, request_id: str, replica_id: str, uncached: int, whole: int) -> None:
-        """Count a request routed to ``replica_id`` as waiting for its first token there
-        (a retry's earlier attempt is replaced; the oldest dropped beyond ``max_inflight``)."""
-        self._unqueue(request_id)
-        self._queued[request_id] = (replica_id, uncached, whole)
-        self._requeue(replica_id, uncached, whole)
-        while len(self._queued) > self.max_inflight:
-            self._unqueue(next(iter(self._queued)))
-
-    def _unqueue(self, request_id: str) -> None:
-        q = self._queued.pop(request_id, None)
-        if q is not None:
-            self._requeue(q[0], -q[1], -q[2])
-
-    def _requeue(self, replica_id: str, d_uncached: int, d_whole: int) -> None:
-        """Move ``replica_id``'s sums by the deltas (dropped at 0) and its share with them."""
-        t = self._queued_tokens.get(replica_id)
-        if t is None:
-            t = self._queued_tokens[replica_id] = [0, 0]
-        t[0] += d_uncached
-        t[1] += d_whole
-        if t[1] <= 0:
-            del self._queued_tokens[replica_id]
-        if self._outbox is not None:  # sharing terms: the exchange takes the changes each round
-            self._queued_changed.add(replica_id)
-        self._reshare(replica_id)
-
-    def _reshare(self, replica_id: str) -> None:
-        """``_share[r]``: the ratio of this router's and the other routers' uncached and
-        whole sums for r together, absent when nothing waits there."""
-        own = self._queued_tokens.get(replica_id)
-        peer = self._peer_queued.get(replica_id)
-        unc = (own[0] if own else 0) + (peer[0] if peer else 0)
-        whole = (own[1] if own else 0) + (peer[1] if peer else 0)
-        if whole > 0:
-            self._share[replica_id] = unc / whole
-        else:
-            self._share.pop(replica_id, None)
-
     def queued_tokens(self) -> dict[str, tuple[int, int]]:
-        return {rid: (t[0], t[1]) for rid, t in self._queued_tokens.items()}
+        return self._queues.own_sums()
 
     def take_queued_changes(self) -> dict[str, tuple[int, int]]:
-        changed, self._queued_changed = self._queued_changed, set()
-        get = self._queued_tokens.get
-        return {rid: ((t[0], t[1]) if (t := get(rid)) is not None else (0, 0)) for rid in changed}
+        return self._queues.take_changes()
 
     def queue_shares(self) -> dict[str, float] | None:
-        return dict(self._share) if self.queue_share else None
+        return dict(self._queues.share) if self.queue_share else None
 
     def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:
-        if not self.queue_share:
-            return
-        # NOTE: only the replicas whose totals moved are reshared (a 50 ms round at 1,024
-        # replicas changes a few dozen of them)
-        old, get = self._peer_queued, self._peer_queued.get
-        changed = [rid for rid, t in totals.items() if get(rid) != t]
-        changed += [rid for rid in old if rid not in totals]
-        self._peer_queued = dict(totals)
-        for rid in changed:
-            self._reshare(rid)
+        if self.queue_share:
+            self._queues.set_peer(totals)
 
     def _release(self, request_id: str) -> None:
         fl = self._inflight.pop(request_id, None)
@@ -756,7 +699,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # any recent one look many times the mean (see CHURN_WINDOW_PER_REPLICA).
         self._decay = 1.0 - 1.0 / max(self.churn_window, CHURN_WINDOW_PER_REPLICA * len(live))
         known = set(self._pending) | set(self._inflow) | set(self._footprint) | set(self.ring.members)
-        known |= set(self._queued_tokens) | set(self._peer_queued)
+        known |= self._queues.replicas()
         known |= {f.replica_id for f in self._inflight.values()}
         for rid in known - live:
             self.on_replica_died(rid)
@@ -764,10 +707,7 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def on_replica_died(self, replica_id: str) -> None:
         self._pending.pop(replica_id, None)
-        for rid in [k for k, q in self._queued.items() if q[0] == replica_id]:
-            self._unqueue(rid)
-        if self._peer_queued.pop(replica_id, None) is not None:
-            self._reshare(replica_id)
+        self._queues.drop_replica(replica_id)
         self._inflow.pop(replica_id, None)
         self._footprint.pop(replica_id, None)
         self.ring.remove(replica_id)
