@@ -115,6 +115,8 @@ def _bad_line(tmp_path, line: str):
         (lambda p, t: ["--trace", p, "--capacity-blocks", "x"], "--capacity-blocks: 'x' is not a number"),
         (lambda p, t: ["--trace", p, "--block-size", "0"], "--block-size must be positive"),
         (lambda p, t: ["--trace", p, "--index-flush-s", "-0.05"], "--index-flush-s must not be negative, got -0.05"),
+        (lambda p, t: ["--trace", p, "--step-token-budget", "0"], "--step-token-budget must be positive, got 0"),
+        (lambda p, t: ["--trace", p, "--service", "steps", "--host-capacity-blocks", "4"], "--service steps has no host tier"),
         (lambda p, t: ["--trace", p, "--host-capacity-blocks", "-1"], "--host-capacity-blocks: blocks must not be negative, got -1"),
         (lambda p, t: ["--trace", p, "--host-eviction-policy", "nope"], "--host-eviction-policy: unknown policy 'nope'"),
         (lambda p, t: ["--trace", p, "--model-preset", "gpt-9"], "unknown model preset 'gpt-9'"),
@@ -221,3 +223,16 @@ def test_rate_and_slo_usage_errors(trace_path, capsys, flags, expected):
 def test_index_flush_reaches_every_routed_replay(tmp_path):
     report = _rate_run(tmp_path, "--replicas", "2", "--router", "cache_aware", "--pooled", "--index-flush-s", "0.05")
     assert [(r["router"], r["index_flush_s"]) for r in report["results"]] == [("cache_aware", 0.05), ("pooled", 0.0)]
+
+
+def test_step_service_replays_the_rate_trace(tmp_path):
+    """Four 8-token requests a second apart, one lane, no decode: alone each takes 1 s on
+    either model. At x4 (arrivals 0, .25, .5, .75) the first prefills alone [0, 1] and the
+    three that arrived meanwhile share the next step (24 tokens: 3 s), whatever
+    --max-batch-requests says (a step's only bound is its token budget)."""
+    report = _rate_run(tmp_path, "--service", "steps", "--rate-scale", "1,4", "--goodput-slo-s", "auto")
+    got = [(r["rate_scale"], r["ttft_p50_s"], r["ttft_p99_s"]) for r in report["results"]]
+    assert report["service"] == "steps"
+    assert got == [(1.0, 1.0, 1.0), (4.0, 3.25, 3.75)]
+    # no decode: the light-load SLO is 3 x the idle TTFT, 3 s; p90 3.25 at x4 fails
+    assert report["goodput_slo_s"] == 3.0

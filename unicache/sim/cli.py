@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from dataclasses import asdict, fields
@@ -10,10 +11,12 @@ from dataclasses import asdict, fields
 from unicache.replica.eviction.registry import policy_names
 from unicache.router.routing.registry import routing_policy_names
 from unicache.errors import UsageError
-from unicache.sim.goodput import add_goodput, default_slo_s, unloaded_median_ttft_s
+from unicache.sim.goodput import DEFAULT_SLO_FACTOR, add_goodput, default_slo_s, unloaded_median_ttft_s
+from unicache.sim.metrics import percentile
 from unicache.sim.prepare import prepare
-from unicache.sim.replay import ReplayConfig
+from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.runner import capacities_from_fracs, run_grid
+from unicache.sim.steps import DEFAULT_STEP_TOKEN_BUDGET, StepReplay, unloaded_ttft_s
 from unicache.sim.timing import DEFAULT_H2D_BYTES_PER_S, DEFAULT_MODEL_PRESET, KV_BYTES_PER_TOKEN, TimingModel, kv_bytes_per_token
 from unicache.sim.workload import WorkloadConfig, generate
 from unicache.trace import TraceError, read_trace, write_trace
@@ -56,6 +59,11 @@ def register(subparsers) -> None:
     sim.add_argument("--index-flush-s", type=float, default=0.0,
                      help="with --replicas > 1: the replicas' event publishing period, so the router's index lags "
                           "their caches as a live one does (default 0: it never lags; the live publisher's is 0.05)")
+    sim.add_argument("--service", choices=("lanes", "steps"), default="lanes",
+                     help="service model: independent prefill lanes (default) or one engine stepping through "
+                          "a shared token budget, as vLLM schedules (unicache.sim.steps; as fast as --lanes lanes)")
+    sim.add_argument("--step-token-budget", type=int, default=DEFAULT_STEP_TOKEN_BUDGET,
+                     help=f"with --service steps: tokens one engine step schedules (default {DEFAULT_STEP_TOKEN_BUDGET})")
     sim.add_argument("--lanes", type=int, default=4, help="concurrent prefill batches per replica (default 4)")
     sim.add_argument("--max-batch-requests", type=int, default=8, help="requests per prefill batch (default 8)")
     sim.add_argument("--max-batch-tokens", type=int, default=16384, help="uncached tokens that close a prefill batch (default 16384)")
@@ -126,6 +134,10 @@ def run_sim(args: argparse.Namespace) -> int:
         raise UsageError(f"--replicas must be positive, got {args.replicas}")
     if args.lanes <= 0 or args.max_batch_requests <= 0:
         raise UsageError("--lanes and --max-batch-requests must be positive")
+    if args.step_token_budget <= 0:
+        raise UsageError(f"--step-token-budget must be positive, got {args.step_token_budget}")
+    if args.service == "steps" and (args.host_capacity_blocks is not None or args.host_capacity_frac is not None):
+        raise UsageError("--service steps has no host tier: drop --host-capacity-blocks / --host-capacity-frac")
     if not args.index_flush_s >= 0:
         raise UsageError(f"--index-flush-s must not be negative, got {args.index_flush_s}")
     routers: list[str | None] = [None]
@@ -183,10 +195,16 @@ def run_sim(args: argparse.Namespace) -> int:
         trace, policies, capacities, base, routers=routers, pooled=args.pooled and multi,
         progress=not args.no_progress, on_result=lambda r: print(_row(r, trace.unique_blocks, multi), flush=True),
         rate_scales=rate_scales, host_capacities=host_capacities,
+        replay=functools.partial(StepReplay, step_token_budget=args.step_token_budget) if args.service == "steps" else Replay,
     )
     goodput_rows = None
     if args.goodput_slo_s is not None:
-        if slo_s is None:
+        if slo_s is None and args.service == "steps":
+            # the step model's light-load TTFT (a decode step in flight: see unicache.sim.steps)
+            median = int(percentile([r.input_length for r in trace.requests], 50.0))
+            slo_s = DEFAULT_SLO_FACTOR * unloaded_ttft_s(timing, median, lanes=args.lanes,
+                                                         step_token_budget=args.step_token_budget, decoding=True)
+        elif slo_s is None:
             slo_s = default_slo_s(trace, timing)
         goodput_rows = add_goodput(results, slo_s)
         for g in goodput_rows:
@@ -210,6 +228,7 @@ def run_sim(args: argparse.Namespace) -> int:
         "ignore_labels": args.ignore_labels,
         "timing": asdict(timing),
         "lanes": args.lanes,
+        "service": args.service,
         "rate_scales": rate_scales,
         "unloaded_median_ttft_s": unloaded_median_ttft_s(trace, timing),
         "results": results,

@@ -34,11 +34,13 @@ def run_grid(
     on_result: Callable[[dict], None] | None = None,
     rate_scales: Sequence[float] = (1.0,),
     host_capacities: Sequence[int] = (0,),
+    replay: Callable[..., Replay] = Replay,
 ) -> list[dict]:
     """One result record per (policy, capacity, host capacity[, router], rate scale);
     ``pooled`` adds a pooled run. Rate scales vary fastest, so one (policy, capacity,
     router)'s goodput points are adjacent. ``host_capacities`` are host-tier blocks per
-    replica (0: none); the host policy is ``base.host_policy``.
+    replica (0: none); the host policy is ``base.host_policy``. ``replay`` builds each run
+    (``Replay``, the lanes model, or e.g. ``unicache.sim.steps.StepReplay``).
 
     The opt oracle is built once here (outside the per-policy loop).
     """
@@ -56,7 +58,7 @@ def run_grid(
                     variants += [replace(base, policy=policy, capacity_blocks=cap, router=None, pooled=True,
                                          rate_scale=s, host_capacity_blocks=host) for s in rate_scales]
     for cfg in variants:
-        rec = Replay(trace, cfg, future=future, progress=progress).run()
+        rec = replay(trace, cfg, future=future, progress=progress).run()
         results.append(rec)
         if on_result is not None:
             on_result(rec)
