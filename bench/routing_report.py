@@ -221,6 +221,32 @@ def run_jobs(jobs: list[Job], workers: int) -> list[dict]:
         return pool.map(run_job, jobs, chunksize=1)
 
 
+def add_suite_args(ap: argparse.ArgumentParser) -> None:
+    """The options of every replay of the suite (this report's and the routing studies'):
+    the Mooncake trace, replica counts, worker processes, families, output folder."""
+    ap.add_argument("--trace", default=str(mooncake_trace()), help="the Mooncake conversation trace")
+    ap.add_argument("--replicas", default="4,8")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (at most 2 on the shared machine)")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--out-dir", default=str(RESULTS))
+
+
+def parse_suite_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    args = ap.parse_args(argv)
+    if not 1 <= args.workers <= 2:
+        ap.error("--workers must be 1 or 2")
+    return args
+
+
+def report_suite(args: argparse.Namespace, **extra) -> tuple[dict, list[SuiteTrace]]:
+    """This report's replay settings (its defaults, plus ``extra``) and its report traces
+    for ``args.families``: what a study that replays the report's traces runs."""
+    common = {"mooncake": args.trace, "mooncake_slices": 4, "duration": 300.0, "requests_per_s": 1.5,
+              "capacity_frac": 0.02, "u_ref": 0.5, **extra}
+    families = [f for f in args.families.split(",") if f]
+    return common, [t for t in suite_traces(mooncake_slices=(1, 1), families=families) if t.role == "report"]
+
+
 # ------------------------------------------------------------------ cross-validation
 def _score(results: list[dict], label: str) -> float:
     vals = [math.log(max(r["by_replicas"]["4"]["rows"][label]["goodput_u"], GOODPUT_FLOOR_U)) for r in results]
@@ -438,7 +464,7 @@ def _worst(families: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=str(mooncake_trace()), help="the Mooncake conversation trace")
+    add_suite_args(ap)
     ap.add_argument("--points", type=int, default=2, help="report points per generated family (default 2)")
     ap.add_argument("--seeds", type=int, default=2, help="report seeds per point (default 2)")
     ap.add_argument("--tune-points", type=int, default=4,
@@ -447,16 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mooncake-report", type=int, default=1, help="Mooncake slices reported (after 1 tuning slice)")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of generated arrivals (default 300)")
     ap.add_argument("--requests-per-s", type=float, default=1.5)
-    ap.add_argument("--replicas", default="4,8")
     ap.add_argument("--capacity-frac", type=float, default=0.02)
     ap.add_argument("--u-ref", type=float, default=0.5)
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (at most 2 on the shared machine)")
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--cv-only", action="store_true", help="run the cross-validation, print it and stop")
-    args = ap.parse_args(argv)
-    if not 1 <= args.workers <= 2:
-        ap.error("--workers must be 1 or 2")
+    args = parse_suite_args(ap, argv)
     t0, cpu0 = time.perf_counter(), time.process_time()
     families = [f for f in args.families.split(",") if f]
     replicas = tuple(int(x) for x in args.replicas.split(","))

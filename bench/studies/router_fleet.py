@@ -39,13 +39,12 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.paths import REPO, RESULTS, mooncake_trace
+from bench.paths import REPO
 from bench.report_files import git_commit, save_figure, write_report
-from bench.routing_report import GOODPUT_FLOOR_U, Job, run_jobs
+from bench.routing_report import GOODPUT_FLOOR_U, Job, add_suite_args, parse_suite_args, report_suite, run_jobs
 from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
 from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.router.routing.session_affinity import session_key
-from unicache.sim.suite import FAMILIES, suite_traces
 
 
 class RouterFleet(RoutingPolicy):
@@ -211,19 +210,11 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=str(mooncake_trace()), help="the Mooncake conversation trace")
-    ap.add_argument("--replicas", default="4,8")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (at most 2 on the shared machine)")
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--out-dir", default=str(RESULTS))
-    args = ap.parse_args(argv)
+    add_suite_args(ap)
+    args = parse_suite_args(ap, argv)
     t0 = time.perf_counter()
-    families = [f for f in args.families.split(",") if f]
     replicas = tuple(int(x) for x in args.replicas.split(","))
-    # the routing report's settings and report traces
-    common = {"mooncake": args.trace, "mooncake_slices": 4, "duration": 300.0, "requests_per_s": 1.5,
-              "capacity_frac": 0.02, "u_ref": 0.5}
-    traces = [t for t in suite_traces(mooncake_slices=(1, 1), families=families) if t.role == "report"]
+    common, traces = report_suite(args)  # the routing report's settings and report traces
     configs = ((ONE, "cache_aware", "unicache"),) + tuple((v, "cache_aware", "unicache") for v in VARIANTS)
     jobs = [Job(t, replicas, configs, dict(VARIANTS), common, {v: RouterFleet for v in VARIANTS}) for t in traces]
     results = run_jobs(jobs, args.workers)

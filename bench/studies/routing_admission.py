@@ -43,9 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.paths import REPO, RESULTS, mooncake_trace
+from bench.paths import REPO
 from bench.report_files import git_commit, save_figure, write_report
-from bench.routing_report import GOODPUT_FLOOR_U, Job, run_jobs
+from bench.routing_report import GOODPUT_FLOOR_U, Job, add_suite_args, parse_suite_args, run_jobs
 from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.sim.suite import FAMILIES, GENERATED_FAMILIES, MOONCAKE, SuiteTrace
@@ -203,19 +203,13 @@ def parse_tuning_run(doc: str, argv: list[str] | None) -> TuningRun:
     """The command line of the routing studies on tuning traces (this one and
     ``bench.studies.routing_balance``): which traces, how long, how many replicas."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=str(mooncake_trace()), help="the Mooncake conversation trace")
+    add_suite_args(ap)
     ap.add_argument("--points", type=int, default=4, help="tuning points per generated family (default 4)")
     ap.add_argument("--mooncake-slices", type=int, default=2, help=f"Mooncake slices 0..k-1 of {MOONCAKE_SLICES}")
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--requests-per-s", type=float, default=1.5)
-    ap.add_argument("--replicas", default="4,8")
     ap.add_argument("--capacity-frac", type=float, default=0.02)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--out-dir", default=str(RESULTS))
-    args = ap.parse_args(argv)
-    if not 1 <= args.workers <= 2:
-        ap.error("--workers must be 1 or 2")
+    args = parse_suite_args(ap, argv)
     families = [f for f in args.families.split(",") if f]
     common = {"mooncake": args.trace, "mooncake_slices": MOONCAKE_SLICES, "duration": args.duration,
               "requests_per_s": args.requests_per_s, "capacity_frac": args.capacity_frac, "u_ref": 0.5}

@@ -31,11 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench.paths import REPO, RESULTS, mooncake_trace
+from bench.paths import REPO
 from bench.report_files import git_commit, write_report
-from bench.routing_report import LANES, POOLED, POOLED_LABEL, Job, _worst, family_summary, run_jobs
+from bench.routing_report import (
+    LANES, POOLED, POOLED_LABEL, Job, _worst, add_suite_args, family_summary, parse_suite_args, report_suite, run_jobs,
+)
 from unicache.sim.steps import StepReplay, unloaded_ttft_s
-from unicache.sim.suite import FAMILIES, suite_traces
 
 OURS = "cache_aware+unicache"
 CONFIGS = ((OURS, "cache_aware", "unicache"), ("sglang+unicache", "sglang", "unicache"),
@@ -71,23 +72,13 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=str(mooncake_trace()), help="the Mooncake conversation trace")
-    ap.add_argument("--replicas", default="4,8")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--out-dir", default=str(RESULTS))
-    args = ap.parse_args(argv)
-    if not 1 <= args.workers <= 2:
-        ap.error("--workers must be 1 or 2")
+    add_suite_args(ap)
+    args = parse_suite_args(ap, argv)
     t0 = time.perf_counter()
     families = [f for f in args.families.split(",") if f]
     replicas = tuple(int(x) for x in args.replicas.split(","))
-    # the routing report's suite and settings (its defaults), the step model's unloaded TTFT
-    common = {"mooncake": args.trace, "mooncake_slices": 4, "duration": 300.0, "requests_per_s": 1.5,
-              "capacity_frac": 0.02, "u_ref": 0.5,
-              "unloaded_ttft_s": functools.partial(unloaded_ttft_s, lanes=LANES, decoding=True)}
-    traces = [t for t in suite_traces(points=2, seeds=2, tune_points=4, mooncake_slices=(1, 1), families=families)
-              if t.role == "report"]
+    # the routing report's settings and report traces, the step model's light-load TTFT
+    common, traces = report_suite(args, unloaded_ttft_s=functools.partial(unloaded_ttft_s, lanes=LANES, decoding=True))
     replays = {label: StepReplay for label, _, _ in CONFIGS}
     results = run_jobs([Job(t, replicas, CONFIGS, {}, common, {}, replays) for t in traces], args.workers)
     fam_out = {f: {str(n): family_summary([r for r in results if r["family"] == f], OURS, str(n)) for n in replicas}

@@ -41,7 +41,7 @@ from unicache.replica.eviction.base import EvictionPolicy
 from unicache.replica.eviction.opt import FutureAccesses
 from unicache.replica.eviction.registry import make_host_policy, make_policy
 from unicache.kv_tier import Tier
-from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.replica.kv.events import BlockRemoved, BlockStored
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 from unicache.router.index import LocalityIndex
@@ -286,52 +286,62 @@ class Replay:
 
     def _schedule(self, rep: SimReplica, t: float) -> None:
         """Start prefill batches on idle lanes while the head of the queue fits."""
-        store = rep.store
         waiting = rep.waiting
-        future = self.future
-        counters = self.counters
-        bs = self.block_size
         max_reqs, max_tokens = self.config.max_batch_requests, self.config.max_batch_tokens
         while rep.busy_lanes < rep.lanes and waiting:
             batch: list[SimRequest] = []
             uncached = 0
             while waiting and len(batch) < max_reqs and uncached < max_tokens:
-                req = waiting[0]
-                if future is not None:
-                    future.clock = req.index
-                try:
-                    alloc = store.allocate(req.rid, req.prompt_hashes[: req.reusable_blocks], req.num_tokens, req.cls, t,
-                                           req.prompt_tokens)
-                except OutOfBlocks:
-                    if rep.running:
-                        break
-                    waiting.popleft()
-                    rep.queued_prefill_tokens -= req.prompt_tokens
-                    self._reject(rep, req)
-                    continue
-                waiting.popleft()
-                if req.reusable_blocks < len(req.prompt_hashes):
-                    # NOTE: the blocks a hit may not cover are computed, then cached as usual.
-                    store.add_block_hashes(req.rid, req.prompt_hashes[req.reusable_blocks:])
-                rep.running += 1
-                hits = alloc.num_hit_blocks
-                hit_tokens = min(hits * bs, req.input_length)
-                host_hits = alloc.num_host_hit_blocks
-                if host_hits:
-                    counters.host_hit_blocks += host_hits
-                    self._promote_s[req.index] = self.timing.promote_s(host_hits, bs)
-                counters.hit_blocks += hits
-                counters.hit_tokens += hit_tokens
-                counters.input_tokens += req.input_length
-                counters.count_task(req.task_key, hits, len(req.prompt_hashes))
-                uncached += req.input_length - hit_tokens
-                batch.append(req)
+                admitted = self._admit_head(rep, t)
+                if admitted is None:
+                    break
+                batch.append(admitted[0])
+                uncached += admitted[1]
             if not batch:
                 break
             rep.busy_lanes += 1
-            rep.computed_prefill_tokens += uncached
             done = t + self.timing.prefill_s(len(batch), uncached)
             heapq.heappush(self._heap, (done, next(self._seq), _PREFILL_DONE, rep, batch))
+
+    def _admit_head(self, rep: SimReplica, t: float) -> tuple[SimRequest, int] | None:
+        """Allocate the blocks of the head of ``rep``'s queue and count its hits; returns it
+        and its uncached prompt tokens, or None when the queue is empty or the head must
+        wait for a running request's blocks (a head that can never fit, with nothing
+        running, is rejected and the next one tried)."""
+        store, waiting, future, counters, bs = rep.store, rep.waiting, self.future, self.counters, self.block_size
+        while waiting:
+            req = waiting[0]
+            if future is not None:
+                future.clock = req.index
+            try:
+                alloc = store.allocate(req.rid, req.prompt_hashes[: req.reusable_blocks], req.num_tokens, req.cls, t,
+                                       req.prompt_tokens)
+            except OutOfBlocks:
+                if rep.running:
+                    return None
+                waiting.popleft()
+                rep.queued_prefill_tokens -= req.prompt_tokens
+                self._reject(rep, req)
+                continue
+            waiting.popleft()
+            if req.reusable_blocks < len(req.prompt_hashes):
+                # NOTE: the blocks a hit may not cover are computed, then cached as usual.
+                store.add_block_hashes(req.rid, req.prompt_hashes[req.reusable_blocks:])
+            rep.running += 1
+            hits = alloc.num_hit_blocks
+            hit_tokens = min(hits * bs, req.input_length)
+            host_hits = alloc.num_host_hit_blocks
+            if host_hits:
+                counters.host_hit_blocks += host_hits
+                self._promote_s[req.index] = self.timing.promote_s(host_hits, bs)
+            counters.hit_blocks += hits
+            counters.hit_tokens += hit_tokens
+            counters.input_tokens += req.input_length
+            counters.count_task(req.task_key, hits, len(req.prompt_hashes))
+            uncached = req.input_length - hit_tokens
+            rep.computed_prefill_tokens += uncached
+            return req, uncached
+        return None
 
     def _prefill_done(self, rep: SimReplica, batch: list[SimRequest], t: float) -> None:
         rep.busy_lanes -= 1

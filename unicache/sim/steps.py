@@ -42,7 +42,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from unicache.replica.kv.store import OutOfBlocks
 from unicache.sim.prepare import PreparedTrace, SimRequest
 from unicache.sim.replay import _PREFILL_DONE, Replay, ReplayConfig
 from unicache.sim.replica import SimReplica
@@ -118,39 +117,15 @@ class StepReplay(Replay):
         heapq.heappush(self._heap, (t + dt, next(self._seq), _PREFILL_DONE, rep, chunks))
 
     def _admit(self, rep: SimReplica, t: float) -> _Active | None:
-        """Allocate the queue head's blocks and count its hits; None when it must wait
-        (rejected heads are dropped and the next one tried)."""
-        store, waiting, counters, bs = rep.store, rep.waiting, self.counters, self.block_size
-        while waiting:
-            req = waiting[0]
-            if self.future is not None:
-                self.future.clock = req.index
-            try:
-                alloc = store.allocate(req.rid, req.prompt_hashes[: req.reusable_blocks], req.num_tokens, req.cls, t,
-                                       req.prompt_tokens)
-            except OutOfBlocks:
-                if rep.running:
-                    return None
-                waiting.popleft()
-                rep.queued_prefill_tokens -= req.prompt_tokens
-                self._reject(rep, req)
-                continue
-            waiting.popleft()
-            if req.reusable_blocks < len(req.prompt_hashes):
-                store.add_block_hashes(req.rid, req.prompt_hashes[req.reusable_blocks:])
-            rep.running += 1
-            hits = alloc.num_hit_blocks
-            hit_tokens = min(hits * bs, req.input_length)
-            counters.hit_blocks += hits
-            counters.hit_tokens += hit_tokens
-            counters.input_tokens += req.input_length
-            counters.count_task(req.task_key, hits, len(req.prompt_hashes))
-            uncached = max(1, req.input_length - hit_tokens)  # a full hit still computes one token
-            rep.computed_prefill_tokens += req.input_length - hit_tokens
-            a = _Active(req, uncached, req.output_length)
-            self._active[rep.replica_id].append(a)
-            return a
-        return None
+        """Admit the queue head (``Replay._admit_head``: its blocks allocated, its hits
+        counted); None when it must wait."""
+        admitted = self._admit_head(rep, t)
+        if admitted is None:
+            return None
+        req, uncached = admitted
+        a = _Active(req, max(1, uncached), req.output_length)  # a full hit still computes one token
+        self._active[rep.replica_id].append(a)
+        return a
 
     def _prefill_done(self, rep: SimReplica, chunks: list[tuple[_Active, int]], t: float) -> None:
         """A step ended at ``t``: decodes advance, chunks land, first tokens and finishes."""
