@@ -368,6 +368,14 @@ class Replay:
             self._publish(rep, t)
 
     def _finish(self, rep: SimReplica, req: SimRequest, t: float) -> None:
+        self._release(rep, req, t)
+        self._schedule(rep, t)
+        if self._flush_s:
+            self._publish(rep, t)
+
+    def _release(self, rep: SimReplica, req: SimRequest, t: float) -> None:
+        """``req`` finished at ``t``: its output blocks join the cache, its blocks go back to
+        the eviction policy, and the router hears of it."""
         store = rep.store
         if req.output_hashes:
             store.add_block_hashes(req.rid, req.output_hashes)
@@ -375,9 +383,6 @@ class Replay:
         store.free(req.rid, t)
         rep.running -= 1
         self._done(rep, req)
-        self._schedule(rep, t)
-        if self._flush_s:
-            self._publish(rep, t)
 
     def _reject(self, rep: SimReplica, req: SimRequest) -> None:
         c = self.counters

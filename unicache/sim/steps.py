@@ -155,13 +155,7 @@ class StepReplay(Replay):
             gone = {id(a) for a in done}
             self._active[rid] = [a for a in active if id(a) not in gone]
             for a in done:
-                req = a.req
-                if req.output_hashes:
-                    store.add_block_hashes(req.rid, req.output_hashes)
-                    store.cache_blocks(req.rid, t)
-                store.free(req.rid, t)
-                rep.running -= 1
-                self._done(rep, req)
+                self._release(rep, a.req, t)
         self._schedule(rep, t)
         if self._flush_s:
             self._publish(rep, t)
