@@ -22,7 +22,7 @@ def req(t_s: float, hash_ids, output=0, input_length=None) -> TraceRequest:
 
 
 def run(trace, capacity=64, lanes=1, **kw):
-    cfg_kw = {k: kw.pop(k) for k in ("replicas", "router", "pooled") if k in kw}
+    cfg_kw = {k: kw.pop(k) for k in ("replicas", "router", "pooled", "index_flush_s") if k in kw}
     sim = StepReplay(prepare(trace, BS), ReplayConfig("lru", capacity, lanes=lanes, timing=LINEAR, **cfg_kw), **kw)
     return sim.run(), sim
 
@@ -87,6 +87,8 @@ def test_routes_and_pools_through_the_same_policies():
     res, sim = run(trace, replicas=2, router="cache_aware")
     assert res["router"] == "cache_aware" and res["rejected"] == 0
     assert sum(r.computed_prefill_tokens for r in sim.replicas) < 8 * 16  # the shared prefix hit
+    lagged, _ = run(trace, replicas=2, router="cache_aware", index_flush_s=0.25)  # the lagging index works here too
+    assert lagged["index_flush_s"] == 0.25 and lagged["rejected"] == 0
     pooled, psim = run(trace, replicas=2, pooled=True)
     assert len(psim.replicas) == 1 and psim.step_token_budget == 2 * 8192 and pooled["rejected"] == 0
 
