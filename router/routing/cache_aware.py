@@ -167,12 +167,12 @@ from itertools import repeat
 
 from unicache.block_hash import BlockHash
 from unicache.router.routing.admission import TTFTAdmission
-from unicache.router.routing.decaying import DecayingTotals
-from unicache.router.routing.queue_share import QueueShares
 from unicache.router.routing.base import (
     LocalityView, ReplicaLoad, RouteDecision, RoutedEvent, RoutingPolicy, RoutingRequest, SessionRecord, replica_id_of,
 )
+from unicache.router.routing.decaying import DecayingTotals
 from unicache.router.routing.least_loaded import load_key
+from unicache.router.routing.queue_share import QueueShares
 from unicache.router.routing.registry import register_routing_policy
 from unicache.router.routing.session_affinity import HashRing, session_key
 
