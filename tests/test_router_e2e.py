@@ -203,7 +203,7 @@ async def test_the_policy_hears_a_first_token_while_the_stream_goes_on():
     first_token = policy.on_first_token
 
     def record(request, replica_id):
-        seen.append((replica_id, {rid: list(t) for rid, t in policy._queued_tokens.items()}))
+        seen.append((replica_id, {rid: list(t) for rid, t in policy._queues.own.items()}))
         first_token(request, replica_id)
 
     policy.on_first_token = record
@@ -215,7 +215,7 @@ async def test_the_policy_hears_a_first_token_while_the_stream_goes_on():
         first = await call.read()
         # nothing was cached: all 51 prompt tokens of the request were queued uncached
         assert first.route.replica_id == "r0" and seen == [("r0", {"r0": [len(PROMPT), len(PROMPT)]})]
-        assert policy._queued == {} and app.cluster.replicas["r0"].in_flight == 1
+        assert policy._queues.requests == {} and app.cluster.replicas["r0"].in_flight == 1
         rep.hold.set()
         rest = [await call.read(), await call.read()]
         assert [m.finish_reason for m in rest][-1] == common_pb2.FINISH_REASON_LENGTH and len(seen) == 1
