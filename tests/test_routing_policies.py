@@ -531,6 +531,21 @@ def test_cache_aware_template_home_is_the_ring_owner():
     assert p.choose(c, reps, idx).replica_id == other
 
 
+def test_cache_aware_template_home_is_an_offered_replica():
+    """With every live replica offered the ring's owner is the home; with the owner left
+    out (quarantined, or excluded on a retry) the next offered one clockwise is."""
+    ids = [f"r{i}" for i in range(4)]
+    p = CacheAwarePolicy(template_trust=2.0, churn_weight=0.0)
+    p.update_replicas(ids)
+    t = make_request("t", [700, 701, 702, 703, 9], template_blocks=4)
+    home = reference_owner(ids, t.block_hashes[0].hex(), 160)
+    assert p.choose(t, [load(r) for r in ids], EMPTY).replica_id == home
+    offered = [r for r in ids if r != home]
+    d = p.choose(t, [load(r) for r in offered], EMPTY)
+    assert (d.replica_id, d.reason) == (p.ring.owner(t.block_hashes[0].hex(), set(offered)), "template_home")
+    assert d.replica_id in offered
+
+
 def test_cache_aware_template_key_blocks_sets_the_ring_key():
     reps = [load(f"r{i}") for i in range(8)]
     ids = [r.replica_id for r in reps]

@@ -381,11 +381,18 @@ class CacheAwarePolicy(RoutingPolicy):
         tb = cls.template_blocks
         if not (cls.template and self.template_trust and 0 < tb <= len(request.block_hashes)):
             return None, 0.0
-        live = set(map(replica_id_of, replicas))
-        for rid in live - self.ring.members:
-            self.ring.add(rid)
+        ring = self.ring
+        live: set[str] | None = None
+        if len(replicas) != len(ring):
+            # some replica is not offered (quarantined, excluded) or the ring lacks one (a
+            # policy never told of its replicas): the owner must be an offered one
+            live = set(map(replica_id_of, replicas))
+            for rid in live - ring.members:
+                ring.add(rid)
+        # else every live replica is offered (``replicas`` is a subset of the ring's
+        # members): any member may own, without two sets built per request
         k = min(tb, self.template_key_blocks) if self.template_key_blocks else tb
-        return self.ring.owner(request.block_hashes[k - 1].hex(), live), self.template_trust * tb
+        return ring.owner(request.block_hashes[k - 1].hex(), live), self.template_trust * tb
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision:
         hashes = request.block_hashes
