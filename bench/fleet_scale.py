@@ -15,7 +15,9 @@ queue by a share, as if other routers' requests waited everywhere). p50/p99 per 
 R, the ratio of each p50 to
 ``round_robin``'s at the same R (measured in the same run), ``cache_aware`` also for a
 500-block prompt no replica holds (every replica a candidate: the full pass over the
-fleet's loads, which a prompt whose holders are clearly fastest skips), and the index work alone:
+fleet's loads, which a prompt whose holders are clearly fastest skips), and for the held
+prompt labelled a template (its first ``TEMPLATE_BLOCKS`` blocks; the template home is the
+hash ring's owner of its key), and the index work alone:
 ``prefix_matches`` (the hash -> replicas walk) against ``match`` per replica.
 
 Memory. ``tracemalloc`` around building the index: bytes per (block, replica) entry.
@@ -58,6 +60,7 @@ from unicache.sim.metrics import percentile
 
 PROMPT_BLOCKS = 500
 HOLDERS = 8
+TEMPLATE_BLOCKS = 4  # a template request's template: the prompt's first blocks
 FILLER_CHAIN = 50
 BLOCK_SIZE = 16
 
@@ -174,13 +177,15 @@ def _busy_terms(policy, loads) -> None:
         policy.on_request_finished(warm, rid)
 
 
-def time_policy(name: str, prompt, index, loads, iters: int, queue_shares: bool = False) -> dict:
+def time_policy(name: str, prompt, index, loads, iters: int, queue_shares: bool = False,
+                cls: RequestClass | None = None) -> dict:
     policy = _policy(name, index, loads, queue_shares)
     _busy_terms(policy, loads)
     n_tokens = len(prompt) * BLOCK_SIZE
+    cls = cls or RequestClass()
 
     def step(i: int) -> None:
-        req = RoutingRequest(f"q{i}", RequestClass(), prompt, n_tokens, BLOCK_SIZE)
+        req = RoutingRequest(f"q{i}", cls, prompt, n_tokens, BLOCK_SIZE)
         decision = policy.choose(req, loads, index)
         policy.on_request_routed(req, decision)
         policy.on_request_finished(req, decision.replica_id)
@@ -376,7 +381,7 @@ def main() -> None:
     if "round_robin" not in policies:
         policies.insert(0, "round_robin")
     decisions, lookups = [], []
-    steps = tqdm(total=len(fleets) * (len(policies) + 3), desc="decisions", file=sys.stderr, unit="run")
+    steps = tqdm(total=len(fleets) * (len(policies) + 4), desc="decisions", file=sys.stderr, unit="run")
     for n in fleets:
         prompt, index, loads = build_index(n, args.blocks, args.copies)
         entries = index.num_entries()
@@ -392,6 +397,10 @@ def main() -> None:
         cold = _hashes(random.Random(n + 1), PROMPT_BLOCKS)  # no replica holds any of it
         rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (a prompt no replica holds)",
                      **time_policy("cache_aware", cold, index, loads, args.iters, args.queue_shares)})
+        steps.update()
+        templated = RequestClass(template=True, template_blocks=TEMPLATE_BLOCKS)  # its home: the ring's owner
+        rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (a template request)",
+                     **time_policy("cache_aware", prompt, index, loads, args.iters, args.queue_shares, templated)})
         steps.update()
         base = next(r for r in rows if r["policy"] == "round_robin")["p50_us"]
         for r in rows:
