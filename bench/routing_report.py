@@ -56,7 +56,7 @@ from pathlib import Path
 from bench.paths import REPO, RESULTS, mooncake_trace
 from bench.report_files import git_commit, save_figure, write_report
 from unicache.router.routing.cache_aware import CacheAwarePolicy
-from unicache.sim.goodput import DEFAULT_SLO_FACTOR, default_slo_s, goodput
+from unicache.sim.goodput import default_slo_s, goodput, lanes_unloaded_ttft_s
 from unicache.sim.metrics import percentile
 from unicache.sim.prepare import PreparedTrace
 from unicache.sim.replay import Replay, ReplayConfig
@@ -161,10 +161,6 @@ def search_goodput(run_at, slo_s: float) -> tuple[float, bool, dict[float, dict]
     return g.rate_scale, g.saturated, seen
 
 
-def _lanes_unloaded_ttft_s(timing: TimingModel, input_length: int) -> float:
-    return timing.prefill_s(1, input_length)
-
-
 def run_job(job: Job) -> dict:
     """Search goodput for every (replicas, config) of one trace; metrics at u_ref."""
     a = job.args
@@ -175,9 +171,9 @@ def run_job(job: Job) -> dict:
     cap = capacity_blocks(trace, a["capacity_frac"])
     # a request alone on an idle replica with nothing cached (a study's service model may
     # bring its own: ``args["unloaded_ttft_s"]``, (timing, input length) -> seconds)
-    unloaded_of = a.get("unloaded_ttft_s") or _lanes_unloaded_ttft_s
+    unloaded_of = a.get("unloaded_ttft_s") or lanes_unloaded_ttft_s
     unloaded = [unloaded_of(timing, r.input_length) for r in trace.requests]
-    slo = DEFAULT_SLO_FACTOR * percentile(unloaded, 50.0)  # = default_slo_s on the lanes model
+    slo = default_slo_s(trace, timing, unloaded_ttft=unloaded_of)
     slo_rule = "3 x unloaded median request"
     if job.trace.family == MOONCAKE:
         # NOTE: the median rule is below Mooncake's unloaded p90 (no router can meet it);

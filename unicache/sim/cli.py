@@ -11,8 +11,7 @@ from dataclasses import asdict, fields
 from unicache.replica.eviction.registry import policy_names
 from unicache.router.routing.registry import routing_policy_names
 from unicache.errors import UsageError
-from unicache.sim.goodput import DEFAULT_SLO_FACTOR, add_goodput, default_slo_s, unloaded_median_ttft_s
-from unicache.sim.metrics import percentile
+from unicache.sim.goodput import add_goodput, default_slo_s, lanes_unloaded_ttft_s, unloaded_median_ttft_s
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.runner import capacities_from_fracs, run_grid
@@ -197,15 +196,13 @@ def run_sim(args: argparse.Namespace) -> int:
         rate_scales=rate_scales, host_capacities=host_capacities,
         replay=functools.partial(StepReplay, step_token_budget=args.step_token_budget) if args.service == "steps" else Replay,
     )
+    # the auto SLO's base: on the step model the light-load TTFT (a decode step in flight)
+    unloaded = lanes_unloaded_ttft_s if args.service == "lanes" else functools.partial(
+        unloaded_ttft_s, lanes=args.lanes, step_token_budget=args.step_token_budget, decoding=True)
     goodput_rows = None
     if args.goodput_slo_s is not None:
-        if slo_s is None and args.service == "steps":
-            # the step model's light-load TTFT (a decode step in flight: see unicache.sim.steps)
-            median = int(percentile([r.input_length for r in trace.requests], 50.0))
-            slo_s = DEFAULT_SLO_FACTOR * unloaded_ttft_s(timing, median, lanes=args.lanes,
-                                                         step_token_budget=args.step_token_budget, decoding=True)
-        elif slo_s is None:
-            slo_s = default_slo_s(trace, timing)
+        if slo_s is None:
+            slo_s = default_slo_s(trace, timing, unloaded_ttft=unloaded)
         goodput_rows = add_goodput(results, slo_s)
         for g in goodput_rows:
             who = g["policy"] + (f" / {g['router']}" if "router" in g else "")
@@ -230,7 +227,7 @@ def run_sim(args: argparse.Namespace) -> int:
         "lanes": args.lanes,
         "service": args.service,
         "rate_scales": rate_scales,
-        "unloaded_median_ttft_s": unloaded_median_ttft_s(trace, timing),
+        "unloaded_median_ttft_s": unloaded_median_ttft_s(trace, timing, unloaded),
         "results": results,
     }
     if goodput_rows is not None:

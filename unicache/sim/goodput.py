@@ -12,14 +12,16 @@ goodput is where p90 first crosses the SLO:
       find more).
 
 The default SLO is ``slo_factor`` (3) times the unloaded TTFT of the trace's median
-request: the prefill time of one request of the median prompt length, alone, nothing
-cached (``TimingModel.prefill_s(1, median input_length)``).
+request: on the lanes model the prefill time of one request of the median prompt length,
+alone, nothing cached (``TimingModel.prefill_s(1, median input_length)``); a service
+model with another notion of unloaded passes its own (``unloaded_ttft``, e.g.
+``unicache.sim.steps.unloaded_ttft_s``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from unicache.sim.metrics import percentile
@@ -29,14 +31,22 @@ from unicache.sim.timing import TimingModel
 DEFAULT_SLO_FACTOR = 3.0
 
 
-def unloaded_median_ttft_s(trace: PreparedTrace, timing: TimingModel) -> float:
-    """TTFT of the median-length request (nearest rank) on an idle replica with nothing cached."""
+def lanes_unloaded_ttft_s(timing: TimingModel, input_length: int) -> float:
+    """TTFT of a request alone on an idle lanes-model replica with nothing cached."""
+    return timing.prefill_s(1, input_length)
+
+
+def unloaded_median_ttft_s(trace: PreparedTrace, timing: TimingModel,
+                           unloaded_ttft: Callable[[TimingModel, int], float] = lanes_unloaded_ttft_s) -> float:
+    """``unloaded_ttft`` of the median-length request (nearest rank; it grows with the
+    prompt, so this is also the median of every request's)."""
     median = percentile([r.input_length for r in trace.requests], 50.0)
-    return timing.prefill_s(1, int(median)) if not math.isnan(median) else 0.0
+    return unloaded_ttft(timing, int(median)) if not math.isnan(median) else 0.0
 
 
-def default_slo_s(trace: PreparedTrace, timing: TimingModel, factor: float = DEFAULT_SLO_FACTOR) -> float:
-    return factor * unloaded_median_ttft_s(trace, timing)
+def default_slo_s(trace: PreparedTrace, timing: TimingModel, factor: float = DEFAULT_SLO_FACTOR,
+                  unloaded_ttft: Callable[[TimingModel, int], float] = lanes_unloaded_ttft_s) -> float:
+    return factor * unloaded_median_ttft_s(trace, timing, unloaded_ttft)
 
 
 @dataclass(slots=True, frozen=True)

@@ -274,11 +274,13 @@ class Replay:
         rep.in_flight += 1
         if rep.busy_lanes < rep.lanes:
             self._schedule(rep, t)
-        if self._flush_s:
-            self._publish(rep, t)
+        self._publish(rep, t)
 
     def _publish(self, rep: SimReplica, t: float) -> None:
-        """Hand the store's events made at ``t`` to the replica's next flush."""
+        """With ``index_flush_s``, hand the store's events made at ``t`` to the replica's
+        next flush (without, ``_snapshot`` takes them straight from the store)."""
+        if not self._flush_s:
+            return
         events = self._take_events(rep)
         if events:
             f, phase = self._flush_s, rep.flush_phase_s
@@ -364,14 +366,12 @@ class Replay:
             store.cache_blocks(req.rid, t, len(req.prompt_hashes))
             heapq.heappush(self._heap, (t + delay + decode_s(req.output_length), next(self._seq), _FINISH, rep, req))
         self._schedule(rep, t)
-        if self._flush_s:
-            self._publish(rep, t)
+        self._publish(rep, t)
 
     def _finish(self, rep: SimReplica, req: SimRequest, t: float) -> None:
         self._release(rep, req, t)
         self._schedule(rep, t)
-        if self._flush_s:
-            self._publish(rep, t)
+        self._publish(rep, t)
 
     def _release(self, rep: SimReplica, req: SimRequest, t: float) -> None:
         """``req`` finished at ``t``: its output blocks join the cache, its blocks go back to

@@ -132,11 +132,12 @@ class StepReplay(Replay):
         rep.busy_lanes = 0
         store, rid = rep.store, rep.replica_id
         active = self._active[rid]
-        chunked = {id(a) for a, _ in chunks}
         arrival = self._arrival
         done: list[_Active] = []
-        for a in active:  # the decodes of this step: every request that was past its prefill
-            if a.prefill_left == 0 and id(a) not in chunked:
+        # the decodes of this step: every request past its prefill (a chunk of this step
+        # has not landed yet, so its request still counts tokens to prefill)
+        for a in active:
+            if a.prefill_left == 0:
                 a.decode_left -= 1
                 if a.decode_left <= 0:
                     done.append(a)
@@ -157,8 +158,7 @@ class StepReplay(Replay):
             for a in done:
                 self._release(rep, a.req, t)
         self._schedule(rep, t)
-        if self._flush_s:
-            self._publish(rep, t)
+        self._publish(rep, t)
 
     def _finish(self, rep: SimReplica, req: SimRequest, t: float) -> None:  # pragma: no cover - never queued
         raise AssertionError("the step model finishes requests inside steps")
