@@ -66,11 +66,10 @@ from bench.report_files import git_commit, save_figure, write_report
 from bench.rounds import round_order
 from bench.router_profile import free_port, replica_spec, replicas_main, start_bare_proxy
 from bench.router_workers import grpc_frame, h2load_burst
-from bench.studies.http_floor import TOKENS, bare_main, h2load
-from bench.studies.http_floor import _asgi as bare_app
+from bench.studies.http_floor import TOKENS, bare_app, bare_main, h2load
 from unicache.model_name import DEFAULT_MODEL_NAME
-from unicache.testing.procfs import cpu_s
 from unicache.sim.metrics import percentile
+from unicache.testing.procfs import cpu_s
 
 WORKERS = 4
 MODEL = DEFAULT_MODEL_NAME

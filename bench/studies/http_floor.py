@@ -46,7 +46,10 @@ _EVENTS = [b'data: {"id":"cmpl-bare","object":"text_completion","choices":[{"ind
            b'"finish_reason":null,"logprobs":null}]}\n\n' % i for i in range(TOKENS)]
 
 
-async def _asgi(scope, receive, send) -> None:
+async def bare_app(scope, receive, send) -> None:
+    """The bare ASGI app: every request streams ``TOKENS`` completion events and
+    ``[DONE]`` (what a minimal Python server costs; ``bench.router_side_by_side``'s fake
+    workers answer with it too)."""
     if scope["type"] != "http":
         return
     json.loads(await read_asgi_body(receive))
@@ -72,7 +75,7 @@ def bare_main(kind: str, ports, stop) -> None:
 
     async def run() -> None:
         if kind == "uvicorn":
-            server, task, port = await serve_uvicorn(_asgi)
+            server, task, port = await serve_uvicorn(bare_app)
             ports.put((kind, port, os.getpid()))
             await asyncio.get_running_loop().run_in_executor(None, stop.wait)
             server.should_exit = True
@@ -84,7 +87,7 @@ def bare_main(kind: str, ports, stop) -> None:
 
         rsgi = kind == "granian-rsgi"
         port = free_port()
-        server = Server(_rsgi if rsgi else _asgi, address="127.0.0.1", port=port,
+        server = Server(_rsgi if rsgi else bare_app, address="127.0.0.1", port=port,
                         interface=Interfaces.RSGI if rsgi else Interfaces.ASGI, log_level=LogLevels.error)
         task = asyncio.create_task(server.serve())
         await asyncio.sleep(1.0)  # NOTE: the embedded server has no started flag; h2load's warm-up checks it answers
