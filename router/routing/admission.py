@@ -134,6 +134,8 @@ class TTFTAdmission:
             est = [(u if (u := n - bs * get(r.replica_id, 0)) > 0 else 0) + r.queued_prefill_tokens / lanes
                    for r in replicas]
         cap = self.factor * min(est)
+        if max(est) <= cap:
+            return list(replicas)  # every one (a quiet fleet): no filtering pass
         return [r for r, e in zip(replicas, est) if e <= cap]
 
     def _among_matches(self, replicas: Sequence[ReplicaLoad], num_prompt_tokens: int, block_size: int,
