@@ -55,6 +55,23 @@ def summarise(results: list[dict], n: str, variants: Sequence[str], default: str
     return out
 
 
+def held_out_picks(results: list[dict], n: str, variants: Sequence[str]) -> dict:
+    """Leave one family out at ``n`` replicas: per family, the variant of the best mean log
+    goodput on every *other* family's traces (the pick that family would get without its
+    own traces deciding), with each variant's score there."""
+    fams = [f for f in FAMILIES if any(r["family"] == f for r in results)]
+
+    def score(rs: list[dict], v: str) -> float:
+        return statistics.mean(_lg(r["by_replicas"][n]["rows"][v]) for r in rs)
+
+    out = {}
+    for f in fams:
+        others = [r for r in results if r["family"] != f]
+        scores = {v: score(others, v) for v in variants}
+        out[f] = {"pick": max(scores, key=scores.get), "scores": scores}
+    return out
+
+
 def markdown(report: dict, title: str) -> str:
     """The report of a study of ``cache_aware`` variants on tuning traces (``summarise``'s tables)."""
     lines = [f"# {title} (tuning traces only)\n",
@@ -74,16 +91,23 @@ def markdown(report: dict, title: str) -> str:
                          f"{a['traces_above_default']} / {a['traces_below_default']} | {a['hit_pts_vs_default']:+.2f} | "
                          + " | ".join(f"{d['families'][f]['vs_default']:.3f}" for f in fams) + " |")
         lines.append("")
+        picks = report.get("held_out_picks", {}).get(n)
+        if picks:
+            lines.append("Leave one family out (best mean log goodput on the other families' traces): "
+                         + ", ".join(f"{f} -> **{p['pick']}**" for f, p in picks.items()) + ".\n")
     return "\n".join(lines) + "\n"
 
 
 def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, default: str, stem: str, title: str,
-                 replays: dict | None = None) -> int:
+                 replays: dict | None = None, common_extra: dict | None = None, held_out: bool = False) -> int:
     """Replay ``variants`` (label -> (router class, kwargs)) and sglang + unicache on the
-    tuning traces, then write ``<stem>.{json,md}``: the shared main of these studies."""
+    tuning traces, then write ``<stem>.{json,md}``: the shared main of these studies.
+    ``replays``: label -> a ``Replay`` subclass (sglang + unicache's label too);
+    ``common_extra``: more of every job's replay settings (``bench.routing_report.run_job``'s
+    ``args``); ``held_out``: add each family's leave-one-family-out pick (``held_out_picks``)."""
     t0 = time.perf_counter()
     run = parse_tuning_run(doc, argv)
-    args, traces, common = run.args, run.traces, run.common
+    args, traces, common = run.args, run.traces, {**run.common, **(common_extra or {})}
     configs = tuple((v, "cache_aware", "unicache") for v in variants) + ((SGL_UC, "sglang", "unicache"),)
     replicas = tuple(int(x) for x in args.replicas.split(","))
     kwargs = {v: kw for v, (_, kw) in variants.items()}
@@ -97,6 +121,8 @@ def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, 
         "variants": {v: {"class": cls.__name__, "kwargs": kw, "replay": (replays or {}).get(v, Replay).__name__}
                      for v, (cls, kw) in variants.items()},
         "summary": {str(n): summarise(results, str(n), list(variants), default) for n in replicas},
+        **({"held_out_picks": {str(n): held_out_picks(results, str(n), list(variants)) for n in replicas}}
+           if held_out else {}),
         "results": results, "wall_s": time.perf_counter() - t0,
     }
     write_report(Path(args.out_dir), stem, report, markdown(report, title))

@@ -268,9 +268,13 @@ class CacheAwarePolicy(RoutingPolicy):
             fresh one: ``bench.studies.index_lag``).
         admission_factor: a replica is admissible while its estimated TTFT is at most
             this times the best replica's (default 2.0; ``TTFTAdmission``).
-        prefill_lanes: prefill batches a replica runs at once, for the TTFT estimate's
-            queue wait (default 4, the simulator's lanes; an engine that prefills in one
-            step loop, as the built-in one does, is 1).
+        prefill_lanes: what a replica's queue is divided by in the TTFT estimate and the
+            load term (default 4, the simulator's prefill lanes). An engine that steps
+            (vLLM, the built-in one) drains its queue at the speed of one request's
+            prefill, which suggests 1, but on the step service model 4 still scores best:
+            1 lane 0.986x / 0.932x its goodput at 4 / 8 replicas on the tuning traces, 2
+            lanes 0.985x / 0.988x, 4 every held-out family's pick
+            (``bench.studies.step_lanes``): KV memory, not prefill, binds there.
         session_sticky: a session's next turn goes to its previous turn's replica unless
             that replica is dead, not admissible or lost the session's blocks (default
             True; False leaves sessions to the cost, as before).
