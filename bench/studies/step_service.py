@@ -36,6 +36,7 @@ from bench.report_files import git_commit, write_report
 from bench.routing_report import (
     LANES, POOLED, POOLED_LABEL, Job, _worst, add_suite_args, family_summary, parse_suite_args, report_suite, run_jobs,
 )
+from unicache.sim.replay import Replay
 from unicache.sim.steps import StepReplay, unloaded_ttft_s
 
 OURS = "cache_aware+unicache"
@@ -44,11 +45,10 @@ CONFIGS = ((OURS, "cache_aware", "unicache"), ("sglang+unicache", "sglang", "uni
 
 
 def markdown(report: dict) -> str:
-    lines = ["# Routing on the step service model (report traces, shipped default)\n",
+    lines = [f"# {report['title']} (report traces, shipped default)\n",
              f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs, {report['workers']} "
              f"workers) at commit {report['commit']}; {report['wall_s'] / 60:.1f} min wall. "
-             f"{report['traces']} report traces of the routing report's suite; every replay on "
-             "`unicache.sim.steps.StepReplay`; SLO = 3 x the step model's TTFT under light load (module docstring).\n",
+             f"{report['traces']} report traces of the routing report's suite; {report['conditions']}\n",
              "| family | replicas | goodput / sglang+lru | goodput / sglang+unicache | TTFT p90 s ours / best sglang | "
              "p99 s ours / best sglang | token hit pts vs sglang+unicache | imbalance | of pooled's goodput | targets met |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -70,28 +70,44 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_suite_args(ap)
-    args = parse_suite_args(ap, argv)
+def run_shipped_default(module: str, argv: list[str] | None, args: argparse.Namespace, stem: str, title: str,
+                        conditions: str, replay: type[Replay] = Replay, **settings) -> int:
+    """Replay the routing report's report traces for ``args.families`` with ``cache_aware``'s
+    shipped default, sglang + unicache, sglang + lru and pooled, every one on ``replay``,
+    with the report's replay settings overridden by ``settings`` (``report_suite``), score
+    the six targets per family and write ``<stem>.{json,md}`` (``conditions``: what the
+    report states about the replays, after the trace count)."""
     t0 = time.perf_counter()
     families = [f for f in args.families.split(",") if f]
     replicas = tuple(int(x) for x in args.replicas.split(","))
-    # the routing report's settings and report traces, the step model's light-load TTFT
-    common, traces = report_suite(args, unloaded_ttft_s=functools.partial(unloaded_ttft_s, lanes=LANES, decoding=True))
-    replays = {label: StepReplay for label, _, _ in CONFIGS}
+    common, traces = report_suite(args, **settings)
+    replays = {label: replay for label, _, _ in CONFIGS}
     results = run_jobs([Job(t, replicas, CONFIGS, {}, common, {}, replays) for t in traces], args.workers)
     fam_out = {f: {str(n): family_summary([r for r in results if r["family"] == f], OURS, str(n)) for n in replicas}
                for f in families}
     report = {
-        "command": "python -m bench.studies.step_service " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "title": title, "conditions": conditions,
+        "command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "workers": args.workers,
         "commit": git_commit(REPO), "python": platform.python_version(), "traces": len(traces),
+        "settings": {k: v for k, v in common.items() if isinstance(v, (int, float, str))},
         "families": fam_out, "worst_family": _worst(fam_out), "results": results,
         "wall_s": time.perf_counter() - t0,
     }
-    write_report(Path(args.out_dir), "step_service", report, markdown(report))
+    write_report(Path(args.out_dir), stem, report, markdown(report))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_suite_args(ap)
+    args = parse_suite_args(ap, argv)
+    # the routing report's settings and report traces, the step model's light-load TTFT
+    return run_shipped_default(
+        "bench.studies.step_service", argv, args, "step_service", "Routing on the step service model",
+        "every replay on `unicache.sim.steps.StepReplay`; SLO = 3 x the step model's TTFT under light load "
+        "(module docstring).", replay=StepReplay,
+        unloaded_ttft_s=functools.partial(unloaded_ttft_s, lanes=LANES, decoding=True))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+"""Which of ``cache_aware``'s terms costs it on Mooncake at a larger KV capacity?
+
+At 5% of unique blocks per replica (the defaults were tuned at 2%), ``cache_aware``'s
+shipped default falls behind sglang + unicache on the Mooncake report slice: goodput
+0.981x / 0.977x and token hits -1.81 / -3.00 points at 4 / 8 replicas
+(``bench.studies.capacity_shift``). Each term that trades locality for spreading is a
+suspect: the churn term (spreads new prefixes), fit-first (moves a request off a replica
+without room for it), the session footprint term, and the TTFT admission factor (how far
+a holder's queue may delay a request before it goes elsewhere).
+
+This study replays the shipped default and each of those turned off (admission: factor 3
+instead of 2) against sglang + unicache at ``--capacity-frac`` (default 0.05) on tuning
+traces only (``bench.studies.routing_admission``'s; by default the Mooncake tuning slices
+0-1, ``--families`` for more). A diagnosis, not a pick: what it finds is to be chosen on
+every family's tuning traces and at the tuned capacity too before it changes a default.
+
+Writes ``capacity_terms.{json,md}`` to ``--out-dir``.
+
+Run (from the repository root, niced):
+    nice -n 10 .venv/bin/python -m bench.studies.capacity_terms [--capacity-frac 0.05] [--families mooncake]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from bench.studies.variant_study import run_variants
+from unicache.router.routing.cache_aware import CacheAwarePolicy
+
+DEFAULT = "shipped"
+VARIANTS = {
+    DEFAULT: (CacheAwarePolicy, {}),
+    "churn off": (CacheAwarePolicy, {"churn_weight": 0.0}),
+    "fit-first off": (CacheAwarePolicy, {"fit_first": False}),
+    "footprint off": (CacheAwarePolicy, {"footprint_weight": 0.0}),
+    "admission 3.0": (CacheAwarePolicy, {"admission_factor": 3.0}),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.startswith("--capacity-frac") for a in argv):
+        argv += ["--capacity-frac", "0.05"]
+    if not any(a.startswith("--families") for a in argv):
+        argv += ["--families", "mooncake"]
+    return run_variants("bench.studies.capacity_terms", __doc__, argv, VARIANTS, DEFAULT, "capacity_terms",
+                        "cache_aware's terms at a larger KV capacity")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
