@@ -106,9 +106,15 @@ class Job:
     replays: dict[str, type[Replay]] = field(default_factory=dict)  # label -> a study's Replay subclass
 
 
+def capacity_floor_blocks(trace: PreparedTrace) -> int:
+    """The least capacity a replica gets: twice the trace's largest request, in blocks."""
+    return 2 * max(-(-r.num_tokens // trace.block_size) for r in trace.requests)
+
+
 def capacity_blocks(trace: PreparedTrace, frac: float) -> int:
-    largest = max(-(-r.num_tokens // trace.block_size) for r in trace.requests)
-    return max(int(frac * trace.unique_blocks), 2 * largest)
+    """Each replica's KV blocks: ``frac`` of the trace's unique blocks, at least the floor
+    (``capacity_floor_blocks``; on small traces the floor is what decides)."""
+    return max(int(frac * trace.unique_blocks), capacity_floor_blocks(trace))
 
 
 def nominal_scale(trace: PreparedTrace, cap: int, replicas: int, timing: TimingModel, lanes: int = LANES) -> float:
@@ -181,6 +187,7 @@ def run_job(job: Job) -> dict:
         slo, slo_rule = 3.0 * percentile(unloaded, 90.0), "3 x unloaded p90 request"
     out = {"trace": job.trace.name, "family": job.trace.family, "role": job.trace.role,
            "requests": len(trace.requests), "unique_blocks": trace.unique_blocks, "capacity_blocks": cap,
+           "capacity_floor_blocks": capacity_floor_blocks(trace),
            "slo_s": slo, "slo_rule": slo_rule, "default_slo_s": default_slo_s(trace, timing),
            "unloaded_ttft_p50_s": percentile(unloaded, 50.0), "unloaded_ttft_p90_s": percentile(unloaded, 90.0),
            "by_replicas": {}}

@@ -71,12 +71,13 @@ def markdown(report: dict) -> str:
 
 
 def run_shipped_default(module: str, argv: list[str] | None, args: argparse.Namespace, stem: str, title: str,
-                        conditions: str, replay: type[Replay] = Replay, **settings) -> int:
+                        conditions: str, replay: type[Replay] = Replay, notes=None, **settings) -> int:
     """Replay the routing report's report traces for ``args.families`` with ``cache_aware``'s
     shipped default, sglang + unicache, sglang + lru and pooled, every one on ``replay``,
     with the report's replay settings overridden by ``settings`` (``report_suite``), score
     the six targets per family and write ``<stem>.{json,md}`` (``conditions``: what the
-    report states about the replays, after the trace count)."""
+    report states about the replays, after the trace count; ``notes``: report -> more
+    markdown after the table)."""
     t0 = time.perf_counter()
     families = [f for f in args.families.split(",") if f]
     replicas = tuple(int(x) for x in args.replicas.split(","))
@@ -94,7 +95,7 @@ def run_shipped_default(module: str, argv: list[str] | None, args: argparse.Name
         "families": fam_out, "worst_family": _worst(fam_out), "results": results,
         "wall_s": time.perf_counter() - t0,
     }
-    write_report(Path(args.out_dir), stem, report, markdown(report))
+    write_report(Path(args.out_dir), stem, report, markdown(report) + (notes(report) if notes else ""))
     return 0
 
 
