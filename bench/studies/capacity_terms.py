@@ -6,7 +6,10 @@ shipped default falls behind sglang + unicache on the Mooncake report slice: goo
 (``bench.studies.capacity_shift``). Each term that trades locality for spreading is a
 suspect: the churn term (spreads new prefixes), fit-first (moves a request off a replica
 without room for it), the session footprint term, and the TTFT admission factor (how far
-a holder's queue may delay a request before it goes elsewhere).
+a holder's queue may delay a request before it goes elsewhere). So is the rest of the
+cost, one setting at a time: admission 1.5, no eviction discount, whole queues instead of
+their uncached share, queues not divided by the lanes, half and twice the load weight, no
+session stickiness, no template homes.
 
 This study replays the shipped default and each of those turned off (admission: factor 3
 instead of 2) against sglang + unicache at ``--capacity-frac`` (default 0.05) on tuning
@@ -18,6 +21,7 @@ Writes ``capacity_terms.{json,md}`` to ``--out-dir``.
 
 Run (from the repository root, niced):
     nice -n 10 .venv/bin/python -m bench.studies.capacity_terms [--capacity-frac 0.05] [--families mooncake]
+        [--variants "load weight 0.5,template homes off"]
 """
 
 from __future__ import annotations
@@ -34,16 +38,41 @@ VARIANTS = {
     "fit-first off": (CacheAwarePolicy, {"fit_first": False}),
     "footprint off": (CacheAwarePolicy, {"footprint_weight": 0.0}),
     "admission 3.0": (CacheAwarePolicy, {"admission_factor": 3.0}),
+    "admission 1.5": (CacheAwarePolicy, {"admission_factor": 1.5}),
+    "eviction discount off": (CacheAwarePolicy, {"evict_weight": 0.0}),
+    "queue share off": (CacheAwarePolicy, {"queue_share": False}),
+    "whole queue (not per lane)": (CacheAwarePolicy, {"queue_per_lane": False}),
+    "load weight 0.5": (CacheAwarePolicy, {"load_weight": 0.5}),
+    "load weight 2": (CacheAwarePolicy, {"load_weight": 2.0}),
+    "session stickiness off": (CacheAwarePolicy, {"session_sticky": False}),
+    "template homes off": (CacheAwarePolicy, {"template_trust": 0.0}),
 }
+
+
+def pick_variants(argv: list[str]) -> tuple[dict, list[str]]:
+    """``--variants a,b`` (names of ``VARIANTS``; the shipped default always runs): those
+    variants and the rest of the command line; all of them without it."""
+    if "--variants" not in argv:
+        return VARIANTS, argv
+    i = argv.index("--variants")
+    if i + 1 >= len(argv):
+        raise SystemExit("--variants needs a comma-separated list of: " + ", ".join(VARIANTS))
+    names = [n for n in argv[i + 1].split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: " + ", ".join(VARIANTS))
+    chosen = {DEFAULT: VARIANTS[DEFAULT], **{n: VARIANTS[n] for n in names}}
+    return chosen, argv[:i] + argv[i + 2:]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    variants, argv = pick_variants(argv)
     if not any(a.startswith("--capacity-frac") for a in argv):
         argv += ["--capacity-frac", "0.05"]
     if not any(a.startswith("--families") for a in argv):
         argv += ["--families", "mooncake"]
-    return run_variants("bench.studies.capacity_terms", __doc__, argv, VARIANTS, DEFAULT, "capacity_terms",
+    return run_variants("bench.studies.capacity_terms", __doc__, argv, variants, DEFAULT, "capacity_terms",
                         "cache_aware's terms at a larger KV capacity")
 
 
