@@ -81,11 +81,27 @@ POOLED_LABEL = "pooled+unicache"
 # each for 7 of 7, 6 of 7 and 7 of 7 held-out families with the simulator's published queue
 # as it is now. TTFT admission itself, against the fixed balance ratio it replaced, is
 # bench.studies.routing_admission's question.
-CANDIDATES: dict[str, dict] = {
-    f"af{af}-fp{fp}-ql{int(ql)}": {"admission_factor": af, "churn_weight": 0.5, "footprint_weight": fp,
-                                   "fit_first": True, "queue_share": True, "queue_per_lane": ql}
-    for af in (1.5, 2.0, 3.0) for fp in (0.5, 0.0) for ql in (True, False)
-}
+def candidates(load_weights: Sequence[float] = (1.0,)) -> dict[str, dict]:
+    """The cross-validation's settings: every admission factor x footprint weight x queue
+    per lane at the default load weight (1.0), and with the queue per lane (every held-out
+    family's pick) at each other load weight in ``load_weights`` (named ``...-lw<w>``;
+    ``bench.studies.capacity_terms`` found 0.5 a lead)."""
+    out: dict[str, dict] = {}
+    for lw in load_weights:
+        for af in (1.5, 2.0, 3.0):
+            for fp in (0.5, 0.0):
+                for ql in (True, False):
+                    if lw != 1.0 and not ql:
+                        continue
+                    kw = {"admission_factor": af, "churn_weight": 0.5, "footprint_weight": fp,
+                          "fit_first": True, "queue_share": True, "queue_per_lane": ql}
+                    if lw != 1.0:
+                        kw["load_weight"] = lw
+                    out[f"af{af}-fp{fp}-ql{int(ql)}" + (f"-lw{lw:g}" if lw != 1.0 else "")] = kw
+    return out
+
+
+CANDIDATES: dict[str, dict] = candidates()
 U_START, U_MIN, U_MAX = 0.5, 1.0 / 16, 8.0
 BISECT_STEPS = 3  # geometric bisections of the doubling bracket (see the module docstring)
 GOODPUT_FLOOR_U = 1.0 / 32
@@ -256,25 +272,26 @@ def _score(results: list[dict], label: str) -> float:
     return statistics.mean(vals)
 
 
-def cross_validate(tune: list[dict]) -> dict:
+def cross_validate(tune: list[dict], cands: dict[str, dict] = CANDIDATES) -> dict:
     """Per family: each candidate's score on every other family's tuning traces, the
-    held-out pick; and the all-family pick."""
+    held-out pick; and the all-family pick (ties: the earlier candidate)."""
     fams = sorted({r["family"] for r in tune}, key=FAMILIES.index)
-    per_family = {f: {c: _score([r for r in tune if r["family"] == f], c) for c in CANDIDATES} for f in fams}
+    order = list(cands)
+    per_family = {f: {c: _score([r for r in tune if r["family"] == f], c) for c in cands} for f in fams}
     lofo = {}
     for f in fams:
         others = [r for r in tune if r["family"] != f]
-        scores = {c: _score(others, c) for c in CANDIDATES}
-        lofo[f] = {"pick": max(scores, key=lambda c: (scores[c], -list(CANDIDATES).index(c))), "scores": scores}
-    overall = {c: _score(tune, c) for c in CANDIDATES}
-    pick = max(overall, key=lambda c: (overall[c], -list(CANDIDATES).index(c)))
+        scores = {c: _score(others, c) for c in cands}
+        lofo[f] = {"pick": max(scores, key=lambda c: (scores[c], -order.index(c))), "scores": scores}
+    overall = {c: _score(tune, c) for c in cands}
+    pick = max(overall, key=lambda c: (overall[c], -order.index(c)))
     return {"per_family_scores": per_family, "lofo": lofo, "overall_scores": overall, "overall_pick": pick}
 
 
-def code_default_candidate() -> str | None:
+def code_default_candidate(cands: dict[str, dict] = CANDIDATES) -> str | None:
     """The candidate whose kwargs equal ``CacheAwarePolicy``'s constructor defaults, if any."""
     params = inspect.signature(CacheAwarePolicy).parameters
-    for name, kw in CANDIDATES.items():
+    for name, kw in cands.items():
         if all(params[k].default == v for k, v in kw.items()):
             return name
     return None
@@ -341,6 +358,7 @@ def _fmt(v: float) -> str:
 
 def markdown(report: dict) -> str:
     cv = report["cross_validation"]
+    cands = list(report["candidates"])
     lines = [
         "# Routing report: the workload suite\n",
         f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs, {report['workers']} workers) "
@@ -352,20 +370,20 @@ def markdown(report: dict) -> str:
         "trace's median request.\n",
         "## Cross-validation (leave one family out)\n",
         "Score = mean log goodput_u over tuning traces at 4 replicas. Pick = best on the other families.\n",
-        "| held-out family | pick | " + " | ".join(CANDIDATES) + " |",
-        "|---|---|" + "---|" * len(CANDIDATES),
+        "| held-out family | pick | " + " | ".join(cands) + " |",
+        "|---|---|" + "---|" * len(cands),
     ]
     for f, v in cv["lofo"].items():
-        lines.append(f"| {f} | {v['pick']} | " + " | ".join(f"{v['scores'][c]:.3f}" for c in CANDIDATES) + " |")
+        lines.append(f"| {f} | {v['pick']} | " + " | ".join(f"{v['scores'][c]:.3f}" for c in cands) + " |")
     lines.append(f"\nAll tuning families: pick **{cv['overall_pick']}** (" + ", ".join(
         f"{c} {s:.3f}" for c, s in cv["overall_scores"].items()) + f"). Code defaults: {report['code_default']}"
         + (" (equal to the all-family pick)." if report["code_default"] == cv["overall_pick"]
            else " (NOT the all-family pick).") + "\n")
     lines.append("Per-family tuning scores (each candidate on that family's own tuning traces):\n")
-    lines.append("| family | " + " | ".join(CANDIDATES) + " |")
-    lines.append("|---|" + "---|" * len(CANDIDATES))
+    lines.append("| family | " + " | ".join(cands) + " |")
+    lines.append("|---|" + "---|" * len(cands))
     for f, sc in cv["per_family_scores"].items():
-        lines.append(f"| {f} | " + " | ".join(f"{sc[c]:.3f}" for c in CANDIDATES) + " |")
+        lines.append(f"| {f} | " + " | ".join(f"{sc[c]:.3f}" for c in cands) + " |")
     lines.append("")
     lines.append("## Summary across families (cache_aware + unicache with its held-out pick)\n")
     lines.append("| family | replicas | goodput / sglang+lru | goodput / sglang+unicache | p90 s (ours / best sglang) "
@@ -479,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity-frac", type=float, default=0.02)
     ap.add_argument("--u-ref", type=float, default=0.5)
     ap.add_argument("--cv-only", action="store_true", help="run the cross-validation, print it and stop")
+    ap.add_argument("--load-weights", default="1.0",
+                    help="cache_aware load weights the cross-validation tries (default 1.0, the shipped one; "
+                         "e.g. 1.0,0.5: candidates())")
     args = parse_suite_args(ap, argv)
     t0, cpu0 = time.perf_counter(), time.process_time()
     families = [f for f in args.families.split(",") if f]
@@ -490,11 +511,15 @@ def main(argv: list[str] | None = None) -> int:
     tune_t = [t for t in traces if t.role == "tune"]
     report_t = [t for t in traces if t.role == "report"]
 
-    print(f"cross-validation: {len(tune_t)} tuning traces x {len(CANDIDATES)} candidates", file=sys.stderr)
-    cand_cfgs = tuple((c, "cache_aware", "unicache") for c in CANDIDATES)
-    tune = run_jobs([Job(t, (4,), cand_cfgs, dict(CANDIDATES), common) for t in tune_t], args.workers)
-    cv = cross_validate(tune)
-    default = code_default_candidate()
+    try:
+        cands = candidates(tuple(float(w) for w in args.load_weights.split(",") if w))
+    except ValueError:
+        ap.error("--load-weights takes comma-separated numbers")
+    print(f"cross-validation: {len(tune_t)} tuning traces x {len(cands)} candidates", file=sys.stderr)
+    cand_cfgs = tuple((c, "cache_aware", "unicache") for c in cands)
+    tune = run_jobs([Job(t, (4,), cand_cfgs, dict(cands), common) for t in tune_t], args.workers)
+    cv = cross_validate(tune, cands)
+    default = code_default_candidate(cands)
     if args.cv_only:
         print(json.dumps({"cv": cv, "code_default": default}, indent=1))
         return 0
@@ -509,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in sorted(picks):
             label = f"cache_aware[{p}]+unicache"
             cfgs.insert(0, (label, "cache_aware", "unicache"))
-            kwargs[label] = CANDIDATES.get(p, {})
+            kwargs[label] = cands.get(p, {})
         jobs.append(Job(t, replicas, tuple(cfgs), kwargs, common))
     results = run_jobs(jobs, args.workers)
 
@@ -537,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.mooncake_report} later slice(s) report",
         "traces": {"tune": len(tune_t), "report": len(report_t)},
         "capacity_frac": args.capacity_frac, "u_ref": args.u_ref, "replicas": list(replicas),
-        "candidates": CANDIDATES, "code_default": default, "cross_validation": cv,
+        "candidates": cands, "code_default": default, "cross_validation": cv,
         "families": fam_out, "targets_everywhere": everywhere, "worst_family": _worst(fam_out),
         "tune_traces": tune, "report_traces": results,
         "wall_s": time.perf_counter() - t0,

@@ -49,3 +49,15 @@ def test_a_load_that_admits_nothing_fails_and_bisection_stays_below_it():
     assert not saturated
     assert 2 ** 0.875 - 1e-9 <= g < 2  # the highest passing scale below the first NaN
     assert g == max(u for u, v in seen.items() if v["ttft_p90_s"] <= 1.0)
+
+
+def test_the_cross_validation_candidates_and_their_load_weights():
+    from bench.routing_report import CANDIDATES, candidates, code_default_candidate
+
+    assert len(CANDIDATES) == 12 and CANDIDATES == candidates((1.0,))
+    assert code_default_candidate() == "af2.0-fp0.5-ql1"  # the shipped default is a candidate
+    more = candidates((1.0, 0.5))
+    extra = {k: v for k, v in more.items() if k not in CANDIDATES}
+    assert sorted(extra) == sorted(f"af{af}-fp{fp}-ql1-lw0.5" for af in (1.5, 2.0, 3.0) for fp in (0.5, 0.0))
+    assert all(v["load_weight"] == 0.5 and v["queue_per_lane"] for v in extra.values())
+    assert code_default_candidate(more) == "af2.0-fp0.5-ql1"
