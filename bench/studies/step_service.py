@@ -29,6 +29,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.paths import REPO
@@ -71,7 +72,8 @@ def markdown(report: dict) -> str:
 
 
 def run_shipped_default(module: str, argv: list[str] | None, args: argparse.Namespace, stem: str, title: str,
-                        conditions: str, replay: type[Replay] = Replay, notes=None, **settings) -> int:
+                        conditions: str, replay: type[Replay] = Replay,
+                        notes: Callable[[dict], str] | None = None, **settings) -> int:
     """Replay the routing report's report traces for ``args.families`` with ``cache_aware``'s
     shipped default, sglang + unicache, sglang + lru and pooled, every one on ``replay``,
     with the report's replay settings overridden by ``settings`` (``report_suite``), score
