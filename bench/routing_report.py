@@ -48,7 +48,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -127,10 +127,15 @@ def capacity_floor_blocks(trace: PreparedTrace) -> int:
     return 2 * max(-(-r.num_tokens // trace.block_size) for r in trace.requests)
 
 
-def capacity_blocks(trace: PreparedTrace, frac: float) -> int:
+def capacity_of(unique_blocks: int, floor_blocks: int, frac: float) -> int:
     """Each replica's KV blocks: ``frac`` of the trace's unique blocks, at least the floor
     (``capacity_floor_blocks``; on small traces the floor is what decides)."""
-    return max(int(frac * trace.unique_blocks), capacity_floor_blocks(trace))
+    return max(int(frac * unique_blocks), floor_blocks)
+
+
+def capacity_blocks(trace: PreparedTrace, frac: float) -> int:
+    """``capacity_of`` a prepared trace."""
+    return capacity_of(trace.unique_blocks, capacity_floor_blocks(trace), frac)
 
 
 def nominal_scale(trace: PreparedTrace, cap: int, replicas: int, timing: TimingModel, lanes: int = LANES) -> float:
@@ -190,7 +195,8 @@ def run_job(job: Job) -> dict:
     t0 = time.process_time()
     trace = load_suite_trace(job.trace, mooncake_path=a["mooncake"], mooncake_slices=a["mooncake_slices"],
                              duration=a["duration"], requests_per_s=a["requests_per_s"])
-    cap = capacity_blocks(trace, a["capacity_frac"])
+    floor = capacity_floor_blocks(trace)
+    cap = capacity_of(trace.unique_blocks, floor, a["capacity_frac"])
     # a request alone on an idle replica with nothing cached (a study's service model may
     # bring its own: ``args["unloaded_ttft_s"]``, (timing, input length) -> seconds)
     unloaded_of = a.get("unloaded_ttft_s") or lanes_unloaded_ttft_s
@@ -203,7 +209,7 @@ def run_job(job: Job) -> dict:
         slo, slo_rule = 3.0 * percentile(unloaded, 90.0), "3 x unloaded p90 request"
     out = {"trace": job.trace.name, "family": job.trace.family, "role": job.trace.role,
            "requests": len(trace.requests), "unique_blocks": trace.unique_blocks, "capacity_blocks": cap,
-           "capacity_floor_blocks": capacity_floor_blocks(trace),
+           "capacity_floor_blocks": floor,
            "slo_s": slo, "slo_rule": slo_rule, "default_slo_s": default_slo_s(trace, timing),
            "unloaded_ttft_p50_s": percentile(unloaded, 50.0), "unloaded_ttft_p90_s": percentile(unloaded, 90.0),
            "by_replicas": {}}
@@ -267,23 +273,24 @@ def report_suite(args: argparse.Namespace, **extra) -> tuple[dict, list[SuiteTra
 
 
 # ------------------------------------------------------------------ cross-validation
-def _score(results: list[dict], label: str) -> float:
-    vals = [math.log(max(r["by_replicas"]["4"]["rows"][label]["goodput_u"], GOODPUT_FLOOR_U)) for r in results]
+def _score(results: list[dict], label: str, n: str = "4") -> float:
+    vals = [math.log(max(r["by_replicas"][n]["rows"][label]["goodput_u"], GOODPUT_FLOOR_U)) for r in results]
     return statistics.mean(vals)
 
 
-def cross_validate(tune: list[dict], cands: dict[str, dict] = CANDIDATES) -> dict:
-    """Per family: each candidate's score on every other family's tuning traces, the
-    held-out pick; and the all-family pick (ties: the earlier candidate)."""
+def cross_validate(tune: list[dict], cands: Iterable[str] = CANDIDATES, n: str = "4") -> dict:
+    """Per family: each candidate's score (mean log goodput at ``n`` replicas) on every
+    other family's tuning traces, the held-out pick; and the all-family pick (ties: the
+    earlier candidate)."""
     fams = sorted({r["family"] for r in tune}, key=FAMILIES.index)
     order = list(cands)
-    per_family = {f: {c: _score([r for r in tune if r["family"] == f], c) for c in cands} for f in fams}
+    per_family = {f: {c: _score([r for r in tune if r["family"] == f], c, n) for c in order} for f in fams}
     lofo = {}
     for f in fams:
         others = [r for r in tune if r["family"] != f]
-        scores = {c: _score(others, c) for c in cands}
+        scores = {c: _score(others, c, n) for c in order}
         lofo[f] = {"pick": max(scores, key=lambda c: (scores[c], -order.index(c))), "scores": scores}
-    overall = {c: _score(tune, c) for c in cands}
+    overall = {c: _score(tune, c, n) for c in order}
     pick = max(overall, key=lambda c: (overall[c], -order.index(c)))
     return {"per_family_scores": per_family, "lofo": lofo, "overall_scores": overall, "overall_pick": pick}
 

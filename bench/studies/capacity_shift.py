@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench.routing_report import add_suite_args, parse_suite_args
+from bench.routing_report import add_suite_args, capacity_of, parse_suite_args
 from bench.studies.step_service import run_shipped_default
 
 TUNED_CAPACITY_FRAC = 0.02
@@ -36,7 +36,7 @@ def moved_traces(report: dict) -> list[dict]:
     """The traces whose capacity differs from the tuned fraction's: each with both."""
     out = []
     for r in report["results"]:
-        tuned = max(int(TUNED_CAPACITY_FRAC * r["unique_blocks"]), r["capacity_floor_blocks"])
+        tuned = capacity_of(r["unique_blocks"], r["capacity_floor_blocks"], TUNED_CAPACITY_FRAC)
         if tuned != r["capacity_blocks"]:
             out.append({"trace": r["trace"], "family": r["family"], "tuned_blocks": tuned, "blocks": r["capacity_blocks"]})
     return out

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench.paths import REPO
 from bench.report_files import git_commit, write_report
-from bench.routing_report import GOODPUT_FLOOR_U, Job, run_jobs
+from bench.routing_report import GOODPUT_FLOOR_U, Job, cross_validate, run_jobs
 from bench.studies.routing_admission import parse_tuning_run
 from unicache.sim.replay import Replay
 from unicache.sim.suite import FAMILIES
@@ -52,23 +52,6 @@ def summarise(results: list[dict], n: str, variants: Sequence[str], default: str
                     "traces_below_default": sum(x[v]["goodput_u"] < x[default]["goodput_u"] for x in rows),
                     "traces": len(rows)}
         out[v] = {"all": agg(results), "families": {f: agg([r for r in results if r["family"] == f]) for f in fams}}
-    return out
-
-
-def held_out_picks(results: list[dict], n: str, variants: Sequence[str]) -> dict:
-    """Leave one family out at ``n`` replicas: per family, the variant of the best mean log
-    goodput on every *other* family's traces (the pick that family would get without its
-    own traces deciding), with each variant's score there."""
-    fams = [f for f in FAMILIES if any(r["family"] == f for r in results)]
-
-    def score(rs: list[dict], v: str) -> float:
-        return statistics.mean(_lg(r["by_replicas"][n]["rows"][v]) for r in rs)
-
-    out = {}
-    for f in fams:
-        others = [r for r in results if r["family"] != f]
-        scores = {v: score(others, v) for v in variants}
-        out[f] = {"pick": max(scores, key=scores.get), "scores": scores}
     return out
 
 
@@ -104,7 +87,8 @@ def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, 
     tuning traces, then write ``<stem>.{json,md}``: the shared main of these studies.
     ``replays``: label -> a ``Replay`` subclass (sglang + unicache's label too);
     ``common_extra``: more of every job's replay settings (``bench.routing_report.run_job``'s
-    ``args``); ``held_out``: add each family's leave-one-family-out pick (``held_out_picks``)."""
+    ``args``); ``held_out``: add each family's leave-one-family-out pick at each replica
+    count (``bench.routing_report.cross_validate``'s, over the variants)."""
     t0 = time.perf_counter()
     run = parse_tuning_run(doc, argv)
     args, traces, common = run.args, run.traces, {**run.common, **(common_extra or {})}
@@ -121,7 +105,7 @@ def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, 
         "variants": {v: {"class": cls.__name__, "kwargs": kw, "replay": (replays or {}).get(v, Replay).__name__}
                      for v, (cls, kw) in variants.items()},
         "summary": {str(n): summarise(results, str(n), list(variants), default) for n in replicas},
-        **({"held_out_picks": {str(n): held_out_picks(results, str(n), list(variants)) for n in replicas}}
+        **({"held_out_picks": {str(n): cross_validate(results, variants, str(n))["lofo"] for n in replicas}}
            if held_out else {}),
         "results": results, "wall_s": time.perf_counter() - t0,
     }
