@@ -49,31 +49,10 @@ VARIANTS = {
 }
 
 
-def pick_variants(argv: list[str]) -> tuple[dict, list[str]]:
-    """``--variants a,b`` (names of ``VARIANTS``; the shipped default always runs): those
-    variants and the rest of the command line; all of them without it."""
-    if "--variants" not in argv:
-        return VARIANTS, argv
-    i = argv.index("--variants")
-    if i + 1 >= len(argv):
-        raise SystemExit("--variants needs a comma-separated list of: " + ", ".join(VARIANTS))
-    names = [n for n in argv[i + 1].split(",") if n]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: " + ", ".join(VARIANTS))
-    chosen = {DEFAULT: VARIANTS[DEFAULT], **{n: VARIANTS[n] for n in names}}
-    return chosen, argv[:i] + argv[i + 2:]
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    variants, argv = pick_variants(argv)
-    if not any(a.startswith("--capacity-frac") for a in argv):
-        argv += ["--capacity-frac", "0.05"]
-    if not any(a.startswith("--families") for a in argv):
-        argv += ["--families", "mooncake"]
-    return run_variants("bench.studies.capacity_terms", __doc__, argv, variants, DEFAULT, "capacity_terms",
-                        "cache_aware's terms at a larger KV capacity")
+    return run_variants("bench.studies.capacity_terms", __doc__, argv, VARIANTS, DEFAULT, "capacity_terms",
+                        "cache_aware's terms at a larger KV capacity",
+                        defaults={"capacity_frac": 0.05, "families": "mooncake"}, selectable=True)
 
 
 if __name__ == "__main__":

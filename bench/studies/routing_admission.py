@@ -199,9 +199,13 @@ class TuningRun:
     common: dict
 
 
-def parse_tuning_run(doc: str, argv: list[str] | None) -> TuningRun:
+def parse_tuning_run(doc: str, argv: list[str] | None, defaults: dict | None = None,
+                     variants: Sequence[str] | None = None) -> TuningRun:
     """The command line of the routing studies on tuning traces (this one and
-    ``bench.studies.routing_balance``): which traces, how long, how many replicas."""
+    ``bench.studies.routing_balance``): which traces, how long, how many replicas.
+    ``defaults``: a study's own defaults for these options (dest -> value);
+    ``variants``: the study's variant names, selectable with ``--variants a,b``
+    (``args.variants``: the chosen names, None for all)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_suite_args(ap)
     ap.add_argument("--points", type=int, default=4, help="tuning points per generated family (default 4)")
@@ -209,7 +213,16 @@ def parse_tuning_run(doc: str, argv: list[str] | None) -> TuningRun:
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--requests-per-s", type=float, default=1.5)
     ap.add_argument("--capacity-frac", type=float, default=0.02)
+    if variants is not None:
+        ap.add_argument("--variants", default=None,
+                        help="comma-separated variants to run besides the reference (default: all): " + ", ".join(variants))
+    ap.set_defaults(**(defaults or {}))
     args = parse_suite_args(ap, argv)
+    if variants is not None and args.variants is not None:
+        args.variants = [v for v in args.variants.split(",") if v]
+        unknown = [v for v in args.variants if v not in variants]
+        if unknown:
+            ap.error(f"unknown variants {unknown}; known: " + ", ".join(variants))
     families = [f for f in args.families.split(",") if f]
     common = {"mooncake": args.trace, "mooncake_slices": MOONCAKE_SLICES, "duration": args.duration,
               "requests_per_s": args.requests_per_s, "capacity_frac": args.capacity_frac, "u_ref": 0.5}

@@ -82,15 +82,20 @@ def markdown(report: dict, title: str) -> str:
 
 
 def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, default: str, stem: str, title: str,
-                 replays: dict | None = None, common_extra: dict | None = None, held_out: bool = False) -> int:
+                 replays: dict | None = None, common_extra: dict | None = None, held_out: bool = False,
+                 defaults: dict | None = None, selectable: bool = False) -> int:
     """Replay ``variants`` (label -> (router class, kwargs)) and sglang + unicache on the
     tuning traces, then write ``<stem>.{json,md}``: the shared main of these studies.
     ``replays``: label -> a ``Replay`` subclass (sglang + unicache's label too);
     ``common_extra``: more of every job's replay settings (``bench.routing_report.run_job``'s
     ``args``); ``held_out``: add each family's leave-one-family-out pick at each replica
-    count (``bench.routing_report.cross_validate``'s, over the variants)."""
+    count (``bench.routing_report.cross_validate``'s, over the variants); ``defaults``: the
+    study's own option defaults; ``selectable``: ``--variants a,b`` runs those and
+    ``default`` only (``parse_tuning_run``)."""
     t0 = time.perf_counter()
-    run = parse_tuning_run(doc, argv)
+    run = parse_tuning_run(doc, argv, defaults, [v for v in variants if v != default] if selectable else None)
+    if selectable and run.args.variants is not None:
+        variants = {v: variants[v] for v in (default, *run.args.variants)}
     args, traces, common = run.args, run.traces, {**run.common, **(common_extra or {})}
     configs = tuple((v, "cache_aware", "unicache") for v in variants) + ((SGL_UC, "sglang", "unicache"),)
     replicas = tuple(int(x) for x in args.replicas.split(","))
