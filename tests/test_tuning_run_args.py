@@ -1,11 +1,15 @@
 """The routing studies' shared command line (bench.studies.routing_admission.parse_tuning_run):
-a study's own defaults, and ``--variants`` choosing among its variants by name."""
+a study's own defaults, ``--variants`` choosing among its variants by name, ``--first-point``
+moving the tuning points; and the variant studies' bootstrap interval."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from bench.studies.routing_admission import parse_tuning_run
+from bench.studies.routing_admission import parse_tuning_run, tuning_traces
+from bench.studies.variant_study import bootstrap_ci95
 
 
 def test_a_study_sets_its_own_defaults_and_the_command_line_still_wins():
@@ -26,3 +30,25 @@ def test_variants_are_chosen_by_name_and_unknown_names_are_refused(capsys):
     with pytest.raises(SystemExit):
         parse_tuning_run("doc", ["--variants=load weight 2"], variants=names)
     assert "unknown variants ['load weight 2']" in capsys.readouterr().err
+
+
+def test_first_point_moves_the_generated_tuning_points_and_never_onto_a_report_point():
+    run = parse_tuning_run("doc", ["--families", "chat,mooncake", "--points", "3", "--first-point", "4"])
+    assert [t.name for t in run.traces] == ["chat-p1004-s1000", "chat-p1005-s1000", "chat-p1006-s1000",
+                                            "mooncake-p0-s0", "mooncake-p1-s0"]
+    assert all(t.role == "tune" for t in run.traces)
+    assert [t.name for t in parse_tuning_run("doc", ["--families", "agent", "--points", "2"]).traces] == [
+        "agent-p1000-s1000", "agent-p1001-s1000"]  # the default: the points every default was chosen on
+    with pytest.raises(ValueError, match="first_point"):
+        tuning_traces(1, 0, ["chat"], first_point=-1)
+
+
+def test_bootstrap_interval_of_paired_ratios():
+    lo, hi = bootstrap_ci95([math.log(1.1)] * 5)
+    assert lo == pytest.approx(1.1) and hi == pytest.approx(1.1)  # no spread, no width
+    ratios = [math.log(x) for x in (0.9, 1.0, 1.05, 1.1, 1.2, 0.95, 1.3, 1.0)]
+    lo, hi = bootstrap_ci95(ratios)
+    geo = math.exp(sum(ratios) / len(ratios))
+    assert lo < geo < hi and 0.9 <= lo and hi <= 1.3
+    assert bootstrap_ci95(ratios) == (lo, hi)  # seeded: a rerun gives the same interval
+    assert bootstrap_ci95(ratios, seed=1) != (lo, hi)

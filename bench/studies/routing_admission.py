@@ -88,13 +88,17 @@ VARIANTS: dict[str, tuple[type[CacheAwarePolicy], dict]] = {
 BASE = "ratio 1.5, load 1 (old default)"
 
 
-def tuning_traces(points: int, mooncake_slices: int, families: Sequence[str] = FAMILIES) -> list[SuiteTrace]:
-    """Generated points ``TUNE_BASE..+points-1`` (seed ``TUNE_BASE``) and Mooncake slices
+def tuning_traces(points: int, mooncake_slices: int, families: Sequence[str] = FAMILIES,
+                  first_point: int = 0) -> list[SuiteTrace]:
+    """Generated points ``TUNE_BASE + first_point`` onwards, ``points`` of them (seed
+    ``TUNE_BASE``; tuning points all, never a report point), and Mooncake slices
     ``0..mooncake_slices-1`` of ``MOONCAKE_SLICES``."""
     if mooncake_slices > MOONCAKE_SLICES // 4:
         raise ValueError(f"at most {MOONCAKE_SLICES // 4} Mooncake slices stay inside the report's tuning slice")
-    out = [SuiteTrace(f, "tune", TUNE_BASE + p, TUNE_BASE) for f in families if f in GENERATED_FAMILIES
-           for p in range(points)]
+    if first_point < 0:
+        raise ValueError(f"first_point {first_point} < 0")
+    out = [SuiteTrace(f, "tune", TUNE_BASE + first_point + p, TUNE_BASE) for f in families
+           if f in GENERATED_FAMILIES for p in range(points)]
     if MOONCAKE in families:
         out += [SuiteTrace(MOONCAKE, "tune", i, 0) for i in range(mooncake_slices)]
     return out
@@ -209,6 +213,9 @@ def parse_tuning_run(doc: str, argv: list[str] | None, defaults: dict | None = N
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_suite_args(ap)
     ap.add_argument("--points", type=int, default=4, help="tuning points per generated family (default 4)")
+    ap.add_argument("--first-point", type=int, default=0,
+                    help="offset of the first tuning point (default 0: the points every default was chosen on; "
+                         "4 onwards are tuning points no study has chosen on)")
     ap.add_argument("--mooncake-slices", type=int, default=2, help=f"Mooncake slices 0..k-1 of {MOONCAKE_SLICES}")
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--requests-per-s", type=float, default=1.5)
@@ -226,7 +233,7 @@ def parse_tuning_run(doc: str, argv: list[str] | None, defaults: dict | None = N
     families = [f for f in args.families.split(",") if f]
     common = {"mooncake": args.trace, "mooncake_slices": MOONCAKE_SLICES, "duration": args.duration,
               "requests_per_s": args.requests_per_s, "capacity_frac": args.capacity_frac, "u_ref": 0.5}
-    return TuningRun(args, families, tuning_traces(args.points, args.mooncake_slices, families), common)
+    return TuningRun(args, families, tuning_traces(args.points, args.mooncake_slices, families, args.first_point), common)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -36,16 +37,31 @@ def _geo(rows: list[dict], a: str, b: str) -> float:
     return math.exp(statistics.mean(_lg(x[a]) - _lg(x[b]) for x in rows))
 
 
+BOOTSTRAP_DRAWS = 2000
+
+
+def bootstrap_ci95(log_ratios: Sequence[float], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, float]:
+    """The 95% percentile interval of the geometric mean of paired ratios, resampling the
+    traces with replacement (``log_ratios``: one log ratio per trace; seeded, so a rerun
+    gives the same interval)."""
+    rng = random.Random(seed)
+    k = len(log_ratios)
+    means = sorted(math.fsum(rng.choices(log_ratios, k=k)) / k for _ in range(draws))
+    return math.exp(means[int(0.025 * draws)]), math.exp(means[int(0.975 * draws) - 1])
+
+
 def summarise(results: list[dict], n: str, variants: Sequence[str], default: str) -> dict:
-    """Per variant: goodput against ``default`` and sglang + unicache (geometric means of
-    paired per-trace ratios), token-hit points against ``default``, traces above / below
-    it; overall and per family (``n`` replicas)."""
+    """Per variant: goodput against ``default`` (with ``bootstrap_ci95``'s interval) and
+    sglang + unicache (geometric means of paired per-trace ratios), token-hit points
+    against ``default``, traces above / below it; overall and per family (``n`` replicas)."""
     fams = [f for f in FAMILIES if any(r["family"] == f for r in results)]
     out = {}
     for v in variants:
         def agg(rs: list[dict]) -> dict:
             rows = [r["by_replicas"][n]["rows"] for r in rs]
-            return {"vs_default": _geo(rows, v, default), "vs_sglang_unicache": _geo(rows, v, SGL_UC),
+            return {"vs_default": _geo(rows, v, default),
+                    "vs_default_ci95": bootstrap_ci95([_lg(x[v]) - _lg(x[default]) for x in rows]),
+                    "vs_sglang_unicache": _geo(rows, v, SGL_UC),
                     "hit_pts_vs_default": 100 * statistics.mean(
                         x[v]["at_u_ref"]["token_hit_ratio"] - x[default]["at_u_ref"]["token_hit_ratio"] for x in rows),
                     "traces_above_default": sum(x[v]["goodput_u"] > x[default]["goodput_u"] for x in rows),
@@ -61,16 +77,17 @@ def markdown(report: dict, title: str) -> str:
              f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs, {report['workers']} "
              f"workers) at commit {report['commit']}; {report['wall_s'] / 60:.1f} min wall.\n",
              f"Tuning traces ({len(report['traces'])}): {', '.join(report['traces'])}. Goodput ratios: geometric means "
-             "of paired per-trace ratios; hit points at u = 0.5.\n"]
+             "of paired per-trace ratios (95% interval: the traces resampled, ``bootstrap_ci95``); hit points at u = 0.5.\n"]
     for n, s in report["summary"].items():
         fams = list(next(iter(s.values()))["families"])
         lines += [f"## {n} replicas\n",
-                  "| variant | goodput / default | / sglang+unicache | traces above / below default | hit pts vs default | "
+                  "| variant | goodput / default | 95% interval | / sglang+unicache | traces above / below default | hit pts vs default | "
                   + " | ".join(f"{f} / default" for f in fams) + " |",
-                  "|---|---|---|---|---|" + "---|" * len(fams)]
+                  "|---|---|---|---|---|---|" + "---|" * len(fams)]
         for v, d in s.items():
             a = d["all"]
-            lines.append(f"| {v} | {a['vs_default']:.3f} | {a['vs_sglang_unicache']:.3f} | "
+            lo, hi = a["vs_default_ci95"]
+            lines.append(f"| {v} | {a['vs_default']:.3f} | {lo:.3f}-{hi:.3f} | {a['vs_sglang_unicache']:.3f} | "
                          f"{a['traces_above_default']} / {a['traces_below_default']} | {a['hit_pts_vs_default']:+.2f} | "
                          + " | ".join(f"{d['families'][f]['vs_default']:.3f}" for f in fams) + " |")
         lines.append("")
