@@ -89,6 +89,10 @@ uncached tokens it drove requests off the replicas holding their prefixes (26 tu
 the policy with the whole queue in its cost scored 1.054x / 1.045x at 4 / 8 replicas fed
 the old figure than fed the engines'; counting the queue per lane scores 1.019x / 1.016x
 the whole queue, a third of that back, ``bench.studies.prefill_queue``).
+The load weight stays 1.0: cross-validation with 0.5 among the candidates picked 0.5 by
+about 1% of mean log goodput, but on tuning points no default was chosen on 0.5 scored
+0.949x (95% interval 0.845-1.019) and 1.009x (0.990-1.028) at 4 / 8 replicas, neither
+interval above 1.0 as the rule fixed before the run required (``bench.studies.load_weight``).
 Defaults: load_weight 1.0, request_cost_tokens 128,
 evict_weight 0.5, host_cost 0.08, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
 churn_window 256, footprint_weight 0.5, footprint_window 96, track_inflight off,
