@@ -18,7 +18,9 @@ R, the ratio of each p50 to
 fleet's loads, which a prompt whose holders are clearly fastest skips), and for the held
 prompt labelled a template (its first ``TEMPLATE_BLOCKS`` blocks; the template home is the
 hash ring's owner of its key), and the index work alone:
-``prefix_matches`` (the hash -> replicas walk) against ``match`` per replica.
+``prefix_matches`` (the hash -> replicas walk) against ``match`` per replica. For the
+prompt no replica holds, its phases alone too (``time_cold_phases``: the walk, TTFT
+admission, fit-first's room filter; the cost loop over the admissible replicas is the rest).
 
 Memory. ``tracemalloc`` around building the index: bytes per (block, replica) entry.
 
@@ -193,6 +195,22 @@ def time_policy(name: str, prompt, index, loads, iters: int, queue_shares: bool 
     return _timed(step, iters)
 
 
+def time_cold_phases(prompt, index, loads, iters: int, queue_shares: bool = False) -> dict:
+    """Where ``cache_aware``'s decision for a prompt no replica holds goes: the index walk
+    (``prefix_matches``), TTFT admission (``_admissible``) and fit-first's room filter
+    (``_with_room``) timed alone, each ``iters`` times on the busy fleet's state that
+    ``time_policy`` decides on; the cost loop is the rest of ``choose``."""
+    policy = _policy("cache_aware", index, loads, queue_shares)
+    _busy_terms(policy, loads)
+    n_tokens = len(prompt) * BLOCK_SIZE
+    matches = index.prefix_matches(prompt)
+    admissible = policy._admissible(loads, n_tokens, BLOCK_SIZE, matches)
+    return {"walk": _timed(lambda i: index.prefix_matches(prompt), iters, warmup=50),
+            "admission": _timed(lambda i: policy._admissible(loads, n_tokens, BLOCK_SIZE, matches), iters, warmup=50),
+            "room": _timed(lambda i: policy._with_room(admissible, n_tokens, BLOCK_SIZE, matches), iters, warmup=50),
+            "admissible": len(admissible)}
+
+
 def time_live(name: str, prompt, index, loads, iters: int, queue_shares: bool = False) -> dict:
     """The live router's choice: ``ClusterView.loads`` (replicas known from heartbeats)
     then the policy, with the in-flight bookkeeping around the request."""
@@ -310,6 +328,13 @@ def markdown(report: dict) -> str:
     for row in report["lookups"]:
         w, m = row["prefix_matches"], row["match_per_replica"]
         lines.append(f"| {row['replicas']} | {w['p50_us']} / {w['p99_us']} | {m['p50_us']} / {m['p99_us']} |")
+    lines += ["", "The decision for a prompt no replica holds, by phase (CPU p50 / p99 µs; the cost loop and "
+              "the hooks are the rest of the decision above):", "",
+              "| replicas | index walk | TTFT admission | fit-first's room | admissible replicas |", "|---|---|---|---|---|"]
+    for row in report.get("cold_phases", ()):
+        w, a, r = row["walk"], row["admission"], row["room"]
+        lines.append(f"| {row['replicas']} | {w['p50_us']} / {w['p99_us']} | {a['p50_us']} / {a['p99_us']} | "
+                     f"{r['p50_us']} / {r['p99_us']} | {row['admissible']} |")
     mem = report["memory"]
     lines += ["", f"Index memory: {mem['bytes']:,} bytes for {mem['entries']:,} (block, replica) entries over "
               f"{mem['hashes']:,} hashes at {mem['replicas']} replicas = **{mem['bytes_per_entry']} bytes per entry** "
@@ -380,7 +405,7 @@ def main() -> None:
     policies = args.policies.split(",")
     if "round_robin" not in policies:
         policies.insert(0, "round_robin")
-    decisions, lookups = [], []
+    decisions, lookups, cold_phases = [], [], []
     steps = tqdm(total=len(fleets) * (len(policies) + 4), desc="decisions", file=sys.stderr, unit="run")
     for n in fleets:
         prompt, index, loads = build_index(n, args.blocks, args.copies)
@@ -398,6 +423,8 @@ def main() -> None:
         rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (a prompt no replica holds)",
                      **time_policy("cache_aware", cold, index, loads, args.iters, args.queue_shares)})
         steps.update()
+        cold_phases.append({"replicas": n, **time_cold_phases(cold, index, loads, min(args.iters, 500),
+                                                               args.queue_shares)})
         templated = RequestClass(template=True, template_blocks=TEMPLATE_BLOCKS)  # its home: the ring's owner
         rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (a template request)",
                      **time_policy("cache_aware", prompt, index, loads, args.iters, args.queue_shares, templated)})
@@ -411,7 +438,7 @@ def main() -> None:
         del prompt, index, loads
     steps.close()
     report = {"commit": git_commit(Path(__file__).resolve().parents[1]), "config": vars(args) | {"trace": str(args.trace)},
-              "decisions": decisions, "lookups": lookups,
+              "decisions": decisions, "lookups": lookups, "cold_phases": cold_phases,
               "memory": index_bytes(max(fleets), args.blocks, args.copies)}
     if args.bw_requests:
         report["bandwidth"] = bandwidth(args.trace or mooncake_trace(), args.bw_requests, args.bw_replicas,
