@@ -55,15 +55,16 @@ def fields(msg) -> tuple:
 
 
 def content(msgs) -> tuple:
-    """What a stream says, independent of how its tokens were split into messages (tokens
-    that queued before a read travel as one message, on either transport, as timing falls):
-    the tokens and text in order, each message's choice index, which messages carry a finish
-    reason or usage, and the last message's fields."""
+    """What a stream says, independent of how its tokens were split into messages (the
+    router's hop stream hands on as one message the tokens that queued before it was read,
+    as timing falls; gRPC's stream passes each message on):
+    the tokens and text in order, each message's choice index, whether a message before the
+    last carries a finish reason or usage, and the last message's fields."""
     return (
         tokens(msgs),
         "".join(m.text for m in msgs),
         {m.index for m in msgs},
-        [bool(m.finish_reason) or m.HasField("usage") for m in msgs[:-1]],
+        any(m.finish_reason or m.HasField("usage") for m in msgs[:-1]),
         fields(msgs[-1])[3:],
     )
 
