@@ -95,6 +95,10 @@ def markdown(report: dict, title: str) -> str:
         if picks:
             lines.append("Leave one family out (best mean log goodput on the other families' traces): "
                          + ", ".join(f"{f} -> **{p['pick']}**" for f, p in picks.items()) + ".\n")
+        overall = report.get("overall_picks", {}).get(n)
+        if overall:
+            lines.append(f"All families: pick **{overall['pick']}** (mean log goodput: "
+                         + ", ".join(f"{v} {sc:.3f}" for v, sc in overall["scores"].items()) + ").\n")
     return "\n".join(lines) + "\n"
 
 
@@ -105,8 +109,8 @@ def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, 
     tuning traces, then write ``<stem>.{json,md}``: the shared main of these studies.
     ``replays``: label -> a ``Replay`` subclass (sglang + unicache's label too);
     ``common_extra``: more of every job's replay settings (``bench.routing_report.run_job``'s
-    ``args``); ``held_out``: add each family's leave-one-family-out pick at each replica
-    count (``bench.routing_report.cross_validate``'s, over the variants); ``defaults``: the
+    ``args``); ``held_out``: add each family's leave-one-family-out pick and the all-family
+    pick at each replica count (``bench.routing_report.cross_validate``'s, over the variants); ``defaults``: the
     study's own option defaults; ``selectable``: ``--variants a,b`` runs those and
     ``default`` only (``parse_tuning_run``)."""
     t0 = time.perf_counter()
@@ -120,6 +124,7 @@ def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, 
     factories = {v: cls for v, (cls, _) in variants.items()}
     jobs = [Job(t, replicas, configs, kwargs, common, factories, replays or {}) for t in traces]
     results = run_jobs(jobs, args.workers)
+    cvs = {str(n): cross_validate(results, variants, str(n)) for n in replicas} if held_out else {}
     report = {
         "command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "workers": args.workers,
@@ -127,7 +132,8 @@ def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, 
         "variants": {v: {"class": cls.__name__, "kwargs": kw, "replay": (replays or {}).get(v, Replay).__name__}
                      for v, (cls, kw) in variants.items()},
         "summary": {str(n): summarise(results, str(n), list(variants), default) for n in replicas},
-        **({"held_out_picks": {str(n): cross_validate(results, variants, str(n))["lofo"] for n in replicas}}
+        **({"held_out_picks": {n: cv["lofo"] for n, cv in cvs.items()},
+            "overall_picks": {n: {"pick": cv["overall_pick"], "scores": cv["overall_scores"]} for n, cv in cvs.items()}}
            if held_out else {}),
         "results": results, "wall_s": time.perf_counter() - t0,
     }

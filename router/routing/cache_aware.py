@@ -93,6 +93,9 @@ The load weight stays 1.0: cross-validation with 0.5 among the candidates picked
 about 1% of mean log goodput, but on tuning points no default was chosen on 0.5 scored
 0.949x (95% interval 0.845-1.019) and 1.009x (0.990-1.028) at 4 / 8 replicas, neither
 interval above 1.0 as the rule fixed before the run required (``bench.studies.load_weight``).
+On those points the admission factor 1.5 scored 1.022x (1.000-1.052) at 4 replicas and
+0.971x (0.921-1.013) at 8, so 2.0 stays by the same rule; the footprint term and the queue
+per lane held there (``bench.studies.fresh_points``).
 Defaults: load_weight 1.0, request_cost_tokens 128,
 evict_weight 0.5, host_cost 0.08, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
 churn_window 256, footprint_weight 0.5, footprint_window 96, track_inflight off,
