@@ -90,7 +90,9 @@ def markdown(report: dict, title: str) -> str:
             lines.append(f"| {v} | {a['vs_default']:.3f} | {lo:.3f}-{hi:.3f} | {a['vs_sglang_unicache']:.3f} | "
                          f"{a['traces_above_default']} / {a['traces_below_default']} | {a['hit_pts_vs_default']:+.2f} | "
                          + " | ".join(f"{d['families'][f]['vs_default']:.3f}" for f in fams) + " |")
-        lines.append("")
+        ref = report.get("default") or next(iter(s))  # the reference variant
+        lines += [f"{ref} / sglang+unicache by family: "
+                  + ", ".join(f"{f} {s[ref]['families'][f]['vs_sglang_unicache']:.3f}" for f in fams) + ".", ""]
         picks = report.get("held_out_picks", {}).get(n)
         if picks:
             lines.append("Leave one family out (best mean log goodput on the other families' traces): "
@@ -129,6 +131,7 @@ def run_variants(module: str, doc: str, argv: list[str] | None, variants: dict, 
         "command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": platform.node() or "unknown", "cpus": os.cpu_count(), "workers": args.workers,
         "commit": git_commit(REPO), "python": platform.python_version(), "traces": [t.name for t in traces],
+        "default": default,
         "variants": {v: {"class": cls.__name__, "kwargs": kw, "replay": (replays or {}).get(v, Replay).__name__}
                      for v, (cls, kw) in variants.items()},
         "summary": {str(n): summarise(results, str(n), list(variants), default) for n in replicas},
