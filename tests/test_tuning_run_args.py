@@ -1,6 +1,7 @@
 """The routing studies' shared command line (bench.studies.routing_admission.parse_tuning_run):
 a study's own defaults, ``--variants`` choosing among its variants by name, ``--first-point``
-moving the tuning points; and the variant studies' bootstrap interval."""
+moving the tuning points; and the variant studies' report (bootstrap interval, the
+reference's line, the picks) on a hand-built result."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 import pytest
 
 from bench.studies.routing_admission import parse_tuning_run, tuning_traces
-from bench.studies.variant_study import bootstrap_ci95
+from bench.routing_report import cross_validate
+from bench.studies.variant_study import bootstrap_ci95, markdown, summarise
 
 
 def test_a_study_sets_its_own_defaults_and_the_command_line_still_wins():
@@ -52,3 +54,30 @@ def test_bootstrap_interval_of_paired_ratios():
     assert lo < geo < hi and 0.9 <= lo and hi <= 1.3
     assert bootstrap_ci95(ratios) == (lo, hi)  # seeded: a rerun gives the same interval
     assert bootstrap_ci95(ratios, seed=1) != (lo, hi)
+
+
+def _row(goodput: float, hit: float) -> dict:
+    return {"goodput_u": goodput, "at_u_ref": {"token_hit_ratio": hit}}
+
+
+def test_variant_report_gives_interval_reference_line_and_picks():
+    results = [{"family": fam, "trace": f"{fam}-p{p}", "by_replicas": {"4": {"rows": {
+        "ref": _row(1.0, 0.5), "alt": _row(g, 0.52), "sglang+unicache": _row(0.8, 0.5)}}}}
+        for fam, p, g in (("chat", 1004, 1.1), ("chat", 1005, 1.2), ("long", 1004, 0.9))]
+    summary = summarise(results, "4", ["alt", "ref"], "ref")
+    alt = summary["alt"]["all"]
+    assert alt["vs_default"] == pytest.approx((1.1 * 1.2 * 0.9) ** (1 / 3))
+    assert alt["traces_above_default"] == 2 and alt["traces_below_default"] == 1
+    assert alt["hit_pts_vs_default"] == pytest.approx(2.0)
+    assert summary["ref"]["families"]["chat"]["vs_sglang_unicache"] == pytest.approx(1.25)
+    cv = cross_validate(results, ["alt", "ref"], "4")
+    report = {"command": "c", "host": "h", "cpus": 2, "workers": 2, "commit": "x", "wall_s": 60.0,
+              "traces": [r["trace"] for r in results], "default": "ref", "summary": {"4": summary},
+              "held_out_picks": {"4": cv["lofo"]},
+              "overall_picks": {"4": {"pick": cv["overall_pick"], "scores": cv["overall_scores"]}}}
+    md = markdown(report, "t")
+    lo, hi = alt["vs_default_ci95"]
+    assert f"| alt | {alt['vs_default']:.3f} | {lo:.3f}-{hi:.3f} |" in md
+    assert "ref / sglang+unicache by family: chat 1.250, long 1.250." in md
+    assert "chat -> **ref**" in md and "long -> **alt**" in md  # each family's pick is the other's best
+    assert "All families: pick **alt**" in md
