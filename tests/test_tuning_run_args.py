@@ -9,9 +9,10 @@ import math
 
 import pytest
 
-from bench.studies.routing_admission import parse_tuning_run, tuning_traces
+from bench.studies.routing_admission import UNUSED_TUNING_POINTS, parse_tuning_run, tuning_traces
 from bench.routing_report import cross_validate
 from bench.studies.variant_study import bootstrap_ci95, markdown, summarise
+from unicache.sim.suite import GENERATED_FAMILIES, suite_traces
 
 
 def test_a_study_sets_its_own_defaults_and_the_command_line_still_wins():
@@ -81,3 +82,11 @@ def test_variant_report_gives_interval_reference_line_and_picks():
     assert "ref / sglang+unicache by family: chat 1.250, long 1.250." in md
     assert "chat -> **ref**" in md and "long -> **alt**" in md  # each family's pick is the other's best
     assert "All families: pick **alt**" in md
+
+
+def test_unused_tuning_points_miss_every_trace_the_routing_report_uses():
+    run = parse_tuning_run("doc", [], defaults=UNUSED_TUNING_POINTS)
+    assert len(run.traces) == 6 * 8 and {t.point for t in run.traces} == set(range(1004, 1012))
+    assert {t.family for t in run.traces} == set(GENERATED_FAMILIES)
+    report_suite = suite_traces(points=2, seeds=2, tune_points=4, mooncake_slices=(1, 1))  # the report's defaults
+    assert not {t.name for t in run.traces} & {t.name for t in report_suite}

@@ -27,9 +27,9 @@ from __future__ import annotations
 import sys
 
 from bench.routing_report import CANDIDATES, code_default_candidate
+from bench.studies.routing_admission import UNUSED_TUNING_POINTS
 from bench.studies.variant_study import run_variants
 from unicache.router.routing.cache_aware import CacheAwarePolicy
-from unicache.sim.suite import GENERATED_FAMILIES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {label: (CacheAwarePolicy, kw) for label, kw in CANDIDATES.items()}
     return run_variants("bench.studies.fresh_points", __doc__, argv, variants, default, "fresh_points",
                         "the routing report's candidates on unused tuning points", held_out=True,
-                        defaults={"first_point": 4, "points": 8, "families": ",".join(GENERATED_FAMILIES),
-                                  "replicas": "4"}, selectable=True)
+                        defaults={**UNUSED_TUNING_POINTS, "replicas": "4"}, selectable=True)
 
 
 if __name__ == "__main__":

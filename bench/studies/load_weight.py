@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import sys
 
+from bench.studies.routing_admission import UNUSED_TUNING_POINTS
 from bench.studies.variant_study import run_variants
 from unicache.router.routing.cache_aware import CacheAwarePolicy
-from unicache.sim.suite import GENERATED_FAMILIES
 
 DEFAULT = "shipped (load weight 1.0)"
 VARIANTS = {
@@ -40,7 +40,7 @@ VARIANTS = {
 def main(argv: list[str] | None = None) -> int:
     return run_variants("bench.studies.load_weight", __doc__, argv, VARIANTS, DEFAULT, "load_weight",
                         "cache_aware's load weight on unused tuning points",
-                        defaults={"first_point": 4, "points": 8, "families": ",".join(GENERATED_FAMILIES)})
+                        defaults=UNUSED_TUNING_POINTS)
 
 
 if __name__ == "__main__":

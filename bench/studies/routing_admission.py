@@ -52,6 +52,11 @@ from unicache.sim.suite import FAMILIES, GENERATED_FAMILIES, MOONCAKE, SuiteTrac
 
 MOONCAKE_SLICES = 8  # slices 0..k of 8 lie inside slice 0 of 4, the report's tuning slice
 TUNE_BASE = 1000
+# The generated tuning points after the four every default was chosen on (the routing
+# report's --tune-points): a study's options for checking a choice on tuning traces it was
+# not made on (``bench.studies.load_weight``, ``fresh_points``; Mooncake has no unused
+# tuning slice).
+UNUSED_TUNING_POINTS = {"first_point": 4, "points": 8, "families": ",".join(GENERATED_FAMILIES)}
 SGL_UC, SGL_LRU = "sglang+unicache", "sglang+lru"
 
 
@@ -215,7 +220,7 @@ def parse_tuning_run(doc: str, argv: list[str] | None, defaults: dict | None = N
     ap.add_argument("--points", type=int, default=4, help="tuning points per generated family (default 4)")
     ap.add_argument("--first-point", type=int, default=0,
                     help="offset of the first tuning point (default 0: the points every default was chosen on; "
-                         "4 onwards are tuning points no study has chosen on)")
+                         "4 onwards: UNUSED_TUNING_POINTS)")
     ap.add_argument("--mooncake-slices", type=int, default=2, help=f"Mooncake slices 0..k-1 of {MOONCAKE_SLICES}")
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--requests-per-s", type=float, default=1.5)

@@ -90,7 +90,7 @@ def markdown(report: dict, title: str) -> str:
             lines.append(f"| {v} | {a['vs_default']:.3f} | {lo:.3f}-{hi:.3f} | {a['vs_sglang_unicache']:.3f} | "
                          f"{a['traces_above_default']} / {a['traces_below_default']} | {a['hit_pts_vs_default']:+.2f} | "
                          + " | ".join(f"{d['families'][f]['vs_default']:.3f}" for f in fams) + " |")
-        ref = report.get("default") or next(iter(s))  # the reference variant
+        ref = report["default"]
         lines += [f"{ref} / sglang+unicache by family: "
                   + ", ".join(f"{f} {s[ref]['families'][f]['vs_sglang_unicache']:.3f}" for f in fams) + ".", ""]
         picks = report.get("held_out_picks", {}).get(n)
