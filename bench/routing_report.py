@@ -120,6 +120,9 @@ class Job:
     args: dict = field(default_factory=dict)
     factories: dict[str, Callable] = field(default_factory=dict)  # label -> a study's router class
     replays: dict[str, type[Replay]] = field(default_factory=dict)  # label -> a study's Replay subclass
+    # a study's own traces: (trace, args) -> PreparedTrace, instead of the suite's (a
+    # module-level function: jobs are pickled to the workers)
+    loader: Callable[[SuiteTrace, dict], PreparedTrace] | None = None
 
 
 def capacity_floor_blocks(trace: PreparedTrace) -> int:
@@ -193,8 +196,11 @@ def run_job(job: Job) -> dict:
     a = job.args
     timing = TimingModel()
     t0 = time.process_time()
-    trace = load_suite_trace(job.trace, mooncake_path=a["mooncake"], mooncake_slices=a["mooncake_slices"],
-                             duration=a["duration"], requests_per_s=a["requests_per_s"])
+    if job.loader is not None:
+        trace = job.loader(job.trace, a)
+    else:
+        trace = load_suite_trace(job.trace, mooncake_path=a["mooncake"], mooncake_slices=a["mooncake_slices"],
+                                 duration=a["duration"], requests_per_s=a["requests_per_s"])
     floor = capacity_floor_blocks(trace)
     cap = capacity_of(trace.unique_blocks, floor, a["capacity_frac"])
     # a request alone on an idle replica with nothing cached (a study's service model may

@@ -1,0 +1,212 @@
+"""cache_aware on traffic from another generator: does the shipped default win where no
+default was chosen?
+
+Every default of ``cache_aware`` was chosen on traces of the project's own generator
+(``unicache.sim.workload``, swept by the routing suite) and a Mooncake slice. This study
+replays traces of a generator written apart from it (``bench.foreign_workload``: power-law
+chat sessions with regenerations and edits, RAG over a shared corpus, fan-out agent
+swarms, few-shot templates whose popularity drifts, long unique documents, bursty
+arrivals) through the routing report's machinery (``bench.routing_report.run_job``: the
+same capacity rule, SLO rule, goodput search and u_ref). Nothing is tuned here: the
+shipped default runs against sglang + unicache, sglang + lru and the pooled replica, and
+the report gives the issue's targets per dominant source (``family_summary``) and over all
+traces, with a paired 95% bootstrap interval for each goodput ratio.
+
+Traces are seeds ``--first-seed`` .. ``+ --seeds - 1`` (each seed draws its source shares and
+knobs: ``bench.foreign_workload.draw_knobs``); a trace's family is its dominant source.
+
+Writes ``foreign_traffic.{json,md,png}`` to ``--out-dir``.
+
+Run (from the repository root, niced; about 10 min with 2 workers):
+    nice -n 10 .venv/bin/python -m bench.studies.foreign_traffic [--seeds 24] [--replicas 4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.foreign_workload import SOURCES, draw_knobs, generate_foreign
+from bench.paths import REPO, RESULTS
+from bench.report_files import git_commit, save_figure, write_report
+from bench.routing_report import (
+    GOODPUT_FLOOR_U, POOLED, POOLED_LABEL, Job, code_default_candidate, family_summary, run_jobs,
+)
+from bench.studies.variant_study import bootstrap_ci95
+from unicache.sim.prepare import PreparedTrace, prepare
+from unicache.sim.suite import SuiteTrace
+from unicache.trace import read_trace, write_trace
+
+BLOCK_SIZE = 16
+BASELINES = ("sglang+unicache", "sglang+lru")
+
+
+def foreign_trace(seed: int) -> SuiteTrace:
+    """Trace ``seed`` of the study, its family the dominant source (``foreign-chat``, ...)."""
+    return SuiteTrace(f"foreign-{draw_knobs(seed).dominant}", "report", seed, seed)
+
+
+def load_foreign(st: SuiteTrace, args: dict) -> PreparedTrace:
+    """``Job.loader``: generate the trace, write and read it as a trace file (so it passes the
+    trace reader's checks), prepare it with its labels."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{st.name}.jsonl"
+        write_trace(path, generate_foreign(st.seed, duration=args["duration"], requests_per_s=args["requests_per_s"],
+                                           block_size=BLOCK_SIZE))
+        return prepare(read_trace(path), BLOCK_SIZE)
+
+
+def _lg(u: float) -> float:
+    return math.log(max(u, GOODPUT_FLOOR_U))
+
+
+def overall(results: list[dict], ours: str, n: str) -> dict:
+    """Over every trace at ``n`` replicas: ours against each baseline and the pooled
+    replica (geometric mean of per-trace goodput ratios, floored at ``GOODPUT_FLOOR_U``,
+    with its paired 95% bootstrap interval; traces above / below)."""
+    out = {}
+    for other in (*BASELINES, POOLED_LABEL):
+        logs = [_lg(r["by_replicas"][n]["rows"][ours]["goodput_u"]) - _lg(r["by_replicas"][n]["rows"][other]["goodput_u"])
+                for r in results]
+        lo, hi = bootstrap_ci95(logs)
+        out[other] = {"goodput_ratio": math.exp(sum(logs) / len(logs)), "ci95": [lo, hi],
+                      "above": sum(x > 0 for x in logs), "below": sum(x < 0 for x in logs)}
+    return out
+
+
+def markdown(report: dict) -> str:
+    ours = report["ours"]
+    lines = [
+        "# cache_aware on traffic from another generator", "",
+        f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs, {report['workers']} workers) "
+        f"at commit {report['commit']}; {report['wall_s'] / 60:.1f} min wall.", "",
+        f"{report['traces']} traces of `bench.foreign_workload` (seeds {report['seeds'][0]}-{report['seeds'][-1]}, "
+        f"{report['duration']:.0f} s, {report['requests_per_s']} requests/s on average), none used to choose anything. "
+        f"Ours: `{ours}` (the shipped default). Capacity, SLO, goodput search and u_ref "
+        f"({report['u_ref']}) as in `bench.routing_report`.", "",
+        "## Over all traces", "",
+        "Goodput of ours against each (geometric mean of per-trace ratios, paired 95% bootstrap interval; "
+        "traces above / below):", "",
+        "| replicas | " + " | ".join(f"vs {o}" for o in (*BASELINES, POOLED_LABEL)) + " |",
+        "|---|" + "---|" * (len(BASELINES) + 1),
+    ]
+    for n, o in report["overall"].items():
+        cells = [f"**{v['goodput_ratio']:.3f}x** ({v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}; {v['above']} / {v['below']})"
+                 for v in o.values()]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", "## By dominant source (the routing report's targets)", "",
+              "| family | traces | replicas | goodput / sglang+lru | goodput / sglang+unicache | "
+              "p90 s (ours / best sglang) | p99 s (ours / best sglang) | token hit pts vs sglang+unicache | "
+              "imbalance (max) | pooled / sglang+unicache | targets met |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    met = total = 0
+    for fam, by_n in report["families"].items():
+        for n, s in by_n.items():
+            c, cfg = s["checks"], s["configs"]
+            su, sl = cfg["sglang+unicache"], cfg["sglang+lru"]
+            ok = sum(v["ok"] for v in c.values())
+            met, total = met + ok, total + len(c)
+            lines.append(
+                f"| {fam} | {s['traces']} | {n} | {c['goodput_vs_sglang_lru']['value']:.3f} | "
+                f"{c['goodput_vs_sglang_unicache']['value']:.3f} | "
+                f"{cfg[ours]['ttft_p90_s']:.3f} / {min(su['ttft_p90_s'], sl['ttft_p90_s']):.3f} | "
+                f"{cfg[ours]['ttft_p99_s']:.3f} / {min(su['ttft_p99_s'], sl['ttft_p99_s']):.3f} | "
+                f"{c['token_hit_vs_sglang_unicache']['value']:+.2f} | {c['load_imbalance']['value']:.3f} | "
+                f"{s['pooled']['goodput_vs_sglang_unicache']:.3f} | {ok}/{len(c)} |")
+    lines += ["", f"Targets met: {met} of {total} checks (targets: goodput >= 1.3 x sglang + lru and >= 1.1 x "
+              "sglang + unicache; TTFT p90 and p99 <= both; token hit >= sglang + unicache - 0.5 points; "
+              "load imbalance <= 1.2). `pooled / sglang+unicache` below a goodput target: the target is out of a "
+              "router's reach on that family.", "",
+              "## Per trace (goodput u: ours / sglang+unicache / sglang+lru)", "",
+              "| trace | requests | " + " | ".join(f"{n} replicas" for n in report["replicas"]) + " |",
+              "|---|---|" + "---|" * len(report["replicas"])]
+    for r in report["results"]:
+        cells = []
+        for n in map(str, report["replicas"]):
+            rows = r["by_replicas"][n]["rows"]
+            cells.append(" / ".join(f"{rows[k]['goodput_u']:.3f}" for k in (ours, *BASELINES)))
+        lines.append(f"| {r['trace']} | {r['requests']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Per-trace goodput ratio of ours over each sglang baseline, sorted, per replica count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours = report["ours"]
+    fig, axes = plt.subplots(1, len(report["replicas"]), figsize=(5.2 * len(report["replicas"]), 3.8), squeeze=False)
+    for ax, n in zip(axes[0], map(str, report["replicas"])):
+        for other, color in zip(BASELINES, ("tab:blue", "tab:orange")):
+            ratios = sorted(max(r["by_replicas"][n]["rows"][ours]["goodput_u"], GOODPUT_FLOOR_U)
+                            / max(r["by_replicas"][n]["rows"][other]["goodput_u"], GOODPUT_FLOOR_U)
+                            for r in report["results"])
+            ax.plot(range(1, len(ratios) + 1), ratios, "o-", ms=3, color=color, label=f"ours / {other}")
+        for y, style in ((1.0, "-"), (1.1, ":"), (1.3, "--")):
+            ax.axhline(y, color="grey", lw=0.8, ls=style)
+        ax.set_yscale("log")
+        ax.set_xlabel("trace (sorted by ratio)")
+        ax.set_ylabel("goodput ratio")
+        ax.set_title(f"{n} replicas")
+        ax.legend(fontsize=8)
+    fig.suptitle("cache_aware (shipped default) on bench.foreign_workload traces")
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=24, help="traces (default 24)")
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--replicas", default="4,8")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (at most 2 on the shared machine)")
+    ap.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals per trace (default 300)")
+    ap.add_argument("--requests-per-s", type=float, default=1.5)
+    ap.add_argument("--capacity-frac", type=float, default=0.02)
+    ap.add_argument("--u-ref", type=float, default=0.5)
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    if args.seeds < 2:
+        ap.error("--seeds must be at least 2 (the interval resamples traces)")
+    try:
+        replicas = tuple(int(x) for x in args.replicas.split(","))
+    except ValueError:
+        ap.error("--replicas takes comma-separated integers")
+    t0 = time.perf_counter()
+    default = code_default_candidate() or "default"
+    ours = f"cache_aware[{default}]+unicache"
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    common = {"duration": args.duration, "requests_per_s": args.requests_per_s, "capacity_frac": args.capacity_frac,
+              "u_ref": args.u_ref, "mooncake": None, "mooncake_slices": 1}
+    cfgs = ((ours, "cache_aware", "unicache"), ("sglang+unicache", "sglang", "unicache"),
+            ("sglang+lru", "sglang", "lru"), (POOLED_LABEL, POOLED, "unicache"))
+    print(f"{len(seeds)} traces x {len(cfgs)} configs x replicas {replicas}", file=sys.stderr)
+    jobs = [Job(foreign_trace(s), replicas, cfgs, {}, common, loader=load_foreign) for s in seeds]
+    results = run_jobs(jobs, args.workers)
+    families = {}
+    for fam in (f"foreign-{s}" for s in SOURCES):
+        rs = [r for r in results if r["family"] == fam]
+        if rs:
+            families[fam] = {str(n): dict(family_summary(rs, ours, str(n)), traces=len(rs)) for n in replicas}
+    report = {
+        "command": "python -m bench.studies.foreign_traffic " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "host": platform.node() or "unknown", "cpus": os.cpu_count(), "workers": args.workers,
+        "commit": git_commit(REPO), "python": platform.python_version(),
+        "seeds": seeds, "traces": len(seeds), "duration": args.duration, "requests_per_s": args.requests_per_s,
+        "capacity_frac": args.capacity_frac, "u_ref": args.u_ref, "replicas": list(replicas), "ours": ours,
+        "overall": {str(n): overall(results, ours, str(n)) for n in replicas},
+        "families": families, "results": results, "wall_s": time.perf_counter() - t0,
+    }
+    write_report(Path(args.out_dir), "foreign_traffic", report, markdown(report), plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
