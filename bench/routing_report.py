@@ -209,9 +209,10 @@ def run_job(job: Job) -> dict:
     unloaded = [unloaded_of(timing, r.input_length) for r in trace.requests]
     slo = default_slo_s(trace, timing, unloaded_ttft=unloaded_of)
     slo_rule = "3 x unloaded median request"
-    if job.trace.family == MOONCAKE:
+    if job.trace.family == MOONCAKE or (a.get("slo_p90_fallback") and percentile(unloaded, 90.0) > slo):
         # NOTE: the median rule is below Mooncake's unloaded p90 (no router can meet it);
-        # the p90 request's unloaded TTFT is the base there instead.
+        # the p90 request's unloaded TTFT is the base there instead (a study may ask for
+        # that wherever the median rule is out of reach: ``args["slo_p90_fallback"]``).
         slo, slo_rule = 3.0 * percentile(unloaded, 90.0), "3 x unloaded p90 request"
     out = {"trace": job.trace.name, "family": job.trace.family, "role": job.trace.role,
            "requests": len(trace.requests), "unique_blocks": trace.unique_blocks, "capacity_blocks": cap,

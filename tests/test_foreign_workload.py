@@ -130,3 +130,21 @@ def test_overall_is_the_geometric_mean_of_paired_ratios_with_counts():
     assert (su["above"], su["below"]) == (1, 2)
     assert su["ci95"][0] <= su["goodput_ratio"] <= su["ci95"][1]
     assert (out["sglang+lru"]["above"], out["sglang+lru"]["below"]) == (1, 1)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_the_p90_slo_rule_applies_only_where_asked_and_the_median_rule_is_out_of_reach(fallback):
+    args = {"duration": 60.0, "requests_per_s": 1.5, "capacity_frac": 0.02, "u_ref": 0.5,
+            "mooncake": None, "mooncake_slices": 1, "slo_p90_fallback": fallback}
+    cfgs = (("rr", "round_robin", "lru"),)
+    wide = run_job(Job(foreign_trace(2), (2,), cfgs, {}, args, loader=load_foreign))  # p90 request > 3 x median
+    assert wide["unloaded_ttft_p90_s"] > 3 * wide["unloaded_ttft_p50_s"]
+    if fallback:
+        assert wide["slo_rule"] == "3 x unloaded p90 request"
+        assert wide["slo_s"] == pytest.approx(3 * wide["unloaded_ttft_p90_s"])
+    else:
+        assert wide["slo_rule"] == "3 x unloaded median request"
+        assert wide["slo_s"] == wide["default_slo_s"]
+    narrow = run_job(Job(foreign_trace(4), (2,), cfgs, {}, args, loader=load_foreign))  # within the median rule
+    assert narrow["unloaded_ttft_p90_s"] <= narrow["slo_s"] == narrow["default_slo_s"]
+    assert narrow["slo_rule"] == "3 x unloaded median request"

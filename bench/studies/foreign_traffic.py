@@ -14,11 +14,20 @@ traces, with a paired 95% bootstrap interval for each goodput ratio.
 
 Traces are seeds ``--first-seed`` .. ``+ --seeds - 1`` (each seed draws its source shares and
 knobs: ``bench.foreign_workload.draw_knobs``); a trace's family is its dominant source.
+The SLO is the report's (3 x the unloaded TTFT of the median request) unless the trace's
+unloaded p90 request alone exceeds it, as on a quarter of these traces (long documents,
+long system prompts): then 3 x the unloaded p90 request's, the rule the report applies to
+Mooncake for the same reason (under the median rule no router has any goodput there).
+
+``--variants name:key=value&key=value`` (repeatable; JSON values, as ``bench.fleet_scale``'s
+``--policies``) adds ``cache_aware`` settings beside the shipped one, each reported against
+the baselines and against the shipped default.
 
 Writes ``foreign_traffic.{json,md,png}`` to ``--out-dir``.
 
 Run (from the repository root, niced; about 10 min with 2 workers):
     nice -n 10 .venv/bin/python -m bench.studies.foreign_traffic [--seeds 24] [--replicas 4,8]
+        [--variants 'inflight:track_inflight=true' --out-dir DIR]
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.fleet_scale import policy_spec
 from bench.foreign_workload import SOURCES, draw_knobs, generate_foreign
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, save_figure, write_report
@@ -66,18 +76,25 @@ def _lg(u: float) -> float:
     return math.log(max(u, GOODPUT_FLOOR_U))
 
 
-def overall(results: list[dict], ours: str, n: str) -> dict:
-    """Over every trace at ``n`` replicas: ours against each baseline and the pooled
-    replica (geometric mean of per-trace goodput ratios, floored at ``GOODPUT_FLOOR_U``,
-    with its paired 95% bootstrap interval; traces above / below)."""
+def overall(results: list[dict], ours: str, n: str, others: tuple[str, ...] = (*BASELINES, POOLED_LABEL)) -> dict:
+    """Over every trace at ``n`` replicas: ``ours`` against each of ``others`` (geometric
+    mean of per-trace goodput ratios, floored at ``GOODPUT_FLOOR_U``, with its paired 95%
+    bootstrap interval; traces above / below)."""
     out = {}
-    for other in (*BASELINES, POOLED_LABEL):
+    for other in others:
         logs = [_lg(r["by_replicas"][n]["rows"][ours]["goodput_u"]) - _lg(r["by_replicas"][n]["rows"][other]["goodput_u"])
                 for r in results]
         lo, hi = bootstrap_ci95(logs)
         out[other] = {"goodput_ratio": math.exp(sum(logs) / len(logs)), "ci95": [lo, hi],
                       "above": sum(x > 0 for x in logs), "below": sum(x < 0 for x in logs)}
     return out
+
+
+def token_hit_pts(results: list[dict], label: str, n: str) -> float:
+    """``label``'s token hit ratio minus sglang + unicache's at u_ref, points, mean over traces."""
+    rows = [r["by_replicas"][n]["rows"] for r in results]
+    return 100 * sum(x[label]["at_u_ref"]["token_hit_ratio"] - x["sglang+unicache"]["at_u_ref"]["token_hit_ratio"]
+                     for x in rows) / len(rows)
 
 
 def markdown(report: dict) -> str:
@@ -88,18 +105,29 @@ def markdown(report: dict) -> str:
         f"at commit {report['commit']}; {report['wall_s'] / 60:.1f} min wall.", "",
         f"{report['traces']} traces of `bench.foreign_workload` (seeds {report['seeds'][0]}-{report['seeds'][-1]}, "
         f"{report['duration']:.0f} s, {report['requests_per_s']} requests/s on average), none used to choose anything. "
-        f"Ours: `{ours}` (the shipped default). Capacity, SLO, goodput search and u_ref "
-        f"({report['u_ref']}) as in `bench.routing_report`.", "",
+        f"Ours: `{ours}` (the shipped default). Capacity, goodput search and u_ref "
+        f"({report['u_ref']}) as in `bench.routing_report`; the SLO too, but 3 x the unloaded p90 request's TTFT "
+        f"where that request alone exceeds 3 x the median's ({report['slo_p90_traces']} traces; the report's "
+        "Mooncake rule).", "",
         "## Over all traces", "",
         "Goodput of ours against each (geometric mean of per-trace ratios, paired 95% bootstrap interval; "
         "traces above / below):", "",
         "| replicas | " + " | ".join(f"vs {o}" for o in (*BASELINES, POOLED_LABEL)) + " |",
         "|---|" + "---|" * (len(BASELINES) + 1),
     ]
+    def cell(v: dict) -> str:
+        return f"**{v['goodput_ratio']:.3f}x** ({v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}; {v['above']} / {v['below']})"
+
     for n, o in report["overall"].items():
-        cells = [f"**{v['goodput_ratio']:.3f}x** ({v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}; {v['above']} / {v['below']})"
-                 for v in o.values()]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines.append(f"| {n} | " + " | ".join(map(cell, o.values())) + " |")
+    if report["variants"]:
+        lines += ["", "Variants (goodput against the shipped default and sglang + unicache; token hit points "
+                  "against sglang + unicache, mean over traces at u_ref):", "",
+                  "| variant | settings | replicas | vs shipped | vs sglang+unicache | token hit pts |", "|---|---|---|---|---|---|"]
+        for label, v in report["variants"].items():
+            for n, o in v["overall"].items():
+                lines.append(f"| {label} | `{v['kwargs']}` | {n} | {cell(o[ours])} | {cell(o['sglang+unicache'])} | "
+                             f"{v['token_hit_pts'][n]:+.2f} |")
     lines += ["", "## By dominant source (the routing report's targets)", "",
               "| family | traces | replicas | goodput / sglang+lru | goodput / sglang+unicache | "
               "p90 s (ours / best sglang) | p99 s (ours / best sglang) | token hit pts vs sglang+unicache | "
@@ -124,14 +152,15 @@ def markdown(report: dict) -> str:
               "load imbalance <= 1.2). `pooled / sglang+unicache` below a goodput target: the target is out of a "
               "router's reach on that family.", "",
               "## Per trace (goodput u: ours / sglang+unicache / sglang+lru)", "",
-              "| trace | requests | " + " | ".join(f"{n} replicas" for n in report["replicas"]) + " |",
-              "|---|---|" + "---|" * len(report["replicas"])]
+              "| trace | requests | SLO s | " + " | ".join(f"{n} replicas" for n in report["replicas"]) + " |",
+              "|---|---|---|" + "---|" * len(report["replicas"])]
     for r in report["results"]:
         cells = []
         for n in map(str, report["replicas"]):
             rows = r["by_replicas"][n]["rows"]
             cells.append(" / ".join(f"{rows[k]['goodput_u']:.3f}" for k in (ours, *BASELINES)))
-        lines.append(f"| {r['trace']} | {r['requests']} | " + " | ".join(cells) + " |")
+        p90 = " (p90 rule)" if r["slo_rule"] != "3 x unloaded median request" else ""
+        lines.append(f"| {r['trace']} | {r['requests']} | {r['slo_s']:.3f}{p90} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -171,8 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests-per-s", type=float, default=1.5)
     ap.add_argument("--capacity-frac", type=float, default=0.02)
     ap.add_argument("--u-ref", type=float, default=0.5)
+    ap.add_argument("--variants", action="append", default=[],
+                    help="a cache_aware setting beside the shipped one: name:key=value&key=value (repeatable)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    try:
+        variants = {name: kw for name, kw in map(policy_spec, args.variants)}
+    except ValueError as e:
+        ap.error(f"--variants: {e}")
     if args.seeds < 2:
         ap.error("--seeds must be at least 2 (the interval resamples traces)")
     try:
@@ -184,11 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     ours = f"cache_aware[{default}]+unicache"
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     common = {"duration": args.duration, "requests_per_s": args.requests_per_s, "capacity_frac": args.capacity_frac,
-              "u_ref": args.u_ref, "mooncake": None, "mooncake_slices": 1}
-    cfgs = ((ours, "cache_aware", "unicache"), ("sglang+unicache", "sglang", "unicache"),
-            ("sglang+lru", "sglang", "lru"), (POOLED_LABEL, POOLED, "unicache"))
+              "u_ref": args.u_ref, "mooncake": None, "mooncake_slices": 1, "slo_p90_fallback": True}
+    cfgs = [(ours, "cache_aware", "unicache"), ("sglang+unicache", "sglang", "unicache"),
+            ("sglang+lru", "sglang", "lru"), (POOLED_LABEL, POOLED, "unicache")]
+    labels = {name: f"cache_aware[{name}]+unicache" for name in variants}
+    cfgs += [(label, "cache_aware", "unicache") for label in labels.values()]
+    kwargs = {labels[name]: kw for name, kw in variants.items()}
     print(f"{len(seeds)} traces x {len(cfgs)} configs x replicas {replicas}", file=sys.stderr)
-    jobs = [Job(foreign_trace(s), replicas, cfgs, {}, common, loader=load_foreign) for s in seeds]
+    jobs = [Job(foreign_trace(s), replicas, tuple(cfgs), kwargs, common, loader=load_foreign) for s in seeds]
     results = run_jobs(jobs, args.workers)
     families = {}
     for fam in (f"foreign-{s}" for s in SOURCES):
@@ -202,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds, "traces": len(seeds), "duration": args.duration, "requests_per_s": args.requests_per_s,
         "capacity_frac": args.capacity_frac, "u_ref": args.u_ref, "replicas": list(replicas), "ours": ours,
         "overall": {str(n): overall(results, ours, str(n)) for n in replicas},
-        "families": families, "results": results, "wall_s": time.perf_counter() - t0,
+        "variants": {name: {"kwargs": variants[name],
+                            "overall": {str(n): overall(results, label, str(n), (ours, "sglang+unicache")) for n in replicas},
+                            "token_hit_pts": {str(n): token_hit_pts(results, label, str(n)) for n in replicas}}
+                     for name, label in labels.items()},
+        "families": families, "results": results,
+        "slo_p90_traces": sum(r["slo_rule"] != "3 x unloaded median request" for r in results), "wall_s": time.perf_counter() - t0,
     }
     write_report(Path(args.out_dir), "foreign_traffic", report, markdown(report), plot)
     return 0
