@@ -148,3 +148,20 @@ def test_the_p90_slo_rule_applies_only_where_asked_and_the_median_rule_is_out_of
     narrow = run_job(Job(foreign_trace(4), (2,), cfgs, {}, args, loader=load_foreign))  # within the median rule
     assert narrow["unloaded_ttft_p90_s"] <= narrow["slo_s"] == narrow["default_slo_s"]
     assert narrow["slo_rule"] == "3 x unloaded median request"
+
+
+def test_miss_sources_sort_every_admitted_prompt_block_once_and_hits_match_the_replay():
+    from bench.routing_report import capacity_blocks
+    from bench.studies.miss_sources import CATEGORIES, MissSources
+    from unicache.sim.replay import ReplayConfig
+
+    trace = load_foreign(foreign_trace(1), {"duration": 60.0, "requests_per_s": 1.5})
+    cap = capacity_blocks(trace, 0.02)  # at least twice the largest request: none rejected
+    for router in ("cache_aware", "sglang"):
+        rep = MissSources(trace, ReplayConfig("unicache", cap, replicas=3, router=router, lanes=4, rate_scale=1.0))
+        rec = rep.run()
+        assert rec["rejected"] == 0
+        assert rep.blocks == sum(len(r.prompt_hashes) for r in trace.requests)
+        assert sum(rep.counts[c] for c in CATEGORIES) == rep.blocks
+        assert rep.counts["hit"] == rep.counters.hit_blocks
+        assert min(rep.counts.values()) >= 0

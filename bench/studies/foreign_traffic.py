@@ -112,14 +112,16 @@ def markdown(report: dict) -> str:
         "## Over all traces", "",
         "Goodput of ours against each (geometric mean of per-trace ratios, paired 95% bootstrap interval; "
         "traces above / below):", "",
-        "| replicas | " + " | ".join(f"vs {o}" for o in (*BASELINES, POOLED_LABEL)) + " |",
-        "|---|" + "---|" * (len(BASELINES) + 1),
+        "| replicas | " + " | ".join(f"vs {o}" for o in (*BASELINES, POOLED_LABEL))
+        + " | token hit pts vs sglang+unicache: ours / pooled |",
+        "|---|" + "---|" * (len(BASELINES) + 2),
     ]
     def cell(v: dict) -> str:
         return f"**{v['goodput_ratio']:.3f}x** ({v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}; {v['above']} / {v['below']})"
 
     for n, o in report["overall"].items():
-        lines.append(f"| {n} | " + " | ".join(map(cell, o.values())) + " |")
+        hits = report["token_hit_pts"][n]
+        lines.append(f"| {n} | " + " | ".join(map(cell, o.values())) + f" | {hits['ours']:+.2f} / {hits['pooled']:+.2f} |")
     if report["variants"]:
         lines += ["", "Variants (goodput against the shipped default and sglang + unicache; token hit points "
                   "against sglang + unicache, mean over traces at u_ref):", "",
@@ -131,7 +133,7 @@ def markdown(report: dict) -> str:
     lines += ["", "## By dominant source (the routing report's targets)", "",
               "| family | traces | replicas | goodput / sglang+lru | goodput / sglang+unicache | "
               "p90 s (ours / best sglang) | p99 s (ours / best sglang) | token hit pts vs sglang+unicache | "
-              "imbalance (max) | pooled / sglang+unicache | targets met |",
+              "imbalance (max) | pooled / sglang+unicache: goodput, token hit pts | targets met |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     met = total = 0
     for fam, by_n in report["families"].items():
@@ -146,7 +148,8 @@ def markdown(report: dict) -> str:
                 f"{cfg[ours]['ttft_p90_s']:.3f} / {min(su['ttft_p90_s'], sl['ttft_p90_s']):.3f} | "
                 f"{cfg[ours]['ttft_p99_s']:.3f} / {min(su['ttft_p99_s'], sl['ttft_p99_s']):.3f} | "
                 f"{c['token_hit_vs_sglang_unicache']['value']:+.2f} | {c['load_imbalance']['value']:.3f} | "
-                f"{s['pooled']['goodput_vs_sglang_unicache']:.3f} | {ok}/{len(c)} |")
+                f"{s['pooled']['goodput_vs_sglang_unicache']:.3f}, {s['pooled']['token_hit_pts_vs_sglang_unicache']:+.2f} | "
+                f"{ok}/{len(c)} |")
     lines += ["", f"Targets met: {met} of {total} checks (targets: goodput >= 1.3 x sglang + lru and >= 1.1 x "
               "sglang + unicache; TTFT p90 and p99 <= both; token hit >= sglang + unicache - 0.5 points; "
               "load imbalance <= 1.2). `pooled / sglang+unicache` below a goodput target: the target is out of a "
@@ -240,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds, "traces": len(seeds), "duration": args.duration, "requests_per_s": args.requests_per_s,
         "capacity_frac": args.capacity_frac, "u_ref": args.u_ref, "replicas": list(replicas), "ours": ours,
         "overall": {str(n): overall(results, ours, str(n)) for n in replicas},
+        "token_hit_pts": {str(n): {"ours": token_hit_pts(results, ours, str(n)),
+                                   "pooled": token_hit_pts(results, POOLED_LABEL, str(n))} for n in replicas},
         "variants": {name: {"kwargs": variants[name],
                             "overall": {str(n): overall(results, label, str(n), (ours, "sglang+unicache")) for n in replicas},
                             "token_hit_pts": {str(n): token_hit_pts(results, label, str(n)) for n in replicas}}
