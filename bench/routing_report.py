@@ -366,6 +366,31 @@ def family_summary(results: list[dict], ours_label: str, n: str) -> dict:
     return {"configs": agg, "checks": checks, "pooled": pooled}
 
 
+def target_table(families: dict[str, dict[str, dict]], traces: bool = False) -> tuple[list[str], int, int]:
+    """The markdown table of ``family_summary`` results, ``families[family][replicas]``
+    (``traces``: a column of each family's trace count, ``"traces"`` in its summary), and
+    the checks met and made."""
+    lines = ["| family | " + ("traces | " if traces else "") + "replicas | goodput / sglang+lru | goodput / "
+             "sglang+unicache | TTFT p90 s ours / best sglang | p99 s ours / best sglang | token hit pts vs "
+             "sglang+unicache | imbalance | of pooled's goodput | targets met |",
+             "|---|" + ("---|" if traces else "") + "---|---|---|---|---|---|---|---|---|"]
+    met = total = 0
+    for f, by_n in families.items():
+        for n, s in by_n.items():
+            c, cfg = s["checks"], s["configs"]
+            su, sl = cfg["sglang+unicache"], cfg["sglang+lru"]
+            ok = sum(v["ok"] for v in c.values())
+            met, total = met + ok, total + len(c)
+            lines.append(
+                f"| {f} | " + (f"{s['traces']} | " if traces else "") + f"{n} | "
+                f"{c['goodput_vs_sglang_lru']['value']:.3f} | {c['goodput_vs_sglang_unicache']['value']:.3f} | "
+                f"{c['ttft_p90_le_both']['value']:.3f} / {min(su['ttft_p90_s'], sl['ttft_p90_s']):.3f} | "
+                f"{c['ttft_p99_le_both']['value']:.3f} / {min(su['ttft_p99_s'], sl['ttft_p99_s']):.3f} | "
+                f"{c['token_hit_vs_sglang_unicache']['value']:+.2f} | {c['load_imbalance']['value']:.2f} | "
+                f"{s['pooled']['ours_goodput_vs_pooled']:.3f} | {ok}/{len(c)} |")
+    return lines, met, total
+
+
 def _fmt(v: float) -> str:
     return "inf" if v == math.inf else ("n/a" if isinstance(v, float) and math.isnan(v) else f"{v:.3f}")
 

@@ -46,7 +46,7 @@ from bench.foreign_workload import SOURCES, draw_knobs, generate_foreign
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, save_figure, write_report
 from bench.routing_report import (
-    GOODPUT_FLOOR_U, POOLED, POOLED_LABEL, Job, code_default_candidate, family_summary, run_jobs,
+    GOODPUT_FLOOR_U, POOLED, POOLED_LABEL, Job, code_default_candidate, family_summary, run_jobs, target_table,
 )
 from bench.studies.variant_study import bootstrap_ci95
 from unicache.sim.prepare import PreparedTrace, prepare
@@ -130,30 +130,11 @@ def markdown(report: dict) -> str:
             for n, o in v["overall"].items():
                 lines.append(f"| {label} | `{v['kwargs']}` | {n} | {cell(o[ours])} | {cell(o['sglang+unicache'])} | "
                              f"{v['token_hit_pts'][n]:+.2f} |")
-    lines += ["", "## By dominant source (the routing report's targets)", "",
-              "| family | traces | replicas | goodput / sglang+lru | goodput / sglang+unicache | "
-              "p90 s (ours / best sglang) | p99 s (ours / best sglang) | token hit pts vs sglang+unicache | "
-              "imbalance (max) | pooled / sglang+unicache: goodput, token hit pts | targets met |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    met = total = 0
-    for fam, by_n in report["families"].items():
-        for n, s in by_n.items():
-            c, cfg = s["checks"], s["configs"]
-            su, sl = cfg["sglang+unicache"], cfg["sglang+lru"]
-            ok = sum(v["ok"] for v in c.values())
-            met, total = met + ok, total + len(c)
-            lines.append(
-                f"| {fam} | {s['traces']} | {n} | {c['goodput_vs_sglang_lru']['value']:.3f} | "
-                f"{c['goodput_vs_sglang_unicache']['value']:.3f} | "
-                f"{cfg[ours]['ttft_p90_s']:.3f} / {min(su['ttft_p90_s'], sl['ttft_p90_s']):.3f} | "
-                f"{cfg[ours]['ttft_p99_s']:.3f} / {min(su['ttft_p99_s'], sl['ttft_p99_s']):.3f} | "
-                f"{c['token_hit_vs_sglang_unicache']['value']:+.2f} | {c['load_imbalance']['value']:.3f} | "
-                f"{s['pooled']['goodput_vs_sglang_unicache']:.3f}, {s['pooled']['token_hit_pts_vs_sglang_unicache']:+.2f} | "
-                f"{ok}/{len(c)} |")
+    table, met, total = target_table(report["families"], traces=True)
+    lines += ["", "## By dominant source (the routing report's targets)", "", *table]
     lines += ["", f"Targets met: {met} of {total} checks (targets: goodput >= 1.3 x sglang + lru and >= 1.1 x "
               "sglang + unicache; TTFT p90 and p99 <= both; token hit >= sglang + unicache - 0.5 points; "
-              "load imbalance <= 1.2). `pooled / sglang+unicache` below a goodput target: the target is out of a "
-              "router's reach on that family.", "",
+              "load imbalance <= 1.2).", "",
               "## Per trace (goodput u: ours / sglang+unicache / sglang+lru)", "",
               "| trace | requests | SLO s | " + " | ".join(f"{n} replicas" for n in report["replicas"]) + " |",
               "|---|---|---|" + "---|" * len(report["replicas"])]

@@ -36,6 +36,7 @@ from bench.paths import REPO
 from bench.report_files import git_commit, write_report
 from bench.routing_report import (
     LANES, POOLED, POOLED_LABEL, Job, _worst, add_suite_args, family_summary, parse_suite_args, report_suite, run_jobs,
+    target_table,
 )
 from unicache.sim.replay import Replay
 from unicache.sim.steps import StepReplay, unloaded_ttft_s
@@ -49,24 +50,9 @@ def markdown(report: dict) -> str:
     lines = [f"# {report['title']} (report traces, shipped default)\n",
              f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs, {report['workers']} "
              f"workers) at commit {report['commit']}; {report['wall_s'] / 60:.1f} min wall. "
-             f"{report['traces']} report traces of the routing report's suite; {report['conditions']}\n",
-             "| family | replicas | goodput / sglang+lru | goodput / sglang+unicache | TTFT p90 s ours / best sglang | "
-             "p99 s ours / best sglang | token hit pts vs sglang+unicache | imbalance | of pooled's goodput | targets met |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    met = total = 0
-    for f, by_n in report["families"].items():
-        for n, s in by_n.items():
-            c, cfg = s["checks"], s["configs"]
-            su, sl = cfg["sglang+unicache"], cfg["sglang+lru"]
-            ok = sum(v["ok"] for v in c.values())
-            met, total = met + ok, total + len(c)
-            lines.append(
-                f"| {f} | {n} | {c['goodput_vs_sglang_lru']['value']:.3f} | {c['goodput_vs_sglang_unicache']['value']:.3f} | "
-                f"{c['ttft_p90_le_both']['value']:.3f} / {min(su['ttft_p90_s'], sl['ttft_p90_s']):.3f} | "
-                f"{c['ttft_p99_le_both']['value']:.3f} / {min(su['ttft_p99_s'], sl['ttft_p99_s']):.3f} | "
-                f"{c['token_hit_vs_sglang_unicache']['value']:+.2f} | {c['load_imbalance']['value']:.2f} | "
-                f"{s['pooled']['ours_goodput_vs_pooled']:.3f} | {ok}/{len(c)} |")
-    lines += ["", f"Targets met: **{met} of {total}** checks. Worst family (most missed, then lowest goodput "
+             f"{report['traces']} report traces of the routing report's suite; {report['conditions']}\n"]
+    table, met, total = target_table(report["families"])
+    lines += [*table, "", f"Targets met: **{met} of {total}** checks. Worst family (most missed, then lowest goodput "
                   f"ratio vs sglang+unicache): **{report['worst_family']}**.", ""]
     return "\n".join(lines) + "\n"
 
