@@ -1,0 +1,103 @@
+"""Eviction on traffic from another generator: unicache against the classic policies on
+``bench.foreign_workload`` traces.
+
+The eviction report (``bench.eviction_report``) compares every policy of the registry on
+the Mooncake trace and one mix of the project's own generator, whose sources are the
+ones UniCache's queues are named after. This study replays traces of the second
+generator (power-law chat with regenerations and edits, RAG, agent swarms, drifting
+few-shot templates, long documents, bursty arrivals; labels only as a client sends them:
+tenant, session id and turn, the rest inferred by the classifier) on one replica at 2, 5,
+10 and 25% of each trace's unique blocks, with the same policies and the report's
+``measure``, and scores issue 14's target there: unicache >= the best classic policy at
+every capacity on every trace. Nothing is tuned here.
+
+Writes ``foreign_eviction.{json,md}`` to ``--out-dir``.
+
+Run (from the repository root, niced; about 1 min per trace):
+    nice -n 10 .venv/bin/python -m bench.studies.foreign_eviction [--seeds 6] [--duration 1200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.eviction_report import CLASSIC, FRACS, POLICIES, _get, measure
+from bench.foreign_workload import draw_knobs, generate_foreign
+from bench.paths import REPO, RESULTS
+from bench.report_files import git_commit, write_report
+from unicache.trace import write_trace
+
+BLOCK_SIZE = 16
+
+
+def compare(run: dict, fracs) -> list[dict]:
+    """Per capacity: lru, the best classic policy, unicache and opt (block hit ratios)."""
+    rows = []
+    for frac in fracs:
+        res = run["results"]
+        best = max((r for p in CLASSIC if (r := _get(res, p, frac))), key=lambda r: r["block_hit_ratio"])
+        uc, lru, opt = (_get(res, p, frac) for p in ("unicache", "lru", "opt"))
+        rows.append({"frac": frac, "capacity_blocks": uc["capacity_blocks"], "lru": lru["block_hit_ratio"],
+                     "best_classic": best["policy"], "best_classic_hit": best["block_hit_ratio"],
+                     "unicache": uc["block_hit_ratio"], "opt": opt["block_hit_ratio"] if opt else None,
+                     "ok": uc["block_hit_ratio"] >= best["block_hit_ratio"]})
+    return rows
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Eviction on another generator's traffic", "",
+             f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs) at commit "
+             f"{report['commit']}; {report['wall_s'] / 60:.1f} min wall.", "",
+             f"`bench.foreign_workload` traces, {report['duration']:.0f} s each, block size {BLOCK_SIZE}, one replica; "
+             "labels as a client sends them (tenant, session id, turn), task and template inferred. Block hit ratio, %.",
+             "", "| trace | requests | unique blocks | capacity | lru | best classic | unicache | opt | unicache - best |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    met = total = 0
+    for t in report["traces"]:
+        for row in t["rows"]:
+            met, total = met + row["ok"], total + 1
+            opt = f"{100 * row['opt']:.2f}" if row["opt"] is not None else "-"
+            lines.append(f"| {t['name']} | {t['requests']} | {t['unique_blocks']} | {row['frac']:.0%} ({row['capacity_blocks']}) "
+                         f"| {100 * row['lru']:.2f} | {row['best_classic']} {100 * row['best_classic_hit']:.2f} | "
+                         f"{100 * row['unicache']:.2f} | {opt} | "
+                         f"{100 * (row['unicache'] - row['best_classic_hit']):+.2f}{'' if row['ok'] else ' **NO**'} |")
+    lines += ["", f"unicache >= the best classic policy: **{met} of {total}** (trace, capacity) pairs.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=6)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--duration", type=float, default=1200.0, help="seconds of arrivals per trace (default 1200)")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    if "unicache" not in policies or not set(policies) & set(CLASSIC):
+        ap.error("--policies needs unicache and at least one classic policy")
+    t0 = time.perf_counter()
+    traces = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            name = f"foreign-{draw_knobs(seed).dominant}-s{seed}"
+            path = Path(tmp) / f"{name}.jsonl"
+            write_trace(path, generate_foreign(seed, duration=args.duration, block_size=BLOCK_SIZE))
+            run = measure(name, path, BLOCK_SIZE, False, policies, FRACS, False)
+            traces.append({"name": name, "seed": seed, "requests": run["requests"], "unique_blocks": run["unique_blocks"],
+                           "rows": compare(run, FRACS), "results": run["results"]})
+    report = {"command": "python -m bench.studies.foreign_eviction " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "host": platform.node() or "unknown", "cpus": os.cpu_count(), "commit": git_commit(REPO),
+              "duration": args.duration, "policies": policies, "traces": traces, "wall_s": time.perf_counter() - t0}
+    write_report(Path(args.out_dir), "foreign_eviction", report, markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
