@@ -165,3 +165,17 @@ def test_miss_sources_sort_every_admitted_prompt_block_once_and_hits_match_the_r
         assert sum(rep.counts[c] for c in CATEGORIES) == rep.blocks
         assert rep.counts["hit"] == rep.counters.hit_blocks
         assert min(rep.counts.values()) >= 0
+
+
+def test_foreign_eviction_compares_unicache_with_the_best_classic_policy_per_capacity():
+    from bench.studies.foreign_eviction import compare
+
+    def rec(policy, frac, hit):
+        return {"policy": policy, "capacity_frac": frac, "capacity_blocks": int(frac * 1000), "block_hit_ratio": hit}
+
+    run = {"results": [rec("lru", 0.02, 0.10), rec("arc", 0.02, 0.15), rec("unicache", 0.02, 0.14), rec("opt", 0.02, 0.30),
+                       rec("lru", 0.05, 0.20), rec("s3fifo", 0.05, 0.22), rec("unicache", 0.05, 0.22)]}
+    small, large = compare(run, [0.02, 0.05])
+    assert (small["best_classic"], small["best_classic_hit"], small["ok"], small["opt"]) == ("arc", 0.15, False, 0.30)
+    assert (large["best_classic"], large["ok"], large["opt"]) == ("s3fifo", True, None)  # a tie meets it
+    assert small["capacity_blocks"] == 20 and small["lru"] == 0.10
