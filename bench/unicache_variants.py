@@ -21,7 +21,7 @@ from unicache.replica.eviction.unicache.lanes import (
     STRUCTURAL,
     LanePlacement,
 )
-from unicache.replica.eviction.unicache.policy import UniCachePolicy
+from unicache.replica.eviction.unicache.policy import _NOVEL, UniCachePolicy
 from unicache.replica.eviction.unicache.scoring import StructuralRate, horizon_score
 from unicache.replica.eviction.unicache.weights import ReuseWeights
 
@@ -143,6 +143,9 @@ class AblationUniCache(UniCachePolicy):
             queues / agent sessions apart from chat / template prefixes to structural.
         turn_lanes / freq_lanes / tail_lane / novel_lane: the lane splits (lanes.py).
         novel_first: empty the novel lane first (off: it competes on its score).
+        adaptive_novel_first: empty the novel lane first only while its measured reuse
+            probability (alpha) is at most every other non-empty lane's; otherwise it
+            competes on its score.
         ghost_uses: a block cached again from a ghost starts at one hit (its re-cache
             was a reuse), so it joins a hit-count lane above the fresh blocks'.
         online_fit: fit the session gaps online (off: the paper's priors).
@@ -162,7 +165,7 @@ class AblationUniCache(UniCachePolicy):
                  online_fit: bool = True, gap_from_release: bool = True, weighting: str = "reuse",
                  horizon_scoring: bool = True, structural_rate: bool = True, strict_evict_first: bool = False,
                  efficiency_kwargs: dict | None = None, ghost_uses: bool = False, novel_lane: bool = True,
-                 novel_first: bool = True, **kwargs):
+                 novel_first: bool = True, adaptive_novel_first: bool = False, **kwargs):
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}")
         self._placement_flags = (session_queues, split_agent, structural, turn_lanes, freq_lanes, tail_lane,
@@ -172,6 +175,7 @@ class AblationUniCache(UniCachePolicy):
         self.structural_rate, self.strict_evict_first = structural_rate, strict_evict_first
         self._efficiency_kwargs = efficiency_kwargs or {}
         self.ghost_uses, self.novel_first = ghost_uses, novel_first
+        self.adaptive_novel_first = adaptive_novel_first
         super().__init__(**kwargs)
 
     def on_cached(self, block_id, block_hash, parent_id, now) -> None:
@@ -218,6 +222,11 @@ class AblationUniCache(UniCachePolicy):
     def _choose(self, scores: list[float]) -> int:
         if not self.novel_first:
             return scores.index(min(scores))  # the novel lane competes on its score
+        if self.adaptive_novel_first and self._lane_sizes[_NOVEL]:
+            alpha, sizes = self.weights.alpha, self._lane_sizes
+            if any(sizes[lane] and alpha[lane] < alpha[_NOVEL] for lane in range(len(sizes)) if lane != _NOVEL):
+                return scores.index(min(scores))  # novel blocks come back more than some lane's: compete
+            return _NOVEL
         if self.strict_evict_first and self._sizes[EVICT_FIRST]:
             # The lowest-scored of the evict-first lanes (any of them, not only lane 0).
             first = EVICT_FIRST * NUM_LANES

@@ -11,15 +11,22 @@ tenant, session id and turn, the rest inferred by the classifier) on one replica
 ``measure``, and scores issue 14's target there: unicache >= the best classic policy at
 every capacity on every trace. Nothing is tuned here.
 
+``--variant NAME=JSON`` (repeatable) adds an ablation variant of UniCache
+(``bench.unicache_variants.AblationUniCache`` keyword arguments, as
+``bench.eviction_tuning``'s) beside the policies; run it on seeds no report uses
+(``--first-seed 100``).
+
 Writes ``foreign_eviction.{json,md}`` to ``--out-dir``.
 
 Run (from the repository root, niced; about 1 min per trace):
-    nice -n 10 .venv/bin/python -m bench.studies.foreign_eviction [--seeds 6] [--duration 1200]
+    nice -n 10 .venv/bin/python -m bench.studies.foreign_eviction [--seeds 24] [--duration 1200]
+        [--first-seed 100 --seeds 12 --variant 'adaptive={"adaptive_novel_first": true}' --out-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -31,13 +38,30 @@ from bench.eviction_report import CLASSIC, FRACS, POLICIES, _get, measure
 from bench.foreign_workload import draw_knobs, generate_foreign
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, write_report
-from unicache.trace import write_trace
+from bench.unicache_variants import AblationUniCache
+from unicache.sim.prepare import prepare
+from unicache.sim.replay import Replay, ReplayConfig
+from unicache.sim.runner import capacities_from_fracs
+from unicache.trace import read_trace, write_trace
 
 BLOCK_SIZE = 16
 
 
-def compare(run: dict, fracs) -> list[dict]:
-    """Per capacity: lru, the best classic policy, unicache and opt (block hit ratios)."""
+def variant_results(path: Path, variants: dict[str, dict], fracs) -> list[dict]:
+    """Each ablation variant's block hit ratio at each capacity fraction of ``path``'s trace."""
+    trace = prepare(read_trace(path), BLOCK_SIZE)
+    out = []
+    for frac, cap in zip(fracs, capacities_from_fracs(fracs, trace.unique_blocks)):
+        for name, kwargs in variants.items():
+            rec = Replay(trace, ReplayConfig("unicache", cap, policy_kwargs=kwargs, policy_factory=AblationUniCache)).run()
+            out.append({"policy": name, "capacity_frac": frac, "capacity_blocks": cap,
+                        "block_hit_ratio": rec["block_hit_ratio"]})
+    return out
+
+
+def compare(run: dict, fracs, variants: tuple[str, ...] = ()) -> list[dict]:
+    """Per capacity: lru, the best classic policy, unicache, opt and each variant (block
+    hit ratios)."""
     rows = []
     for frac in fracs:
         res = run["results"]
@@ -46,7 +70,8 @@ def compare(run: dict, fracs) -> list[dict]:
         rows.append({"frac": frac, "capacity_blocks": uc["capacity_blocks"], "lru": lru["block_hit_ratio"],
                      "best_classic": best["policy"], "best_classic_hit": best["block_hit_ratio"],
                      "unicache": uc["block_hit_ratio"], "opt": opt["block_hit_ratio"] if opt else None,
-                     "ok": uc["block_hit_ratio"] >= best["block_hit_ratio"]})
+                     "ok": uc["block_hit_ratio"] >= best["block_hit_ratio"],
+                     "variants": {v: _get(res, v, frac)["block_hit_ratio"] for v in variants}})
     return rows
 
 
@@ -68,6 +93,18 @@ def markdown(report: dict) -> str:
                          f"{100 * row['unicache']:.2f} | {opt} | "
                          f"{100 * (row['unicache'] - row['best_classic_hit']):+.2f}{'' if row['ok'] else ' **NO**'} |")
     lines += ["", f"unicache >= the best classic policy: **{met} of {total}** (trace, capacity) pairs.", ""]
+    rows = [row for t in report["traces"] for row in t["rows"]]
+    lines += ["Mean over the pairs, points: " + ", ".join(
+        f"{name} {100 * sum(r[key] for r in rows) / len(rows):.3f}" for name, key in (("lru", "lru"), ("best classic", "best_classic_hit"), ("unicache", "unicache"))) + ".", ""]
+    if report.get("variants"):
+        lines += ["Variants (`AblationUniCache`), on the same pairs:", "",
+                  "| variant | settings | mean hit % | minus unicache, points | >= best classic |", "|---|---|---|---|---|"]
+        for name, kw in report["variants"].items():
+            hits = [r["variants"][name] for r in rows]
+            lines.append(f"| {name} | `{json.dumps(kw)}` | {100 * sum(hits) / len(hits):.3f} | "
+                         f"{100 * sum(h - r['unicache'] for h, r in zip(hits, rows)) / len(rows):+.3f} | "
+                         f"{sum(h >= r['best_classic_hit'] for h, r in zip(hits, rows))} of {len(rows)} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -77,8 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--duration", type=float, default=1200.0, help="seconds of arrivals per trace (default 1200)")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--variant", action="append", default=[], help="NAME=JSON kwargs of AblationUniCache (repeatable)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    try:
+        variants = {v.split("=", 1)[0]: json.loads(v.split("=", 1)[1]) for v in args.variant}
+    except (IndexError, ValueError) as e:
+        ap.error(f"--variant takes NAME=JSON: {e}")
     policies = [p for p in args.policies.split(",") if p]
     if "unicache" not in policies or not set(policies) & set(CLASSIC):
         ap.error("--policies needs unicache and at least one classic policy")
@@ -90,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
             path = Path(tmp) / f"{name}.jsonl"
             write_trace(path, generate_foreign(seed, duration=args.duration, block_size=BLOCK_SIZE))
             run = measure(name, path, BLOCK_SIZE, False, policies, FRACS, False)
+            run["results"] += variant_results(path, variants, FRACS)
             traces.append({"name": name, "seed": seed, "requests": run["requests"], "unique_blocks": run["unique_blocks"],
-                           "rows": compare(run, FRACS), "results": run["results"]})
+                           "rows": compare(run, FRACS, tuple(variants)), "results": run["results"]})
     report = {"command": "python -m bench.studies.foreign_eviction " + " ".join(argv if argv is not None else sys.argv[1:]),
               "host": platform.node() or "unknown", "cpus": os.cpu_count(), "commit": git_commit(REPO),
-              "duration": args.duration, "policies": policies, "traces": traces, "wall_s": time.perf_counter() - t0}
+              "duration": args.duration, "policies": policies, "variants": variants, "traces": traces, "wall_s": time.perf_counter() - t0}
     write_report(Path(args.out_dir), "foreign_eviction", report, markdown(report))
     return 0
 
