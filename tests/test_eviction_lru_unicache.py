@@ -464,3 +464,24 @@ def test_one_off_prompts_leave_before_older_blocks_of_a_shared_prefix():
     assert order == [11, 10, 12, 0, 2, 1]
     assert run(True, novel_first=False)[1] == [0, 11, 10, 12, 2, 1]
     assert run(False)[1] == [0, 2, 11, 10, 12, 1]
+
+
+def test_adaptive_novel_first_empties_the_novel_lane_only_while_its_reuse_is_the_lowest():
+    # The ablation variant: novel-first while no other non-empty lane has a lower measured
+    # reuse probability (alpha); else the novel lane competes on its score.
+    from unicache.replica.eviction.unicache.policy import _NOVEL
+
+    p = plain(adaptive_novel_first=True)
+    other, empty = 3, 5
+    assert other != _NOVEL != empty
+    p._lane_sizes[_NOVEL] = p._lane_sizes[other] = 1
+    p._lane_sizes[empty] = 0
+    scores = [float("inf")] * len(p._lane_sizes)
+    scores[_NOVEL], scores[other] = 0.4, 0.1
+    p.weights.alpha[_NOVEL], p.weights.alpha[other], p.weights.alpha[empty] = 0.3, 0.5, 0.0
+    assert p._choose(scores) == _NOVEL  # the lowest reuse of the non-empty lanes (an empty one does not count)
+    p.weights.alpha[other] = 0.2
+    assert p._choose(scores) == other  # another lane is reused less: the scores decide
+    p._lane_sizes[_NOVEL] = 0
+    scores[_NOVEL] = float("inf")
+    assert p._choose(scores) == other
