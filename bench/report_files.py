@@ -21,6 +21,14 @@ def write_report(out_dir: Path, stem: str, report: dict, markdown: str,
     print(markdown)
 
 
+def produced_by(report: dict) -> str:
+    """The line that says how a report was made: its ``command``, ``host``, ``cpus`` (and
+    ``workers`` where it has them), ``commit`` and ``wall_s``."""
+    workers = f", {report['workers']} workers" if "workers" in report else ""
+    return (f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs{workers}) at commit "
+            f"{report['commit']}; {report['wall_s'] / 60:.1f} min wall.")
+
+
 def save_figure(fig, path: Path) -> None:
     """Lay out, write (110 dpi, the size every bench figure uses) and close ``fig``."""
     import matplotlib.pyplot as plt

@@ -37,7 +37,7 @@ from pathlib import Path
 from bench.eviction_report import CLASSIC, FRACS, POLICIES, _get, measure
 from bench.foreign_workload import draw_knobs, generate_foreign
 from bench.paths import REPO, RESULTS
-from bench.report_files import git_commit, write_report
+from bench.report_files import git_commit, produced_by, write_report
 from bench.unicache_variants import AblationUniCache
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig
@@ -77,8 +77,7 @@ def compare(run: dict, fracs, variants: tuple[str, ...] = ()) -> list[dict]:
 
 def markdown(report: dict) -> str:
     lines = ["# Eviction on another generator's traffic", "",
-             f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs) at commit "
-             f"{report['commit']}; {report['wall_s'] / 60:.1f} min wall.", "",
+             produced_by(report), "",
              f"`bench.foreign_workload` traces, {report['duration']:.0f} s each, block size {BLOCK_SIZE}, one replica; "
              "labels as a client sends them (tenant, session id, turn), task and template inferred. Block hit ratio, %.",
              "", "| trace | requests | unique blocks | capacity | lru | best classic | unicache | opt | unicache - best |",

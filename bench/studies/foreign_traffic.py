@@ -44,7 +44,7 @@ from pathlib import Path
 from bench.fleet_scale import policy_spec
 from bench.foreign_workload import SOURCES, draw_knobs, generate_foreign
 from bench.paths import REPO, RESULTS
-from bench.report_files import git_commit, save_figure, write_report
+from bench.report_files import git_commit, produced_by, save_figure, write_report
 from bench.routing_report import (
     GOODPUT_FLOOR_U, POOLED, POOLED_LABEL, Job, code_default_candidate, family_summary, run_jobs, target_table,
 )
@@ -101,8 +101,7 @@ def markdown(report: dict) -> str:
     ours = report["ours"]
     lines = [
         "# cache_aware on traffic from another generator", "",
-        f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs, {report['workers']} workers) "
-        f"at commit {report['commit']}; {report['wall_s'] / 60:.1f} min wall.", "",
+        produced_by(report), "",
         f"{report['traces']} traces of `bench.foreign_workload` (seeds {report['seeds'][0]}-{report['seeds'][-1]}, "
         f"{report['duration']:.0f} s, {report['requests_per_s']} requests/s on average), none used to choose anything. "
         f"Ours: `{ours}` (the shipped default). Capacity, goodput search and u_ref "

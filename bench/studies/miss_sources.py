@@ -36,7 +36,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from bench.paths import REPO, RESULTS
-from bench.report_files import git_commit, write_report
+from bench.report_files import git_commit, produced_by, write_report
 from bench.routing_report import LANES, capacity_blocks, nominal_scale
 from bench.studies.foreign_traffic import foreign_trace, load_foreign
 from unicache.sim.replay import Replay, ReplayConfig
@@ -112,8 +112,7 @@ def summarise(results: list[dict], n: str) -> dict:
 
 def markdown(report: dict) -> str:
     lines = ["# Where prompt misses come from", "",
-             f"Produced by `{report['command']}` on {report['host']} ({report['cpus']} CPUs) at commit "
-             f"{report['commit']}; {report['wall_s'] / 60:.1f} min wall.", "",
+             produced_by(report), "",
              f"{len(report['results'])} `bench.foreign_workload` traces (seeds {report['seeds'][0]}-{report['seeds'][-1]}) "
              f"at u = {report['u_ref']}, unicache eviction. Shares of all admitted prompt blocks: hit; placement (shown "
              "on some replica by the index at routing, not hit); nowhere (no replica had published them).", "",
