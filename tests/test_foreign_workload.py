@@ -179,3 +179,20 @@ def test_foreign_eviction_compares_unicache_with_the_best_classic_policy_per_cap
     assert (small["best_classic"], small["best_classic_hit"], small["ok"], small["opt"]) == ("arc", 0.15, False, 0.30)
     assert (large["best_classic"], large["ok"], large["opt"]) == ("s3fifo", True, None)  # a tie meets it
     assert small["capacity_blocks"] == 20 and small["lru"] == 0.10
+
+
+def test_foreign_host_tier_counts_each_target_and_states_the_base_ttft():
+    from bench.studies.foreign_host_tier import markdown
+
+    checks = [{"target": "unicache - lru block hit ratio, host 4x >= 0", "where": "w", "value": 0.001, "ok": True},
+              {"target": "unicache - lru block hit ratio, host 10x >= 0", "where": "w", "value": -0.002, "ok": False},
+              {"target": "lru: mean TTFT with host 4x / without <= 0.6", "where": "w", "value": 0.9, "ok": False,
+               "bound": 0.1}]
+    results = [{"host_multiple": 0, "ttft_mean_s": 2.5}, {"host_multiple": 4, "ttft_mean_s": 0.1},
+               {"host_multiple": 0, "ttft_mean_s": 0.5}, {"host_multiple": 0, "ttft_mean_s": 0.01, "unbounded": True}]
+    report = {"command": "c", "host": "h", "cpus": 2, "commit": "abc", "wall_s": 60.0, "duration": 1200.0,
+              "traces": [{"name": "t", "checks": checks, "results": results}]}
+    md = markdown(report)
+    assert "**1 of 2** rows" in md and "**0 of 1**" in md
+    assert "In 0 of those rows" in md and "of the other 1, 0 meet it" in md
+    assert "| t | w | unicache - lru block hit ratio, host 10x >= 0 | -0.20 points | - | NO |" in md
