@@ -39,11 +39,16 @@ Invariants:
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
+import tempfile
 from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
+from pathlib import Path
 
 SOURCES = ("chat", "rag", "swarm", "fewshot", "docs")
 
@@ -296,3 +301,26 @@ class _Gen:
 def generate_foreign(seed: int, duration: float = 300.0, requests_per_s: float = 1.5, block_size: int = 16) -> list[dict]:
     """Trace ``seed``'s records (JSON-ready dicts sorted by timestamp)."""
     return _Gen(draw_knobs(seed), seed, duration, requests_per_s, block_size).run()
+
+
+def add_trace_args(ap: argparse.ArgumentParser, seeds: int, duration: float = 1200.0) -> None:
+    """The options of a study over foreign trace files: ``--seeds``, ``--first-seed``, ``--duration``."""
+    ap.add_argument("--seeds", type=int, default=seeds, help=f"traces (default {seeds})")
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--duration", type=float, default=duration, help=f"seconds of arrivals per trace (default {duration:g})")
+
+
+@contextmanager
+def foreign_trace_files(seeds: Sequence[int], duration: float, block_size: int = 16) -> Iterator[list[tuple[int, str, Path]]]:
+    """Each seed's trace written as a trace file in a temporary directory, as (seed, name
+    ``foreign-<dominant source>-s<seed>``, path); the files are gone after the block."""
+    from unicache.trace import write_trace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = []
+        for seed in seeds:
+            name = f"foreign-{draw_knobs(seed).dominant}-s{seed}"
+            path = Path(tmp) / f"{name}.jsonl"
+            write_trace(path, generate_foreign(seed, duration=duration, block_size=block_size))
+            out.append((seed, name, path))
+        yield out

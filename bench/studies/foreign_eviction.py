@@ -30,19 +30,18 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.eviction_report import CLASSIC, FRACS, POLICIES, _get, measure
-from bench.foreign_workload import draw_knobs, generate_foreign
+from bench.foreign_workload import add_trace_args, foreign_trace_files
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, produced_by, write_report
 from bench.unicache_variants import AblationUniCache
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.runner import capacities_from_fracs
-from unicache.trace import read_trace, write_trace
+from unicache.trace import read_trace
 
 BLOCK_SIZE = 16
 
@@ -109,9 +108,7 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=6)
-    ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--duration", type=float, default=1200.0, help="seconds of arrivals per trace (default 1200)")
+    add_trace_args(ap, seeds=24)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--variant", action="append", default=[], help="NAME=JSON kwargs of AblationUniCache (repeatable)")
     ap.add_argument("--out-dir", default=str(RESULTS))
@@ -125,11 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--policies needs unicache and at least one classic policy")
     t0 = time.perf_counter()
     traces = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
-            name = f"foreign-{draw_knobs(seed).dominant}-s{seed}"
-            path = Path(tmp) / f"{name}.jsonl"
-            write_trace(path, generate_foreign(seed, duration=args.duration, block_size=BLOCK_SIZE))
+    with foreign_trace_files(range(args.first_seed, args.first_seed + args.seeds), args.duration, BLOCK_SIZE) as files:
+        for seed, name, path in files:
             run = measure(name, path, BLOCK_SIZE, False, policies, FRACS, False)
             run["results"] += variant_results(path, variants, FRACS)
             traces.append({"name": name, "seed": seed, "requests": run["requests"], "unique_blocks": run["unique_blocks"],

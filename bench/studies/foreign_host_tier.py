@@ -23,15 +23,13 @@ import argparse
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.foreign_workload import draw_knobs, generate_foreign
+from bench.foreign_workload import add_trace_args, foreign_trace_files
 from bench.host_tier_report import TTFT_TARGET, check_targets, measure
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, produced_by, write_report
-from unicache.trace import write_trace
 
 BLOCK_SIZE = 16
 
@@ -63,20 +61,15 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--duration", type=float, default=1200.0, help="seconds of arrivals per trace (default 1200)")
+    add_trace_args(ap, seeds=8)
     ap.add_argument("--replicas", default="1,4", help="comma list of fleet sizes (default 1,4)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     replicas = [int(x) for x in args.replicas.split(",")]
     t0 = time.perf_counter()
     traces = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
-            name = f"foreign-{draw_knobs(seed).dominant}-s{seed}"
-            path = Path(tmp) / f"{name}.jsonl"
-            write_trace(path, generate_foreign(seed, duration=args.duration, block_size=BLOCK_SIZE))
+    with foreign_trace_files(range(args.first_seed, args.first_seed + args.seeds), args.duration, BLOCK_SIZE) as files:
+        for seed, name, path in files:
             run = measure(name, path, BLOCK_SIZE, replicas, False)
             traces.append({"name": name, "seed": seed, "checks": check_targets({name: run}), "results": run["results"],
                            "requests": run["requests"], "unique_blocks": run["unique_blocks"]})
