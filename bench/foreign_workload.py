@@ -51,6 +51,7 @@ from itertools import accumulate
 from pathlib import Path
 
 SOURCES = ("chat", "rag", "swarm", "fewshot", "docs")
+BLOCK_SIZE = 16  # tokens per block of every foreign trace the studies replay
 
 
 @dataclass(slots=True, frozen=True)
@@ -298,7 +299,8 @@ class _Gen:
         return self.out
 
 
-def generate_foreign(seed: int, duration: float = 300.0, requests_per_s: float = 1.5, block_size: int = 16) -> list[dict]:
+def generate_foreign(seed: int, duration: float = 300.0, requests_per_s: float = 1.5,
+                     block_size: int = BLOCK_SIZE) -> list[dict]:
     """Trace ``seed``'s records (JSON-ready dicts sorted by timestamp)."""
     return _Gen(draw_knobs(seed), seed, duration, requests_per_s, block_size).run()
 
@@ -311,7 +313,8 @@ def add_trace_args(ap: argparse.ArgumentParser, seeds: int, duration: float = 12
 
 
 @contextmanager
-def foreign_trace_files(seeds: Sequence[int], duration: float, block_size: int = 16) -> Iterator[list[tuple[int, str, Path]]]:
+def foreign_trace_files(seeds: Sequence[int], duration: float, block_size: int = BLOCK_SIZE,
+                        requests_per_s: float = 1.5) -> Iterator[list[tuple[int, str, Path]]]:
     """Each seed's trace written as a trace file in a temporary directory, as (seed, name
     ``foreign-<dominant source>-s<seed>``, path); the files are gone after the block."""
     from unicache.trace import write_trace
@@ -321,6 +324,7 @@ def foreign_trace_files(seeds: Sequence[int], duration: float, block_size: int =
         for seed in seeds:
             name = f"foreign-{draw_knobs(seed).dominant}-s{seed}"
             path = Path(tmp) / f"{name}.jsonl"
-            write_trace(path, generate_foreign(seed, duration=duration, block_size=block_size))
+            write_trace(path, generate_foreign(seed, duration=duration, requests_per_s=requests_per_s,
+                                               block_size=block_size))
             out.append((seed, name, path))
         yield out

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from bench.eviction_report import CLASSIC, FRACS, POLICIES, _get, measure
-from bench.foreign_workload import add_trace_args, foreign_trace_files
+from bench.foreign_workload import BLOCK_SIZE, add_trace_args, foreign_trace_files
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, produced_by, write_report
 from bench.unicache_variants import AblationUniCache
@@ -43,7 +43,6 @@ from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.runner import capacities_from_fracs
 from unicache.trace import read_trace
 
-BLOCK_SIZE = 16
 
 
 def variant_results(path: Path, variants: dict[str, dict], fracs) -> list[dict]:

@@ -26,12 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.foreign_workload import add_trace_args, foreign_trace_files
+from bench.foreign_workload import BLOCK_SIZE, add_trace_args, foreign_trace_files
 from bench.host_tier_report import TTFT_TARGET, check_targets, measure
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, produced_by, write_report
 
-BLOCK_SIZE = 16
 
 
 def markdown(report: dict) -> str:

@@ -37,23 +37,20 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.fleet_scale import policy_spec
-from bench.foreign_workload import SOURCES, draw_knobs, generate_foreign
+from bench.foreign_workload import BLOCK_SIZE, SOURCES, draw_knobs, foreign_trace_files
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, produced_by, save_figure, write_report
 from bench.routing_report import (
     GOODPUT_FLOOR_U, POOLED, POOLED_LABEL, Job, code_default_candidate, family_summary, run_jobs, target_table,
 )
-from bench.studies.variant_study import bootstrap_ci95
+from bench.studies.variant_study import _lg, bootstrap_ci95
 from unicache.sim.prepare import PreparedTrace, prepare
 from unicache.sim.suite import SuiteTrace
-from unicache.trace import read_trace, write_trace
-
-BLOCK_SIZE = 16
+from unicache.trace import read_trace
 BASELINES = ("sglang+unicache", "sglang+lru")
 
 
@@ -65,15 +62,8 @@ def foreign_trace(seed: int) -> SuiteTrace:
 def load_foreign(st: SuiteTrace, args: dict) -> PreparedTrace:
     """``Job.loader``: generate the trace, write and read it as a trace file (so it passes the
     trace reader's checks), prepare it with its labels."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"{st.name}.jsonl"
-        write_trace(path, generate_foreign(st.seed, duration=args["duration"], requests_per_s=args["requests_per_s"],
-                                           block_size=BLOCK_SIZE))
-        return prepare(read_trace(path), BLOCK_SIZE)
-
-
-def _lg(u: float) -> float:
-    return math.log(max(u, GOODPUT_FLOOR_U))
+    with foreign_trace_files([st.seed], args["duration"], BLOCK_SIZE, args["requests_per_s"]) as files:
+        return prepare(read_trace(files[0][2]), BLOCK_SIZE)
 
 
 def overall(results: list[dict], ours: str, n: str, others: tuple[str, ...] = (*BASELINES, POOLED_LABEL)) -> dict:
@@ -82,8 +72,7 @@ def overall(results: list[dict], ours: str, n: str, others: tuple[str, ...] = (*
     bootstrap interval; traces above / below)."""
     out = {}
     for other in others:
-        logs = [_lg(r["by_replicas"][n]["rows"][ours]["goodput_u"]) - _lg(r["by_replicas"][n]["rows"][other]["goodput_u"])
-                for r in results]
+        logs = [_lg(r["by_replicas"][n]["rows"][ours]) - _lg(r["by_replicas"][n]["rows"][other]) for r in results]
         lo, hi = bootstrap_ci95(logs)
         out[other] = {"goodput_ratio": math.exp(sum(logs) / len(logs)), "ci95": [lo, hi],
                       "above": sum(x > 0 for x in logs), "below": sum(x < 0 for x in logs)}
@@ -202,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = f"cache_aware[{default}]+unicache"
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     common = {"duration": args.duration, "requests_per_s": args.requests_per_s, "capacity_frac": args.capacity_frac,
-              "u_ref": args.u_ref, "mooncake": None, "mooncake_slices": 1, "slo_p90_fallback": True}
+              "u_ref": args.u_ref, "slo_p90_fallback": True}
     cfgs = [(ours, "cache_aware", "unicache"), ("sglang+unicache", "sglang", "unicache"),
             ("sglang+lru", "sglang", "lru"), (POOLED_LABEL, POOLED, "unicache")]
     labels = {name: f"cache_aware[{name}]+unicache" for name in variants}
