@@ -20,7 +20,10 @@ prompt labelled a template (its first ``TEMPLATE_BLOCKS`` blocks; the template h
 hash ring's owner of its key), and the index work alone:
 ``prefix_matches`` (the hash -> replicas walk) against ``match`` per replica. For the
 prompt no replica holds, its phases alone too (``time_cold_phases``: the walk, TTFT
-admission, fit-first's room filter; the cost loop over the admissible replicas is the rest).
+admission, fit-first's room filter over the whole fleet; the cost loop over the admissible
+replicas is the rest). Above 64 replicas ``cache_aware`` weighs the replicas that could hit
+the prompt plus a moving window of 64 others (``router/routing/candidates.py``); the rows
+``cache_aware:candidate_window=0`` time the same two prompts with every replica weighed.
 
 Memory. ``tracemalloc`` around building the index: bytes per (block, replica) entry.
 
@@ -65,6 +68,8 @@ HOLDERS = 8
 TEMPLATE_BLOCKS = 4  # a template request's template: the prompt's first blocks
 FILLER_CHAIN = 50
 BLOCK_SIZE = 16
+# cache_aware weighing every replica, as before its candidate window (router/routing/candidates.py)
+FULL_PASS = "cache_aware:candidate_window=0"
 
 
 def _hashes(rng: random.Random, n: int) -> list[BlockHash]:
@@ -328,8 +333,8 @@ def markdown(report: dict) -> str:
     for row in report["lookups"]:
         w, m = row["prefix_matches"], row["match_per_replica"]
         lines.append(f"| {row['replicas']} | {w['p50_us']} / {w['p99_us']} | {m['p50_us']} / {m['p99_us']} |")
-    lines += ["", "The decision for a prompt no replica holds, by phase (CPU p50 / p99 µs; the cost loop and "
-              "the hooks are the rest of the decision above):", "",
+    lines += ["", "The decision for a prompt no replica holds with every replica weighed (candidate_window=0), "
+              "by phase (CPU p50 / p99 µs; the cost loop and the hooks are the rest of that decision above):", "",
               "| replicas | index walk | TTFT admission | fit-first's room | admissible replicas |", "|---|---|---|---|---|"]
     for row in report.get("cold_phases", ()):
         w, a, r = row["walk"], row["admission"], row["room"]
@@ -406,7 +411,7 @@ def main() -> None:
     if "round_robin" not in policies:
         policies.insert(0, "round_robin")
     decisions, lookups, cold_phases = [], [], []
-    steps = tqdm(total=len(fleets) * (len(policies) + 4), desc="decisions", file=sys.stderr, unit="run")
+    steps = tqdm(total=len(fleets) * (len(policies) + 6), desc="decisions", file=sys.stderr, unit="run")
     for n in fleets:
         prompt, index, loads = build_index(n, args.blocks, args.copies)
         entries = index.num_entries()
@@ -423,6 +428,12 @@ def main() -> None:
         rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (a prompt no replica holds)",
                      **time_policy("cache_aware", cold, index, loads, args.iters, args.queue_shares)})
         steps.update()
+        # the same two prompts with every replica weighed: what the candidate window saves
+        rows.append({"replicas": n, "entries": entries, "policy": f"{FULL_PASS} (the held prompt)",
+                     **time_policy(FULL_PASS, prompt, index, loads, args.iters, args.queue_shares)})
+        rows.append({"replicas": n, "entries": entries, "policy": f"{FULL_PASS} (a prompt no replica holds)",
+                     **time_policy(FULL_PASS, cold, index, loads, args.iters, args.queue_shares)})
+        steps.update(2)
         cold_phases.append({"replicas": n, **time_cold_phases(cold, index, loads, min(args.iters, 500),
                                                                args.queue_shares)})
         templated = RequestClass(template=True, template_blocks=TEMPLATE_BLOCKS)  # its home: the ring's owner

@@ -177,6 +177,7 @@ from unicache.router.routing.admission import TTFTAdmission
 from unicache.router.routing.base import (
     LocalityView, ReplicaLoad, RouteDecision, RoutedEvent, RoutingPolicy, RoutingRequest, SessionRecord, replica_id_of,
 )
+from unicache.router.routing.candidates import CandidateWindow
 from unicache.router.routing.decaying import DecayingTotals
 from unicache.router.routing.least_loaded import load_key
 from unicache.router.routing.queue_share import QueueShares
@@ -301,6 +302,10 @@ class CacheAwarePolicy(RoutingPolicy):
             min(template_blocks, template_key_blocks) - 1 (default 1: the first block, a
             key that stays put while the template's known extent grows; 0: the template's
             last block).
+        candidate_window: in a fleet of more than this many replicas, a decision weighs
+            the replicas that could hit the prompt and this many others, a window that
+            moves with each routed request (``unicache.router.routing.candidates``;
+            default 64; 0: every replica). Fleets up to it decide as without it.
         max_sessions / max_inflight: bounds on router-side state.
         max_session_blocks: bound on the prompt hashes the remembered sessions hold in all
             (default 4,000,000; the router derives it from its memory budget,
@@ -332,6 +337,7 @@ class CacheAwarePolicy(RoutingPolicy):
         max_sessions: int = 100_000,
         max_inflight: int = 100_000,
         max_session_blocks: int = 4_000_000,
+        candidate_window: int = 64,
     ):
         if churn_window <= 0 or footprint_window <= 0:
             raise ValueError("churn_window and footprint_window must be positive")
@@ -374,6 +380,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self._inflight: OrderedDict[str, _InFlight] = OrderedDict()
         self._pending: dict[str, dict[BlockHash, int]] = {}
         self._queues = QueueShares(max_inflight)
+        self._window = CandidateWindow(candidate_window)
 
     # -- decision -------------------------------------------------------------------
 
@@ -413,6 +420,22 @@ class CacheAwarePolicy(RoutingPolicy):
 
         prev = self._sessions.get(session_key(cls.tenant, cls.session_id)) if cls.session_id is not None else None
         matches = index.prefix_matches(hashes)  # NOTE: one walk; replicas left out match 0
+        fleet = replicas
+        home: tuple[str | None, float] | None = None
+        runs_known, runs = False, None
+        if self._window.applies(len(fleet)):
+            # a large fleet: weigh the replicas that could hit the prompt and a moving
+            # window of the others (``candidates``); the template home and the churn
+            # term's mean are still the whole fleet's
+            runs_known, runs = True, (index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None)
+            home = self._template_home(request, fleet)
+            keep: list[str | None] = [*matches, home[0], prev.replica_id if prev is not None else None]
+            if runs:
+                keep.extend(runs)
+            if self._pending and hashes:
+                first = hashes[0]
+                keep.extend(rid for rid, pend in self._pending.items() if first in pend)
+            replicas = self._window.select(fleet, keep, len(keep), self._routed)
         admissible = self._admissible(replicas, n_tokens, bs, matches)
         if prev is not None and self.session_sticky:
             home = self._session_home(prev, hashes, admissible, index, matches)
@@ -426,16 +449,16 @@ class CacheAwarePolicy(RoutingPolicy):
             sticky_blocks = self.sticky_trust * common_prefix_blocks(hashes, prev.hashes)
         foot_scale = self.footprint_weight * n_tokens if self._footprint else 0.0
         own_id, own_share = (prev.replica_id, self._session_share(prev)) if prev is not None else (None, 0.0)
-        home_id, home_blocks = self._template_home(request, replicas)
+        home_id, home_blocks = home if home is not None else self._template_home(request, fleet)
         churn_scale, mean_inflow = 0.0, 0.0
         if self.churn_weight and self._inflow:
             # in the totals' raw units: the term reads only inflow / mean
-            if len(replicas) == len(self.ring):
-                # every live replica (``replicas`` is a subset of them, and only they have
+            if len(fleet) == len(self.ring):
+                # every live replica (``fleet`` is a subset of them, and only they have
                 # inflow): the running total is their sum, without a pass over the fleet
-                mean_inflow = self._inflow.total / len(replicas)
+                mean_inflow = self._inflow.total / len(fleet)
             else:  # NOTE: map over C callables: the same sum, in the same order, at C speed
-                mean_inflow = sum(map(self._inflow.raw.get, map(replica_id_of, replicas), repeat(0.0))) / len(replicas)
+                mean_inflow = sum(map(self._inflow.raw.get, map(replica_id_of, fleet), repeat(0.0))) / len(fleet)
             if mean_inflow > 0:
                 churn_scale = self.churn_weight * n_tokens
 
@@ -451,7 +474,8 @@ class CacheAwarePolicy(RoutingPolicy):
         per_lane = 1.0 / self.admission.prefill_lanes if self.queue_per_lane else 0.0
         host_weight = 1.0 - self.host_cost
         # runs through both tiers past each replica's GPU match, for the replicas that have one
-        runs = index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None
+        if not runs_known:
+            runs = index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None
         best_r: ReplicaLoad | None = None
         best_cost, best_m, best_reason = _INF, 0.0, ""
         n_hashes = len(hashes)

@@ -1,0 +1,149 @@
+"""cache_aware's candidate window at fleet scale (issue 17): what weighing the replicas
+that could hit the prompt plus a moving window of W others
+(``router/routing/candidates.py``) costs the routing, against weighing every replica.
+
+The window exists for the decision's cost: with every replica weighed, the decision for a
+prompt no replica holds grows with the fleet (about 0.8 ms at 1,024 replicas on this
+machine, ``bench.fleet_scale``), with a window it costs what a fleet of W does. Fleets of at
+most W replicas are unchanged, so only fleets above 64 are run here.
+
+The default W was fixed by this rule, written before any run: on the tuning workloads
+(a generated mix of seed 201, which no report uses, at 256 and 1,024 replicas) the
+default is the smallest of 32, 64 and 128 whose token hit ratio is within 0.5 points of
+the full pass and whose TTFT mean and p99 are at most 1.05x the full pass's, on both; if
+none is, the window is off by default. The report workloads are those of
+``bench.studies.churn_window_fleet`` (Mooncake at 1,024 replicas, mix seed 200 at 256 and
+1,024), run after the choice and used for nothing else.
+
+Each cell is one simulated replay (unicache eviction, ``unicache sim``'s defaults
+otherwise) in a worker process; ``cpu_s`` is the worker's CPU time for the replay (the
+whole simulator, routing included).
+
+    .venv/bin/python -m bench.studies.candidate_window [--jobs 2] [--windows 0,32,64,128]
+        [--workloads tuning,report] [--out bench/results/candidate_window]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.mix_traces import prepared_mix
+from bench.paths import RESULTS, mooncake_trace
+from bench.report_files import git_commit
+from unicache.sim.prepare import prepare
+from unicache.sim.replay import Replay, ReplayConfig
+from unicache.trace import read_trace
+
+MIX_DURATION_S = 3600.0
+# workload -> (trace: "mooncake" or a mix seed, block size, replicas, capacity blocks per replica, rate scale)
+TUNING = {
+    "mix201@256": (201, 16, 256, 400, 16),
+    "mix201@1024": (201, 16, 1024, 100, 64),
+}
+REPORT = {
+    "mooncake@1024": ("mooncake", 512, 1024, 200, 64),
+    "mix200@256": (200, 16, 256, 400, 16),
+    "mix200@1024": (200, 16, 1024, 100, 64),
+}
+FIELDS = ("token_hit_ratio", "load_imbalance", "ttft_mean_s", "ttft_p90_s", "ttft_p99_s")
+HIT_TOLERANCE_PTS = 0.5
+TTFT_TOLERANCE = 1.05
+
+
+@functools.lru_cache(maxsize=2)  # a worker process replays one workload's windows on one preparation
+def _trace(source, block_size: int):
+    if source == "mooncake":
+        return prepare(read_trace(mooncake_trace()), block_size)
+    return prepared_mix(int(source), MIX_DURATION_S, block_size)[0]
+
+
+def run_cell(workload: str, spec: tuple, window: int) -> tuple[str, int, dict]:
+    """One replay of ``workload`` with ``candidate_window=window``."""
+    source, block_size, replicas, capacity, rate = spec
+    trace = _trace(source, block_size)
+    config = ReplayConfig(policy="unicache", capacity_blocks=capacity, replicas=replicas, router="cache_aware",
+                          router_kwargs={"candidate_window": window}, rate_scale=float(rate))
+    t0 = time.process_time()
+    result = Replay(trace, config).run()
+    cpu = time.process_time() - t0
+    return workload, window, {**{k: result[k] for k in FIELDS}, "cpu_s": round(cpu, 1)}
+
+
+def passes(cell: dict, full: dict) -> bool:
+    """The pre-registered rule for one workload (module docstring)."""
+    return (cell["token_hit_ratio"] >= full["token_hit_ratio"] - HIT_TOLERANCE_PTS / 100
+            and cell["ttft_mean_s"] <= TTFT_TOLERANCE * full["ttft_mean_s"]
+            and cell["ttft_p99_s"] <= TTFT_TOLERANCE * full["ttft_p99_s"])
+
+
+def choose_default(results: dict, windows: list[int]) -> int:
+    """The smallest window passing on every tuning workload, or 0 (off)."""
+    for w in sorted(x for x in windows if x):
+        if all(passes(results[name][w], results[name][0]) for name in TUNING if name in results):
+            return w
+    return 0
+
+
+def markdown(report: dict) -> str:
+    lines = ["# cache_aware's candidate window at fleet scale", "",
+             f"`{report['command']}` at {report['commit']} (simulated, unicache eviction). Window 0: every replica "
+             "weighed; W: the replicas that could hit the prompt plus W others, a window moving with each request.", "",
+             "| workload | set | window | token hit % | load imbalance | TTFT mean / p90 / p99 s | "
+             "TTFT mean / p99 vs window 0 | CPU s |", "|---|---|---|---|---|---|---|---|"]
+    for name, by_window in report["results"].items():
+        full = by_window.get("0")
+        for w, r in by_window.items():
+            vs = (f"{r['ttft_mean_s'] / full['ttft_mean_s']:.3f}x / {r['ttft_p99_s'] / full['ttft_p99_s']:.3f}x"
+                  if full else "-")
+            lines.append(f"| {name} | {'tuning' if name in TUNING else 'report'} | {w} | {100 * r['token_hit_ratio']:.2f} | "
+                         f"{r['load_imbalance']:.2f} | {r['ttft_mean_s']:.3f} / {r['ttft_p90_s']:.3f} / "
+                         f"{r['ttft_p99_s']:.3f} | {vs} | {r['cpu_s']} |")
+    if "chosen_window" in report:
+        lines += ["", f"Rule (module docstring) on the tuning workloads: window **{report['chosen_window']}** "
+                  "(0: off)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--windows", default="0,32,64,128")
+    ap.add_argument("--workloads", default="tuning,report", help="comma list of: tuning, report")
+    ap.add_argument("--out", type=Path, default=RESULTS / "candidate_window")
+    args = ap.parse_args()
+    windows = [int(x) for x in args.windows.split(",")]
+    if 0 not in windows:
+        sys.exit("--windows must include 0 (the full pass every other window is compared with)")
+    sets = args.workloads.split(",")
+    workloads = {**(TUNING if "tuning" in sets else {}), **(REPORT if "report" in sets else {})}
+    cells = [(name, spec, w) for name, spec in workloads.items() for w in windows]
+    results: dict[str, dict[int, dict]] = {name: {} for name in workloads}
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_cell, *cell) for cell in cells]
+        for f in tqdm(as_completed(futures), total=len(futures), desc="replays", file=sys.stderr):
+            name, w, r = f.result()
+            results[name][w] = r
+            tqdm.write(f"{name} window {w}: {r}", file=sys.stderr)
+    report = {"command": "python -m bench.studies.candidate_window " + " ".join(sys.argv[1:]),
+              "commit": git_commit(Path(__file__).resolve().parents[2]), "cpus": os.cpu_count(),
+              "results": {name: {str(w): by[w] for w in sorted(by)} for name, by in results.items()}}
+    if any(name in TUNING for name in workloads):
+        report["chosen_window"] = choose_default(results, windows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    text = markdown(report)
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

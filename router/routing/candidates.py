@@ -1,0 +1,84 @@
+"""The replicas a decision weighs in a large fleet: every replica that could hit the
+prompt, plus a window of the others that moves with each routed request.
+
+A prompt that no replica holds makes every replica a candidate, and ``cache_aware``
+computes the TTFT admission estimate, fit-first's room and the cost for each: at 1,024
+replicas that is about 0.6 us per replica, a decision that grows with the fleet (issue 17
+asks that it grow only with the replicas holding a matching prefix). The replicas that
+hold nothing of the prompt differ only by their load terms (queue, outstanding requests,
+churn inflow, session footprint), and for spreading load a sample of them does nearly as
+well as all: the best of d random choices (Mitzenmacher's power of d choices) is within
+the lightest d-quantile of the fleet.
+
+So in a fleet of more than ``size`` replicas, ``select`` returns:
+    * every replica named in ``keep`` that the fleet offers (the caller names those that
+      could hit the prompt: the index's holders of its first block, host-tier runs,
+      blocks in flight, the session's replica, the template's home), and
+    * ``size`` consecutive replicas of the fleet's sequence (wrapping around), starting
+      at ``(clock * size) mod n``, ``clock`` the decision clock (requests routed so far).
+Consecutive requests see consecutive windows, so every replica is weighed at least once
+every ceil(n / size) requests; the window is a function of the clock, which the routers
+sharing terms share, not of a random generator, so a replay is exact and routers with the
+same view decide alike.
+
+Invariants:
+    * For ``size`` 0 or a fleet of at most ``size`` replicas, ``select`` returns the
+      fleet's sequence itself: decisions in such fleets are unchanged by this module.
+    * Otherwise the result keeps the fleet's order, holds no replica twice, and holds
+      every replica in ``keep`` that the fleet offers, plus exactly ``size`` others at
+      most (the window's members that are not kept).
+    * When the kept replicas are at least half the fleet the fleet is returned whole (the
+      sample would save little, and finding them costs a lookup each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from unicache.router.routing.admission import ReplicaPositions
+from unicache.router.routing.base import ReplicaLoad
+
+
+class CandidateWindow:
+    """``select``'s window of ``size`` replicas (module docstring); 0 turns it off."""
+
+    __slots__ = ("size", "_positions")
+
+    def __init__(self, size: int):
+        if size < 0:
+            raise ValueError("the candidate window must be >= 0 (0: every replica)")
+        self.size = size
+        self._positions = ReplicaPositions()
+
+    def applies(self, fleet_size: int) -> bool:
+        """Whether a fleet of ``fleet_size`` replicas is sampled at all."""
+        return 0 < self.size < fleet_size
+
+    def select(self, replicas: Sequence[ReplicaLoad], keep: Iterable[str | None], n_keep: int,
+               clock: int) -> Sequence[ReplicaLoad]:
+        """The candidates among ``replicas`` (``keep``: ids to weigh whatever the window,
+        ``n_keep`` their number or an upper bound; None entries are ignored)."""
+        n, k = len(replicas), self.size
+        if not self.applies(n) or 2 * n_keep >= n:
+            return replicas
+        start = (clock * k) % n
+        end = start + k
+        wrap = end - n  # > 0: the window's tail continues at the fleet's start
+        positions = self._positions
+        positions.new_round()
+        extra: list[int] = []
+        for rid in keep:
+            if rid is None:
+                continue
+            i = positions.find(replicas, rid)
+            if i is None or start <= i < end or i < wrap:
+                continue  # not offered (quarantined, excluded), or in the window already
+            extra.append(i)
+        if wrap > 0:
+            picked = [*range(wrap), *range(start, n)]
+        else:
+            picked = list(range(start, end))
+        if extra:
+            picked.extend(set(extra))
+            picked.sort()
+        return [replicas[i] for i in picked]

@@ -1,0 +1,132 @@
+"""The candidate window of large fleets (unicache.router.routing.candidates) and
+cache_aware's use of it: exact members, kept holders, unchanged small fleets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unicache.block_hash import hash_id_blocks
+from unicache.request_class import RequestClass
+from unicache.router.index import LocalityIndex
+from unicache.router.routing.base import ReplicaLoad, RoutingRequest
+from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.routing.candidates import CandidateWindow
+
+BS = 16
+
+
+def fleet(n: int, queued=None) -> list[ReplicaLoad]:
+    return [ReplicaLoad(f"r{i:04d}", queued_prefill_tokens=(queued[i] if queued else 0), free_blocks=1000,
+                        capacity_blocks=1000) for i in range(n)]
+
+
+def ids(replicas) -> list[str]:
+    return [r.replica_id for r in replicas]
+
+
+def test_small_fleets_and_size_zero_get_the_fleet_itself():
+    reps = fleet(8)
+    assert CandidateWindow(8).select(reps, ["r0003"], 1, clock=5) is reps
+    assert CandidateWindow(0).select(fleet(100), [], 0, clock=5) is not None
+    big = fleet(100)
+    assert CandidateWindow(0).select(big, [], 0, clock=5) is big
+    with pytest.raises(ValueError, match=">= 0"):
+        CandidateWindow(-1)
+
+
+def test_the_window_moves_by_its_size_per_clock_tick_and_wraps():
+    reps = fleet(10)
+    w = CandidateWindow(4)
+    assert ids(w.select(reps, [], 0, clock=0)) == ["r0000", "r0001", "r0002", "r0003"]
+    assert ids(w.select(reps, [], 0, clock=1)) == ["r0004", "r0005", "r0006", "r0007"]
+    # clock 2: start 8, the window wraps to the fleet's start; the fleet's order is kept
+    assert ids(w.select(reps, [], 0, clock=2)) == ["r0000", "r0001", "r0008", "r0009"]
+    assert ids(w.select(reps, [], 0, clock=3)) == ["r0002", "r0003", "r0004", "r0005"]
+
+
+def test_kept_replicas_join_the_window_once_in_fleet_order_and_unknown_ones_are_ignored():
+    reps = fleet(20)
+    w = CandidateWindow(3)
+    got = w.select(reps, ["r0009", None, "gone", "r0001", "r0009", "r0005"], 6, clock=0)
+    assert ids(got) == ["r0000", "r0001", "r0002", "r0005", "r0009"]
+    # half the fleet or more kept: the whole fleet, no lookups
+    assert w.select(reps, ["r0001"] * 10, 10, clock=0) is reps
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 120), size=st.integers(1, 40), clock=st.integers(0, 10_000),
+       keep=st.lists(st.integers(0, 130), max_size=12))
+def test_the_candidates_are_the_window_plus_the_kept_offered_replicas(n, size, clock, keep):
+    reps = fleet(n)
+    names = [f"r{i:04d}" for i in keep]
+    got = CandidateWindow(size).select(reps, names, len(names), clock)
+    if n <= size or 2 * len(names) >= n:
+        assert got is reps
+        return
+    start = (clock * size) % n
+    window = {(start + j) % n for j in range(size)}
+    expected = sorted(window | {i for i in keep if i < n})
+    assert ids(got) == [f"r{i:04d}" for i in expected]
+
+
+def _request(i: int, block_ids) -> RoutingRequest:
+    hs = hash_id_blocks(list(block_ids))
+    return RoutingRequest(f"q{i}", RequestClass(), hs, len(hs) * BS, BS)
+
+
+def _replay(policy: CacheAwarePolicy, reps, index, requests) -> list[str]:
+    out = []
+    for req in requests:
+        d = policy.choose(req, reps, index)
+        policy.on_request_routed(req, d)
+        out.append(d.replica_id)
+    return out
+
+
+def test_fleets_up_to_the_window_decide_exactly_as_without_it():
+    rng = random.Random(7)
+    reps = fleet(64, queued=[rng.choice([0, 100, 5000]) for _ in range(64)])
+    index = LocalityIndex()
+    for r in reps[::5]:
+        index.apply_events_unchecked(r.replica_id, hash_id_blocks([1, 2, 3, rng.randrange(100)]), [])
+    requests = [_request(i, [1, 2, 3, rng.randrange(100)] if i % 2 else [1000 + i, 7]) for i in range(300)]
+    with_window = _replay(CacheAwarePolicy(candidate_window=64), reps, index, requests)
+    assert with_window == _replay(CacheAwarePolicy(candidate_window=0), reps, index, requests)
+
+
+def test_a_large_fleet_keeps_the_holder_outside_the_window_and_spreads_new_prompts():
+    reps = fleet(1024)
+    index = LocalityIndex()
+    index.apply_events_unchecked("r0900", hash_id_blocks(list(range(1, 33))), [])
+    p = CacheAwarePolicy(candidate_window=64)
+    p.update_replicas(ids(reps))
+    held = _request(0, range(1, 33))
+    # clock 0: the window is r0000-r0063; the holder r0900 is weighed anyway, and wins
+    assert p.choose(held, reps, index).replica_id == "r0900"
+    # prompts no replica holds: 16 decisions walk 16 windows, 1,024 distinct replicas' worth
+    chosen = _replay(p, reps, index, [_request(i, [5000 + i]) for i in range(1, 17)])
+    starts = [(k * 64) % 1024 for k in range(16)]
+    assert all(int(rid[1:]) in range(s, s + 64) for rid, s in zip(chosen, starts))
+    assert len(set(chosen)) == 16
+
+
+def test_the_studys_pre_registered_rule_picks_the_smallest_passing_window():
+    from bench.studies.candidate_window import choose_default, passes
+
+    full = {"token_hit_ratio": 0.40, "ttft_mean_s": 1.0, "ttft_p99_s": 10.0}
+    assert passes({"token_hit_ratio": 0.395, "ttft_mean_s": 1.05, "ttft_p99_s": 10.5}, full)
+    assert not passes({"token_hit_ratio": 0.394, "ttft_mean_s": 1.0, "ttft_p99_s": 10.0}, full)  # -0.6 points
+    assert not passes({"token_hit_ratio": 0.40, "ttft_mean_s": 1.06, "ttft_p99_s": 10.0}, full)
+    assert not passes({"token_hit_ratio": 0.40, "ttft_mean_s": 1.0, "ttft_p99_s": 10.6}, full)
+    slow = {"token_hit_ratio": 0.40, "ttft_mean_s": 2.0, "ttft_p99_s": 10.0}
+    results = {"mix201@256": {0: full, 32: slow, 64: full, 128: full},
+               "mix201@1024": {0: full, 32: full, 64: full, 128: full}}
+    assert choose_default(results, [0, 32, 64, 128]) == 64  # 32 fails on one tuning workload
+    results["mix201@1024"][64] = slow
+    assert choose_default(results, [0, 32, 64, 128]) == 128
+    results["mix201@1024"][128] = slow
+    assert choose_default(results, [0, 32, 64, 128]) == 0  # none passes: off
