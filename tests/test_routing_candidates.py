@@ -38,30 +38,31 @@ def test_small_fleets_and_size_zero_get_the_fleet_itself():
         CandidateWindow(-1)
 
 
-def test_the_window_moves_by_its_size_per_clock_tick_and_wraps():
-    reps = fleet(10)
+def test_the_window_moves_by_its_size_per_clock_tick_and_wraps_and_the_least_queued_joins():
+    reps = fleet(10, queued=[9, 9, 9, 9, 9, 9, 3, 9, 3, 9])  # r0006 is the first of the least queued
     w = CandidateWindow(4)
-    assert ids(w.select(reps, [], 0, clock=0)) == ["r0000", "r0001", "r0002", "r0003"]
+    assert ids(w.select(reps, [], 0, clock=0)) == ["r0000", "r0001", "r0002", "r0003", "r0006"]
     assert ids(w.select(reps, [], 0, clock=1)) == ["r0004", "r0005", "r0006", "r0007"]
     # clock 2: start 8, the window wraps to the fleet's start; the fleet's order is kept
-    assert ids(w.select(reps, [], 0, clock=2)) == ["r0000", "r0001", "r0008", "r0009"]
-    assert ids(w.select(reps, [], 0, clock=3)) == ["r0002", "r0003", "r0004", "r0005"]
+    assert ids(w.select(reps, [], 0, clock=2)) == ["r0000", "r0001", "r0006", "r0008", "r0009"]
+    assert ids(w.select(reps, [], 0, clock=3)) == ["r0002", "r0003", "r0004", "r0005", "r0006"]
 
 
 def test_kept_replicas_join_the_window_once_in_fleet_order_and_unknown_ones_are_ignored():
     reps = fleet(20)
     w = CandidateWindow(3)
-    got = w.select(reps, ["r0009", None, "gone", "r0001", "r0009", "r0005"], 6, clock=0)
-    assert ids(got) == ["r0000", "r0001", "r0002", "r0005", "r0009"]
+    got = w.select(reps, ["r0009", None, "gone", "r0001", "r0009", "r0005"], 6, clock=1)
+    assert ids(got) == ["r0000", "r0001", "r0003", "r0004", "r0005", "r0009"]  # r0000: the least queued (a tie: the first)
     # half the fleet or more kept: the whole fleet, no lookups
     assert w.select(reps, ["r0001"] * 10, 10, clock=0) is reps
 
 
 @settings(max_examples=150, deadline=None)
-@given(n=st.integers(1, 120), size=st.integers(1, 40), clock=st.integers(0, 10_000),
+@given(data=st.data(), n=st.integers(1, 120), size=st.integers(1, 40), clock=st.integers(0, 10_000),
        keep=st.lists(st.integers(0, 130), max_size=12))
-def test_the_candidates_are_the_window_plus_the_kept_offered_replicas(n, size, clock, keep):
-    reps = fleet(n)
+def test_the_candidates_are_the_window_plus_the_kept_offered_replicas(data, n, size, clock, keep):
+    queued = data.draw(st.lists(st.sampled_from([0, 5, 100]), min_size=n, max_size=n))
+    reps = fleet(n, queued)
     names = [f"r{i:04d}" for i in keep]
     got = CandidateWindow(size).select(reps, names, len(names), clock)
     if n <= size or 2 * len(names) >= n:
@@ -69,7 +70,7 @@ def test_the_candidates_are_the_window_plus_the_kept_offered_replicas(n, size, c
         return
     start = (clock * size) % n
     window = {(start + j) % n for j in range(size)}
-    expected = sorted(window | {i for i in keep if i < n})
+    expected = sorted(window | {i for i in keep if i < n} | {queued.index(min(queued))})
     assert ids(got) == [f"r{i:04d}" for i in expected]
 
 
@@ -115,18 +116,24 @@ def test_a_large_fleet_keeps_the_holder_outside_the_window_and_spreads_new_promp
 
 
 def test_the_studys_pre_registered_rule_picks_the_smallest_passing_window():
-    from bench.studies.candidate_window import choose_default, passes
+    from bench.studies.candidate_window import TUNING, choose_default, passes, summary
 
+    assert passes(1.05, 1.05, -0.5) and not passes(1.051, 1.0, 0.0) and not passes(1.0, 1.06, 0.0)
+    assert not passes(1.0, 1.0, -0.51)
     full = {"token_hit_ratio": 0.40, "ttft_mean_s": 1.0, "ttft_p99_s": 10.0}
-    assert passes({"token_hit_ratio": 0.395, "ttft_mean_s": 1.05, "ttft_p99_s": 10.5}, full)
-    assert not passes({"token_hit_ratio": 0.394, "ttft_mean_s": 1.0, "ttft_p99_s": 10.0}, full)  # -0.6 points
-    assert not passes({"token_hit_ratio": 0.40, "ttft_mean_s": 1.06, "ttft_p99_s": 10.0}, full)
-    assert not passes({"token_hit_ratio": 0.40, "ttft_mean_s": 1.0, "ttft_p99_s": 10.6}, full)
-    slow = {"token_hit_ratio": 0.40, "ttft_mean_s": 2.0, "ttft_p99_s": 10.0}
-    results = {"mix201@256": {0: full, 32: slow, 64: full, 128: full},
-               "mix201@1024": {0: full, 32: full, 64: full, 128: full}}
-    assert choose_default(results, [0, 32, 64, 128]) == 64  # 32 fails on one tuning workload
-    results["mix201@1024"][64] = slow
+    results = {name: {0: full, 32: full, 64: full, 128: full} for name in TUNING}
+    a, b = sorted(TUNING)[:2]
+    # window 32: TTFT mean x 1.44 on one of six workloads -> geometric mean 1.44 ** (1/6) = 1.0627
+    results[a][32] = {**full, "ttft_mean_s": 1.44}
+    assert summary(results, 32) == pytest.approx((1.44 ** (1 / 6), 1.0, 0.0))
+    # window 64: two workloads 1.1x and 0.95x on p99, hits -0.3 points on average
+    results[a][64] = {**full, "ttft_p99_s": 11.0, "token_hit_ratio": 0.382}
+    results[b][64] = {**full, "ttft_p99_s": 9.5}
+    m, p, h = summary(results, 64)
+    assert (m, h) == (pytest.approx(1.0), pytest.approx(-0.3))
+    assert p == pytest.approx((1.1 * 0.95) ** (1 / 6))
+    assert choose_default(results, [0, 32, 64, 128]) == 64
+    results[b][64] = {**full, "ttft_p99_s": 15.0}  # (1.1 * 1.5) ** (1/6) = 1.087
     assert choose_default(results, [0, 32, 64, 128]) == 128
-    results["mix201@1024"][128] = slow
+    results[b][128] = {**full, "token_hit_ratio": 0.36}  # -4 points / 6
     assert choose_default(results, [0, 32, 64, 128]) == 0  # none passes: off

@@ -117,6 +117,16 @@ trace at 4 replicas (``bench.studies.routing_mix``, with an ablation of each ter
 footprint window by seeds 0-8 of the mix, checked on seeds 9-17
 (``bench.studies.routing_footprint``).
 
+In a fleet of more than ``candidate_window`` replicas (default 64) the replicas weighed
+(admission, fit-first, cost) are the candidates of ``unicache.router.routing.candidates``:
+those that could hit the prompt (the index's holders of its first block, host-tier runs,
+blocks in flight, the session's replica, the template's home) plus a window of 64 others
+that moves by its size with each routed request; the churn term's mean and the template
+home stay the whole fleet's. A prompt no replica holds then costs a decision what it costs
+in a fleet of 64 instead of growing with the fleet (``bench.fleet_scale``; the routing
+effect at 256 and 1,024 replicas: ``bench.studies.candidate_window``). Fleets up to the
+window decide exactly as without it.
+
 There is no balance rule beyond TTFT admission, though load imbalance (max / mean
 computed prefill tokens per replica) runs above 1.2: every bound measured lost goodput
 (``bench.studies.routing_balance``, the admission study's 26 tuning traces). Bounding each
