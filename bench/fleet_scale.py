@@ -21,8 +21,9 @@ hash ring's owner of its key), and the index work alone:
 ``prefix_matches`` (the hash -> replicas walk) against ``match`` per replica. For the
 prompt no replica holds, its phases alone too (``time_cold_phases``: the walk, TTFT
 admission, fit-first's room filter over the whole fleet; the cost loop over the admissible
-replicas is the rest). Above 64 replicas ``cache_aware`` weighs the replicas that could hit
-the prompt plus a moving window of 64 others (``router/routing/candidates.py``); the rows
+replicas is the rest). Above 32 replicas ``cache_aware`` weighs the replicas that could hit
+the prompt, the least-queued one and a moving window of 32 others
+(``router/routing/candidates.py``); the rows
 ``cache_aware:candidate_window=0`` time the same two prompts with every replica weighed.
 
 Memory. ``tracemalloc`` around building the index: bytes per (block, replica) entry.
