@@ -25,6 +25,9 @@ replicas is the rest). Above 32 replicas ``cache_aware`` weighs the replicas tha
 the prompt, the least-queued one and a moving window of 32 others
 (``router/routing/candidates.py``); the rows
 ``cache_aware:candidate_window=0`` time the same two prompts with every replica weighed.
+Last, every replica is also given the prompt's first block (a system prompt the whole
+fleet holds) and both settings are timed on the held prompt and on a prompt that shares
+only that block with anything indexed.
 
 Memory. ``tracemalloc`` around building the index: bytes per (block, replica) entry.
 
@@ -412,7 +415,7 @@ def main() -> None:
     if "round_robin" not in policies:
         policies.insert(0, "round_robin")
     decisions, lookups, cold_phases = [], [], []
-    steps = tqdm(total=len(fleets) * (len(policies) + 6), desc="decisions", file=sys.stderr, unit="run")
+    steps = tqdm(total=len(fleets) * (len(policies) + 8), desc="decisions", file=sys.stderr, unit="run")
     for n in fleets:
         prompt, index, loads = build_index(n, args.blocks, args.copies)
         entries = index.num_entries()
@@ -441,6 +444,18 @@ def main() -> None:
         rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (a template request)",
                      **time_policy("cache_aware", prompt, index, loads, args.iters, args.queue_shares, templated)})
         steps.update()
+        # a shared system prompt: every replica also holds the prompt's first block (last:
+        # the index changes for the rows after), with the 8 holders' longer prefixes
+        # as before, and a prompt that shares only that block with anything indexed
+        for r in loads:
+            index.apply_events_unchecked(r.replica_id, [prompt[0]], [])
+        shared_tail = [prompt[0], *_hashes(random.Random(n + 2), PROMPT_BLOCKS - 1)]
+        for name in ("cache_aware", FULL_PASS):
+            rows.append({"replicas": n, "entries": index.num_entries(), "policy": f"{name} (the held prompt, its first block on every replica)",
+                         **time_policy(name, prompt, index, loads, args.iters, args.queue_shares)})
+            rows.append({"replicas": n, "entries": index.num_entries(), "policy": f"{name} (only the first block on every replica)",
+                         **time_policy(name, shared_tail, index, loads, args.iters, args.queue_shares)})
+            steps.update()
         base = next(r for r in rows if r["policy"] == "round_robin")["p50_us"]
         for r in rows:
             r["p50_ratio_to_round_robin"] = round(r["p50_us"] / base, 1)

@@ -212,3 +212,51 @@ def test_invariants_hold_under_random_operations(seq):
         assert all(index._holders.values()) and all(index._host_holders.values())
         assert {(bh, r) for bh, rs in index._host_holders.items() for r in rs} == {
             (bh, r) for r in index.replicas() for bh in index.holdings(r).host}
+
+
+def _tick_state(index: LocalityIndex) -> dict:
+    return {(rid, bh): e.tick for rid in index.replicas() for bh, e in index.holdings(rid).blocks.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n_replicas=st.integers(1, 24), wide=st.integers(0, 24))
+def test_match_groups_are_prefix_matches_split_and_touch_the_same_entries(data, n_replicas, wide):
+    """``prefix_match_groups`` gives every holder of the first block its ``prefix_matches``
+    length, once, in ``deep`` (at most ``wide`` of them, unless none was grouped) or in
+    the group of its length, and refreshes the same entries' ticks."""
+    chain = [BlockHash(bytes([i + 1]) * 16) for i in range(12)]
+    other = [BlockHash(bytes([200 + i]) * 16) for i in range(3)]
+    built = []
+    for _ in range(2):
+        idx = LocalityIndex()
+        built.append(idx)
+    for r in range(n_replicas):
+        held = data.draw(st.integers(0, len(chain)))
+        gaps = data.draw(st.sets(st.integers(0, len(chain) - 1), max_size=2))  # out-of-order holdings
+        blocks = [h for i, h in enumerate(chain[:held]) if i not in gaps] + data.draw(st.sampled_from([[], other]))
+        for idx in built:
+            idx.apply_events_unchecked(f"r{r}", blocks, [])
+    prompt = chain[: data.draw(st.integers(1, len(chain)))] + data.draw(st.sampled_from([[], other[:1]]))
+    plain, grouped = built
+    expected = plain.prefix_matches(prompt)
+    deep, groups = grouped.prefix_match_groups(prompt, wide)
+    got = dict(deep)
+    for length, ids in groups:
+        assert ids and not (ids & got.keys())
+        got.update(dict.fromkeys(ids, length))
+    assert got == expected
+    assert len(deep) <= wide or not groups
+    assert [length for length, _ in groups] == sorted({length for length, _ in groups})
+    assert _tick_state(plain) == _tick_state(grouped)
+
+
+def test_a_prefix_the_whole_fleet_holds_is_grouped_and_the_few_that_go_on_are_walked():
+    chain = [BlockHash(bytes([i + 1]) * 16) for i in range(6)]
+    idx = LocalityIndex()
+    for r in range(10):
+        idx.apply_events_unchecked(f"r{r}", chain[:2] if r < 7 else chain[: 3 + r - 7], [])
+    # r0-r6 hold 2 blocks, r7 3, r8 4, r9 5: more than 4 replicas hold 2 blocks, 3 go on
+    deep, groups = idx.prefix_match_groups(chain, wide=4)
+    assert deep == {"r7": 3, "r8": 4, "r9": 5}
+    assert groups == [(2, {f"r{r}" for r in range(7)})]
+    assert idx.prefix_match_groups(chain, wide=10) == (idx.prefix_matches(chain), [])

@@ -137,3 +137,30 @@ def test_the_studys_pre_registered_rule_picks_the_smallest_passing_window():
     assert choose_default(results, [0, 32, 64, 128]) == 128
     results[b][128] = {**full, "token_hit_ratio": 0.36}  # -4 points / 6
     assert choose_default(results, [0, 32, 64, 128]) == 0  # none passes: off
+
+
+def test_a_system_prompt_on_every_replica_groups_its_holders_and_the_long_holder_still_wins():
+    from unicache.router.routing.cache_aware import matches_of_candidates
+
+    reps = fleet(1024)
+    index = LocalityIndex()
+    prompt = hash_id_blocks(list(range(1, 33)))
+    for r in reps:
+        index.apply_events_unchecked(r.replica_id, prompt[:1], [])  # the shared first block
+    index.apply_events_unchecked("r0900", prompt, [])
+    deep, groups = index.prefix_match_groups(prompt, 512)
+    assert deep == {"r0900": 32} and groups == [(1, {r.replica_id for r in reps} - {"r0900"})]
+    # a candidate's match comes from its group; one neither deep nor grouped matches nothing
+    cands = [reps[3], reps[900]]
+    assert matches_of_candidates(deep, groups, cands) == {"r0900": 32, "r0003": 1}
+    assert matches_of_candidates({}, [(2, {"r0005"})], cands) == {}
+    p = CacheAwarePolicy()
+    p.update_replicas(ids(reps))
+    req = RoutingRequest("q0", RequestClass(), prompt, len(prompt) * BS, BS)
+    d = p.choose(req, reps, index)
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r0900", "index_prefix", 32)
+    # a prompt sharing only the first block: every candidate matches 1; the choice is a window
+    # member or the least-queued replica (r0000, all queues 0), never one outside them
+    other = hash_id_blocks([1, 77, 78])
+    d = p.choose(RoutingRequest("q1", RequestClass(), other, 3 * BS, BS), reps, index)
+    assert d.matched_blocks == 1 and (int(d.replica_id[1:]) < 32 or d.replica_id == "r0900")

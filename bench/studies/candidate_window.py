@@ -23,6 +23,12 @@ workloads only (generated mixes of seeds 201-204, which no report uses):
        workloads, of its TTFT mean and p99 ratios to the full pass are at most 1.05, and
        whose token hit ratio is on average within 0.5 points of the full pass's; if none
        is, the window is off by default.
+    3. With a prefix more than half the fleet holds grouped (``LocalityView
+       .prefix_match_groups``: its holders weighed only where the window or another
+       reason brings them in; before, every holder was weighed, and a system prompt on
+       every replica made the decision cost 1-4 ms at 1,024 replicas), window 32: the
+       grouping is kept if window 32 still passes round 2's rule over the same six
+       workloads against the full pass (``--out .../candidate_window_tuning_groups``).
 The report workloads are those of ``bench.studies.churn_window_fleet`` (Mooncake at 1,024
 replicas, mix seed 200 at 256 and 1,024), run after the choice and used for nothing else.
 

@@ -142,6 +142,16 @@ class LocalityView(ABC):
         once per decision instead of ``match`` per replica: the index walks the prefix
         through its hash -> replicas map and never visits a replica that matches nothing."""
 
+    def prefix_match_groups(self, block_hashes: Sequence[BlockHash],
+                            wide: int) -> tuple[dict[str, int], list[tuple[int, frozenset[str] | set[str]]]]:
+        """``prefix_matches`` split in two for a large fleet: ``(deep, groups)``. While more
+        than ``wide`` replicas hold the prefix so far, the ones that stop at each length
+        form a group ``(length, replica ids)``; the at most ``wide`` that go on are
+        walked one by one into ``deep``. Every holder of the first block is in exactly
+        one of them, at its ``prefix_matches`` length. Default: no groups (exact, at the
+        cost of ``prefix_matches``)."""
+        return self.prefix_matches(block_hashes), []
+
     def tier_run(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> TierRun:
         """The run of ``block_hashes[start:]`` that the replica's two tiers hold together,
         as its KV store matches it past a GPU prefix of ``start`` blocks (``KVStore

@@ -181,7 +181,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -212,6 +212,23 @@ def with_room(replicas: list[ReplicaLoad], num_prompt_tokens: int, block_size: i
     need = -(-num_prompt_tokens // block_size)
     room = [r for r in replicas if r.free_blocks - r.queued_prefill_tokens / block_size >= need]
     return room or replicas
+
+
+def matches_of_candidates(deep: dict[str, int], groups: Sequence[tuple[int, Collection[str]]],
+                          candidates: Sequence[ReplicaLoad]) -> dict[str, int]:
+    """``prefix_matches`` for the replicas ``LocalityView.prefix_match_groups`` split into
+    ``deep`` and ``groups``, for ``deep``'s replicas and the candidates only (a candidate
+    in no group and not in ``deep`` matches nothing, and is left out as
+    ``prefix_matches`` leaves it out)."""
+    out = dict(deep)
+    for r in candidates:
+        rid = r.replica_id
+        if rid not in out:
+            for length, ids in groups:
+                if rid in ids:
+                    out[rid] = length
+                    break
+    return out
 
 
 def common_prefix_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
@@ -432,28 +449,37 @@ class CacheAwarePolicy(RoutingPolicy):
         cls = request.cls
 
         prev = self._sessions.get(session_key(cls.tenant, cls.session_id)) if cls.session_id is not None else None
-        matches = index.prefix_matches(hashes)  # NOTE: one walk; replicas left out match 0
         fleet = replicas
-        home: tuple[str | None, float] | None = None
+        template_home: tuple[str | None, float] | None = None
         runs_known, runs = False, None
-        if self._window.applies(len(fleet)):
+        window = self._window
+        if not window.applies(len(fleet)):
+            matches = index.prefix_matches(hashes)  # NOTE: one walk; replicas left out match 0
+        else:
             # a large fleet: weigh the replicas that could hit the prompt and a moving
             # window of the others (``candidates``); the template home and the churn
-            # term's mean are still the whole fleet's
-            runs_known, runs = True, (index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None)
-            home = self._template_home(request, fleet)
-            keep: list[str | None] = [*matches, home[0], prev.replica_id if prev is not None else None]
-            if runs:
-                keep.extend(runs)
+            # term's mean are still the whole fleet's. A prefix more than half the fleet
+            # holds (a system prompt everywhere) sets no replica apart: its holders come
+            # grouped by length, and count only where the window or another reason
+            # brings them in
+            matches, groups = index.prefix_match_groups(hashes, len(fleet) // 2)
+            template_home = self._template_home(request, fleet)
+            keep: list[str | None] = [*matches, template_home[0], prev.replica_id if prev is not None else None]
+            if not groups:
+                runs_known, runs = True, (index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None)
+                if runs:
+                    keep.extend(runs)
             if self._pending and hashes:
                 first = hashes[0]
                 keep.extend(rid for rid, pend in self._pending.items() if first in pend)
-            replicas = self._window.select(fleet, keep, len(keep), self._routed)
+            replicas = window.select(fleet, keep, len(keep), self._routed)
+            if groups:
+                matches = matches_of_candidates(matches, groups, replicas)
         admissible = self._admissible(replicas, n_tokens, bs, matches)
         if prev is not None and self.session_sticky:
-            home = self._session_home(prev, hashes, admissible, index, matches)
-            if home is not None:
-                return home
+            kept = self._session_home(prev, hashes, admissible, index, matches)
+            if kept is not None:
+                return kept
         if self.fit_first:
             admissible = self._with_room(admissible, n_tokens, bs, matches)
         sticky_id, sticky_blocks = None, 0.0
@@ -462,7 +488,7 @@ class CacheAwarePolicy(RoutingPolicy):
             sticky_blocks = self.sticky_trust * common_prefix_blocks(hashes, prev.hashes)
         foot_scale = self.footprint_weight * n_tokens if self._footprint else 0.0
         own_id, own_share = (prev.replica_id, self._session_share(prev)) if prev is not None else (None, 0.0)
-        home_id, home_blocks = home if home is not None else self._template_home(request, fleet)
+        home_id, home_blocks = template_home if template_home is not None else self._template_home(request, fleet)
         churn_scale, mean_inflow = 0.0, 0.0
         if self.churn_weight and self._inflow:
             # in the totals' raw units: the term reads only inflow / mean
