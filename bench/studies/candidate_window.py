@@ -37,6 +37,11 @@ workloads only (generated mixes of seeds 201-204, which no report uses):
        replayed at rate x 4, 1% of unique blocks per replica), window 32 with the
        grouping must pass round 2's rule against the full pass
        (``--workloads shared``), else the grouping is removed.
+       Result: window 32 passed (1.000x / 1.000x, -0.00 points), but no decision there
+       grouped a prefix either (``grouped_decisions`` 0): the grouping is exercised only
+       by the report's Mooncake replay (every prompt there begins with one system-prompt
+       block) and by ``bench.fleet_scale``'s rows; it has no parameter of its own (the
+       half-fleet threshold is the window's existing fallback).
 The report workloads are those of ``bench.studies.churn_window_fleet`` (Mooncake at 1,024
 replicas, mix seed 200 at 256 and 1,024), run after the choice and used for nothing else.
 
