@@ -444,6 +444,8 @@ def main() -> None:
         rows.append({"replicas": n, "entries": entries, "policy": "cache_aware (a template request)",
                      **time_policy("cache_aware", prompt, index, loads, args.iters, args.queue_shares, templated)})
         steps.update()
+        lookups.append({"replicas": n, **time_lookup(index, loads, prompt, min(args.iters, 500))})
+        steps.update()
         # a shared system prompt: every replica also holds the prompt's first block (last:
         # the index changes for the rows after), with the 8 holders' longer prefixes
         # as before, and a prompt that shares only that block with anything indexed
@@ -460,8 +462,6 @@ def main() -> None:
         for r in rows:
             r["p50_ratio_to_round_robin"] = round(r["p50_us"] / base, 1)
         decisions += rows
-        lookups.append({"replicas": n, **time_lookup(index, loads, prompt, min(args.iters, 500))})
-        steps.update()
         del prompt, index, loads
     steps.close()
     report = {"commit": git_commit(Path(__file__).resolve().parents[1]), "config": vars(args) | {"trace": str(args.trace)},
