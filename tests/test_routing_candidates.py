@@ -164,3 +164,20 @@ def test_a_system_prompt_on_every_replica_groups_its_holders_and_the_long_holder
     other = hash_id_blocks([1, 77, 78])
     d = p.choose(RoutingRequest("q1", RequestClass(), other, 3 * BS, BS), reps, index)
     assert d.matched_blocks == 1 and (int(d.replica_id[1:]) < 32 or d.replica_id == "r0900")
+
+
+def test_held_prompts_the_holders_decide_are_routed_exactly_as_over_the_whole_fleet():
+    """When TTFT admission can decide among the holders alone (they are clearly fastest),
+    a large fleet skips the window and decides exactly as weighing every replica."""
+    rng = random.Random(3)
+    reps = fleet(100, queued=[rng.choice([0, 40, 80]) for _ in range(100)])
+    index = LocalityIndex()
+    prompts = [list(range(1000 * k, 1000 * k + 20)) for k in range(6)]
+    for k, ids_ in enumerate(prompts):
+        for r in rng.sample(reps, 5):
+            index.apply_events_unchecked(r.replica_id, hash_id_blocks(ids_), [])
+    requests = [_request(i, rng.choice(prompts)) for i in range(120)]
+    p = CacheAwarePolicy()
+    assert all(p.admission.decided_by_matches(reps, q.num_prompt_tokens, BS, index.prefix_matches(q.block_hashes))
+               for q in requests[:6])
+    assert _replay(p, reps, index, requests) == _replay(CacheAwarePolicy(candidate_window=0), reps, index, requests)

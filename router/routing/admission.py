@@ -108,15 +108,25 @@ class TTFTAdmission:
         uncached = max(0, num_prompt_tokens - block_size * matched_blocks)
         return uncached + load.queued_prefill_tokens * queue_share / self.prefill_lanes
 
+    def decided_by_matches(self, replicas: Sequence[ReplicaLoad], num_prompt_tokens: int, block_size: int,
+                           matches: Mapping[str, int], queue_share: Mapping[str, float] | None = None,
+                           ) -> list[ReplicaLoad] | None:
+        """``admissible``'s result when the matching replicas decide it alone (no other
+        replica can be admissible; a fleet of at least ``MATCHES_FIRST_MIN_REPLICAS`` with
+        at most one in ``MATCHES_FIRST_MAX_SHARE`` matching), else None. Costs a look at
+        the matching replicas only."""
+        if len(replicas) >= MATCHES_FIRST_MIN_REPLICAS and 0 < len(matches) * MATCHES_FIRST_MAX_SHARE <= len(replicas):
+            return self._among_matches(replicas, num_prompt_tokens, block_size, matches, queue_share)
+        return None
+
     def admissible(self, replicas: Sequence[ReplicaLoad], num_prompt_tokens: int, block_size: int,
                    matches: Mapping[str, int], queue_share: Mapping[str, float] | None = None) -> list[ReplicaLoad]:
         """The replicas whose estimate is within ``factor`` of the best (``matches``: the
         index's leading-block match per replica; a replica left out matches 0;
         ``queue_share``: the uncached share of a replica's queue, 1 where left out)."""
-        if len(replicas) >= MATCHES_FIRST_MIN_REPLICAS and 0 < len(matches) * MATCHES_FIRST_MAX_SHARE <= len(replicas):
-            found = self._among_matches(replicas, num_prompt_tokens, block_size, matches, queue_share)
-            if found is not None:
-                return found
+        found = self.decided_by_matches(replicas, num_prompt_tokens, block_size, matches, queue_share)
+        if found is not None:
+            return found
         # NOTE: ``estimate`` inlined (the router runs this per request over every replica)
         # (``u if u > 0 else 0`` is ``max(0, u)`` on ints, without a call per replica)
         lanes, get, n, bs = self.prefill_lanes, matches.get, num_prompt_tokens, block_size

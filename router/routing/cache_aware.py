@@ -453,29 +453,36 @@ class CacheAwarePolicy(RoutingPolicy):
         template_home: tuple[str | None, float] | None = None
         runs_known, runs = False, None
         window = self._window
+        admissible: list[ReplicaLoad] | None = None
         if not window.applies(len(fleet)):
             matches = index.prefix_matches(hashes)  # NOTE: one walk; replicas left out match 0
         else:
-            # a large fleet: weigh the replicas that could hit the prompt and a moving
-            # window of the others (``candidates``); the template home and the churn
-            # term's mean are still the whole fleet's. A prefix more than half the fleet
-            # holds (a system prompt everywhere) sets no replica apart: its holders come
-            # grouped by length, and count only where the window or another reason
-            # brings them in
+            # a large fleet. A prefix more than half the fleet holds (a system prompt
+            # everywhere) sets no replica apart: its holders come grouped by length, and
+            # count only where the window below or another reason brings them in
             matches, groups = index.prefix_match_groups(hashes, len(fleet) // 2)
-            template_home = self._template_home(request, fleet)
-            keep: list[str | None] = [*matches, template_home[0], prev.replica_id if prev is not None else None]
             if not groups:
-                runs_known, runs = True, (index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None)
-                if runs:
-                    keep.extend(runs)
-            if self._pending and hashes:
-                first = hashes[0]
-                keep.extend(rid for rid, pend in self._pending.items() if first in pend)
-            replicas = window.select(fleet, keep, len(keep), self._routed)
-            if groups:
-                matches = matches_of_candidates(matches, groups, replicas)
-        admissible = self._admissible(replicas, n_tokens, bs, matches)
+                # the holders clearly fastest: TTFT admission decides among them alone,
+                # exactly as over the whole fleet, and no window is needed
+                admissible = self.admission.decided_by_matches(fleet, n_tokens, bs, matches, self._queues.share)
+            if admissible is None:
+                # weigh the replicas that could hit the prompt and a moving window of the
+                # others (``candidates``); the template home and the churn term's mean
+                # are still the whole fleet's
+                template_home = self._template_home(request, fleet)
+                keep: list[str | None] = [*matches, template_home[0], prev.replica_id if prev is not None else None]
+                if not groups:
+                    runs_known, runs = True, (index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None)
+                    if runs:
+                        keep.extend(runs)
+                if self._pending and hashes:
+                    first = hashes[0]
+                    keep.extend(rid for rid, pend in self._pending.items() if first in pend)
+                replicas = window.select(fleet, keep, len(keep), self._routed)
+                if groups:
+                    matches = matches_of_candidates(matches, groups, replicas)
+        if admissible is None:
+            admissible = self._admissible(replicas, n_tokens, bs, matches)
         if prev is not None and self.session_sticky:
             kept = self._session_home(prev, hashes, admissible, index, matches)
             if kept is not None:
