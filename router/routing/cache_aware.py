@@ -117,18 +117,23 @@ trace at 4 replicas (``bench.studies.routing_mix``, with an ablation of each ter
 footprint window by seeds 0-8 of the mix, checked on seeds 9-17
 (``bench.studies.routing_footprint``).
 
-In a fleet of more than ``candidate_window`` replicas (default 32) the replicas weighed
-(admission, fit-first, cost) are the candidates of ``unicache.router.routing.candidates``:
-those that could hit the prompt (the index's holders of its first block, host-tier runs,
-blocks in flight, the session's replica, the template's home), the fleet's least-queued
-replica, and a window of 32 others that moves by its size with each routed request; the
-churn term's mean and the template home stay the whole fleet's. A prompt no replica holds
-then costs a decision about what it costs in a fleet of 32 instead of growing with the
-fleet (``bench.fleet_scale``). The window's size is the smallest of 32, 64 and 128 that
-held TTFT mean and p99 within 1.05x and token hits within 0.5 points of weighing every
-replica over six tuning workloads at 256 and 1,024 replicas, a rule fixed before the run
-(``bench.studies.candidate_window``: 0.982x / 0.992x, -0.04 points). Fleets up to the
-window decide exactly as without it: every figure at 4 and 8 replicas is unchanged.
+In a fleet of more than ``candidate_window`` replicas (default 32), unless TTFT admission
+can decide among the replicas holding the prompt alone (then exactly as over the whole
+fleet), the replicas weighed (admission, fit-first, cost) are the candidates of
+``unicache.router.routing.candidates``: those that could hit the prompt (the index's
+holders of its first block, host-tier runs, blocks in flight, the session's replica, the
+template's home), the fleet's least-queued replica, and a window of 32 others that moves
+by its size with each routed request; the churn term's mean and the template home stay
+the whole fleet's. A prefix more than half the fleet holds (a system prompt everywhere)
+sets no replica apart: ``LocalityView.prefix_match_groups`` groups its holders by length
+and they are weighed only where the window brings them in (``matches_of_candidates``).
+A prompt no replica holds, or one most of them hold, then costs a decision about what it
+costs in a fleet of 32 instead of growing with the fleet (``bench.fleet_scale``). The
+window's size is the smallest of 32, 64 and 128 that held TTFT mean and p99 within 1.05x
+and token hits within 0.5 points of weighing every replica over six tuning workloads at
+256 and 1,024 replicas, a rule fixed before the run (``bench.studies.candidate_window``:
+0.982x / 0.992x, -0.04 points). Fleets up to the window decide exactly as without it:
+every figure at 4 and 8 replicas is unchanged.
 
 There is no balance rule beyond TTFT admission, though load imbalance (max / mean
 computed prefill tokens per replica) runs above 1.2: every bound measured lost goodput

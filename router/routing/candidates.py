@@ -12,7 +12,8 @@ the lightest d-quantile of the fleet.
 
 So in a fleet of more than ``size`` replicas, ``select`` returns:
     * every replica named in ``keep`` that the fleet offers (the caller names those that
-      could hit the prompt: the index's holders of its first block, host-tier runs,
+      could hit the prompt: the index's holders of its first block, but for a prefix
+      more than half the fleet holds only those that go beyond it, host-tier runs,
       blocks in flight, the session's replica, the template's home),
     * the replica with the fewest queued prefill tokens (the first of them in the
       fleet's order; one pass at C speed): for a prompt no replica holds, the one with
