@@ -181,3 +181,17 @@ def test_held_prompts_the_holders_decide_are_routed_exactly_as_over_the_whole_fl
     assert all(p.admission.decided_by_matches(reps, q.num_prompt_tokens, BS, index.prefix_matches(q.block_hashes))
                for q in requests[:6])
     assert _replay(p, reps, index, requests) == _replay(CacheAwarePolicy(candidate_window=0), reps, index, requests)
+
+
+def test_a_host_tier_run_outside_the_window_is_weighed():
+    reps = fleet(1024)
+    index = LocalityIndex()
+    prompt = hash_id_blocks(list(range(1, 33)))
+    index.apply_summary("r0700", 1, 0, [], host_hashes=prompt)  # the whole prompt demoted to host memory
+    p = CacheAwarePolicy()
+    p.update_replicas(ids(reps))
+    d = p.choose(RoutingRequest("q0", RequestClass(), prompt, len(prompt) * BS, BS), reps, index)
+    # clock 0: the window is r0000-r0031; the host run makes r0700 a candidate, and it wins
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r0700", "host_prefix", 32)
+    assert CacheAwarePolicy(host_cost=1.0).choose(
+        RoutingRequest("q1", RequestClass(), prompt, len(prompt) * BS, BS), reps, index).replica_id != "r0700"
