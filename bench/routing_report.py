@@ -50,11 +50,11 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 
 from bench.paths import REPO, RESULTS, mooncake_trace
 from bench.report_files import git_commit, save_figure, write_report
+from bench.workers import map_in_workers
 from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.sim.goodput import default_slo_s, goodput, lanes_unloaded_ttft_s
 from unicache.sim.metrics import percentile
@@ -247,10 +247,7 @@ def run_job(job: Job) -> dict:
 
 
 def run_jobs(jobs: list[Job], workers: int) -> list[dict]:
-    if workers <= 1:
-        return [run_job(j) for j in jobs]
-    with get_context("fork").Pool(workers) as pool:
-        return pool.map(run_job, jobs, chunksize=1)
+    return map_in_workers(run_job, jobs, workers)
 
 
 def add_suite_args(ap: argparse.ArgumentParser) -> None:

@@ -111,3 +111,16 @@ def test_round_order_puts_each_variant_in_each_position_once_per_cycle():
     orders = [round_order(names, k) for k in range(4)]
     assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     assert names == ["a", "b", "c"] and round_order((), 5) == []
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def test_map_in_workers_keeps_the_order_in_process_and_in_workers():
+    from bench.workers import map_in_workers
+
+    items = [5, 1, 4, 2, 3]
+    assert map_in_workers(_square, items, 1) == [25, 1, 16, 4, 9]
+    assert map_in_workers(_square, items, 2) == [25, 1, 16, 4, 9]
+    assert map_in_workers(_square, [], 2) == []

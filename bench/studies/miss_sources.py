@@ -32,13 +32,13 @@ import platform
 import statistics
 import sys
 import time
-from multiprocessing import get_context
 from pathlib import Path
 
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, produced_by, write_report
 from bench.routing_report import LANES, capacity_blocks, nominal_scale
 from bench.studies.foreign_traffic import foreign_trace, load_foreign
+from bench.workers import map_in_workers
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.timing import TimingModel
 
@@ -138,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     common = {"duration": 300.0, "requests_per_s": 1.5, "capacity_frac": 0.02, "u_ref": args.u_ref}
     t0 = time.perf_counter()
     jobs = [(s, replicas, common) for s in seeds]
-    if args.workers <= 1:
-        results = [run_trace(j) for j in jobs]
-    else:
-        with get_context("fork").Pool(args.workers) as pool:
-            results = pool.map(run_trace, jobs, chunksize=1)
+    results = map_in_workers(run_trace, jobs, args.workers)
     report = {"command": "python -m bench.studies.miss_sources " + " ".join(argv if argv is not None else sys.argv[1:]),
               "host": platform.node() or "unknown", "cpus": os.cpu_count(), "commit": git_commit(REPO),
               "seeds": seeds, "u_ref": args.u_ref, "replicas": list(replicas),

@@ -21,7 +21,6 @@ Run (from the repository root; about 4 minutes on 2 CPUs):
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import platform
 import statistics
@@ -34,6 +33,7 @@ from unicache.sim.replay import Replay, ReplayConfig
 from bench.paths import RESULTS
 from bench.mix_traces import prepared_mix
 from bench.report_files import save_figure, write_report
+from bench.workers import map_in_workers
 
 OFF = "footprint off"
 DEFAULT = "default (weight 0.5, window 96)"
@@ -159,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if (defaults.footprint_weight, defaults.footprint_window) != (0.5, 96):
         ap.error("the DEFAULT label no longer names cache_aware's defaults: update VARIANTS")
     jobs = [(s, args.replicas, args.capacity_frac) for s in seeds["select"] + seeds["holdout"]]
-    with multiprocessing.get_context("fork").Pool(max(1, args.workers)) as pool:
-        runs = pool.map(run_seed, jobs, chunksize=1)
+    runs = map_in_workers(run_seed, jobs, args.workers)
     by_seed = {r["seed"]: r for r in runs}
     report = {
         "command": "python -m bench.studies.routing_footprint " + " ".join(argv if argv is not None else sys.argv[1:]),
