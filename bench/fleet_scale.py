@@ -360,26 +360,56 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# cache_aware's prompt kinds in the decision rows: (label suffix of the shipped row, of the
+# row weighing every replica, legend name)
+PROMPT_KINDS = (
+    ("", " (the held prompt)", "8 replicas hold the prompt"),
+    (" (a prompt no replica holds)", " (a prompt no replica holds)", "no replica holds it"),
+    (" (the held prompt, its first block on every replica)", " (the held prompt, its first block on every replica)",
+     "held, first block on every replica"),
+    (" (only the first block on every replica)", " (only the first block on every replica)",
+     "only the first block, on every replica"),
+)
+
+
 def plot(report: dict, path: Path) -> None:
+    """Three panels: p99 of each policy's decision for the held prompt; cache_aware's p99
+    by prompt kind, shipped (solid) against every replica weighed (dashed); index work."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.0, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-    policies = sorted({r["policy"] for r in report["decisions"]})
-    for name in policies:
-        rows = [r for r in report["decisions"] if r["policy"] == name]
-        xs = [r["replicas"] for r in rows]
-        line, = ax.plot(xs, [r["p99_us"] / 1000 for r in rows], marker="o", label=f"{name} p99")
-        ax.plot(xs, [r["p50_us"] / 1000 for r in rows], marker=".", linestyle="--", color=line.get_color(),
-                label=f"{name} p50")
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":", label="target p99 1 ms")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("replicas")
-    ax.set_ylabel("decision cost, CPU (ms)")
-    ax.set_title(f"Routing decision vs fleet size ({report['config']['blocks']:,} indexed blocks)")
+    fig, (ax, axk, ax2) = plt.subplots(1, 3, figsize=(15.0, 4.6))
+    by_policy: dict[str, list[dict]] = {}
+    for r in report["decisions"]:
+        by_policy.setdefault(r["policy"], []).append(r)
+
+    def line(axis, name, label, **kw):
+        rows = by_policy.get(name)
+        if rows:
+            return axis.plot([r["replicas"] for r in rows], [r["p99_us"] / 1000 for r in rows], marker="o",
+                             label=label, **kw)[0]
+        return None
+
+    for name in ("round_robin", "least_loaded", "sglang", "cache_aware", "cache_aware (live: ClusterView.loads + choose)",
+                 "cache_aware (a template request)"):
+        line(ax, name, name)
+    for axis in (ax, axk):
+        axis.axhline(1.0, color="grey", linewidth=0.8, linestyle=":", label="target p99 1 ms")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("replicas")
+    ax.set_ylabel("decision cost p99, CPU (ms)")
+    ax.set_title("Policies, the prompt 8 replicas hold")
     ax.legend(fontsize=7)
+    for shipped, full, label in PROMPT_KINDS:
+        first = line(axk, f"cache_aware{shipped}", label)
+        if first is not None:
+            line(axk, f"{FULL_PASS}{full}", f"{label}, every replica weighed", color=first.get_color(), linestyle="--")
+    axk.set_yscale("log")
+    axk.set_ylabel("cache_aware p99, CPU (ms, log)")
+    axk.set_title("cache_aware by prompt (dashed: every replica weighed)")
+    axk.legend(fontsize=6)
     xs = [r["replicas"] for r in report["lookups"]]
     for key, label in (("prefix_matches", "hash -> replicas walk (prefix_matches)"),
                        ("match_per_replica", "match() per replica")):
@@ -389,6 +419,7 @@ def plot(report: dict, path: Path) -> None:
     ax2.set_ylabel("index work, CPU (ms)")
     ax2.set_title("Index lookups (8 replicas hold the prefix)")
     ax2.legend(fontsize=7)
+    fig.suptitle(f"Routing decision vs fleet size ({report['config']['blocks']:,} indexed blocks)")
     save_figure(fig, path)
 
 
