@@ -47,14 +47,14 @@ def stream(seed: int, n: int) -> list[RoutingRequest]:
     return out
 
 
-def loads(step: int = 0) -> list[ReplicaLoad]:
+def loads(step: int = 0, replicas: list[str] = REPLICAS) -> list[ReplicaLoad]:
     """The replicas' published loads at a step: queues that come and go, so the queue
     share (what part of a queue the routers' waiting requests say is cached) matters."""
     return [ReplicaLoad(r, free_blocks=40, capacity_blocks=40, queued_prefill_tokens=48 * ((step + k) % 3))
-            for k, r in enumerate(REPLICAS)]
+            for k, r in enumerate(replicas)]
 
 
-def replay(exchange: bool, seed: int = 0, n: int = 300):
+def replay(exchange: bool, seed: int = 0, n: int = 300, replicas: list[str] = REPLICAS):
     """Route the stream through A/B (alternating) and through C; return the steps where
     they decided differently and the largest term differences seen."""
     a, b, c = CacheAwarePolicy(), CacheAwarePolicy(), CacheAwarePolicy()
@@ -73,8 +73,8 @@ def replay(exchange: bool, seed: int = 0, n: int = 300):
             x.import_session(key, store[key])
         if exchange:
             x.set_peer_queued(y.queued_tokens())
-        dx = x.choose(req, loads(i), index)
-        dc = c.choose(req, loads(i), index)
+        dx = x.choose(req, loads(i, replicas), index)
+        dc = c.choose(req, loads(i, replicas), index)
         if (dx.replica_id, dx.reason, dx.matched_blocks) != (dc.replica_id, dc.reason, dc.matched_blocks):
             differ.append(i)
         x.on_request_routed(req, dx)
@@ -102,6 +102,16 @@ def replay(exchange: bool, seed: int = 0, n: int = 300):
 def test_two_routers_sharing_terms_decide_and_count_as_one_router(seed):
     differ, max_gap = replay(exchange=True, seed=seed)
     assert differ == [] and max_gap == pytest.approx(0.0, abs=1e-6)
+
+
+def test_in_a_fleet_above_the_candidate_window_too():
+    """48 replicas: each decision weighs a window of the fleet drawn from the decision
+    clock, which the exchange keeps equal to one router's."""
+    fleet = [f"r{i:02d}" for i in range(48)]
+    assert CacheAwarePolicy()._window.applies(len(fleet))
+    differ, max_gap = replay(exchange=True, seed=3, replicas=fleet)
+    assert differ == [] and max_gap == pytest.approx(0.0, abs=1e-6)
+    assert replay(exchange=False, seed=3, replicas=fleet)[0]
 
 
 def test_without_the_events_the_routers_drift_from_one_router():
