@@ -229,7 +229,7 @@ class LocalityIndex(LocalityView):
         while len(current) > wide:
             nxt = holders.get(block_hashes[i]) if i < n else None
             still = current & nxt.keys() if nxt else set()
-            stopped = current - still if still else set(current)
+            stopped = current - still
             if stopped:
                 for rid in stopped:
                     level[rid].tick = tick  # the deepest entry each one matched

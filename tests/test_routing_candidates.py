@@ -30,10 +30,10 @@ def ids(replicas) -> list[str]:
 
 def test_small_fleets_and_size_zero_get_the_fleet_itself():
     reps = fleet(8)
-    assert CandidateWindow(8).select(reps, ["r0003"], 1, clock=5) is reps
-    assert CandidateWindow(0).select(fleet(100), [], 0, clock=5) is not None
+    assert CandidateWindow(8).select(reps, ["r0003"], clock=5) is reps
+    assert CandidateWindow(0).select(fleet(100), [], clock=5) is not None
     big = fleet(100)
-    assert CandidateWindow(0).select(big, [], 0, clock=5) is big
+    assert CandidateWindow(0).select(big, [], clock=5) is big
     with pytest.raises(ValueError, match=">= 0"):
         CandidateWindow(-1)
 
@@ -41,20 +41,20 @@ def test_small_fleets_and_size_zero_get_the_fleet_itself():
 def test_the_window_moves_by_its_size_per_clock_tick_and_wraps_and_the_least_queued_joins():
     reps = fleet(10, queued=[9, 9, 9, 9, 9, 9, 3, 9, 3, 9])  # r0006 is the first of the least queued
     w = CandidateWindow(4)
-    assert ids(w.select(reps, [], 0, clock=0)) == ["r0000", "r0001", "r0002", "r0003", "r0006"]
-    assert ids(w.select(reps, [], 0, clock=1)) == ["r0004", "r0005", "r0006", "r0007"]
+    assert ids(w.select(reps, [], clock=0)) == ["r0000", "r0001", "r0002", "r0003", "r0006"]
+    assert ids(w.select(reps, [], clock=1)) == ["r0004", "r0005", "r0006", "r0007"]
     # clock 2: start 8, the window wraps to the fleet's start; the fleet's order is kept
-    assert ids(w.select(reps, [], 0, clock=2)) == ["r0000", "r0001", "r0006", "r0008", "r0009"]
-    assert ids(w.select(reps, [], 0, clock=3)) == ["r0002", "r0003", "r0004", "r0005", "r0006"]
+    assert ids(w.select(reps, [], clock=2)) == ["r0000", "r0001", "r0006", "r0008", "r0009"]
+    assert ids(w.select(reps, [], clock=3)) == ["r0002", "r0003", "r0004", "r0005", "r0006"]
 
 
 def test_kept_replicas_join_the_window_once_in_fleet_order_and_unknown_ones_are_ignored():
     reps = fleet(20)
     w = CandidateWindow(3)
-    got = w.select(reps, ["r0009", None, "gone", "r0001", "r0009", "r0005"], 6, clock=1)
+    got = w.select(reps, ["r0009", None, "gone", "r0001", "r0009", "r0005"], clock=1)
     assert ids(got) == ["r0000", "r0001", "r0003", "r0004", "r0005", "r0009"]  # r0000: the least queued (a tie: the first)
     # half the fleet or more kept: the whole fleet, no lookups
-    assert w.select(reps, ["r0001"] * 10, 10, clock=0) is reps
+    assert w.select(reps, ["r0001"] * 10, clock=0) is reps
 
 
 @settings(max_examples=150, deadline=None)
@@ -64,7 +64,7 @@ def test_the_candidates_are_the_window_plus_the_kept_offered_replicas(data, n, s
     queued = data.draw(st.lists(st.sampled_from([0, 5, 100]), min_size=n, max_size=n))
     reps = fleet(n, queued)
     names = [f"r{i:04d}" for i in keep]
-    got = CandidateWindow(size).select(reps, names, len(names), clock)
+    got = CandidateWindow(size).select(reps, names, clock)
     if n <= size or 2 * len(names) >= n:
         assert got is reps
         return

@@ -5,10 +5,11 @@ that could hit the prompt plus a moving window of W others
 The window exists for the decision's cost: with every replica weighed, the decision for a
 prompt no replica holds grows with the fleet (about 0.8 ms at 1,024 replicas on this
 machine, ``bench.fleet_scale``), with a window it costs what a fleet of W does. Fleets of at
-most W replicas are unchanged, so only fleets above 64 are run here.
+most W replicas are unchanged, so only fleets of 256 and 1,024 are run here.
 
-The default W was fixed by a rule written before any run, in two rounds on tuning
-workloads only (generated mixes of seeds 201-204, which no report uses):
+The default W was fixed by rules written before each run, in three rounds on tuning
+workloads only (generated mixes of seeds 201-204 and second-generator seeds 100-103, which
+no report uses):
     1. The window alone (without the least-queued replica), on mix 201 at 256 and 1,024
        replicas: the default is the smallest of 32, 64 and 128 whose token hit ratio is
        within 0.5 points of the full pass and whose TTFT mean and p99 are at most 1.05x
@@ -50,7 +51,7 @@ otherwise) in a worker process; ``cpu_s`` is the worker's CPU time for the repla
 whole simulator, routing included).
 
     .venv/bin/python -m bench.studies.candidate_window [--jobs 2] [--windows 0,32,64,128]
-        [--workloads tuning,report] [--out bench/results/candidate_window]
+        [--workloads tuning,shared,report] [--out bench/results/candidate_window]
 """
 
 from __future__ import annotations

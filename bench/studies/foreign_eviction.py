@@ -44,7 +44,6 @@ from unicache.sim.runner import capacities_from_fracs
 from unicache.trace import read_trace
 
 
-
 def variant_results(path: Path, variants: dict[str, dict], fracs) -> list[dict]:
     """Each ablation variant's block hit ratio at each capacity fraction of ``path``'s trace."""
     trace = prepare(read_trace(path), BLOCK_SIZE)

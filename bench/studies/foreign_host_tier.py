@@ -32,7 +32,6 @@ from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, produced_by, write_report
 
 
-
 def markdown(report: dict) -> str:
     lines = ["# The host KV tier on another generator's traffic", "", produced_by(report), "",
              f"{len(report['traces'])} `bench.foreign_workload` traces, {report['duration']:.0f} s each, block size "

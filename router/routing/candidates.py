@@ -13,8 +13,9 @@ the lightest d-quantile of the fleet.
 So in a fleet of more than ``size`` replicas, ``select`` returns:
     * every replica named in ``keep`` that the fleet offers (the caller names those that
       could hit the prompt: the index's holders of its first block, but for a prefix
-      more than half the fleet holds only those that go beyond it, host-tier runs,
-      blocks in flight, the session's replica, the template's home),
+      more than half the fleet holds only those that go beyond it, host-tier runs (not
+      for such a prefix: there a run counts only on a replica that is a candidate
+      anyway), blocks in flight, the session's replica, the template's home),
     * the replica with the fewest queued prefill tokens (the first of them in the
       fleet's order; one pass at C speed): for a prompt no replica holds, the one with
       the lowest TTFT estimate, so TTFT admission keeps the reference the whole fleet
@@ -40,7 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from operator import attrgetter
 
 from unicache.router.routing.admission import ReplicaPositions
@@ -64,12 +65,11 @@ class CandidateWindow:
         """Whether a fleet of ``fleet_size`` replicas is sampled at all."""
         return 0 < self.size < fleet_size
 
-    def select(self, replicas: Sequence[ReplicaLoad], keep: Iterable[str | None], n_keep: int,
-               clock: int) -> Sequence[ReplicaLoad]:
-        """The candidates among ``replicas`` (``keep``: ids to weigh whatever the window,
-        ``n_keep`` their number or an upper bound; None entries are ignored)."""
+    def select(self, replicas: Sequence[ReplicaLoad], keep: Sequence[str | None], clock: int) -> Sequence[ReplicaLoad]:
+        """The candidates among ``replicas`` (``keep``: ids to weigh whatever the window;
+        None entries are ignored)."""
         n, k = len(replicas), self.size
-        if not self.applies(n) or 2 * n_keep >= n:
+        if not self.applies(n) or 2 * len(keep) >= n:
             return replicas
         start = (clock * k) % n
         end = start + k
