@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from unicache.block_hash import BlockHash
@@ -166,10 +166,12 @@ class LocalityIndex(LocalityView):
             return NO_RUN
         return _tier_walk(h, block_hashes, start)
 
-    def tier_runs(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int]) -> dict[str, TierRun]:
+    def tier_runs(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int],
+                  groups: Sequence[tuple[int, Collection[str]]] = ()) -> dict[str, TierRun]:
         """``tier_run(r, block_hashes, m_r)`` for every replica r whose host tier holds
-        block ``m_r`` (its GPU match, 0 when absent from ``gpu_matches``); the others
-        have none. Visits only those replicas (host-tier hash -> replicas)."""
+        block ``m_r`` (its GPU match: from ``gpu_matches``, else the length of the group
+        of ``prefix_match_groups`` it is in, else 0); the others have none. Visits only
+        those replicas (host-tier hash -> replicas; a group's by one set intersection)."""
         host_holders = self._host_holders
         n = len(block_hashes)
         if not host_holders or not n:
@@ -177,12 +179,17 @@ class LocalityIndex(LocalityView):
         replicas = self._replicas
         out: dict[str, TierRun] = {}
         for rid in host_holders.get(block_hashes[0], ()):
-            if rid not in gpu_matches:
+            if rid not in gpu_matches and not any(rid in ids for _, ids in groups):
                 out[rid] = _tier_walk(replicas[rid], block_hashes, 0)
         for rid, m in gpu_matches.items():
             if m < n:
                 held = host_holders.get(block_hashes[m])
                 if held is not None and rid in held:
+                    out[rid] = _tier_walk(replicas[rid], block_hashes, m)
+        for m, ids in groups:
+            held = host_holders.get(block_hashes[m]) if m < n else None
+            if held:
+                for rid in held.intersection(ids):
                     out[rid] = _tier_walk(replicas[rid], block_hashes, m)
         return out
 

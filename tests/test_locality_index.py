@@ -223,7 +223,8 @@ def _tick_state(index: LocalityIndex) -> dict:
 def test_match_groups_are_prefix_matches_split_and_touch_the_same_entries(data, n_replicas, wide):
     """``prefix_match_groups`` gives every holder of the first block its ``prefix_matches``
     length, once, in ``deep`` (at most ``wide`` of them, unless none was grouped) or in
-    the group of its length, and refreshes the same entries' ticks."""
+    the group of its length, and refreshes the same entries' ticks; ``tier_runs`` given
+    the groups finds every host-tier run it finds given ``prefix_matches``."""
     chain = [BlockHash(bytes([i + 1]) * 16) for i in range(12)]
     other = [BlockHash(bytes([200 + i]) * 16) for i in range(3)]
     built = []
@@ -234,8 +235,9 @@ def test_match_groups_are_prefix_matches_split_and_touch_the_same_entries(data, 
         held = data.draw(st.integers(0, len(chain)))
         gaps = data.draw(st.sets(st.integers(0, len(chain) - 1), max_size=2))  # out-of-order holdings
         blocks = [h for i, h in enumerate(chain[:held]) if i not in gaps] + data.draw(st.sampled_from([[], other]))
+        on_host = data.draw(st.sets(st.integers(0, len(chain) - 1), max_size=4))  # demoted blocks
         for idx in built:
-            idx.apply_events_unchecked(f"r{r}", blocks, [])
+            idx.apply_events_unchecked(f"r{r}", blocks, [], host_stored=[chain[i] for i in on_host])
     prompt = chain[: data.draw(st.integers(1, len(chain)))] + data.draw(st.sampled_from([[], other[:1]]))
     plain, grouped = built
     expected = plain.prefix_matches(prompt)
@@ -248,6 +250,7 @@ def test_match_groups_are_prefix_matches_split_and_touch_the_same_entries(data, 
     assert len(deep) <= wide or not groups
     assert [length for length, _ in groups] == sorted({length for length, _ in groups})
     assert _tick_state(plain) == _tick_state(grouped)
+    assert grouped.tier_runs(prompt, deep, groups) == plain.tier_runs(prompt, expected)
 
 
 def test_a_prefix_the_whole_fleet_holds_is_grouped_and_the_few_that_go_on_are_walked():

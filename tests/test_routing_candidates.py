@@ -195,3 +195,26 @@ def test_a_host_tier_run_outside_the_window_is_weighed():
     assert (d.replica_id, d.reason, d.matched_blocks) == ("r0700", "host_prefix", 32)
     assert CacheAwarePolicy(host_cost=1.0).choose(
         RoutingRequest("q1", RequestClass(), prompt, len(prompt) * BS, BS), reps, index).replica_id != "r0700"
+
+
+def test_a_grouped_replica_whose_host_tier_continues_the_prompt_is_weighed():
+    """A system prompt on every replica groups its holders; r0700 holds it on GPU like the
+    rest and the whole remaining prompt in host memory: it is outside the window (clock 0:
+    r0000-r0031) and in a group, and still found and chosen for its host run."""
+    reps = fleet(1024)
+    index = LocalityIndex()
+    prompt = hash_id_blocks(list(range(1, 33)))
+    for r in reps:
+        index.apply_events_unchecked(r.replica_id, prompt[:1], [])
+    index.apply_events_unchecked("r0700", [], [], host_stored=prompt[1:])
+    deep, groups = index.prefix_match_groups(prompt, 512)
+    assert deep == {} and groups == [(1, set(ids(reps)))]
+    assert index.tier_runs(prompt, deep, groups) == {"r0700": (31, ())}
+    p = CacheAwarePolicy()
+    p.update_replicas(ids(reps))
+    d = p.choose(RoutingRequest("q0", RequestClass(), prompt, len(prompt) * BS, BS), reps, index)
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("r0700", "host_prefix", 32)
+    # the same decision as weighing every replica
+    full = CacheAwarePolicy(candidate_window=0)
+    full.update_replicas(ids(reps))
+    assert full.choose(RoutingRequest("q0", RequestClass(), prompt, len(prompt) * BS, BS), reps, index) == d

@@ -9,7 +9,7 @@ believed to hold). It returns one decision. The live router and ``unicache sim
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple
@@ -159,11 +159,13 @@ class LocalityView(ABC):
         Default: empty (a view without tiers)."""
         return NO_RUN
 
-    def tier_runs(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int]) -> dict[str, TierRun]:
-        """``tier_run(r, block_hashes, gpu_matches.get(r, 0))`` for every replica where it
-        is not empty (left out: empty), in one call: an index keyed by hash visits only
-        the replicas whose host tier holds the block after their GPU match. Default: no
-        tiers."""
+    def tier_runs(self, block_hashes: Sequence[BlockHash], gpu_matches: dict[str, int],
+                  groups: Sequence[tuple[int, Collection[str]]] = ()) -> dict[str, TierRun]:
+        """``tier_run(r, block_hashes, m_r)`` for every replica where it is not empty (left
+        out: empty), in one call, where m_r is r's GPU match: ``gpu_matches[r]``, else the
+        length of the ``prefix_match_groups`` group r is in, else 0. An index keyed by
+        hash visits only the replicas whose host tier holds the block after their GPU
+        match. Default: no tiers."""
         return {}
 
     def match_all(self, replica_ids: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:

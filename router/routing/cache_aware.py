@@ -476,13 +476,11 @@ class CacheAwarePolicy(RoutingPolicy):
                 # are still the whole fleet's
                 template_home = self._template_home(request, fleet)
                 keep: list[str | None] = [*matches, template_home[0], prev.replica_id if prev is not None else None]
-                # NOTE: host-tier runs start past each replica's GPU match, which a grouped
-                # replica has only once it is a candidate: with groups, runs are found
-                # later, among the candidates
-                if not groups:
-                    runs_known, runs = True, (index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None)
-                    if runs:
-                        keep.extend(runs)
+                # host-tier runs start past each replica's GPU match (a grouped replica's:
+                # its group's length); a replica with one is kept
+                runs_known, runs = True, (index.tier_runs(hashes, matches, groups) if self.host_cost < 1.0 else None)
+                if runs:
+                    keep.extend(runs)
                 if self._pending and hashes:
                     first = hashes[0]
                     keep.extend(rid for rid, pend in self._pending.items() if first in pend)

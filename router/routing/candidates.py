@@ -13,9 +13,9 @@ the lightest d-quantile of the fleet.
 So in a fleet of more than ``size`` replicas, ``select`` returns:
     * every replica named in ``keep`` that the fleet offers (the caller names those that
       could hit the prompt: the index's holders of its first block, but for a prefix
-      more than half the fleet holds only those that go beyond it, host-tier runs (not
-      for such a prefix: there a run counts only on a replica that is a candidate
-      anyway), blocks in flight, the session's replica, the template's home),
+      more than half the fleet holds only those that go beyond it, host-tier runs (past
+      each replica's GPU match, a grouped one's included), blocks in flight, the
+      session's replica, the template's home),
     * the replica with the fewest queued prefill tokens (the first of them in the
       fleet's order; one pass at C speed): for a prompt no replica holds, the one with
       the lowest TTFT estimate, so TTFT admission keeps the reference the whole fleet
