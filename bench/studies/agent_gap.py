@@ -28,6 +28,14 @@ Reports then rerun on data not used here: ``bench.eviction_report`` (mix seed 0 
 labels hidden, Mooncake), the held-out mix seeds 3 and 4, and ``bench.studies
 .foreign_eviction`` (seeds 0-23).
 
+Outcome: the rule chose 40 s (+0.141 points over the 72 rows; mix +0.403, second
+generator +0.011; ``bench/results/agent_gap.md``). On the data it was not chosen on it
+lost: Mooncake -0.27 / -0.25 / -0.23 / -0.13 points at 2 / 5 / 10 / 25%, the second
+generator's seeds 0-23 -0.16 on average (unicache >= the best classic policy on 71 of 96
+pairs against 76), mix seed 0 with labels hidden -0.10 / -0.36 / +0.05 / +0.09; only the
+held-out mix seeds 3 and 4 gained (+0.31 on average). So 15 s stays
+(``bench/results/agent_gap_heldout/``).
+
 Run (from the repository root; about 10 min on 2 cores):
     nice -n 10 .venv/bin/python -m bench.studies.agent_gap [--gaps 10,15,20,27,40] [--workers 2]
 """
