@@ -27,7 +27,8 @@ the prompt, the least-queued one and a moving window of 32 others
 ``cache_aware:candidate_window=0`` time the same two prompts with every replica weighed.
 Last, every replica is also given the prompt's first block (a system prompt the whole
 fleet holds) and both settings are timed on the held prompt and on a prompt that shares
-only that block with anything indexed.
+only that block with anything indexed; then 8 other replicas also hold the rest of that
+second prompt in their host tiers, and both settings are timed on it again.
 
 Memory. ``tracemalloc`` around building the index: bytes per (block, replica) entry.
 
@@ -362,6 +363,7 @@ def markdown(report: dict) -> str:
 
 # cache_aware's prompt kinds in the decision rows: (label suffix of the shipped row, of the
 # row weighing every replica, legend name)
+HOST_RUNS = "(only the first block on every replica, the rest on 8 replicas' host tiers)"
 PROMPT_KINDS = (
     ("", " (the held prompt)", "8 replicas hold the prompt"),
     (" (a prompt no replica holds)", " (a prompt no replica holds)", "no replica holds it"),
@@ -369,6 +371,7 @@ PROMPT_KINDS = (
      "held, first block on every replica"),
     (" (only the first block on every replica)", " (only the first block on every replica)",
      "only the first block, on every replica"),
+    (f" {HOST_RUNS}", f" {HOST_RUNS}", "that prompt, the rest on 8 host tiers"),
 )
 
 
@@ -446,7 +449,7 @@ def main() -> None:
     if "round_robin" not in policies:
         policies.insert(0, "round_robin")
     decisions, lookups, cold_phases = [], [], []
-    steps = tqdm(total=len(fleets) * (len(policies) + 8), desc="decisions", file=sys.stderr, unit="run")
+    steps = tqdm(total=len(fleets) * (len(policies) + 9), desc="decisions", file=sys.stderr, unit="run")
     for n in fleets:
         prompt, index, loads = build_index(n, args.blocks, args.copies)
         entries = index.num_entries()
@@ -489,6 +492,16 @@ def main() -> None:
             rows.append({"replicas": n, "entries": index.num_entries(), "policy": f"{name} (only the first block on every replica)",
                          **time_policy(name, shared_tail, index, loads, args.iters, args.queue_shares)})
             steps.update()
+        # and 8 replicas spread over the fleet (besides the 8 holders, where the fleet has
+        # others) hold the rest of that prompt in their host tiers: above 32 replicas found
+        # in the first block's group, by one set intersection
+        others = loads[HOLDERS:] or loads
+        for r in others[::max(1, len(others) // 8)][:8]:
+            index.apply_events_unchecked(r.replica_id, [], [], host_stored=shared_tail[1:])
+        for name in ("cache_aware", FULL_PASS):
+            rows.append({"replicas": n, "entries": index.num_entries(), "policy": f"{name} {HOST_RUNS}",
+                         **time_policy(name, shared_tail, index, loads, args.iters, args.queue_shares)})
+        steps.update()
         base = next(r for r in rows if r["policy"] == "round_robin")["p50_us"]
         for r in rows:
             r["p50_ratio_to_round_robin"] = round(r["p50_us"] / base, 1)
