@@ -14,7 +14,7 @@ from unicache.router.config import build_config
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY
-from tests.test_router_redis_e2e import publish
+from tests.test_router_redis_e2e import publish, shut_down
 from tests.test_router_subscriber import KEYS
 
 N = 40
@@ -73,8 +73,4 @@ async def test_a_fleet_past_the_window_routes_to_the_holder_and_keeps_sessions_h
         assert sum(len(rep.served) for rep in reps) == 1 + 6 * 3
         assert grouped_walks == [N // 2] * (1 + 6 * 3)
     finally:
-        r.close()
-        await client.aclose()
-        await app.stop()
-        for rep in reps:
-            await rep.stop()
+        await shut_down(r, client, app, reps)

@@ -35,6 +35,15 @@ def publish(r: redis.Redis, reps: list[FakeReplica], holdings: dict[str, list[by
 _SEQ: dict[str, int] = {}
 
 
+async def shut_down(r: redis.Redis, client, app: RouterApp, reps: list[FakeReplica]) -> None:
+    """A test's teardown: its Redis client, its HTTP client, the router, then the replicas."""
+    r.close()
+    await client.aclose()
+    await app.stop()
+    for rep in reps:
+        await rep.stop()
+
+
 async def test_prefix_routing_through_redis_outage(redis_server):
     reps = [FakeReplica("r0"), FakeReplica("r1")]
     for rep in reps:
@@ -83,8 +92,4 @@ async def test_prefix_routing_through_redis_outage(redis_server):
         assert app.subscriber.reconnects == 1
         r2.close()
     finally:
-        r.close()
-        await client.aclose()
-        await app.stop()
-        for rep in reps:
-            await rep.stop()
+        await shut_down(r, client, app, reps)
