@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    try:
+        import grpclib  # noqa: F401
+    except ImportError:
+        ap.error("grpclib is not installed (it is no dependency of the project): .venv/bin/pip install grpclib")
     ctx = mp.get_context("spawn")
     ports, stop = ctx.Queue(), ctx.Event()
     targets = {"bare grpc.aio server": bare_grpc_server_main, "bare grpclib server": bare_grpclib_server_main}
