@@ -32,6 +32,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if shutil.which("h2load") is None:
+        ap.error("h2load not found (apt-get install nghttp2-client)")
     try:
         import grpclib  # noqa: F401
     except ImportError:
