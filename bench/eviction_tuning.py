@@ -18,22 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.runner import capacities_from_fracs
-from unicache.sim.workload import WorkloadConfig, generate
-from unicache.trace import read_trace, write_trace
+from bench.mix_traces import mix_requests
 from bench.unicache_variants import AblationUniCache
 
 
 def mix_trace(seed: int, duration: float, block_size: int, ignore_labels: bool):
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"mix{seed}.jsonl"
-        write_trace(path, generate(WorkloadConfig(seed=seed, duration=duration, block_size=block_size)))
-        return prepare(read_trace(path), block_size, ignore_labels=ignore_labels)
+    return prepare(mix_requests(seed, duration, block_size), block_size, ignore_labels=ignore_labels)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,15 +43,16 @@ Run (from the repository root; about 10 min on 2 cores):
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.foreign_workload import BLOCK_SIZE as FOREIGN_BLOCK_SIZE
-from bench.foreign_workload import generate_foreign
+from bench.foreign_workload import foreign_trace_files
+from bench.mix_traces import mix_requests
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, produced_by, write_report
 from bench.workers import map_in_workers
@@ -59,28 +60,23 @@ from unicache.classifier import RequestClassifier
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.runner import capacities_from_fracs
-from unicache.sim.workload import WorkloadConfig, generate
-from unicache.trace import read_trace, write_trace
+from unicache.trace import read_trace
 
 FRACS = (0.02, 0.05, 0.10, 0.25)
-DEFAULT_GAP = 15.0
+DEFAULT_GAP = inspect.signature(RequestClassifier).parameters["agent_gap_s"].default  # 15 s
 MIX_SEEDS = tuple(range(100, 106))
 FOREIGN_SEEDS = tuple(range(100, 112))
 MIX_BLOCK_SIZE = 16
 DURATION_S = 1200.0
-FOREIGN_RATE = 1.5  # requests/s, as bench.studies.foreign_eviction's traces
 
 
 def _raw_trace(kind: str, seed: int):
-    """The workload's trace requests as a trace file would give them."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "t.jsonl"
-        if kind == "mix":
-            write_trace(path, generate(WorkloadConfig(seed=seed, duration=DURATION_S, block_size=MIX_BLOCK_SIZE)))
-        else:
-            write_trace(path, generate_foreign(seed, duration=DURATION_S, requests_per_s=FOREIGN_RATE,
-                                               block_size=FOREIGN_BLOCK_SIZE))
-        return read_trace(path)
+    """The workload's trace requests as a trace file gives them (the foreign traces at
+    ``foreign_trace_files``' rate, as ``bench.studies.foreign_eviction``'s)."""
+    if kind == "mix":
+        return mix_requests(seed, DURATION_S, MIX_BLOCK_SIZE)
+    with foreign_trace_files([seed], DURATION_S, FOREIGN_BLOCK_SIZE) as files:
+        return read_trace(files[0][2])
 
 
 def run_workload(item: tuple[str, int, tuple[float, ...]]) -> list[dict]:
