@@ -250,6 +250,9 @@ class CachePublisher:
             address=self.address,
             metrics_url=self.metrics_url,
             hop_address=self.hop_address,
+            # NOTE: the router's /v1/models reports it (vLLM's model card does); a source
+            # without one (a test double) reports 0, "unknown".
+            max_model_len=getattr(self.source, "max_model_len", 0) or 0,
             device=str(self.source.device),
             running=load.running,
             waiting=load.waiting,

@@ -3,8 +3,11 @@
 Routes:
     POST /v1/completions, POST /v1/chat/completions   (``stream: true`` -> server-sent
         events ending with ``data: [DONE]``; otherwise one JSON body)
-    GET  /v1/models, /v1/models/{model}, /healthz, /readyz, /metrics, /v1/cluster/state,
-        /dashboard, /dashboard/history
+    GET  /v1/models, /v1/models/{model}, /healthz, /readyz, /health, /metrics,
+        /v1/cluster/state, /dashboard, /dashboard/history
+
+``/healthz`` is liveness (200 while the process serves); ``/readyz`` and vLLM's ``/health``
+are readiness: 200 when a request can be routed (a healthy replica), else 503.
 
 Request fields are parsed in ``openai_request`` (what is supported, refused, defaulted:
 docs/openai.md), responses built in ``openai_response``, and every error goes through
@@ -253,6 +256,7 @@ class HttpFrontDoor:
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", admin(self.metrics), methods=["GET"]),
                 Route("/v1/cluster/state", admin(self.state), methods=["GET"]),
                 Route("/dashboard", admin(self.dashboard), methods=["GET"]),
@@ -300,7 +304,16 @@ class HttpFrontDoor:
 
     # --- plain endpoints --------------------------------------------------------------
     def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "unicache"}
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "unicache", "root": self.model_name,
+                "parent": None, "max_model_len": self.max_model_len()}
+
+    def max_model_len(self) -> int | None:
+        """The context every replica serves, as vLLM's model card reports it: the smallest
+        ``max_model_len`` in the replicas' heartbeats (None when none reports one: static
+        replicas send no heartbeat)."""
+        lens = [rec.heartbeat.max_model_len for rec in self.core.cluster.replicas.values()
+                if rec.heartbeat is not None and rec.heartbeat.max_model_len]
+        return min(lens) if lens else None
 
     async def models(self, request: Request) -> Response:
         try:
@@ -324,6 +337,13 @@ class HttpFrontDoor:
     async def readyz(self, request: Request) -> Response:
         n = len(self.core.cluster.loads())
         return JSONResponse({"ready": n > 0, "replicas": n}, status_code=200 if n else 503)
+
+    async def health(self, request: Request) -> Response:
+        """vLLM's health check, for load balancers: an empty 200 when a request can be
+        routed now, else 503 (OpenAI error body), as ``/readyz``."""
+        if self.core.cluster.loads():
+            return Response(status_code=200)
+        return error_response(ApiError(503, "no healthy replica", "service_unavailable"))
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.core.metrics.render(self.core.cluster), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -57,6 +57,12 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._waiting = 0  # accepted requests without output yet (event-loop thread only)
 
+    @property
+    def max_model_len(self) -> int:
+        """The context it serves, prompt + output (0 before ``start()``): announced in the
+        replica's heartbeat."""
+        return self.engine.max_model_len if self.engine is not None else 0
+
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         if self._thread is not None:

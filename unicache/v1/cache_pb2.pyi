@@ -55,7 +55,7 @@ class CacheSummary(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., timestamp: _Optional[float] = ..., nonce: _Optional[bytes] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ..., parents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens", "seq", "metrics_url", "hop_address")
+    __slots__ = ("replica_id", "address", "device", "running", "waiting", "cache", "epoch", "timestamp", "queued_prefill_tokens", "seq", "metrics_url", "hop_address", "max_model_len")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class Heartbeat(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     HOP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     device: str
@@ -80,4 +81,5 @@ class Heartbeat(_message.Message):
     seq: int
     metrics_url: str
     hop_address: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., epoch: _Optional[int] = ..., timestamp: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., seq: _Optional[int] = ..., metrics_url: _Optional[str] = ..., hop_address: _Optional[str] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., epoch: _Optional[int] = ..., timestamp: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., seq: _Optional[int] = ..., metrics_url: _Optional[str] = ..., hop_address: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
