@@ -159,3 +159,70 @@ async def test_a_choice_is_a_token_event_even_with_empty_text(events, error, ttf
         rec = await _one(client, BenchConfig(endpoint="http://x"), req, 0.0)
     assert (rec.error, not math.isnan(rec.ttft_s), rec.completion_tokens) == (error, ttft, tokens)
     assert len(rec.itl_s) == (1 if ttft else 0)
+
+
+def test_fit_request_keeps_the_leading_words_that_fit_one_token_per_byte():
+    from unicache.bench_prompts import SPECIAL_TOKENS_RESERVE, fit_request
+    from unicache.trace import TraceRequest
+
+    req = TraceRequest(index=0, timestamp_ms=0.0, input_length=40, output_length=50, hash_ids=[7, 8, 9])
+    assert fit_request(req, 16, 100_000) is req  # fits: unchanged
+    cut = fit_request(req, 16, 120)
+    full = prompt_text(req.hash_ids, req.input_length, 16)
+    budget = 120 - 30 - SPECIAL_TOKENS_RESERVE  # max_tokens capped at a quarter of the context
+    kept = prompt_text(cut.hash_ids, cut.input_length, 16)
+    assert cut.output_length == 30 and full.startswith(kept)
+    assert len(kept.encode()) <= budget < len(prompt_text(req.hash_ids, cut.input_length + 1, 16).encode())
+    assert cut.hash_ids == [7, 8, 9][: -(-cut.input_length // 16)]
+    with pytest.raises(ValueError, match="no room"):
+        fit_request(req, 16, 10)
+
+
+async def test_a_refusal_keeps_the_servers_code_and_message():
+    import httpx
+
+    from unicache.bench_client import _one
+    from unicache.trace import TraceRequest
+
+    body = {"error": {"message": "prompt (5000 tokens) + max_tokens (90) exceeds the context of 4096",
+                      "type": "invalid_request_error", "param": None, "code": "context_length_exceeded"}}
+    transport = httpx.MockTransport(lambda request: httpx.Response(400, json=body))
+    req = TraceRequest(index=0, timestamp_ms=0.0, input_length=4, output_length=2, hash_ids=[1])
+    async with httpx.AsyncClient(transport=transport) as client:
+        rec = await _one(client, BenchConfig(endpoint="http://x"), req, 0.0)
+    assert (rec.error, rec.error_code, rec.error_message) == ("http 400", "context_length_exceeded", body["error"]["message"])
+    s = summarize([rec, rec], 1.0)
+    assert s["errors"] == {"http 400": 2}
+    assert s["error_details"] == [{"error": "http 400", "code": "context_length_exceeded", "count": 2, "message": body["error"]["message"]}]
+    assert "  2 x http 400 context_length_exceeded: prompt (5000 tokens) + max_tokens (90) exceeds the context of 4096" in format_table(s)
+    assert rec.as_dict()["error_code"] == "context_length_exceeded"
+
+
+async def test_synthetic_prompts_are_sized_to_the_context_the_endpoint_reports(tmp_path, monkeypatch, capsys):
+    from tests.support.load_stack import LoadStack
+    from unicache.v1 import cache_pb2
+
+    stack = await LoadStack.start(num_replicas=1, max_model_len=512)
+    try:
+        rep = stack.replicas[0]
+        monkeypatch.setenv("UNICACHE_API_KEY", "key-acme")
+        args = ["bench", "--endpoint", stack.http_url, "--synthetic", "6", "--rate-scale", "inf", "--no-progress"]
+        # the context is too small for the mix: unsized, its long prompts are refused, each
+        # failure with the server's code and message
+        out = tmp_path / "unsized.json"
+        assert await asyncio.to_thread(main, [*args, "--max-model-len", "100000", "--out", str(out)]) == 1
+        report = json.loads(out.read_text())
+        failed = [r for r in report["requests"] if r["error"]]
+        assert failed and {(r["error"], r["error_code"]) for r in failed} == {("http 400", "context_length_exceeded")}
+        assert all("exceeds the context of 512" in r["error_message"] for r in failed)
+        assert f"{len(failed)} x http 400 context_length_exceeded: " in capsys.readouterr().out
+        # the router announces the replica's context (its heartbeat): every prompt fits
+        stack.app.cluster.upsert(rep.replica_id, rep.address, heartbeat=cache_pb2.Heartbeat(replica_id=rep.replica_id, max_model_len=512))
+        out = tmp_path / "sized.json"
+        assert await asyncio.to_thread(main, [*args, "--out", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert (report["summary"]["failed"], report["source"]["max_model_len"]) == (0, 512)
+        assert all(r["prompt_tokens"] + r["completion_tokens"] <= 512 for r in report["requests"])
+        assert f"context 512 tokens: {len(failed)} of 6 synthetic requests cut to fit" in capsys.readouterr().err
+    finally:
+        await stack.close()

@@ -5,7 +5,12 @@ Each trace request becomes one streaming ``POST {endpoint}/v1/completions`` (pro
 temperature 0, ``stream_options.include_usage``), sent at ``timestamp / rate_scale`` after
 the start (``rate_scale`` inf: all at once), with at most ``max_concurrency`` in flight.
 Any non-200 answer, transport error, timeout or error event in the stream counts as a
-failed request (by kind); nothing is retried. Statistics: ``unicache.bench_stats``.
+failed request (by kind), with the server's error ``code`` and ``message`` when it sent
+one; nothing is retried. Statistics: ``unicache.bench_stats``.
+
+``--synthetic`` sizes its prompts to the endpoint: the context is ``--max-model-len``, else
+the ``max_model_len`` of the model's card in ``GET /v1/models`` (vLLM and the UniCache
+router report it); each request is cut to fit it (``bench_prompts.fit_request``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from unicache.bench_prompts import prompt_text
+from unicache.bench_prompts import fit_request, prompt_text
 from unicache.bench_stats import RequestRecord, format_table, plot_ttft_cdf, summarize
 from unicache.errors import UsageError
 from unicache.sim.workload import WorkloadConfig, generate
@@ -67,8 +72,48 @@ class BenchConfig:
 
     @property
     def completions_url(self) -> str:
+        return self.base_url + "/v1/completions"
+
+    @property
+    def base_url(self) -> str:
         base = self.endpoint.rstrip("/")
-        return (base[: -len("/v1")] if base.endswith("/v1") else base) + "/v1/completions"
+        return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def served_context(cfg: BenchConfig, timeout_s: float = 10.0) -> int | None:
+    """``max_model_len`` of ``cfg.model`` in the endpoint's ``GET /v1/models`` (None when
+    the endpoint does not report one or cannot be asked)."""
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    try:
+        resp = httpx.get(cfg.base_url + "/v1/models", headers=headers, timeout=timeout_s)
+        cards = resp.json().get("data", []) if resp.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    for card in cards:
+        if isinstance(card, dict) and card.get("id") == cfg.model and isinstance(card.get("max_model_len"), int):
+            return card["max_model_len"]
+    return None
+
+
+def fit_to_context(requests: list[TraceRequest], block_size: int, max_model_len: int) -> tuple[list[TraceRequest], int]:
+    """``requests`` each cut to the context (``bench_prompts.fit_request``), and how many
+    were cut."""
+    try:
+        fitted = [fit_request(r, block_size, max_model_len) for r in requests]
+    except ValueError as exc:
+        raise UsageError(f"--max-model-len {max_model_len}: {exc}") from None
+    return fitted, sum(1 for a, b in zip(requests, fitted) if a is not b)
+
+
+def _server_error(payload: object) -> tuple[str | None, str | None]:
+    """(code, message) of an OpenAI-style error body or stream event (None each when absent)."""
+    err = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(err, dict):
+        code = err.get("code")
+        return (None if code is None else str(code)), (None if err.get("message") is None else str(err["message"]))
+    if isinstance(err, str):
+        return None, err
+    return None, None
 
 
 def synthetic_requests(n: int, seed: int, block_size: int) -> list[TraceRequest]:
@@ -96,8 +141,12 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, req: TraceRequest, t
     try:
         async with client.stream("POST", cfg.completions_url, json=body, timeout=cfg.timeout_s) as resp:
             if resp.status_code != 200:
-                await resp.aread()
+                raw = await resp.aread()
                 rec.error = f"http {resp.status_code}"
+                try:
+                    rec.error_code, rec.error_message = _server_error(json.loads(raw))
+                except ValueError:
+                    rec.error_message = raw[:500].decode(errors="replace") or None
                 return rec
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -108,6 +157,7 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, req: TraceRequest, t
                 event = json.loads(data)
                 if "error" in event:
                     rec.error = "stream error"
+                    rec.error_code, rec.error_message = _server_error(event)
                     return rec
                 now = time.perf_counter()
                 # NOTE: a choice is a token event even with empty text (a special token, or a
@@ -133,8 +183,10 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, req: TraceRequest, t
             rec.completion_tokens = chunks  # NOTE: no usage reported: one token per text chunk
     except httpx.TimeoutException:
         rec.error = "timeout"
+        rec.error_message = f"no answer within {cfg.timeout_s:g} s"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         rec.error = type(exc).__name__
+        rec.error_message = str(exc) or None
     finally:
         rec.end_s = time.perf_counter() - t0
     return rec
@@ -181,6 +233,9 @@ def register(subparsers) -> None:
     src.add_argument("--trace", help="JSON Lines trace (docs/trace-format.md)")
     src.add_argument("--synthetic", type=int, metavar="N", help="the first N requests of the generated mix (gen-workload defaults)")
     p.add_argument("--seed", type=int, default=0, help="seed of --synthetic (default 0)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="the endpoint's context: --synthetic cuts its prompts to fit it "
+                        "(default: the model's max_model_len in GET /v1/models)")
     p.add_argument("--model", default="unicache-default", help="model name sent (default unicache-default)")
     p.add_argument("--api-key", default=None, help=f"API key (default: env {API_KEY_ENV}; a flag is visible to other users)")
     p.add_argument("--block-size", type=int, default=16, help="words of prompt text per hash id (default 16; Mooncake: 512)")
@@ -206,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         rate_scale=args.rate_scale, max_requests=args.max_requests, max_concurrency=args.max_concurrency,
         timeout_s=args.timeout_s, slo_ttft_s=args.slo_ttft_s,
     )
+    context = None
     if args.trace:
         try:
             requests = read_trace(args.trace)
@@ -213,12 +269,20 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     else:
         requests = synthetic_requests(args.synthetic, args.seed, args.block_size)
+        context = args.max_model_len if args.max_model_len is not None else served_context(cfg)
+        if context is None:
+            print(f"unicache bench: warning: {cfg.base_url}/v1/models reports no max_model_len for {cfg.model!r}; "
+                  "prompts are not sized to the context (set --max-model-len)", file=sys.stderr)
+        else:
+            requests, cut = fit_to_context(requests, args.block_size, context)
+            print(f"unicache bench: context {context} tokens: {cut} of {len(requests)} synthetic requests cut to fit",
+                  file=sys.stderr)
     records = asyncio.run(run_bench(cfg, requests, progress=not args.no_progress))
     summary = summarize(records, cfg.slo_ttft_s)
     print(format_table(summary))
     if args.out:
         config = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
-        source = {"trace": args.trace} if args.trace else {"synthetic": args.synthetic, "seed": args.seed}
+        source = {"trace": args.trace} if args.trace else {"synthetic": args.synthetic, "seed": args.seed, "max_model_len": context}
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump({"config": config, "source": source, "summary": summary,
                        "requests": [r.as_dict() for r in records]}, fh, indent=1, default=str)

@@ -9,11 +9,22 @@ Invariants:
     equal text) and a partial block's text is a prefix of its full text;
   * a word is meant to be about one token of a BPE tokenizer (short, common, lower case),
     so B approximates tokens per block there; a byte tokenizer sees more tokens per block.
+
+``fit_request`` cuts a request to an endpoint's context (``max_model_len``) for any
+tokenizer that makes at most one token per byte (byte-level BPE, bytes): the prompt keeps
+its first words, so requests that shared a prefix still share it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import xxhash
+
+from unicache.trace import TraceRequest
+
+# Tokens a tokenizer may add around a prompt (BOS and the like).
+SPECIAL_TOKENS_RESERVE = 8
 
 # Short common English words (each one BPE token with a leading space in GPT-style vocabularies).
 VOCAB: tuple[str, ...] = (
@@ -47,3 +58,31 @@ def prompt_text(hash_ids: list[int], input_length: int, tokens_per_block: int) -
     parts = [block_text(i, tokens_per_block) for i in hash_ids[:-1]]
     parts.append(block_text(hash_ids[-1], tokens_per_block, last))
     return "".join(parts)
+
+
+def fit_request(req: TraceRequest, tokens_per_block: int, max_model_len: int) -> TraceRequest:
+    """``req`` cut to fit a context of ``max_model_len`` tokens (itself when it fits).
+
+    ``max_tokens`` (the output length) is capped at a quarter of the context; the prompt
+    then keeps as many leading words as fit in the rest, counted as one token per byte of
+    text (the most a byte-level tokenizer makes), less ``SPECIAL_TOKENS_RESERVE``. The hash
+    ids keep the blocks those words cover, so the cut prompt is a prefix of the full one.
+
+    Raises:
+        ValueError: a context too small for one word and one output token.
+    """
+    output = min(max(1, req.output_length), max(1, max_model_len // 4))
+    budget = max_model_len - output - SPECIAL_TOKENS_RESERVE
+    text = prompt_text(req.hash_ids, req.input_length, tokens_per_block)
+    if len(text.encode()) <= budget and output == max(1, req.output_length):
+        return req
+    words, size = 0, 0
+    for word in text.split(" ")[1:]:  # the text is " w1 w2 ...": ASCII, a byte per character
+        if size + 1 + len(word) > budget:
+            break
+        size += 1 + len(word)
+        words += 1
+    if words < 1:
+        raise ValueError(f"a context of {max_model_len} tokens leaves no room for a prompt")
+    blocks = -(-words // tokens_per_block)
+    return dataclasses.replace(req, input_length=words, output_length=output, hash_ids=req.hash_ids[:blocks])

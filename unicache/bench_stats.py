@@ -10,6 +10,8 @@ Definitions (all times in seconds; percentiles are nearest-rank, ``unicache.sim.
     duration; goodput: successful requests whose TTFT <= the SLO, per second of duration.
   * cached tokens: the sum of ``usage.prompt_tokens_details.cached_tokens`` over the requests
     whose server reported it (``cached_reported`` of them).
+  * failures: ``errors`` counts them by kind (``http 400``, ``stream error``, ``timeout``,
+    ...); ``error_details`` by kind and the server's error code, with the first message.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ QUANTILES = (50.0, 90.0, 99.0)
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One replayed request. ``error`` is None when it succeeded."""
+    """One replayed request. ``error`` is None when it succeeded; a failure keeps the
+    server's error ``code`` and ``message`` where it sent them (OpenAI's error body or
+    stream event), else what the client saw."""
 
     index: int
     sent_s: float  # since the run started
@@ -36,6 +40,8 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int | None = None
     error: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -66,6 +72,7 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float) -> dict:
         "succeeded": len(ok),
         "failed": len(records) - len(ok),
         "errors": dict(sorted(Counter(r.error for r in records if not r.ok).items())),
+        "error_details": error_details(records),
         "duration_s": duration,
         "ttft_s": distribution([r.ttft_s for r in ok]),
         "itl_s": distribution([g for r in ok for g in r.itl_s]),
@@ -82,6 +89,18 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float) -> dict:
     }
 
 
+def error_details(records: list[RequestRecord]) -> list[dict]:
+    """One entry per (kind, server code) of the failures: ``error``, ``code``, ``count`` and
+    the first ``message``, most frequent first."""
+    groups: dict[tuple[str, str | None], dict] = {}
+    for r in records:
+        if r.ok:
+            continue
+        g = groups.setdefault((r.error, r.error_code), {"error": r.error, "code": r.error_code, "count": 0, "message": r.error_message})
+        g["count"] += 1
+    return sorted(groups.values(), key=lambda g: (-g["count"], g["error"], g["code"] or ""))
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
@@ -91,8 +110,12 @@ def format_table(summary: dict) -> str:
     lines = [
         f"requests  {summary['requests']}  succeeded {summary['succeeded']}  failed {summary['failed']}"
         + (f"  ({', '.join(f'{k}: {n}' for k, n in summary['errors'].items())})" if summary["errors"] else ""),
-        f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
+    for d in summary.get("error_details", []):
+        message = d["message"] or ""
+        message = message if len(message) <= 160 else message[:157] + "..."
+        lines.append(f"  {d['count']} x {d['error']}" + (f" {d['code']}" if d["code"] else "") + (f": {message}" if message else ""))
+    lines.append(f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s")):
         d = summary[key]
         lines.append(f"{name:<14}" + "".join(f"{_ms(d[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
