@@ -217,7 +217,7 @@ def time_cold_phases(prompt, index, loads, iters: int, queue_shares: bool = Fals
     admissible = policy._admissible(loads, n_tokens, BLOCK_SIZE, matches)
     return {"walk": _timed(lambda i: index.prefix_matches(prompt), iters, warmup=50),
             "admission": _timed(lambda i: policy._admissible(loads, n_tokens, BLOCK_SIZE, matches), iters, warmup=50),
-            "room": _timed(lambda i: policy._with_room(admissible, n_tokens, BLOCK_SIZE, matches), iters, warmup=50),
+            "room": _timed(lambda i: policy._with_room(admissible, n_tokens, BLOCK_SIZE), iters, warmup=50),
             "admissible": len(admissible)}
 
 

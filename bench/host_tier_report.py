@@ -2,7 +2,7 @@
 
 Replays (1) the Mooncake conversation trace without its first quarter (block size 512,
 classes from the classifier; slices 1-3 of 4 in time: slice 0 is the tuning slice on which
-the host tier's unicache rule was chosen, bench/studies/host_tier_drops.py, so it is not
+the host tier's unicache rule was chosen, the host_tier_drops study, docs/studies.md, so it is not
 reported here) and (2) a generated labelled mix (block size 16, seed 0; the rule was
 chosen on seeds 100 and up) through ``unicache.sim`` with the GPU
 pool at 5% and 10% of each trace's unique blocks and a host tier of 0, 4 and 10 x the GPU
@@ -48,7 +48,7 @@ REPLICAS = [1, 4]
 TTFT_TARGET = 0.6
 
 
-MOONCAKE_SLICES = 4  # slice 0 tunes (bench/studies/host_tier_drops.py); 1-3 are reported
+MOONCAKE_SLICES = 4  # slice 0 tunes (the host_tier_drops study, docs/studies.md); 1-3 are reported
 MOONCAKE_TUNING_SLICES = 1
 
 
@@ -127,7 +127,7 @@ def markdown(report: dict) -> str:
              "a promotion's copy (128 KiB/token at 25 GB/s) is in its request's TTFT.", "",
              f"Mooncake: slices {MOONCAKE_TUNING_SLICES}-{MOONCAKE_SLICES - 1} of {MOONCAKE_SLICES} in time "
              "(the last three quarters of the trace); slice 0 is the tuning slice the host tier's unicache rule "
-             "was chosen on (`python -m bench.studies.host_tier_drops`), with mix seeds 100-104; the mix here is "
+             "was chosen on (the `host_tier_drops` study, docs/studies.md), with mix seeds 100-104; the mix here is "
              "seed 0.", ""]
     for key, run in report["runs"].items():
         lines += [f"## {key} ({run['requests']} requests, {run['unique_blocks']} unique blocks, "

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench.http_cpu import router_main
 from bench.router_profile import replica_spec, replicas_main
-from bench.studies.http_floor import h2load
+from bench.bare_http import h2load
 from unicache.testing.procfs import cpu_s
 
 

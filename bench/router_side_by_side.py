@@ -14,7 +14,7 @@ process's CPU (all threads, from /proc) per request, per round, rounds interleav
       workers (one process, uvicorn: ``worker_app`` answers the routers' health and info
       probes and streams the tokens);
     * ``bare uvicorn``: uvicorn serving an app that parses the body and streams the same
-      events (``bench.studies.http_floor``): the floor of a Python HTTP server, nothing
+      events (``bench.bare_http``): the floor of a Python HTTP server, nothing
       routed;
     * ``unicache (gRPC)``: the same router process's gRPC front door, ``Router.Generate``
       sent by h2load over HTTP/2 with gRPC framing (one stream at a time per connection,
@@ -66,7 +66,7 @@ from bench.report_files import git_commit, save_figure, write_report
 from bench.rounds import round_order
 from bench.router_profile import free_port, replica_spec, replicas_main, start_bare_proxy
 from bench.router_workers import grpc_frame, h2load_burst
-from bench.studies.http_floor import TOKENS, bare_app, bare_main, h2load
+from bench.bare_http import TOKENS, bare_app, bare_main, h2load
 from unicache.model_name import DEFAULT_MODEL_NAME
 from unicache.sim.metrics import percentile
 from unicache.testing.procfs import cpu_s

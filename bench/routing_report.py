@@ -80,12 +80,12 @@ POOLED_LABEL = "pooled+unicache"
 # cross-validation over 48 settings with each of them on and off (7 tuning traces) picked
 # each for 7 of 7, 6 of 7 and 7 of 7 held-out families with the simulator's published queue
 # as it is now. TTFT admission itself, against the fixed balance ratio it replaced, is
-# bench.studies.routing_admission's question.
+# the routing_admission study's (docs/studies.md) question.
 def candidates(load_weights: Sequence[float] = (1.0,)) -> dict[str, dict]:
     """The cross-validation's settings: every admission factor x footprint weight x queue
     per lane at the default load weight (1.0), and with the queue per lane (every held-out
     family's pick) at each other load weight in ``load_weights`` (named ``...-lw<w>``;
-    ``bench.studies.capacity_terms`` found 0.5 a lead)."""
+    the ``capacity_terms`` study, docs/studies.md found 0.5 a lead)."""
     out: dict[str, dict] = {}
     for lw in load_weights:
         for af in (1.5, 2.0, 3.0):

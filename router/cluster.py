@@ -196,11 +196,6 @@ class ClusterView:
         """Every replica's load, quarantined or not (for metrics and state pages)."""
         return [self.replicas[rid].load for rid in self._order]
 
-    def replace_load(self, rec: ReplicaRecord, load: ReplicaLoad) -> None:
-        """Give ``rec`` a new load object (a study's variant of what policies see)."""
-        rec.load = load
-        self._healthy = None
-
     @staticmethod
     def _load(rec: ReplicaRecord) -> ReplicaLoad:
         """A new load object for ``rec`` (``_fill_load``)."""

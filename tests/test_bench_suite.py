@@ -1,14 +1,13 @@
 """bench/ as a suite: modules of one package that import the installed ``unicache``.
 
 No bench module edits ``sys.path`` or imports ``tests``; bench/README.md indexes every
-module; every ``python -m bench.*`` command in the docs names a module that exists; and a
-study's own policy never reaches the production eviction registry.
+module; every ``python -m bench.*`` command in the docs names a module that exists; and no
+study code is left in it (studies leave once answered: docs/studies.md).
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 from tests.support.source_tree import REPO
 
 BENCH = REPO / "bench"
-HELPERS = {"bench.paths", "bench.report_files", "bench.mix_traces", "bench.rounds", "bench.unicache_variants"}
+HELPERS = {"bench.paths", "bench.report_files", "bench.rounds", "bench.workers", "bench.bare_http"}
 
 
 def bench_modules() -> list[str]:
@@ -53,11 +52,13 @@ def edits_sys_path(module: str) -> bool:
     )
 
 
-def test_the_suite_has_its_benchmarks_and_studies():
+def test_the_suite_has_its_benchmarks_and_no_study_code():
     mods = bench_modules()
     assert {"bench.eviction_report", "bench.routing_report", "bench.faults"} <= set(mods)
-    assert {"bench.studies.mooncake_bound", "bench.studies.routing_gap", "bench.studies.routing_footprint"} <= set(mods)
-    assert not {"bench.mooncake_bound", "bench.routing_gap", "bench.routing_footprint"} & set(mods)
+    assert HELPERS <= set(mods)
+    assert not [m for m in mods if m.startswith("bench.studies")]
+    assert not {"bench.mooncake_bound", "bench.routing_gap", "bench.routing_footprint", "bench.unicache_ablation",
+                "bench.unicache_variants", "bench.eviction_tuning"} & set(mods)
 
 
 @pytest.mark.parametrize("module", bench_modules())
@@ -82,26 +83,16 @@ def documented_commands() -> set[str]:
 
 def test_every_documented_bench_command_names_a_module():
     commands = documented_commands()
-    assert "bench.eviction_report" in commands and "bench.studies.mooncake_bound" in commands
+    assert "bench.eviction_report" in commands and "bench.routing_report" in commands
     assert sorted(c for c in commands if c not in bench_modules()) == []
     assert not re.search(r"python\s+bench/", (REPO / "README.md").read_text())
 
 
-def test_a_study_policy_stays_out_of_the_production_registry():
-    from unicache.replica.eviction.registry import policy_names
-
-    before = policy_names()
-    study = importlib.import_module("bench.studies.mooncake_bound")
-    assert study.ContinuationBonusPolicy.name == study.POLICY
-    assert policy_names() == before
-    assert study.POLICY not in policy_names()
-
-
 def test_a_bench_module_runs_as_a_module_from_the_repo_root():
-    out = subprocess.run([sys.executable, "-m", "bench.studies.routing_gap", "--help"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "bench.eviction_report", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "--seeds" in out.stdout
+    assert "--fracs" in out.stdout
 
 
 def test_round_order_puts_each_variant_in_each_position_once_per_cycle():

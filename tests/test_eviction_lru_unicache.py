@@ -21,7 +21,7 @@ from unicache.replica.eviction.unicache import (
     TAIL_LANE,
     UniCachePolicy,
 )
-from bench.unicache_variants import AblationUniCache
+from tests.support.unicache_variants import AblationUniCache
 
 SINGLE = RequestClass()
 CHAT_CLS = RequestClass(session_id="c", turn=1, task=Task.CHAT)

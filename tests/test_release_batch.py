@@ -13,7 +13,7 @@ from unicache.request_class import SINGLE_TURN, RequestClass, Task
 from unicache.replica.eviction.base import EvictionPolicy
 from unicache.replica.eviction.lru import LRUPolicy
 from unicache.replica.eviction.registry import make_policy
-from bench.unicache_variants import AblationUniCache
+from tests.support.unicache_variants import AblationUniCache
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 
 BS = 4
@@ -67,7 +67,7 @@ POLICIES = {
     "unicache-every-request": dict(update_every=1),
     "unicache-one-session-short-halflife": dict(max_sessions=1, structural_rate_halflife_s=5.0, update_every=2),
 }
-# The ablation study's variants (bench/unicache_variants.py) go through the same release path.
+# The test double's variants (tests/support/unicache_variants.py) go through the same release path.
 VARIANTS = {
     "variant-no-rate": dict(structural_rate=False, update_every=2),
     "variant-no-lanes": dict(tail_lane=False, turn_lanes=False, freq_lanes=False),

@@ -115,30 +115,6 @@ def test_a_large_fleet_keeps_the_holder_outside_the_window_and_spreads_new_promp
     assert len(set(chosen)) == 16
 
 
-def test_the_studys_pre_registered_rule_picks_the_smallest_passing_window():
-    from bench.studies.candidate_window import TUNING, choose_default, passes, summary
-
-    assert passes(1.05, 1.05, -0.5) and not passes(1.051, 1.0, 0.0) and not passes(1.0, 1.06, 0.0)
-    assert not passes(1.0, 1.0, -0.51)
-    full = {"token_hit_ratio": 0.40, "ttft_mean_s": 1.0, "ttft_p99_s": 10.0}
-    results = {name: {0: full, 32: full, 64: full, 128: full} for name in TUNING}
-    a, b = sorted(TUNING)[:2]
-    # window 32: TTFT mean x 1.44 on one of six workloads -> geometric mean 1.44 ** (1/6) = 1.0627
-    results[a][32] = {**full, "ttft_mean_s": 1.44}
-    assert summary(results, 32) == pytest.approx((1.44 ** (1 / 6), 1.0, 0.0))
-    # window 64: two workloads 1.1x and 0.95x on p99, hits -0.3 points on average
-    results[a][64] = {**full, "ttft_p99_s": 11.0, "token_hit_ratio": 0.382}
-    results[b][64] = {**full, "ttft_p99_s": 9.5}
-    m, p, h = summary(results, 64)
-    assert (m, h) == (pytest.approx(1.0), pytest.approx(-0.3))
-    assert p == pytest.approx((1.1 * 0.95) ** (1 / 6))
-    assert choose_default(results, [0, 32, 64, 128]) == 64
-    results[b][64] = {**full, "ttft_p99_s": 15.0}  # (1.1 * 1.5) ** (1/6) = 1.087
-    assert choose_default(results, [0, 32, 64, 128]) == 128
-    results[b][128] = {**full, "token_hit_ratio": 0.36}  # -4 points / 6
-    assert choose_default(results, [0, 32, 64, 128]) == 0  # none passes: off
-
-
 def test_a_system_prompt_on_every_replica_groups_its_holders_and_the_long_holder_still_wins():
     from unicache.router.routing.cache_aware import matches_of_candidates
 

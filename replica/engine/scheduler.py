@@ -69,9 +69,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # --------------------------------------------------------------- schedule
     def schedule(self) -> list[ScheduledChunk]:
         now = self.clock()

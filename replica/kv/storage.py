@@ -10,19 +10,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from unicache.replica.kv.transfers import TransferRun
-
 
 class KVStorage(Protocol):
     num_blocks: int
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src``'s contents into block ``dst`` (copy-on-write)."""
-
-
-class TieredKVStorage(KVStorage, Protocol):
-    def run_transfers(self, runs: list[TransferRun]) -> None:
-        """Run the batched copies between the GPU pool and the host buffer, in order."""
 
 
 class MetadataOnlyStorage:

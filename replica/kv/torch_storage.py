@@ -83,11 +83,3 @@ class TorchKVStorage:
                     k, v = k.pin_memory(), v.pin_memory()
                 self.k.index_copy_(1, dst, k.to(self.device, non_blocking=pin))
                 self.v.index_copy_(1, dst, v.to(self.device, non_blocking=pin))
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-    @property
-    def host_nbytes(self) -> int:
-        return 0 if self.host_k is None else self.host_k.numel() * self.host_k.element_size() * 2

@@ -73,7 +73,7 @@ replica (``load_key``). KV memory, not prefill, is what fills first on every fam
 routing suite, and a replica without free blocks makes a request wait for running ones to
 finish: on the suite's 26 tuning traces fit-first raised goodput 1.031x at 4 replicas and
 1.036x at 8 over the same policy without it, token hits -0.06 / -0.04 points
-(``bench.studies.kv_admission``); applied to a session's home too it cost agent traffic
+(the ``kv_admission`` study, docs/studies.md); applied to a session's home too it cost agent traffic
 0.974x / 0.929x (a moved turn recomputes its context), so a home is judged before it.
 The queue share (q_r) exists because replicas publish whole prompts (of the requests
 without a first token, waiting or being prefilled: what the vLLM engine can see): on agent
@@ -81,21 +81,21 @@ traffic, mostly cached, that overstated the work at the replica holding a sessio
 agent prompt's context several times, so under load turns and first turns left it and
 copied their context elsewhere; on the 26 tuning traces it raised goodput 1.014x at 4
 replicas (agent 1.099x) and 1.023x at 8 over whole prompts, as much as an oracle of each
-queue's uncached tokens (``bench.studies.queue_share``; measured while the simulator
+queue's uncached tokens (the ``queue_share`` study, docs/studies.md; measured while the simulator
 published waiting requests only). The queue counts over the prefill lanes in the cost
 (``queue_per_lane``) since the simulator publishes running prefills as the engines do: a
 running prefill holds one lane of several, and weighed 1:1 against the request's own
 uncached tokens it drove requests off the replicas holding their prefixes (26 tuning traces:
 the policy with the whole queue in its cost scored 1.054x / 1.045x at 4 / 8 replicas fed
 the old figure than fed the engines'; counting the queue per lane scores 1.019x / 1.016x
-the whole queue, a third of that back, ``bench.studies.prefill_queue``).
+the whole queue, a third of that back, the ``prefill_queue`` study, docs/studies.md).
 The load weight stays 1.0: cross-validation with 0.5 among the candidates picked 0.5 by
 about 1% of mean log goodput, but on tuning points no default was chosen on 0.5 scored
 0.949x (95% interval 0.845-1.019) and 1.009x (0.990-1.028) at 4 / 8 replicas, neither
-interval above 1.0 as the rule fixed before the run required (``bench.studies.load_weight``).
+interval above 1.0 as the rule fixed before the run required (the ``load_weight`` study, docs/studies.md).
 On those points the admission factor 1.5 scored 1.022x (1.000-1.052) at 4 replicas and
 0.971x (0.921-1.013) at 8, so 2.0 stays by the same rule; the footprint term and the queue
-per lane held there (``bench.studies.fresh_points``).
+per lane held there (the ``fresh_points`` study, docs/studies.md).
 Defaults: load_weight 1.0, request_cost_tokens 128,
 evict_weight 0.5, host_cost 0.08, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
 churn_window 256, footprint_weight 0.5, footprint_window 96, track_inflight off,
@@ -104,7 +104,7 @@ session_hold_frac 0.5, fit_first on, queue_share on, queue_per_lane on. TTFT adm
 1.5 x the mean): on 26 suite tuning traces it raised goodput against sglang + unicache
 from 1.098x to 1.143x at 4 replicas and from 1.189x to 1.299x at 8, and token hits
 against sglang + unicache from -0.70 to +0.21 points at 4 and from -2.09 to +0.09 at 8;
-max load imbalance rose from 1.63 to 2.02 at 8 (``bench.studies.routing_admission``). The
+max load imbalance rose from 1.63 to 2.02 at 8 (the ``routing_admission`` study, docs/studies.md). The
 admission factor 2.0 comes from that study (3.0 ties it there: 1.138x and 1.298x) and is
 ``bench.routing_report``'s leave-one-family-out pick of goodput over the suite's 25 tuning
 traces (with the queue per lane: mean log goodput -0.170, against -0.190 for 1.5 and
@@ -113,9 +113,9 @@ families; -0.170 against -0.190 without) and the footprint term at 0.5 (4 of 7; 
 3 pick 0.0, all-family -0.170 against -0.175) were chosen by that cross-validation, and
 the churn term at 0.5, fit-first on and the queue share on by its earlier form over 48
 settings on 7 tuning traces (7, 6 and 7 of 7 held-out families); the other terms by replaying three seeds of the default mix and the Mooncake
-trace at 4 replicas (``bench.studies.routing_mix``, with an ablation of each term); the
+trace at 4 replicas (the ``routing_mix`` study, docs/studies.md, with an ablation of each term); the
 footprint window by seeds 0-8 of the mix, checked on seeds 9-17
-(``bench.studies.routing_footprint``).
+(the ``routing_footprint`` study, docs/studies.md).
 
 In a fleet of more than ``candidate_window`` replicas (default 32), unless TTFT admission
 can decide among the replicas holding the prompt alone (then exactly as over the whole
@@ -131,13 +131,13 @@ A prompt no replica holds, or one most of them hold, then costs a decision about
 costs in a fleet of 32 instead of growing with the fleet (``bench.fleet_scale``). The
 window's size is the smallest of 32, 64 and 128 that held TTFT mean and p99 within 1.05x
 and token hits within 0.5 points of weighing every replica over six tuning workloads at
-256 and 1,024 replicas, a rule fixed before the run (``bench.studies.candidate_window``:
+256 and 1,024 replicas, a rule fixed before the run (the ``candidate_window`` study, docs/studies.md:
 0.982x / 0.992x, -0.04 points). Fleets up to the window decide exactly as without it:
 every figure at 4 and 8 replicas is unchanged.
 
 There is no balance rule beyond TTFT admission, though load imbalance (max / mean
 computed prefill tokens per replica) runs above 1.2: every bound measured lost goodput
-(``bench.studies.routing_balance``, the admission study's 26 tuning traces). Bounding each
+(the ``routing_balance`` study, docs/studies.md, the admission study's 26 tuning traces). Bounding each
 replica's decayed computed tokens (the churn term's inflow, plus the request's uncached
 tokens there) at 1.2 x the mean after placement, for requests without a kept session
 home, cut max imbalance from 1.63 to 1.22 at 4 replicas and from 2.02 to 1.54 at 8
@@ -257,7 +257,7 @@ def common_prefix_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
 # one that had just taken a new prompt stood at hundreds of times the mean, so the churn
 # term outweighed any prefix hit there: on Mooncake at 1,024 replicas TTFT p99 9.39 s and
 # imbalance 4.49 with the fixed window, 5.64 s and 2.22 with this one; on a generated mix
-# within 3% (``bench.studies.churn_window_fleet``).
+# within 3% (the ``churn_window_fleet`` study, docs/studies.md).
 CHURN_WINDOW_PER_REPLICA = 32
 _INF = float("inf")
 
@@ -308,7 +308,7 @@ class CacheAwarePolicy(RoutingPolicy):
         track_inflight: count blocks of unfinished requests as held (default False: on
             the suite's tuning traces it scored 0.991x / 0.992x the goodput without it at
             4 / 8 replicas with the index lagging 50 ms as live, 0.994x / 0.986x with a
-            fresh one: ``bench.studies.index_lag``).
+            fresh one: the ``index_lag`` study, docs/studies.md).
         admission_factor: a replica is admissible while its estimated TTFT is at most
             this times the best replica's (default 2.0; ``TTFTAdmission``).
         prefill_lanes: what a replica's queue is divided by in the TTFT estimate and the
@@ -317,7 +317,7 @@ class CacheAwarePolicy(RoutingPolicy):
             prefill, which suggests 1, but on the step service model 4 still scores best:
             1 lane 0.986x / 0.932x its goodput at 4 / 8 replicas on the tuning traces, 2
             lanes 0.985x / 0.988x, 4 every held-out family's pick
-            (``bench.studies.step_lanes``): KV memory, not prefill, binds there.
+            (the ``step_lanes`` study, docs/studies.md): KV memory, not prefill, binds there.
         session_sticky: a session's next turn goes to its previous turn's replica unless
             that replica is dead, not admissible or lost the session's blocks (default
             True; False leaves sessions to the cost, as before).
@@ -423,10 +423,8 @@ class CacheAwarePolicy(RoutingPolicy):
                     matches: dict[str, int]) -> list[ReplicaLoad]:
         return self.admission.admissible(replicas, n_tokens, block_size, matches, self._queues.share)
 
-    def _with_room(self, admissible: list[ReplicaLoad], n_tokens: int, block_size: int,
-                   matches: dict[str, int]) -> list[ReplicaLoad]:
-        """Fit-first's filter (``with_room``; ``matches``: the index's leading-block
-        match per replica, for a study's variant of the rule)."""
+    def _with_room(self, admissible: list[ReplicaLoad], n_tokens: int, block_size: int) -> list[ReplicaLoad]:
+        """Fit-first's filter (``with_room``)."""
         return with_room(admissible, n_tokens, block_size)
 
     def _template_home(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad]) -> tuple[str | None, float]:
@@ -494,7 +492,7 @@ class CacheAwarePolicy(RoutingPolicy):
             if kept is not None:
                 return kept
         if self.fit_first:
-            admissible = self._with_room(admissible, n_tokens, bs, matches)
+            admissible = self._with_room(admissible, n_tokens, bs)
         sticky_id, sticky_blocks = None, 0.0
         if prev is not None and self.sticky_trust:
             sticky_id = prev.replica_id

@@ -20,7 +20,7 @@ So in a fleet of more than ``size`` replicas, ``select`` returns:
       fleet's order; one pass at C speed): for a prompt no replica holds, the one with
       the lowest TTFT estimate, so TTFT admission keeps the reference the whole fleet
       would give it (without it, a holder with a long queue stayed admissible against a
-      window of busy replicas: on a tuning workload of ``bench.studies.candidate_window``
+      window of busy replicas: on a tuning workload of the ``candidate_window`` study, docs/studies.md
       at 256 replicas the window alone raised TTFT mean 1.06-1.22x), and
     * ``size`` consecutive replicas of the fleet's sequence (wrapping around), starting
       at ``(clock * size) mod n``, ``clock`` the decision clock (requests routed so far).

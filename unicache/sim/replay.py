@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from unicache.replica.eviction.base import EvictionPolicy
 from unicache.replica.eviction.opt import FutureAccesses
 from unicache.replica.eviction.registry import make_host_policy, make_policy
 from unicache.kv_tier import Tier
@@ -75,9 +74,6 @@ class ReplayConfig:
             (default 16384; the first request always fits).
         timing: the prefill/decode time model.
         policy_kwargs: extra constructor arguments of the eviction policy.
-        policy_factory: builds the eviction policy from ``policy_kwargs`` instead of the
-            registry (a study's variant that production does not register; ``policy``
-            still names it in the results unless ``label`` is set).
         router_kwargs: extra constructor arguments of the routing policy (ablations).
         router_factory: builds the routing policy from ``router_kwargs`` instead of the
             registry (a study's variant that production does not register; ``router``
@@ -105,7 +101,6 @@ class ReplayConfig:
     max_batch_tokens: int = 16384
     timing: TimingModel = field(default_factory=TimingModel)
     policy_kwargs: dict = field(default_factory=dict)
-    policy_factory: Callable[..., EvictionPolicy] | None = None
     router_kwargs: dict = field(default_factory=dict)
     router_factory: Callable[..., RoutingPolicy] | None = None
     label: str | None = None
@@ -193,8 +188,6 @@ class Replay:
 
     def _make_policy(self):
         kwargs = dict(self.config.policy_kwargs)
-        if self.config.policy_factory is not None:
-            return self.config.policy_factory(**kwargs)
         if self.config.policy == "opt":
             kwargs["future"] = self.future
         return make_policy(self.config.policy, **kwargs)

@@ -7,8 +7,8 @@
     policy.py   ``UniCachePolicy``: the lane heaps and the global choice (registered
                 as "unicache")
 
-Ablation variants of these parts live with the study that measured them
-(``bench/unicache_variants.py``).
+What each part contributes was measured by ablation studies whose code has left the
+repository (docs/studies.md); the design and its reasons are in docs/eviction.md.
 """
 
 from unicache.replica.eviction.unicache.lanes import (

@@ -6,7 +6,7 @@ sigma=1.279; agent mu=1.81, sigma=1.092; log seconds) and fitted online.
 A gap runs from the *release* of a session's previous turn to the *arrival* of its next:
 that is the age a session block has when it is reused, the age its survival is evaluated
 at. Arrival-to-arrival gaps also count the previous turn's decode time, which a block's
-age does not (measured: bench/unicache_ablation.py). Gaps are measured at arrivals, not
+age does not (measured: the unicache_ablation study, docs/studies.md). Gaps are measured at arrivals, not
 from cache hits: hits only show the gaps of blocks that survived eviction (a censored
 sample that understates long gaps and makes the policy drop sessions too early).
 

@@ -12,7 +12,7 @@ class does not reorder them.
     victim = the earliest-demoted block of the evict-first, chat, agent and structural
              queues.
 
-Why no class weighting on the host (bench/studies/host_tier_drops.py; tuning traces:
+Why no class weighting on the host (the host_tier_drops study, docs/studies.md; tuning traces:
 mix seeds 100-104 labelled and with labels hidden, 1200 s and seed 100 hidden at
 3600 s, and Mooncake slice 0 of 4; GPU unicache at 5% / 10%, host 4x / 10x):
     * the GPU's lane scores on the host (``UniCachePolicy``, the rule before) evicted

@@ -20,7 +20,7 @@ Each queue is split into ``NUM_LANES`` lanes, each with its own reuse estimate:
       that shares nothing with what the cache holds or remembers. With labels hidden the
       evict-first queue mixes such one-off prompts (never reused) with the first turns
       of sessions and first uses of templates (reused often); one reuse estimate for
-      both kept one-off blocks as long as a session's (measured: bench/eviction_tuning.py).
+      both kept one-off blocks as long as a session's (measured: the eviction_tuning study, docs/studies.md).
 
 A lane is numbered ``queue * NUM_LANES + offset`` with ``0 <= offset < NUM_LANES``.
 """

@@ -99,10 +99,10 @@ class UniCachePolicy(EvictionPolicy):
     ):
         n = NUM_QUEUES * NUM_LANES
         priors = [evict_first_prior if LANE_QUEUE[lane] == EVICT_FIRST else 0.5 for lane in ALL_LANES]
-        self.placement = self._make_placement()
-        self.weights = self._make_weights(priors, reuse_decay, ghost_factor, update_every)
-        self.gaps = self._make_gaps(fit_prior_weight, max_sessions)
-        self.rate = self._make_rate(structural_rate_halflife_s)
+        self.placement = LanePlacement()
+        self.weights = ReuseWeights(priors, reuse_decay, ghost_factor, update_every)
+        self.gaps = SessionGaps(fit_prior_weight, max_sessions)
+        self.rate = StructuralRate(structural_rate_halflife_s)
         self.residence = ResidenceTime(horizon_scale)
         self._heaps: list[list[_Entry]] = [[] for _ in range(n)]
         self._live: dict[int, _Entry] = {}
@@ -121,20 +121,6 @@ class UniCachePolicy(EvictionPolicy):
         # Cumulative per queue (QueueCounters): victims taken, hits while waiting.
         self._queue_evictions = [0] * NUM_QUEUES
         self._queue_hits = [0] * NUM_QUEUES
-
-    # --------------------------------------------------------- the parts
-    # NOTE: factories, so a study (bench/unicache_variants.py) swaps one part.
-    def _make_placement(self) -> LanePlacement:
-        return LanePlacement()
-
-    def _make_weights(self, priors: list[float], decay: float, ghost_factor: float, update_every: int) -> ReuseWeights:
-        return ReuseWeights(priors, decay, ghost_factor, update_every)
-
-    def _make_gaps(self, prior_weight: float, max_sessions: int) -> SessionGaps:
-        return SessionGaps(prior_weight, max_sessions)
-
-    def _make_rate(self, halflife_s: float) -> StructuralRate:
-        return StructuralRate(halflife_s)
 
     @property
     def alpha(self) -> list[float]:

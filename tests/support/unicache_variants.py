@@ -1,12 +1,16 @@
-"""Ablation variants of the UniCache policy, for bench/unicache_ablation.py.
+"""UniCache with one switch per ingredient: a test double for the queue-rule tests.
 
-``AblationUniCache`` is ``UniCachePolicy`` with one switch per ingredient, each swapping
-one part (``unicache.replica.eviction.unicache``) for a variant defined here. The
-production policy has none of these switches: every variant below was measured as
-losing or neutral (bench/results/unicache_ablation.md), so it lives with the study.
+``AblationUniCache`` is ``UniCachePolicy`` with each part (``unicache.replica.eviction
+.unicache``) swappable for a variant defined here, so a test can switch the adaptive parts
+off and check the queue rules alone. The production policy has none of these switches:
+every variant was measured as losing or neutral by the ablation study (docs/studies.md),
+whose code left the repository; the double builds the production policy and then swaps
+its parts, so the policy carries no hook for it.
 """
 
 from __future__ import annotations
+
+import inspect
 
 from unicache.request_class import RequestClass
 from unicache.replica.eviction.lognormal import OnlineLogNormal
@@ -177,6 +181,13 @@ class AblationUniCache(UniCachePolicy):
         self.ghost_uses, self.novel_first = ghost_uses, novel_first
         self.adaptive_novel_first = adaptive_novel_first
         super().__init__(**kwargs)
+        args = {name: p.default for name, p in inspect.signature(UniCachePolicy.__init__).parameters.items()
+                if name != "self"} | kwargs
+        priors = list(self.weights.alpha)  # the production policy's priors, before any update
+        self.placement = self._make_placement()
+        self.weights = self._make_weights(priors, args["reuse_decay"], args["ghost_factor"], args["update_every"])
+        self.gaps = self._make_gaps(args["fit_prior_weight"], args["max_sessions"])
+        self.rate = self._make_rate(args["structural_rate_halflife_s"])
 
     def on_cached(self, block_id, block_hash, parent_id, now) -> None:
         ghost = self.weights.ghosts.get(block_hash)
@@ -192,7 +203,7 @@ class AblationUniCache(UniCachePolicy):
             return EfficiencyWeights(priors, decay, ghost_factor, update_every, **self._efficiency_kwargs)
         if self.weighting == "none":
             return FixedWeights([1.0] * len(priors), decay, ghost_factor, update_every)
-        return super()._make_weights(priors, decay, ghost_factor, update_every)
+        return ReuseWeights(priors, decay, ghost_factor, update_every)
 
     def _make_gaps(self, prior_weight, max_sessions) -> SessionGaps:
         gaps = (SessionGaps if self.gap_from_release else ArrivalGaps)(prior_weight, max_sessions)
@@ -202,7 +213,7 @@ class AblationUniCache(UniCachePolicy):
         return gaps
 
     def _make_rate(self, halflife_s: float) -> StructuralRate:
-        return super()._make_rate(halflife_s) if self.structural_rate else LastUseStructural()
+        return StructuralRate(halflife_s) if self.structural_rate else LastUseStructural()
 
     def on_request(self, cls: RequestClass, now: float) -> None:
         if isinstance(self.weights, EfficiencyWeights):
