@@ -115,3 +115,15 @@ def test_map_in_workers_keeps_the_order_in_process_and_in_workers():
     assert map_in_workers(_square, items, 1) == [25, 1, 16, 4, 9]
     assert map_in_workers(_square, items, 2) == [25, 1, 16, 4, 9]
     assert map_in_workers(_square, [], 2) == []
+
+
+def test_committed_results_stay_small():
+    """bench/results keeps the markdown summaries and the plots the docs show; bulky raw
+    JSON is not committed (a rerun writes it; git history keeps the old runs')."""
+    out = subprocess.run(["git", "ls-files", "-z", "bench/results"], cwd=REPO, capture_output=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [REPO / p for p in out.stdout.decode().split("\0") if p]
+    sizes = {f.relative_to(REPO).as_posix(): f.stat().st_size for f in files if f.exists()}
+    assert sum(sizes.values()) < 8 * 2**20
+    assert [p for p, size in sizes.items() if p.endswith(".json") and size > 200_000] == []
