@@ -195,12 +195,7 @@ class RouterApp:
             self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes,
             admin_key=config.admin_key, history=self.history,
         )
-        self.http_limits = HttpLimits(
-            header_timeout_s=config.http_header_timeout_s,
-            body_timeout_s=config.http_body_timeout_s,
-            keepalive_timeout_s=config.http_keepalive_timeout_s,
-            max_connections=config.http_max_connections,
-        )
+        self.http_limits = HttpLimits.from_config(config)
         self._http_protocol = parser_protocol(config.http_parser)
         self.grpc_port = 0
         self.http_port = 0
@@ -222,7 +217,7 @@ class RouterApp:
                 *pending_call_options(cfg.max_in_flight),
             ]
         )
-        add_servicer(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(self.core, self.policy.name, cfg.admin_key), server)
+        add_servicer(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(self.core, self.policy.name, cfg.admin_key, cfg.served_model_name), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

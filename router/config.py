@@ -138,6 +138,12 @@ class RouterConfig:
     tenant_max_concurrent: int = field(default=1024, metadata={"help": "requests one tenant may have in flight (429 beyond; 0: no limit)"})
     tenant_max_prompt_tokens: int = field(default=32768, metadata={"help": "prompt tokens per request (400 beyond; 0: no limit)"})
     tenant_tokens_per_minute: int = field(default=0, metadata={"help": "prompt tokens one tenant may send per minute (429 beyond; 0: no limit)"})
+    http_idle_timeout_s: float = field(default=2.0, metadata={"help": "HTTP: time from accept to a connection's first byte (closed beyond)"})
+    http_max_header_bytes: int = field(default=32 << 10, metadata={"help": "HTTP: largest request head in bytes (431 beyond)"})
+    http_max_headers: int = field(default=100, metadata={"help": "HTTP: most header fields in one request (431 beyond)"})
+    http_max_connections_per_peer: int = field(
+        default=1024, metadata={"help": "HTTP: connections one client address may hold (503 beyond unless one of its idle ones can close; 0: no share; raise it behind a proxy)"}
+    )
     tenant_limits: str = field(
         default="", metadata={"help": "per-tenant overrides: JSON {tenant: {max_concurrent, max_prompt_tokens, tokens_per_minute}} or 'tenant.limit=N,...'"}
     )
@@ -270,7 +276,8 @@ def check_http_settings(cfg: RouterConfig) -> None:
     """``UsageError`` for non-positive HTTP limits or an unknown/missing parser or loop."""
     from unicache.router.http_server import loop_factory, parser_protocol
 
-    for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keepalive_timeout_s", "http_max_connections"):
+    for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keepalive_timeout_s", "http_max_connections",
+                 "http_idle_timeout_s", "http_max_header_bytes", "http_max_headers"):
         if not getattr(cfg, name) > 0:
             raise UsageError(f"{name} must be positive, got {getattr(cfg, name)}")
     parser_protocol(cfg.http_parser)
@@ -283,3 +290,5 @@ def check_routing_policy(name: str) -> None:
         ROUTING_POLICIES.get(name)
     except ValueError as exc:
         raise UsageError(f"routing_policy: {exc}") from None
+    if cfg.http_max_connections_per_peer < 0:
+        raise UsageError(f"http_max_connections_per_peer must be >= 0, got {cfg.http_max_connections_per_peer}")

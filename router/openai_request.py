@@ -173,12 +173,40 @@ def check_model(body: dict, served: str) -> None:
         raise ApiError(404, f"The model {model!r} does not exist; this server serves {served!r}", "model_not_found", "model")
 
 
+MAX_LABEL_CHARS = 256  # as RouterCore's max_session_id_chars
+
+
+def routing_header(header: Callable[[str], str | None], name: str, param: str) -> str | None:
+    """A routing header's value as UTF-8 text: 400 (naming ``param``) for bytes that are
+    not UTF-8, control characters, or more than ``MAX_LABEL_CHARS`` characters.
+
+    NOTE: ASGI servers hand header bytes over as latin-1 text; re-encoding recovers them.
+    """
+    raw = header(name)
+    if raw is None:
+        return None
+    try:
+        value = raw.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        raise bad_request(f"{name} header is not valid UTF-8", param) from None
+    check_label(value, f"{name} header", param)
+    return value
+
+
+def check_label(value: str, what: str, param: str) -> None:
+    """400 for a label with control characters or longer than ``MAX_LABEL_CHARS``."""
+    if len(value) > MAX_LABEL_CHARS:
+        raise bad_request(f"{what} is longer than {MAX_LABEL_CHARS} characters", param)
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in value):
+        raise bad_request(f"{what} contains control characters", param)
+
+
 def labels_from(body: dict, header: Callable[[str], str | None]) -> Labelled:
     """Explicit routing labels: body fields, else ``x-session-id``, ``x-unicache-task``,
-    ``x-unicache-template`` headers."""
-    session = body.get("session_id", header("x-session-id"))
-    task = body.get("task", header("x-unicache-task"))
-    template = body.get("template", header("x-unicache-template"))
+    ``x-unicache-template`` headers (each checked by ``routing_header``)."""
+    session = body["session_id"] if "session_id" in body else routing_header(header, "x-session-id", "session_id")
+    task = body["task"] if "task" in body else routing_header(header, "x-unicache-task", "task")
+    template = body["template"] if "template" in body else routing_header(header, "x-unicache-template", "template")
     if isinstance(template, str):
         if template.lower() not in ("true", "false", "1", "0"):
             raise bad_request("template must be a boolean", "template")

@@ -32,11 +32,15 @@ from unicache.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+class ModelNotFound(Exception):
+    """A request naming a model this router does not serve (HTTP: 404 model_not_found)."""
+
+
 def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str, str]:
     """(status code, client message, outcome label) of an error on the Generate path.
 
-    AuthError -> UNAUTHENTICATED; ChatFormatError (bad or too deeply nested chat_json)
-    -> INVALID_ARGUMENT; RouterError -> its kind's code; anything else is a router bug:
+    AuthError -> UNAUTHENTICATED; ModelNotFound -> NOT_FOUND (HTTP's 404); ChatFormatError
+    (bad or too deeply nested chat_json) -> INVALID_ARGUMENT; RouterError -> its kind's code; anything else is a router bug:
     INTERNAL with a fixed message (the exception goes to the log).
     """
     if isinstance(exc, RouterError):
@@ -45,6 +49,8 @@ def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str, str]:
         return grpc.StatusCode.UNAUTHENTICATED, str(exc), "unauthenticated"
     if isinstance(exc, ChatFormatError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid"
+    if isinstance(exc, ModelNotFound):
+        return grpc.StatusCode.NOT_FOUND, str(exc), "invalid"
     log.error("Generate failed in the router", exc_info=exc)
     return grpc.StatusCode.INTERNAL, "internal router error", "error"
 
@@ -55,10 +61,11 @@ def _metadata_getter(context: grpc.aio.ServicerContext):
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, core: RouterCore, policy_name: str, admin_key: str = ""):
+    def __init__(self, core: RouterCore, policy_name: str, admin_key: str = "", served_model_name: str = "unicache-default"):
         self.core = core
         self.policy_name = policy_name
         self.admin_key = admin_key
+        self.served_model_name = served_model_name
 
     async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
         if not presents_admin_key(self.admin_key, api_key_from_headers(_metadata_getter(context))):
@@ -70,6 +77,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             try:
                 tenant = core.auth.authenticate(api_key_from_headers(_metadata_getter(context)))
+                if request.model and request.model != self.served_model_name:  # empty: the served one
+                    raise ModelNotFound(f"The model {request.model!r} does not exist; this server serves {self.served_model_name!r}")
                 which = request.WhichOneof("prompt")
                 if which is None:
                     raise RouterError("invalid", "missing prompt: set text or chat_json")

@@ -1,8 +1,9 @@
 """Property-based fuzzing of the router's gRPC ``Generate`` against real replicas.
 
 Every generated request has one right answer, computed by an independent oracle from the
-documented rules (auth, then prompt, then labels, then the engine's limits in its order):
-OK, INVALID_ARGUMENT, UNAUTHENTICATED or RESOURCE_EXHAUSTED; never INTERNAL/UNKNOWN. After
+documented rules (auth, then model, then prompt, then labels, then the engine's limits in
+its order): OK, INVALID_ARGUMENT, UNAUTHENTICATED, NOT_FOUND (a model not served, as
+HTTP's 404) or RESOURCE_EXHAUSTED; never INTERNAL/UNKNOWN. After
 each example no request is in flight, and after the run no KV block is referenced on any
 replica and every process piece still serves. Raw-bytes cases (corrupt protobuf, invalid
 UTF-8 in ``chat_json``/``text``) go through a bytes-level stub.
@@ -30,6 +31,7 @@ MAX_SESSION_ID = 256  # RouterCore.max_session_id_chars
 DEFAULT_MAX_TOKENS = 16
 TASKS = ("chat", "agent", "code", "math", "qa", "tool", "other")
 KEYS = {"key-acme", "key-beta"}
+SERVED_MODEL = "unicache-default"  # RouterConfig.served_model_name
 OK, INVALID, UNAUTH, EXHAUSTED = (
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -98,7 +100,7 @@ request_case = st.fixed_dictionaries(
         "session_id": st.one_of(st.just(""), short_text, st.text(min_size=250, max_size=260), st.text(min_size=500, max_size=2000)),
         "task": mostly(st.one_of(st.just(""), st.sampled_from(TASKS)), st.one_of(st.sampled_from(["CHAT", "chat ", "bogus"]), short_text)),
         "template": st.one_of(st.none(), st.booleans()),
-        "model": short_text,
+        "model": mostly(st.sampled_from(["", SERVED_MODEL]), short_text),
     }
 )
 
@@ -121,6 +123,8 @@ def expected(case: dict) -> tuple[grpc.StatusCode, int]:
     key = a[1].removeprefix("Bearer ").strip() if a[0] == "authorization" else a[1].strip()
     if key not in KEYS:
         return UNAUTH, 0
+    if case["model"] not in ("", SERVED_MODEL):
+        return grpc.StatusCode.NOT_FOUND, 0
     if case["prompt"] is None:
         return INVALID, 0
     kind, _, parsed = case["prompt"]

@@ -154,14 +154,16 @@ async def test_connections_beyond_the_cap_get_503():
     app = await start_router(rep, http_max_connections=3, http_header_timeout_s=60.0)
     try:
         held = [await connect(app) for _ in range(3)]
-        await asyncio.sleep(0)  # let the server accept them
+        for _, w in held:  # each holds a request (idle ones would be closed to make room)
+            w.write(b"GET /readyz HTTP/1.1\r\nhost: x\r\n")
+        await asyncio.sleep(0.05)  # let the server accept them and read the heads' start
         reader, writer = await connect(app)
         status, body = status_and_json(await read_until_closed(reader))
         assert status == 503 and body["error"]["code"] == "too_many_connections"
         writer.close()
         # The held connections still serve.
         r, w = held[0]
-        w.write(b"GET /readyz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        w.write(b"connection: close\r\n\r\n")
         assert (await read_until_closed(r)).startswith(b"HTTP/1.1 200")
         for _, w in held:
             w.close()
