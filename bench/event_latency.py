@@ -29,7 +29,7 @@ from unicache.v1 import cache_pb2
 from unicache.replica.engine.api import EngineRequest, SamplingParams
 from unicache.replica.engine.async_engine import AsyncEngine
 from unicache.replica.engine.config import EngineConfig
-from unicache.replica.kv.events import BlockStored
+from unicache.kv_events import BlockStored
 from unicache.replica.publisher import CachePublisher
 from unicache.state_auth import StateSigner, new_cluster_key, parse_cluster_key
 from unicache.sim.metrics import percentile

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from unicache.block_hash import BlockHash
 from unicache.kv_tier import Tier
 from unicache.v1 import cache_pb2
-from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True)

@@ -58,7 +58,7 @@ from unicache.v1 import cache_pb2
 from unicache.replica.convert import cache_state_to_proto
 from unicache.replica.engine.api import CacheStateInfo, EngineLoad
 from unicache.replica.event_batch import PendingBatch
-from unicache.replica.kv.events import KVEvent
+from unicache.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

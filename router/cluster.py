@@ -63,6 +63,11 @@ class ReplicaRecord:
         return hb.hop_address if hb is not None else self.static_hop
 
     @property
+    def kind(self) -> str:
+        """"vllm" for a stock vLLM server (its address is its HTTP base URL), else "replica"."""
+        return "vllm" if self.address.startswith(("http://", "https://")) else "replica"
+
+    @property
     def all_in_flight(self) -> int:
         """What policies see as the replica's requests in flight: this router's plus the
         other routers' (``ReplicaLoad.in_flight``)."""
@@ -114,6 +119,7 @@ class ClusterView:
         self.clock = clock
         self.replicas: dict[str, ReplicaRecord] = {}
         self.redis_connected = False
+        self.backend_events = 0  # vLLM backends whose own KV events feed the index
         self._on_change = on_change
         self._empty = EmptyView()
         self.removal_hooks: list[Callable[[str], None]] = []
@@ -171,8 +177,9 @@ class ClusterView:
 
     # --- what the service reads -------------------------------------------------------
     def locality(self) -> LocalityView:
-        """The index, or an empty view when Redis is unreachable (session + load routing)."""
-        return self.index if self.redis_connected else self._empty
+        """The index, or an empty view when nothing feeds it: Redis is unreachable and no
+        vLLM backend sends its own events (session + load routing)."""
+        return self.index if self.redis_connected or self.backend_events else self._empty
 
     def loads(self, exclude: set[str] | frozenset[str] = frozenset(), quarantined: bool = False) -> list[ReplicaLoad]:
         """Loads of the healthy replicas not in ``exclude``, by id; ``quarantined``: of
@@ -212,6 +219,15 @@ class ClusterView:
             load.running, load.waiting, load.queued_prefill_tokens = hb.running, hb.waiting, hb.queued_prefill_tokens
             load.free_blocks, load.capacity_blocks = hb.cache.free_blocks, hb.cache.capacity_blocks
         load.in_flight = rec.all_in_flight
+
+    def set_external_load(self, replica_id: str, running: int, waiting: int, free_blocks: int, capacity_blocks: int) -> None:
+        """A vLLM backend's load from its ``/metrics`` (what a heartbeat gives for a replica),
+        written in place; the router's own in-flight count is kept."""
+        rec = self.replicas.get(replica_id)
+        if rec is not None and rec.load is not None:
+            load = rec.load
+            load.running, load.waiting = running, waiting
+            load.free_blocks, load.capacity_blocks = free_blocks, capacity_blocks
 
     def healthy(self, replica_id: str) -> bool:
         rec = self.replicas.get(replica_id)

@@ -2,6 +2,9 @@
 hop connection (``unicache.router.hop_client``) per replica that advertises one.
 
 Invariants:
+    * A replica whose address is an HTTP base URL is a stock vLLM server
+      (``unicache.router.vllm_fleet``): its ``generate`` is a ``/v1/completions`` call and
+      its probe a ``/health``.
     * ``generate`` goes over the framed hop when the replica's heartbeat advertises a hop
       address and ``transport`` is "auto"; otherwise (and for every other call: probes of
       replicas without a hop, ``GetCacheState``, ``GetCacheSummary``) over gRPC.
@@ -28,8 +31,10 @@ from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2
 
 from unicache.router.hop_client import HopClient
 from unicache.router.replica_stream import ReplicaStream, parse_replica_message
+from unicache.router.vllm_fleet.http_stream import VllmClients
 
 TRANSPORTS = ("auto", "grpc")
+HTTP_SCHEMES = ("http://", "https://")  # a vLLM backend's address is its base URL
 
 # Status codes that mean "this replica could not serve it", worth one retry elsewhere
 # when nothing was streamed yet. INVALID_ARGUMENT and RESOURCE_EXHAUSTED are the
@@ -115,6 +120,7 @@ class ReplicaClients:
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
         self._channels: dict[str, tuple[grpc.aio.Channel, replica_pb2_grpc.ReplicaStub, grpc.aio.UnaryStreamMultiCallable]] = {}
+        self.vllm = VllmClients()  # stock vLLM servers, addressed by their HTTP base URL
 
     def _entry(self, address: str):
         entry = self._channels.get(address)
@@ -155,6 +161,8 @@ class ReplicaClients:
         on the replica at gRPC ``address``, over its framed hop at ``hop_address`` when it
         has one (see the module invariants); its messages are ``RouterGenerateResponse``."""
         deadline = self.forward_deadline_s if timeout_s is None else min(timeout_s, self.forward_deadline_s)
+        if address.startswith(HTTP_SCHEMES):
+            return self.vllm.generate(address, request, deadline)
         if hop_address and self.transport == "auto":
             return self.hop(hop_address, replica_id).stream(request, deadline)
         return GrpcReplicaStream(self._entry(address)[2](request, timeout=deadline, metadata=self._metadata()))
@@ -169,7 +177,10 @@ class ReplicaClients:
     async def probe(self, address: str, timeout_s: float, hop_address: str = "", replica_id: str = "") -> None:
         """A one-token Generate (one prompt token, no full block, so nothing is cached or
         published) that must send its first message within ``timeout_s``, on the transport
-        requests take: can the replica serve now? Raises grpc.aio.AioRpcError when it cannot."""
+        requests take: can the replica serve now? A vLLM backend is asked its ``/health``.
+        Raises grpc.aio.AioRpcError when it cannot."""
+        if address.startswith(HTTP_SCHEMES):
+            return await self.vllm.probe(address, timeout_s)
         stream = self.generate(address, _PROBE, timeout_s, hop_address, replica_id)
         try:
             await stream.first()
@@ -197,6 +208,7 @@ class ReplicaClients:
         for client in self._hops.values():
             client.close()
         self._hops.clear()
+        await self.vllm.close()
         channels = [entry[0] for entry in self._channels.values()]
         self._channels.clear()
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

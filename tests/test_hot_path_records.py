@@ -11,7 +11,7 @@ from unicache.request_class import RequestClass
 from unicache.replica.eviction.base import ReleaseInfo
 from unicache.replica.eviction.lognormal import OnlineLogNormal
 from unicache.replica.kv.block import KVBlock
-from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.store import Allocation, CacheStats, RequestBlocks
 
 RECORDS = [

@@ -7,7 +7,7 @@ import pytest
 from unicache.block_hash import hash_token_blocks
 from unicache.request_class import SINGLE_TURN
 from unicache.replica.eviction.registry import make_policy
-from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.store import Allocation, KVStore, OutOfBlocks
 
 BS = 4

@@ -19,7 +19,7 @@ from unicache.request_class import SINGLE_TURN
 from unicache.v1 import cache_pb2
 from unicache.replica.eviction.registry import make_host_policy, make_policy
 from unicache.replica.event_batch import PendingBatch
-from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.kv_tier import Tier
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore

@@ -257,7 +257,7 @@ def test_router_kwargs_build_the_routing_policy():
 
 def test_the_event_pump_hands_the_index_each_blocks_parent():
     from unicache.block_hash import hash_token_blocks
-    from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+    from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from unicache.router.index import LocalityIndex
     from unicache.sim.replay import _pump
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from unicache.block_hash import BlockHash
-from unicache.replica.kv.events import KVEvent
+from unicache.kv_events import KVEvent
 from unicache.request_class import RequestClass, SINGLE_TURN
 
 

@@ -25,7 +25,7 @@ from unicache.replica.engine.api import CacheStateInfo, EngineInputError, Engine
 from unicache.replica.engine.config import EngineConfig
 from unicache.replica.engine.engine import LLMEngine, resolve_device
 from unicache.tokenizer import load_tokenizer
-from unicache.replica.kv.events import KVEvent
+from unicache.kv_events import KVEvent
 from unicache.block_hash import BlockHash
 
 

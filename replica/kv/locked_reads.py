@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from unicache.block_hash import BlockHash
-from unicache.replica.kv.events import KVEvent
+from unicache.kv_events import KVEvent
 from unicache.replica.kv.store import KVStore
 
 

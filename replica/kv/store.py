@@ -22,7 +22,7 @@ from unicache.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
 from unicache.replica.kv.block import FreeBlockQueue, KVBlock
 from unicache.replica.kv.host_tier import HostTier
-from unicache.replica.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from unicache.replica.kv.storage import KVStorage, MetadataOnlyStorage
 from unicache.replica.kv.transfers import Transfer, transfer_runs
 

@@ -34,9 +34,9 @@ from unicache.replica.engine.api import (
     EngineRequest,
     Usage,
 )
-from unicache.replica.kv.events import KVEvent
+from unicache.kv_events import AllBlocksCleared, KVEvent
 from unicache.replica.engine.validation import check_request
-from unicache.replica.vllm_engine.config import VLLMEngineConfig
+from unicache.replica.vllm_engine.config import VLLMEngineConfig, check_vllm_args
 from unicache.replica.vllm_engine.outputs import token_logprobs
 from unicache.replica.vllm_engine.request_meta import class_to_extra_args, salt_to_vllm
 from unicache.replica.vllm_engine.version import check_vllm_version
@@ -90,12 +90,14 @@ class VLLMEngine:
         self._inflight: dict[str, _InFlight] = {}
         self.vocab_size = 0
         self.max_model_len = 0
+        self.num_blocks = config.num_blocks  # the pool's usable blocks: known once started
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         if self._llm is not None:
             return
         check_vllm_version()
+        check_vllm_args(self.config.vllm_args)  # one line for a bad key, before any process starts
         import torch
 
         from unicache.replica.vllm_engine.kv_events import EventTranslator, KVEventSubscriber
@@ -119,6 +121,9 @@ class VLLMEngine:
         model_config = self._llm.model_config
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len
+        # NOTE: with no pinned pool vLLM's profiling sized it; the engine core reports the
+        # size (its null block included) back into this process's config.
+        self.num_blocks = max(0, (self._llm.vllm_config.cache_config.num_gpu_blocks or 1) - 1)
 
     async def stop(self) -> None:
         llm, self._llm = self._llm, None
@@ -139,7 +144,7 @@ class VLLMEngine:
             raise EngineInputError("invalid", "adapter_id is not supported by the vllm engine")
         check_request(
             req, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-            max_n=min(MAX_N, self.config.max_num_seqs), num_blocks=self.config.num_blocks, block_size=self.block_size,
+            max_n=min(MAX_N, self.config.max_num_seqs), num_blocks=self.num_blocks, block_size=self.block_size,
         )
         if req.request_id in self._inflight:
             raise EngineInputError("invalid", f"request id {req.request_id!r} is already in flight")
@@ -236,7 +241,7 @@ class VLLMEngine:
     def cache_state(self) -> CacheStateInfo:
         self._require_started()
         st = self._status.poll()
-        cap = self.config.num_blocks
+        cap = self.num_blocks
         if st is None:  # no step ran yet: an empty pool
             return CacheStateInfo(self.block_size, cap, 0, cap, 0, 0.0, {}, self.config.eviction_policy, 0)
         return CacheStateInfo(
@@ -256,7 +261,11 @@ class VLLMEngine:
     def take_events(self) -> list[KVEvent]:
         self._require_started()
         out: list[KVEvent] = []
-        for batch in self._events.take():
+        batches = self._events.take()
+        if self._events.broken:  # lost events: forget what they built, start over
+            self._translator.reset()
+            out.append(AllBlocksCleared(time.time()))
+        for batch in batches:
             out.extend(self._translator.translate(batch))
         return out
 

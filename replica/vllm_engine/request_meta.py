@@ -1,7 +1,8 @@
 """The request class and tenant salt as vLLM carries them (pure helpers).
 
 The class rides in ``SamplingParams.extra_args[EXTRA_ARGS_KEY]`` as the serialized
-``unicache.v1.RequestClass`` message (the same codec as the wire, unicache/wire.py), so the
+``unicache.v1.RequestClass`` message, base64 (``unicache.vllm_events``: the same value a
+router sends a stock vLLM server as ``vllm_xargs``), so the
 scheduler in vLLM's engine-core process decodes exactly what the router sent. The tenant
 salt becomes vLLM's ``cache_salt`` (a string: the salt's hex), so two tenants never share
 a block inside vLLM; the KV-event translator reads it back from the first block's extra
@@ -14,13 +15,13 @@ from typing import Any
 
 from unicache import wire
 from unicache.request_class import SINGLE_TURN, RequestClass
-from unicache.v1 import common_pb2
+from unicache.vllm_events import EXTRA_ARGS_KEY, class_from_vllm, class_to_vllm, salt_from_vllm, salt_to_vllm
 
-EXTRA_ARGS_KEY = "unicache_class"
+__all__ = ["EXTRA_ARGS_KEY", "class_to_extra_args", "class_from_extra_args", "class_from_request", "salt_from_vllm", "salt_to_vllm"]
 
 
 def class_to_extra_args(cls: RequestClass) -> dict[str, Any]:
-    return {EXTRA_ARGS_KEY: wire.request_class_to_proto(cls).SerializeToString()}
+    return {EXTRA_ARGS_KEY: class_to_vllm(wire.request_class_to_proto(cls))}
 
 
 def class_from_extra_args(extra_args: dict[str, Any] | None) -> RequestClass:
@@ -28,9 +29,10 @@ def class_from_extra_args(extra_args: dict[str, Any] | None) -> RequestClass:
     raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
     if raw is None:
         return SINGLE_TURN
-    msg = common_pb2.RequestClass()
-    msg.ParseFromString(bytes(raw))
-    return wire.request_class_from_proto(msg)
+    try:
+        return wire.request_class_from_proto(class_from_vllm(raw))
+    except ValueError:
+        return SINGLE_TURN  # a client's own, malformed value: treated as one without
 
 
 def class_from_request(request: Any) -> RequestClass:
@@ -38,10 +40,3 @@ def class_from_request(request: Any) -> RequestClass:
     params = getattr(request, "sampling_params", None)
     return class_from_extra_args(getattr(params, "extra_args", None))
 
-
-def salt_to_vllm(salt: bytes | None) -> str | None:
-    return salt.hex() if salt else None
-
-
-def salt_from_vllm(cache_salt: str | None) -> bytes | None:
-    return bytes.fromhex(cache_salt) if cache_salt else None

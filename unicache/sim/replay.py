@@ -40,7 +40,7 @@ from tqdm import tqdm
 from unicache.replica.eviction.opt import FutureAccesses
 from unicache.replica.eviction.registry import make_host_policy, make_policy
 from unicache.kv_tier import Tier
-from unicache.replica.kv.events import BlockRemoved, BlockStored
+from unicache.kv_events import BlockRemoved, BlockStored
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 from unicache.router.index import LocalityIndex

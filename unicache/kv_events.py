@@ -1,4 +1,6 @@
-"""Cache events collected by the KV store and taken by a publisher (the store does no I/O)."""
+"""Cache events: what a KV store (ours, or vLLM's through ``unicache.vllm_events``) reports
+entering and leaving its prefix cache; collected by the store, taken by a publisher or the
+router's event follower (the store does no I/O)."""
 
 from __future__ import annotations
 
