@@ -3,8 +3,8 @@
 ``ReplicaActor`` has an async ``__init__`` (Ray runs it on the actor's event loop), so a
 restarted actor -- Ray re-runs ``__init__`` with the same arguments -- comes back serving
 on its own, with the same replica id, a fresh gRPC port and a new publisher epoch.
-``actor_options`` gives the scheduling options: restarts forever, one GPU when the
-cluster has GPUs, else one CPU.
+``actor_options`` gives the scheduling options: restarts forever, the replica's GPUs (its
+``tensor_parallel_size``) when the cluster has GPUs, else one CPU.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ def actor_name(replica_id: str) -> str:
     return f"unicache-replica-{replica_id}"
 
 
-def actor_options(replica_id: str, use_gpu: bool, max_task_retries: int = 3) -> dict[str, Any]:
+def actor_options(replica_id: str, use_gpu: bool, max_task_retries: int = 3, num_gpus: int = 1) -> dict[str, Any]:
     """Ray options for one replica actor.
 
     Args:
-        use_gpu: request one GPU (else one CPU); the launcher decides from the cluster's
-            resources, not from the driver's own devices.
+        use_gpu: request ``num_gpus`` GPUs (else one CPU); the launcher decides from the
+            cluster's resources, not from the driver's own devices.
         max_task_retries: retries of a method call interrupted by an actor restart.
+        num_gpus: GPUs of one replica: its engine's ``tensor_parallel_size`` (vLLM's workers
+            then see exactly those GPUs).
     """
     opts: dict[str, Any] = {
         "name": actor_name(replica_id),
@@ -37,7 +39,7 @@ def actor_options(replica_id: str, use_gpu: bool, max_task_retries: int = 3) -> 
         "max_concurrency": 64,
     }
     if use_gpu:
-        opts.update(num_gpus=1, num_cpus=1)
+        opts.update(num_gpus=num_gpus, num_cpus=1)
     else:
         opts.update(num_gpus=0, num_cpus=1)
     return opts

@@ -21,24 +21,9 @@ def _torch(s: "ReplicaSettings") -> "ServingEngine":
 
 
 def _vllm(s: "ReplicaSettings") -> "ServingEngine":
-    from unicache.replica.vllm_engine.config import VLLMEngineConfig
     from unicache.replica.vllm_engine.engine import VLLMEngine
 
-    return VLLMEngine(
-        VLLMEngineConfig(
-            model=s.checkpoint,
-            served_model_name=s.served_model_name,
-            block_size=s.block_size,
-            num_blocks=s.num_blocks,
-            eviction_policy=s.eviction_policy,
-            device=s.device,
-            dtype=s.dtype,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            max_waiting=s.max_waiting,
-            seed=s.seed,
-        )
-    )
+    return VLLMEngine(s.vllm_engine_config())
 
 
 ENGINES: dict[str, Callable[["ReplicaSettings"], "ServingEngine"]] = {"torch": _torch, "vllm": _vllm}

@@ -61,7 +61,8 @@ class ReplicaLauncher:
         base: settings shared by all replicas (``replica_id`` is replaced per replica).
         num: number of replicas.
         id_prefix: replica ids are ``f"{id_prefix}-{i}"`` (stable across restarts).
-        use_gpu: one GPU per actor; None decides from the Ray cluster's resources.
+        use_gpu: GPUs per actor (the settings' ``tensor_parallel_size``); None decides from
+            the Ray cluster's resources.
         start_timeout_s: deadline for each actor to start and turn healthy (default 300 s:
             model init on a busy CPU can be slow).
         stop_timeout_s: deadline for each actor's clean shutdown before it is killed.
@@ -94,7 +95,7 @@ class ReplicaLauncher:
         for i in range(self.num):
             rid = f"{self.id_prefix}-{i}"
             settings = dataclasses.replace(self.base, replica_id=rid)
-            handles.append((rid, actor_cls.options(**actor_options(rid, use_gpu)).remote(settings)))
+            handles.append((rid, actor_cls.options(**actor_options(rid, use_gpu, num_gpus=settings.tensor_parallel_size)).remote(settings)))
         try:
             for rid, handle in handles:
                 info = ray.get(handle.info.remote(), timeout=self.start_timeout_s)

@@ -8,6 +8,7 @@ replica`` (one process), the Ray actor and the launcher, so the three cannot dri
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from unicache.state_auth import parse_cluster_key
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
 from unicache.replica.engine.config import EngineConfig
+
+DEFAULT_NUM_BLOCKS = 1024
+"""KV blocks when ``num_blocks`` is 0 (but the vllm engine on CUDA: vLLM sizes its pool)."""
 from unicache.replica.engine.model_config import model_preset
 from unicache.replica.eviction.registry import EVICTION_POLICIES
 from unicache.replica.faults import FaultInjection
@@ -63,7 +67,11 @@ class ReplicaSettings:
         metadata=_help("KV-cache eviction policy (lru, radix-lru, unicache, opt; with --engine vllm also 'vllm': vLLM's own)"),
     )
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
-    num_blocks: int = field(default=1024, metadata=_help("KV blocks in the cache"))
+    num_blocks: int = field(
+        default=0,
+        metadata=_help(f"KV blocks in the cache; 0: {DEFAULT_NUM_BLOCKS}, except the vllm engine on CUDA, whose pool "
+                       "vLLM sizes from its memory profiling (gpu_memory_utilization)"),
+    )
     host_blocks: int = field(
         default=0,
         metadata=_help("KV blocks of a host-memory tier under the cache (0: none; torch engine only): victims are "
@@ -81,6 +89,19 @@ class ReplicaSettings:
     served_model_name: str = field(default="", metadata=_help("model name clients use (default: the model directory's name)"))
     tokenizer: str = field(default="", metadata=_help("tokenizer.json path (empty: byte-level)"))
     max_num_seqs: int = field(default=64, metadata=_help("most sequences running at once"))
+    max_model_len: int = field(default=0, metadata=_help("longest prompt + output (0: the model's context)"))
+    gpu_memory_utilization: float = field(
+        default=0.0, metadata=_help("vllm engine on CUDA: share of each GPU vLLM may use (0: vLLM's default)")
+    )
+    tensor_parallel_size: int = field(
+        default=1, metadata=_help("vllm engine: GPUs one replica spans (tensor parallelism); the Ray actor requests as many")
+    )
+    enforce_eager: bool = field(default=False, metadata=_help("vllm engine on CUDA: no CUDA graphs (faster start, slower decode)"))
+    vllm_args: str = field(
+        default="",
+        metadata=_help("vllm engine: other vLLM engine arguments, a JSON object (a mapping in a config file), e.g. "
+                       "'{\"kv_cache_dtype\": \"fp8\"}'; keys are vLLM's EngineArgs, checked at start"),
+    )
     max_num_batched_tokens: int = field(default=2048, metadata=_help("most tokens computed per engine step"))
     max_waiting: int = field(
         default=1024, metadata=_help("most requests waiting to start; more get RESOURCE_EXHAUSTED at once (load shedding)")
@@ -115,13 +136,8 @@ class ReplicaSettings:
                 raise UsageError("host_blocks: the vllm engine has no host tier (vLLM 0.32.0's CPU offloading keeps "
                                  "its own copy policy and needs CUDA; see docs/host_tier.md); use --engine torch "
                                  "or --host-blocks 0")
-            from unicache.replica.vllm_engine.config import VLLMEngineConfig
-
-
             try:
-                VLLMEngineConfig(
-                    model=self.checkpoint, block_size=self.block_size, num_blocks=self.num_blocks, eviction_policy=self.eviction_policy
-                )
+                self.vllm_engine_config()
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         else:
@@ -141,9 +157,14 @@ class ReplicaSettings:
             raise UsageError(f"metrics_port must be -1 (none), 0 (a free port) or a port number, got {self.metrics_port}")
         if self.metrics_port_span < 1 or self.metrics_port + self.metrics_port_span - 1 > 65535:
             raise UsageError(f"metrics_port_span must be >= 1 and end at a port number, got {self.metrics_port_span}")
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("num_blocks", "max_model_len"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must be positive, got {getattr(self, name)}")  # 0 stands for the default
+        if self.engine != "vllm" and (self.tensor_parallel_size > 1 or self.vllm_args):
+            raise UsageError("tensor_parallel_size and vllm_args need the vllm engine (--engine vllm)")
         if not local_paths:
             return
         if self.checkpoint and not os.path.isdir(self.checkpoint):
@@ -156,10 +177,11 @@ class ReplicaSettings:
             model=model_preset(self.model_preset),
             checkpoint=self.checkpoint or None,
             tokenizer=self.tokenizer or None,
-            num_blocks=self.num_blocks,
+            num_blocks=self.num_blocks or DEFAULT_NUM_BLOCKS,
             block_size=self.block_size,
             eviction_policy=self.eviction_policy,
             device=self.device,
+            max_model_len=self.max_model_len or None,
             dtype=self.dtype,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -168,6 +190,33 @@ class ReplicaSettings:
             host_blocks=self.host_blocks,
             host_eviction_policy=self.host_eviction_policy,
         )
+
+    def vllm_engine_values(self) -> dict:
+        """``VLLMEngineConfig`` keyword arguments from these settings (``vllm_args`` parsed)."""
+        return dict(
+            model=self.checkpoint,
+            served_model_name=self.served_model_name,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            eviction_policy=self.eviction_policy,
+            device=self.device,
+            dtype=self.dtype,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len or None,
+            max_waiting=self.max_waiting,
+            seed=self.seed,
+            gpu_memory_utilization=self.gpu_memory_utilization or None,
+            tensor_parallel_size=self.tensor_parallel_size,
+            enforce_eager=self.enforce_eager,
+            vllm_args=parse_vllm_args(self.vllm_args),
+        )
+
+    def vllm_engine_config(self):
+        """The vllm engine's ``VLLMEngineConfig`` (ValueError for a bad value)."""
+        from unicache.replica.vllm_engine.config import VLLMEngineConfig
+
+        return VLLMEngineConfig(**self.vllm_engine_values())
 
     def resolved_redis_password(self) -> str:
         return settings.resolve_secret(self.redis_password, self.redis_password_file, "redis_password")
@@ -216,6 +265,19 @@ def replica_eviction_policies() -> list[str]:
             continue
         names.append(name)
     return names
+
+
+def parse_vllm_args(text: str) -> dict:
+    """``vllm_args`` text -> the mapping (empty text: none). ValueError unless a JSON object."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"vllm_args must be a JSON object of vLLM engine arguments: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"vllm_args must be a JSON object of vLLM engine arguments, got {type(value).__name__}")
+    return value
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

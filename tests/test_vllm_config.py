@@ -4,6 +4,7 @@ the vLLM engine's configuration checks -- no engine is started here."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 
@@ -164,3 +165,64 @@ def test_phase_times_read_vllms_request_stats():
     assert phase_times(SimpleNamespace(queued_ts=10.0, scheduled_ts=0.0, first_token_ts=0.0), 0.9) == (0.0, 0.9)
     # scheduled but no first-token stamp yet: the rest of our own first-token time
     assert phase_times(SimpleNamespace(queued_ts=10.0, scheduled_ts=10.25, first_token_ts=0.0), 0.9) == (0.25, 0.65)
+
+
+# --- vLLM on GPUs: the engine arguments built for CUDA (no GPU needed to build them) -------
+EP = ("ipc:///e", "ipc:///r", "ipc:///s")
+
+
+def test_cuda_args_leave_the_pool_graphs_and_context_to_vllm(model_dir):
+    args = ReplicaSettings(engine="vllm", checkpoint=model_dir, block_size=32).vllm_engine_config().engine_args("cuda", *EP)
+    for key in ("enforce_eager", "num_gpu_blocks_override", "max_model_len", "gpu_memory_utilization", "kv_cache_memory_bytes"):
+        assert key not in args, key  # CUDA graphs on; vLLM's profiling sizes the pool; the model's context
+    assert (args["tensor_parallel_size"], args["distributed_executor_backend"], args["block_size"]) == (1, "uni", 32)
+    # the CPU path keeps today's explicit sizing: 1,024 blocks, eager, the pool caps the context
+    cpu = ReplicaSettings(engine="vllm", checkpoint=model_dir, block_size=32).vllm_engine_config().engine_args("cpu", *EP)
+    assert (cpu["num_gpu_blocks_override"], cpu["enforce_eager"], cpu["max_model_len"]) == (1025, True, 4096)
+    assert (cpu["gpu_memory_utilization"], cpu["kv_cache_memory_bytes"]) == (0.05, 256 << 20)
+
+
+def test_cuda_args_take_tp_memory_share_pinned_pool_and_the_passthrough(model_dir, monkeypatch, tmp_path):
+    cfg = tmp_path / "replica.yaml"
+    cfg.write_text(f"engine: vllm\ncheckpoint: {model_dir}\nblock-size: 32\ntensor-parallel-size: 4\n"
+                   "gpu-memory-utilization: 0.85\nenforce-eager: true\nmax-model-len: 2048\n"
+                   "vllm-args: {kv_cache_dtype: fp8, enable_chunked_prefill: true}\n")
+    s = settings_from_args(parse(["--config", str(cfg)]))
+    s.check()
+    args = s.vllm_engine_config().engine_args("cuda", *EP)
+    assert (args["tensor_parallel_size"], args["distributed_executor_backend"]) == (4, "mp")
+    assert (args["gpu_memory_utilization"], args["enforce_eager"], args["max_model_len"]) == (0.85, True, 2048)
+    assert (args["kv_cache_dtype"], args["enable_chunked_prefill"]) == ("fp8", True)
+    assert "num_gpu_blocks_override" not in args
+    pinned = ReplicaSettings(engine="vllm", checkpoint=model_dir, block_size=32, num_blocks=100).vllm_engine_config()
+    args = pinned.engine_args("cuda", *EP)
+    assert (args["num_gpu_blocks_override"], args["max_model_len"]) == (101, 3200)  # the pinned pool caps the context
+    monkeypatch.setenv("UNICACHE_VLLM_ARGS", '{"swap_space": 8}')
+    assert settings_from_args(parse([])).vllm_args == '{"swap_space": 8}'
+
+
+def test_the_ray_actor_asks_for_the_replicas_tensor_parallel_gpus():
+    from unicache.replica.actor import actor_options
+
+    assert (actor_options("r0", True, num_gpus=4)["num_gpus"], actor_options("r0", True)["num_gpus"]) == (4, 1)
+    assert actor_options("r0", False, num_gpus=4)["num_gpus"] == 0
+
+
+def test_a_bad_vllm_arg_is_refused_in_one_line(model_dir):
+    from unicache.errors import UsageError
+
+    bad = ReplicaSettings(engine="vllm", checkpoint=model_dir, block_size=32, vllm_args='{"no_such_arg": 1}')
+    bad.check()  # a key is checked against vLLM's EngineArgs when the engine starts
+    with pytest.raises(ValueError, match=r"^vllm_args: 'no_such_arg' is not a vLLM engine argument") as err:
+        bad.vllm_engine_config().engine_args("cuda", *EP)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"^vllm_args: 'no_such_arg' is not a vLLM engine argument"):
+        asyncio.run(VLLMEngine(bad.vllm_engine_config()).start())  # at start, before any process
+    for text, message in (('{"block_size": 64}', "vllm_args: 'block_size' is set by UniCache; use the block_size setting"),
+                          ('{"scheduler_cls": "x"}', "vllm_args: 'scheduler_cls' is set by UniCache and cannot be changed"),
+                          ("[1]", "vllm_args must be a JSON object of vLLM engine arguments, got list"),
+                          ("{nope", "vllm_args must be a JSON object")):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            ReplicaSettings(engine="vllm", checkpoint=model_dir, block_size=32, vllm_args=text).check()
+    with pytest.raises(UsageError, match="tensor_parallel_size and vllm_args need the vllm engine"):
+        ReplicaSettings(tensor_parallel_size=2).check()

@@ -38,6 +38,9 @@ from unicache.state_auth import new_cluster_key
 log = logging.getLogger("unicache.up")
 
 
+DEFAULT_NUM_BLOCKS = 2048  # per replica of the built-in engine
+
+
 @dataclass(slots=True)
 class ClusterSettings:
     """Settings of ``unicache up`` (each also a flag, UNICACHE_<NAME> and a config-file key)."""
@@ -51,7 +54,9 @@ class ClusterSettings:
     routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy"})
     eviction_policy: str = field(default="unicache", metadata={"help": "KV-cache eviction policy of the replicas"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    num_blocks: int = field(default=2048, metadata={"help": "KV blocks per replica"})
+    num_blocks: int = field(
+        default=0, metadata={"help": "KV blocks per replica (0: 2048; with --engine vllm: vLLM's memory profiling sizes the pool on a GPU, 1024 on CPU)"}
+    )
     host_blocks: int = field(default=0, metadata={"help": "host-memory KV tier blocks per replica (0: none; torch engine)"})
     host_eviction_policy: str = field(default="unicache", metadata={"help": "the host tier's eviction policy"})
     engine: str = field(default="torch", metadata={"help": "replica engine: torch (built-in) or vllm (needs --model)"})
@@ -99,7 +104,7 @@ def replica_settings(cfg: ClusterSettings, redis_url: str, redis_password_file: 
         cluster_key_file=cluster_key_file,
         eviction_policy=cfg.eviction_policy,
         block_size=cfg.block_size,
-        num_blocks=cfg.num_blocks,
+        num_blocks=cfg.num_blocks or (0 if cfg.engine == "vllm" else DEFAULT_NUM_BLOCKS),
         host_blocks=cfg.host_blocks,
         host_eviction_policy=cfg.host_eviction_policy,
         checkpoint=cfg.checkpoint,
