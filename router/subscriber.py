@@ -10,8 +10,12 @@ key Redis never sees); what fails, is stale or replays is dropped and counted
        A new replica, or a known one at a new address, is *pending*: it joins (or moves)
        only once the peer at that address proved to be it (step 2). A key holding a
        rejected value leaves a known replica as its last valid beat left it, until that
-       beat is ``heartbeat_ttl_s`` old. A heartbeat that expired (key gone) drops the replica (policy.on_replica_died and index.drop_replica via
-       ``ClusterView.remove``). A heartbeat naming an epoch newer than the index's marks
+       beat is ``heartbeat_ttl_s`` old. A known replica with no valid heartbeat (key
+       gone, or only rejected values past the TTL) is asked to prove itself over its own
+       channel (``fetch_summary`` with a fresh nonce, at every scan): it stays, as its
+       last valid beat left it, while it does, and is dropped when it does not
+       (policy.on_replica_died and index.drop_replica via ``ClusterView.remove``):
+       deleting keys in Redis cannot take a live replica out of routing. A heartbeat naming an epoch newer than the index's marks
        the replica stale; an older one is a beat written before the replica's resync.
     2. Resync every pending replica and every replica the index marks stale (new, gap,
        epoch change, impossible claim) *from the replica itself*: ``fetch_summary``
@@ -106,6 +110,8 @@ class RedisSubscriber:
         wall_clock: unix-time clock for ``max_state_age_s``.
         summary_timeout_s: deadline of one ``fetch_summary`` (default 5 s: a full cache's
             summary is tens of MB).
+        probe_timeout_s: deadline of the proof asked of a known replica whose heartbeat
+            key is missing (default 2 s); no proof in time drops it.
     """
 
     def __init__(
@@ -133,6 +139,7 @@ class RedisSubscriber:
         max_state_age_s: float = 30.0,
         wall_clock: Callable[[], float] = time.time,
         summary_timeout_s: float = 5.0,
+        probe_timeout_s: float = 2.0,
     ):
         self.cluster = cluster
         self.keys = RedisKeys(prefix)
@@ -154,6 +161,9 @@ class RedisSubscriber:
         self.max_state_age_s = max_state_age_s
         self.wall_clock = wall_clock
         self.summary_timeout_s = summary_timeout_s
+        self.probe_timeout_s = probe_timeout_s
+        self._proved: dict[str, float] = {}  # replicas kept by a probe while their heartbeat is missing
+        self.kept_alive = 0
         self._beats: dict[str, _Beat] = {}
         self._pending: dict[str, cache_pb2.Heartbeat] = {}
         kwargs = {"socket_timeout": timeout_s + block_ms / 1000.0, "socket_connect_timeout": timeout_s}
@@ -292,13 +302,47 @@ class RedisSubscriber:
             del self._pending[rid]
         if self.clock() < self._grace_until:
             return
-        for rid, rec in list(self.cluster.replicas.items()):
-            if not rec.static and rid not in seen:
-                log.info("replica %s heartbeat expired; dropping it", rid)
-                self.cluster.remove(rid)
-                self._cursors.pop(rid, None)
-                self._retry_at.pop(rid, None)
-                self._beats.pop(rid, None)
+        missing = [rid for rid, rec in self.cluster.replicas.items() if not rec.static and rid not in seen]
+        if not missing:
+            return
+        # NOTE: Redis is how replicas are found, not the only proof of life: whoever can
+        # write to Redis can delete keys. A replica whose heartbeat is gone stays (as its
+        # last valid beat left it) while it proves itself over its own channel.
+        alive = await asyncio.gather(*(self._proves_alive(rid) for rid in missing))
+        for rid, ok in zip(missing, alive):
+            if ok or rid not in self.cluster.replicas:
+                continue
+            log.info("replica %s heartbeat expired and it does not answer as itself; dropping it", rid)
+            self.cluster.remove(rid)
+            self._cursors.pop(rid, None)
+            self._retry_at.pop(rid, None)
+            self._beats.pop(rid, None)
+            self._proved.pop(rid, None)
+
+    async def _proves_alive(self, replica_id: str) -> bool:
+        """Whether the known replica, its heartbeat missing from Redis, still answers at
+        its address as itself: a ``GetCacheSummary`` sealed over a fresh nonce and naming
+        it (as at its admission), within ``probe_timeout_s``. Counted in ``kept_alive``."""
+        rec = self.cluster.replicas.get(replica_id)
+        if rec is None or not rec.address:
+            return False
+        nonce = os.urandom(16)
+        try:
+            raw = await self.fetch_summary(rec.address, nonce, self.probe_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - unreachable or refusing: it is gone
+            log.info("replica %s: heartbeat missing and no answer (%s)", replica_id, type(exc).__name__)
+            return False
+        summary = self._open(replica_id, "rpc-summary", raw, cache_pb2.CacheSummary, "summary from its address")
+        if summary is None:
+            return False
+        if summary.nonce != nonce:
+            self.rejections.reject("identity", replica_id, "summary from its address")
+            return False
+        if replica_id not in self._proved:
+            log.info("replica %s: heartbeat missing from Redis but it answers as itself; keeping it", replica_id)
+        self._proved[replica_id] = self.clock()
+        self.kept_alive += 1
+        return True
 
     def _open(self, rid: str, kind: str, raw: bytes, cls, what: str):
         """Verify and parse one sealed payload stored for ``rid``; None (counted) if bad."""

@@ -189,6 +189,7 @@ async def test_new_replica_added_and_expired_replica_dropped(setup):
     assert sorted(cluster.replicas) == ["a", "b"]
     assert held(index, "b") == [5, 6]
     r.delete(KEYS.heartbeat("a"))  # what TTL expiry does
+    sub.truth.forget("127.0.0.1:7000")  # after the replica died: nothing answers as it
     await sub.step(block_ms=0)
     assert sorted(cluster.replicas) == ["b"]
     assert index.replicas() == ["b"]
@@ -235,8 +236,9 @@ async def test_redis_outage_keeps_replicas_then_rebuilds(setup, redis_server):
     add_events(r2, "a", 1, 6, stored=[4])
     await sub.step(block_ms=0)
     assert held(index, "a") == [2, 3, 4] and not index.needs_resync("a")
-    # After the grace period a replica without heartbeat is dropped.
+    # After the grace period a replica without heartbeat (and gone) is dropped.
     r2.delete(KEYS.heartbeat("a"))
+    sub.truth.forget("127.0.0.1:7000")
     await sub.step(block_ms=0)
     assert list(cluster.replicas) == ["a"]
     clock.t += 3.5
@@ -418,3 +420,34 @@ async def test_a_summary_carries_the_chains_and_a_mismatch_is_refused(setup):
     sub.truth.set("127.0.0.1:7001", "b", 1, 0, [h(1), h(2)], [None])
     await sub.step(block_ms=0)
     assert index.needs_resync("b") and sub.rejections.counts["unparsable"] == 1
+
+
+async def test_a_replica_whose_keys_vanish_stays_while_it_proves_itself(setup):
+    """Deleted keys (not a dead replica): each scan asks the replica itself for a summary
+    sealed over a fresh nonce; it stays, with its last beat's load, while it answers."""
+    sub, cluster, index, policy, r, clock = setup
+    put_heartbeat(r, "a")
+    replica_has(sub.truth, "a", 1, 0, [1, 2])
+    await sub.step(block_ms=0)
+    calls = len(sub.truth.calls)
+    for _ in range(3):
+        r.delete(KEYS.heartbeat("a"), KEYS.summary("a"))
+        clock.t += 5.0  # past the TTL of its last beat
+        await sub.step(block_ms=0)
+        assert list(cluster.replicas) == ["a"] and held(index, "a") == [1, 2]
+    assert sub.kept_alive == 3 and len(sub.truth.calls) == calls + 3
+    assert (cluster.loads()[0].running, cluster.loads()[0].free_blocks) == (2, 90)
+    assert policy.calls == [("update", ("a",))]  # never left routing
+
+
+async def test_a_replica_whose_keys_vanish_is_dropped_when_another_answers_at_its_address(setup):
+    sub, cluster, index, policy, r, clock = setup
+    put_heartbeat(r, "a")
+    replica_has(sub.truth, "a", 1, 0, [1])
+    await sub.step(block_ms=0)
+    r.delete(KEYS.heartbeat("a"))
+    replica_has(sub.truth, "b", 1, 0, [9])  # another replica (or a squatter with the key) at a's address
+    await sub.step(block_ms=0)
+    assert cluster.replicas == {} and index.replicas() == []
+    assert sub.rejections.counts["wrong_replica"] == 1 and sub.kept_alive == 0
+    assert policy.calls == [("update", ("a",)), ("died", "a"), ("update", ())]

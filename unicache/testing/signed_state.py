@@ -37,6 +37,10 @@ class ReplicaTruth:
         replica answers."""
         self.by_address[address] = (replica_id, epoch, seq, list(blocks), [p or b"" for p in parents])
 
+    def forget(self, address: str) -> None:
+        """The replica at ``address`` died: nothing answers there any more."""
+        self.by_address.pop(address, None)
+
     async def fetch(self, address: str, nonce: bytes, timeout_s: float) -> bytes:  # noqa: ARG002
         if address not in self.by_address:
             raise ConnectionError(address)
