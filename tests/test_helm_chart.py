@@ -2,8 +2,9 @@
 
 The chart is rendered with helm-python-sdk (Helm's Go SDK; no helm binary, no cluster) for
 three value sets; every rendered manifest is validated with kubernetes-validate (strict:
-unknown fields are errors), the RayCluster against the KubeRay CRD's own schema, the
-ServiceMonitor by shape, and everything is scanned once by checkov.
+unknown fields are errors), the RayCluster against the KubeRay CRD's own schema (vendored:
+tests/schemas/kuberay), the ServiceMonitor by shape, and everything is scanned once by
+checkov. Manifests are parsed with duplicate keys refused (tests/support/strict_yaml.py).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import helm_python as helm
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
+
+from tests.support import strict_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "unicache"
-_CRD = Path("shared") / "schemas" / "kuberay" / "ray.io_rayclusters.yaml"
-# NOTE: shared/ lies beside the main checkout (CI) or further up (a git worktree).
-RAYCLUSTER_CRD = next((d / _CRD for d in (REPO, *REPO.parents) if (d / _CRD).exists()), REPO.parent / _CRD)
+# The v1 RayCluster schema of KubeRay's CRD, vendored with its source and licence
+# (tests/schemas/kuberay/README.md): a clone validates the chart without anything beside it.
+RAYCLUSTER_SCHEMA = REPO / "tests" / "schemas" / "kuberay" / "raycluster-v1.openapi.json"
 KUBE_VERSION = "1.33"
 RELEASE = "uc"
 NAMESPACE = "serving"
@@ -81,7 +83,7 @@ def documents(rendered: dict[str, str]) -> list[tuple[str, dict]]:
     out = []
     for path, text in sorted(rendered.items()):
         if path.endswith(".yaml"):
-            out.extend((path, doc) for doc in yaml.safe_load_all(text) if doc)
+            out.extend((path, doc) for doc in strict_yaml.safe_load_all(text) if doc)
     return out
 
 
@@ -254,13 +256,8 @@ def _strict_crd_schema(schema: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def raycluster_schema() -> dict:
-    """The strict v1 RayCluster schema from the KubeRay CRD (parsed once: the file is ~1 MB)."""
-    if not RAYCLUSTER_CRD.exists():
-        pytest.skip(f"KubeRay CRD schema not found at {RAYCLUSTER_CRD} (CI provides ../shared/schemas)")
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    crd = yaml.load(RAYCLUSTER_CRD.read_text(), Loader=loader)
-    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
-    schema = _strict_crd_schema(version["schema"]["openAPIV3Schema"])
+    """The strict v1 RayCluster schema of the KubeRay CRD (the vendored copy)."""
+    schema = _strict_crd_schema(json.loads(RAYCLUSTER_SCHEMA.read_text()))
     schema["properties"]["metadata"] = {"type": "object"}
     return schema
 
@@ -644,3 +641,42 @@ def test_router_workers_value_reaches_the_command_line():
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--workers") + 1] == "3"
     assert dep["spec"]["replicas"] == 4
+
+
+# --- issue 38: duplicate keys, the served name, the vendored schema ------------------------
+
+
+def test_rendered_manifests_are_parsed_with_duplicate_keys_refused():
+    with pytest.raises(strict_yaml.DuplicateKeyError, match="found duplicate key 'UNICACHE_X'"):
+        list(strict_yaml.safe_load_all("kind: ConfigMap\ndata:\n  UNICACHE_X: a\n  UNICACHE_X: b\n"))
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ({}, "unicache-default"),  # the seeded model: settings.modelName
+    ({"replicas": {"servedModelName": "chat"}}, "chat"),
+    ({"replicas": {"engine": "vllm", "checkpoint": "/models/Qwen2.5-7B-Instruct/"}}, "Qwen2.5-7B-Instruct"),
+    ({"model": {"source": "pvc", "pvc": {"claimName": "w"}, "subPath": "llama-3-8b"}}, "llama-3-8b"),
+    ({"replicas": {"servedModelName": "chat", "checkpoint": "/models/llama"}}, "chat"),
+])
+def test_the_served_model_name_is_written_once_as_the_replicas_name_it(values, expected):
+    """One UNICACHE_SERVED_MODEL_NAME (a second was refused by strict parsers), and the name
+    unicache/model_name.py gives the replicas: the router serves what the replicas label."""
+    from unicache.model_name import served_model_name
+
+    rendered = render(values)
+    text = next(t for p, t in rendered.items() if p.endswith("configmap-settings.yaml"))
+    assert text.count("UNICACHE_SERVED_MODEL_NAME:") == 1
+    data = one(documents(rendered), "ConfigMap", "settings")["data"]
+    assert data["UNICACHE_SERVED_MODEL_NAME"] == expected
+    if data.get("UNICACHE_CHECKPOINT"):
+        given = values.get("replicas", {}).get("servedModelName", "")
+        assert served_model_name(given, data["UNICACHE_CHECKPOINT"]) == expected
+
+
+def test_the_raycluster_schema_is_vendored_in_the_repository():
+    assert RAYCLUSTER_SCHEMA.is_relative_to(REPO) and RAYCLUSTER_SCHEMA.is_file()
+    schema = json.loads(RAYCLUSTER_SCHEMA.read_text())
+    assert {"headGroupSpec", "workerGroupSpecs", "rayVersion"} <= set(schema["properties"]["spec"]["properties"])
+    readme = (RAYCLUSTER_SCHEMA.parent / "README.md").read_text()
+    assert "ray-project/kuberay" in readme and "Apache-2.0" in readme and "feeaf72" in readme
+

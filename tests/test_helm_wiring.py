@@ -19,10 +19,10 @@ import helm_python as helm
 import httpx
 import pytest
 import redis
-import yaml
 
 from unicache.redis_keys import RedisKeys
 from unicache.redis_server import EmbeddedRedis, find_redis_binary, free_port
+from tests.support import strict_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "unicache"
@@ -32,7 +32,7 @@ CHART = REPO / "helm" / "unicache"
 def docs() -> list[dict]:
     with helm.Chart.load(CHART) as chart:
         rendered = chart.render({}, name="uc", namespace="serving", is_install=True)
-    return [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    return [d for path, text in rendered.items() if path.endswith(".yaml") for d in strict_yaml.safe_load_all(text) if d]
 
 
 def pick(docs, kind: str, component: str) -> dict:

@@ -154,6 +154,15 @@ expansion: the replicas take their Redis credentials from the URL only.
 {{- end }}
 {{- end }}
 
+{{/* The model name served: replicas.servedModelName, else the checkpoint directory's name
+(as unicache/model_name.py names it for the replicas), else settings.modelName. */}}
+{{- define "unicache.servedModelName" -}}
+{{- $checkpoint := include "unicache.checkpointPath" . }}
+{{- if .Values.replicas.servedModelName }}{{ .Values.replicas.servedModelName }}
+{{- else if $checkpoint }}{{ base (trimSuffix "/" $checkpoint) }}
+{{- else }}{{ .Values.settings.modelName }}{{ end }}
+{{- end }}
+
 {{/* Pod security context shared by every pod: non-root, fixed high UID, RuntimeDefault seccomp. */}}
 {{- define "unicache.podSecurityContext" -}}
 runAsNonRoot: true
