@@ -32,6 +32,30 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
+def replica_eviction_policies() -> list[str]:
+    """The registered eviction policies a replica can run: those built from no arguments
+    (``opt`` needs the trace's future, so it runs only in the simulator). The Helm
+    schema's ``replicas.evictionPolicy`` enum is this list (a test keeps it so)."""
+    names = []
+    for name in EVICTION_POLICIES.names():
+        try:
+            EVICTION_POLICIES.make(name)
+        except TypeError:
+            continue
+        names.append(name)
+    return names
+
+
+def _eviction_policy_help() -> str:
+    """``--eviction-policy``'s help, from the eviction registry (never a hand-kept list)."""
+    runs = replica_eviction_policies()
+    sim_only = [name for name in EVICTION_POLICIES.names() if name not in runs]
+    text = f"KV-cache eviction policy: {', '.join(runs)}"
+    if sim_only:
+        text += f" ({', '.join(sim_only)}: simulator only)"
+    return text + "; with --engine vllm also 'vllm': vLLM's own"
+
+
 @dataclass(slots=True)
 class ReplicaSettings:
     replica_id: str = field(default="replica-0", metadata=_help("stable replica id (survives restarts)"))
@@ -64,7 +88,7 @@ class ReplicaSettings:
     engine: str = field(default="torch", metadata=_help("serving engine: torch (built-in) or vllm (vLLM V1 in-process, extra [vllm])"))
     eviction_policy: str = field(
         default="unicache",
-        metadata=_help("KV-cache eviction policy (lru, radix-lru, unicache, opt; with --engine vllm also 'vllm': vLLM's own)"),
+        metadata=_help(_eviction_policy_help()),
     )
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
     num_blocks: int = field(
@@ -251,20 +275,6 @@ SECRET_FIELDS = frozenset({"redis_password", "cluster_key"})
 
 
 FLAG_ALIASES = {"checkpoint": ["--model"]}
-
-
-def replica_eviction_policies() -> list[str]:
-    """The registered eviction policies a replica can run: those built from no arguments
-    (``opt`` needs the trace's future, so it runs only in the simulator). The Helm
-    schema's ``replicas.evictionPolicy`` enum is this list (a test keeps it so)."""
-    names = []
-    for name in EVICTION_POLICIES.names():
-        try:
-            EVICTION_POLICIES.make(name)
-        except TypeError:
-            continue
-        names.append(name)
-    return names
 
 
 def parse_vllm_args(text: str) -> dict:

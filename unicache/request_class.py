@@ -11,7 +11,7 @@ from enum import Enum
 
 
 class Task(str, Enum):
-    """Task labels of the trace format (DESIGN.md)."""
+    """Task labels of the trace format (docs/trace-format.md)."""
 
     CHAT = "chat"
     AGENT = "agent"

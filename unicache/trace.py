@@ -1,4 +1,4 @@
-"""The one trace reader (JSON Lines format of DESIGN.md) used by the simulator and benchmarks.
+"""The one trace reader (JSON Lines, docs/trace-format.md) used by the simulator and benchmarks.
 
 Every error names the file, the 1-based line number and the offending field, so the CLI
 can print one line and exit 2.

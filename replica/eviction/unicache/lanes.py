@@ -1,6 +1,6 @@
 """UniCache's queues and lanes: where a released block waits to be evicted.
 
-Queues, by the class of the request that released the block (DESIGN.md):
+Queues, by the class of the request that released the block (docs/eviction.md):
     evict_first  decode blocks of single-turn requests, and prompt blocks of single-turn
                  requests outside a template prefix.
     chat         blocks of chat sessions (any session not classed agent).

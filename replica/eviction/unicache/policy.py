@@ -64,7 +64,7 @@ _NOVEL = EVICT_FIRST * NUM_LANES + NOVEL_LANE
 
 @register_policy("unicache")
 class UniCachePolicy(EvictionPolicy):
-    """Four-queue UniCache eviction (see the module docstring and DESIGN.md). A host tier
+    """Four-queue UniCache eviction (see the module docstring and docs/eviction.md). A host tier
     under ``unicache`` runs ``HostUniCachePolicy`` instead (``host.py``: this policy's
     demotion order, kept per queue).
 
