@@ -643,7 +643,7 @@ def test_router_workers_value_reaches_the_command_line():
     assert dep["spec"]["replicas"] == 4
 
 
-# --- issue 38: duplicate keys, the served name, the vendored schema ------------------------
+# --- issue 38: duplicate keys, the served name, the vendored schema, vLLM on GPUs ---------
 
 
 def test_rendered_manifests_are_parsed_with_duplicate_keys_refused():
@@ -680,3 +680,37 @@ def test_the_raycluster_schema_is_vendored_in_the_repository():
     readme = (RAYCLUSTER_SCHEMA.parent / "README.md").read_text()
     assert "ray-project/kuberay" in readme and "Apache-2.0" in readme and "feeaf72" in readme
 
+
+VLLM_GPU = {
+    "replicas": {"engine": "vllm", "maxModelLen": 32768,
+                 "vllm": {"gpuMemoryUtilization": 0.85, "tensorParallelSize": 2,
+                          "args": {"kv_cache_dtype": "fp8", "enable_chunked_prefill": True}}},
+    "model": {"source": "pvc", "pvc": {"claimName": "weights"}, "subPath": "Qwen2.5-72B-Instruct"},
+    "rayCluster": {"worker": {"replicas": 2, "gpusPerWorker": 4}},
+}
+
+
+def test_vllm_gpu_values_reach_the_replica_settings(raycluster_schema):
+    """The chart's vLLM keys become the replicas' settings (the ConfigMap's variables, read
+    as the replica reads its environment), and the launcher runs one replica per TP group."""
+    from unicache import settings as settings_mod
+    from unicache.replica.settings import ReplicaSettings
+
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(VLLM_GPU)
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"replicas": {"vllm": {"tensorParallelSize": 0}}})
+    docs = documents(render(VLLM_GPU))
+    jsonschema.validate(one(docs, "RayCluster"), raycluster_schema)
+    data = one(docs, "ConfigMap", "settings")["data"]
+    s = settings_mod.build(ReplicaSettings, env={k: v for k, v in data.items() if k.startswith("UNICACHE_")})
+    assert (s.engine, s.tensor_parallel_size, s.gpu_memory_utilization, s.num_blocks, s.max_model_len) == ("vllm", 2, 0.85, 0, 32768)
+    engine = s.vllm_engine_values()
+    assert engine["vllm_args"] == {"kv_cache_dtype": "fp8", "enable_chunked_prefill": True}
+    assert (engine["tensor_parallel_size"], engine["gpu_memory_utilization"], engine["num_blocks"], engine["enforce_eager"]) == (2, 0.85, 0, False)
+    # 2 workers x 4 GPUs, 2 GPUs per replica: 4 replica actors
+    launcher = one(docs, "Deployment", "launcher")["spec"]["template"]["spec"]["containers"][0]
+    assert launcher["args"][:3] == ["replicas", "--num", "4"]
+    # the default (torch) render writes none of the vLLM keys
+    default = one(documents(render({})), "ConfigMap", "settings")["data"]
+    assert not {"UNICACHE_TENSOR_PARALLEL_SIZE", "UNICACHE_VLLM_ARGS", "UNICACHE_GPU_MEMORY_UTILIZATION"} & set(default)

@@ -150,8 +150,14 @@ expansion: the replicas take their Redis credentials from the URL only.
 {{- if gt (int .Values.replicas.count) 0 }}
 {{- .Values.replicas.count }}
 {{- else }}
-{{- mul (int .Values.rayCluster.worker.replicas) (max 1 (int .Values.rayCluster.worker.gpusPerWorker)) }}
+{{- $gpus := mul (int .Values.rayCluster.worker.replicas) (max 1 (int .Values.rayCluster.worker.gpusPerWorker)) }}
+{{- max 1 (div $gpus (include "unicache.gpusPerReplica" . | int)) }}
 {{- end }}
+{{- end }}
+
+{{/* GPUs one replica actor requests: the vllm engine's tensor-parallel size, else one. */}}
+{{- define "unicache.gpusPerReplica" -}}
+{{- if eq .Values.replicas.engine "vllm" }}{{ max 1 (int .Values.replicas.vllm.tensorParallelSize) }}{{ else }}1{{ end }}
 {{- end }}
 
 {{/* The model name served: replicas.servedModelName, else the checkpoint directory's name
