@@ -98,8 +98,14 @@ _FROM_REPLICA = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.UNAUTHENTICATED: "unavailable",
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
 }
+# NOTE: a replica never judges the client's credentials: UNAUTHENTICATED from it (a failed
+# hop handshake or TLS identity check, a refused cluster credential, a peer that is not
+# the replica) is the replica failing, a refusal like UNAVAILABLE: quarantined and retried
+# elsewhere without using up the retry budget.
+_REFUSALS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED})
 
 
 # Codes whose details the replica wrote for the client (why it refused the request);
@@ -472,7 +478,8 @@ class RouterCore:
         stalled = timed_out or code == grpc.StatusCode.DEADLINE_EXCEEDED
         if timed_out:
             self.metrics.labelled(self.metrics.first_token_timeouts, rid).inc()
-        if (stalled or code == grpc.StatusCode.UNAVAILABLE) and self.cluster.quarantine(rid):
+        refused = code in _REFUSALS
+        if (stalled or refused) and self.cluster.quarantine(rid):
             # NOTE: once per quarantine, not per request: the requests a stall catches
             # together are one event, and must not double the timeout once each.
             if stalled and self.first_token_timeout is not None:
@@ -480,7 +487,7 @@ class RouterCore:
             self.metrics.labelled(self.metrics.quarantines, rid).inc()
             log.warning("replica %s quarantined (%s) until it answers a probe", rid, "stalled" if stalled else code.name)
         kind = _replica_error_kind(exc)
-        return AttemptFailed(RouterError(kind, client_message(rid, exc, kind)), code in RETRYABLE, code == grpc.StatusCode.UNAVAILABLE)
+        return AttemptFailed(RouterError(kind, client_message(rid, exc, kind)), code in RETRYABLE or refused, refused)
 
     def _end_attempt(self, prep: Prepared, rid: str, stream: ReplicaStream) -> None:
         """Close the call (cancelling it at the replica if unfinished) and uncount it."""
