@@ -230,7 +230,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="replay a trace against an OpenAI-compatible endpoint; TTFT, ITL, throughput, goodput, cached tokens")
     p.add_argument("--endpoint", required=True, metavar="URL", help="base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="JSON Lines trace (docs/trace-format.md)")
+    src.add_argument("--trace", help="JSON Lines trace (docs/trace-format.md); one ships: "
+                     "traces/mooncake-conversation-slice.jsonl (with --block-size 512)")
     src.add_argument("--synthetic", type=int, metavar="N", help="the first N requests of the generated mix (gen-workload defaults)")
     p.add_argument("--seed", type=int, default=0, help="seed of --synthetic (default 0)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",

@@ -26,7 +26,8 @@ DEFAULT_FRACS = "0.02,0.05,0.1,0.25"
 
 def register(subparsers) -> None:
     sim = subparsers.add_parser("sim", help="replay a trace through simulated replicas and compare eviction policies")
-    sim.add_argument("--trace", required=True, help="JSON Lines trace (docs/trace-format.md)")
+    sim.add_argument("--trace", required=True, help="JSON Lines trace (docs/trace-format.md); one ships: "
+                     "traces/mooncake-conversation-slice.jsonl (with --block-size 512)")
     sim.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16; Mooncake: 512)")
     cap = sim.add_mutually_exclusive_group()
     cap.add_argument("--capacity-frac", help=f"comma list of capacities as fractions of unique blocks (default {DEFAULT_FRACS})")
