@@ -2,8 +2,9 @@
 
 The paper weights each queue by its efficiency (hits / capacity, normalised, ^(1/T),
 clipped, smoothed); measured on Mooncake that lost badly to lru (the unicache_ablation
-study, docs/studies.md; the test double tests/support/unicache_variants.py keeps it). Here alpha_lane = p_lane, the decayed fraction of the lane's released blocks that
-were reused later. Reuses of *evicted* blocks count too, through a ghost list of their
+study, docs/studies.md; the test double tests/support/unicache_variants.py keeps it).
+Here alpha_lane = p_lane, the decayed fraction of the lane's released blocks that were
+reused later. Reuses of *evicted* blocks count too, through a ghost list of their
 hashes: otherwise eviction would hide reuse and confirm itself. So a lane score
 alpha * s estimates the probability that the block is reused.
 
