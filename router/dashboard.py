@@ -8,6 +8,11 @@ draws the history as inline SVG line charts, each with a legend:
       (dashed), requests per second; and routing decisions per second by reason;
     * per replica: KV blocks (used, cached, free) and eviction-queue sizes.
 
+Two hit ratios, named apart wherever they appear: the table's *block hit ratio* is the
+replica's own (cached blocks / prompt blocks looked up, since the replica started); the
+chart's *prompt-token hit ratio* is the router's (cached / prompt tokens of the requests
+that finished in each interval). The panels fill the page's width (a flexible grid).
+
 DOM contract (tests/test_dashboard_browser.py checks it in headless Chromium): every chart
 is ``<svg class="chart" data-chart=NAME>`` holding one ``<path class="series"
 data-series=LABEL data-points=N>`` per series, N the points drawn; its legend is the
@@ -32,8 +37,9 @@ DASHBOARD_HTML = """<!doctype html>
  .used { background: #d9534f; } .cached { background: #5bc0de; }
  .bad { color: #c00; font-weight: bold; }
  .queues { font-size: 0.85em; color: #444; text-align: left; min-width: 14em; }
- .grid { display: flex; flex-wrap: wrap; gap: 0.8em; max-width: 900px; margin-bottom: 0.8em; }
- .panel { box-sizing: border-box; background: #fff; border: 1px solid #ddd; border-radius: 4px; padding: 6px 8px; width: 440px; }
+ .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(420px, 1fr)); gap: 0.8em; margin-bottom: 0.8em; }
+ .panel { box-sizing: border-box; background: #fff; border: 1px solid #ddd; border-radius: 4px; padding: 6px 8px; min-width: 0; }
+ svg.chart { width: 100%; height: auto; display: block; }
  .panel h3 { font-size: 0.9em; margin: 0.1em 0 0.2em; font-weight: 600; }
  .legend { font-size: 0.8em; color: #333; display: flex; flex-wrap: wrap; gap: 0.3em 0.9em; }
  .legend span.sw { display: inline-block; width: 1.4em; height: 0; border-top: 3px solid; vertical-align: middle; margin-right: 0.3em; }
@@ -51,16 +57,18 @@ DASHBOARD_HTML = """<!doctype html>
 <div id="meta">loading&hellip;</div>
 <table>
  <thead><tr><th>replica</th><th>address</th><th>device</th><th>health</th><th>running</th><th>waiting</th>
- <th>blocks (used | cached | free)</th><th>capacity</th><th>hit ratio</th><th>evictions</th><th>host tier (used/cap, hit, promoted, demoted)</th><th>indexed</th>
+ <th>blocks (used | cached | free)</th><th>capacity</th><th title="the replica's cached blocks / prompt blocks looked up, since it started">block hit ratio<br><small>replica, since start</small></th><th>evictions</th><th>host tier (used/cap, hit, promoted, demoted)</th><th>indexed</th>
  <th>eviction queues</th></tr></thead>
  <tbody id="rows"></tbody>
 </table>
 <div class="keyrow">blocks bar: <span class="box used"></span>used (held by requests)<span class="box cached"></span>cached
- (hold a reusable prefix)<span class="box" style="background:#e6e6e6"></span>rest free &middot; hit ratio: blocks, since the replica started</div>
+ (hold a reusable prefix)<span class="box" style="background:#e6e6e6"></span>rest free &middot; <b>block hit ratio</b>: the replica's cached
+ blocks / prompt blocks looked up, since it started &middot; <b>prompt-token hit ratio</b> (chart below): the router's cached / prompt
+ tokens of the requests finished in each interval</div>
 <h2>Cluster <span id="span" style="font-weight:normal;color:#666"></span></h2>
 <div class="grid" id="cluster-charts"></div>
 <h2>Per replica</h2>
-<div id="replica-charts"></div>
+<div class="grid" id="replica-charts"></div>
 <script>
 const REFRESH_MS = 2000;
 const COLORS = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f', '#bcbd22', '#17becf'];
@@ -122,7 +130,7 @@ function drawHistory(h) {
   const reasons = [...new Set(pts.flatMap(p => Object.keys(p.reasons)))].sort();
   document.getElementById('span').textContent =
     `(last ${Math.round(t1 - t0)} s, one point every ${h.interval_s} s, at most ${h.capacity} points)`;
-  let html = chart('hit_ratio', 'Prompt-token hit ratio (requests finished per interval)', '%', replicaSeries(pts, rids, 'hit_ratio'), t0, t1, 1);
+  let html = chart('hit_ratio', 'Prompt-token hit ratio at the router (cached / prompt tokens of the requests finished per interval)', '%', replicaSeries(pts, rids, 'hit_ratio'), t0, t1, 1);
   html += chart('ttft', 'Time to first token: p50 (solid), p99 (dashed)', 's',
     replicaSeries(pts, rids, 'ttft_p50', ' p50').concat(replicaSeries(pts, rids, 'ttft_p99', ' p99', true)), t0, t1);
   html += chart('requests_per_s', 'Requests routed per second', '', replicaSeries(pts, rids, 'requests_per_s'), t0, t1);
@@ -131,7 +139,6 @@ function drawHistory(h) {
   document.getElementById('cluster-charts').innerHTML = html;
   let per = '';
   for (const rid of rids) {
-    per += '<div class="grid">';
     const blockSeries = [['used_blocks', 'used', '#d9534f'], ['cached_blocks', 'cached', '#5bc0de'], ['free_blocks', 'free', '#5cb85c']]
       .map(([k, label, color]) => ({label, color, dash: false, pts: pts.map(p => [p.t, p.replicas[rid] ? p.replicas[rid][k] : null])}));
     const cap = Math.max(0, ...pts.map(p => (p.replicas[rid] && p.replicas[rid].capacity_blocks) || 0));
@@ -140,7 +147,6 @@ function drawHistory(h) {
     per += chart('queues:' + rid, `Eviction-queue sizes (blocks): ${rid}`, '', queues.map((q, i) => ({
       label: readable(QUEUE_NAMES, q), color: COLORS[i % COLORS.length], dash: false,
       pts: pts.map(p => [p.t, p.replicas[rid] ? (p.replicas[rid].queue_sizes[q] ?? null) : null])})), t0, t1);
-    per += '</div>';
   }
   document.getElementById('replica-charts').innerHTML = per;
 }

@@ -3,7 +3,10 @@
 Sends chat sessions (each turn repeats the conversation so far), requests sharing a few
 system-prompt templates, and plain one-off prompts, with a progress bar; then prints the
 cluster's per-replica cache state and the prompt-token hit ratio the workload achieved,
-so a newcomer sees routing and caching at work.
+so a newcomer sees routing and caching at work. Then (``--fill``, on by default) one-off
+prompts fill every replica's cache until it evicts, the sessions and templates come back,
+and the demo says how much of them UniCache kept that an LRU cache of the same size would
+have lost (unicache/demo_eviction.py says why that figure is exact).
 """
 
 from __future__ import annotations
@@ -57,6 +60,27 @@ def build_workload(seed: int, sessions: int, turns: int, templated: int, single:
         out.append(DemoRequest("template", text=tpl + f"\nInput {i}: {rng.choice(TOPICS)} {rng.random():.6f}", wave=i % turns))
     for i in range(single):
         out.append(DemoRequest("single", text=f"One-off {i}: {rng.random():.9f} " * 6, wave=i % turns))
+    return out
+
+
+def returning_requests(workload: list[DemoRequest]) -> list[DemoRequest]:
+    """After the flood: each session's next turn (its conversation so far plus a question)
+    and one new request per template used."""
+    out: list[DemoRequest] = []
+    last: dict[str, DemoRequest] = {}
+    for r in workload:
+        if r.kind == "session":
+            last[r.session_id] = r
+    for sid, r in last.items():
+        chat = r.chat + [{"role": "assistant", "content": "Answer."}, {"role": "user", "content": "One more question: why?"}]
+        out.append(DemoRequest("returning", chat=chat, session_id=sid))
+    seen = []
+    for r in workload:
+        if r.kind == "template":
+            tpl = next(t for t in TEMPLATES if r.text.startswith(t))
+            if tpl not in seen:
+                seen.append(tpl)
+                out.append(DemoRequest("returning", text=tpl + "\nInput again: after the flood"))
     return out
 
 
@@ -116,7 +140,61 @@ def run_demo(args: argparse.Namespace) -> int:
     placed = collections.Counter(r["replica"] for r in results)
     print("routing reasons: " + ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())))
     print("requests per replica: " + ", ".join(f"{k}={v}" for k, v in sorted(placed.items())))
+    if args.fill:
+        print()
+        for line in run_fill(args, workload, metadata).lines():
+            print(line)
     return 0
+
+
+def _result(future) -> dict:
+    try:
+        return future.result()
+    except grpc.RpcError as exc:
+        raise UsageError(f"request failed: {exc.code().name}: {exc.details()}") from None
+
+
+def run_fill(args: argparse.Namespace, workload: list[DemoRequest], metadata):
+    """Flood every replica with one-off prompts until each has cached at least its capacity
+    of new blocks (it evicts), then send the returning sessions and templates."""
+    from unicache.demo_eviction import FillReport, ReplicaFill, flood_text
+    from unicache.router.status import admin_key_from_env, fetch_cluster_state
+
+    admin_key = admin_key_from_env()
+    state = fetch_cluster_state(args.router, args.timeout, admin_key)
+    report = FillReport(block_size=state.replicas[0].cache.block_size if state.replicas else 16)
+    for rs in state.replicas:
+        report.replicas[rs.info.replica_id] = ReplicaFill(rs.cache.capacity_blocks, evictions_before=rs.cache.evictions)
+    need = sum(r.capacity_blocks for r in report.replicas.values())
+    per_request = max(1, (args.flood_chars - 1) // report.block_size)
+    limit = 3 * (need // per_request + 1) + 2 * args.concurrency  # routing may be uneven: bounded
+    sent, chars = 0, args.flood_chars
+    with grpc.insecure_channel(args.router) as channel, ThreadPoolExecutor(args.concurrency) as pool:
+        stub = router_pb2_grpc.RouterStub(channel)
+        with tqdm(total=need, desc="filling the caches", unit="block") as bar:
+            while not report.all_filled() and sent < limit:
+                wave = [DemoRequest("flood", text=flood_text(args.seed, sent + i, chars)) for i in range(args.concurrency)]
+                sent += len(wave)
+                for f in [pool.submit(_send, stub, r, 1, metadata, args.timeout) for r in wave]:
+                    try:
+                        res = f.result()
+                    except grpc.RpcError as exc:
+                        # NOTE: a model with a shorter context than --flood-chars tokens: halve and go on
+                        if "exceeds the context" not in (exc.details() or "") or chars <= 64:
+                            raise UsageError(f"request failed: {exc.code().name}: {exc.details()}") from None
+                        chars //= 2
+                        continue
+                    before = sum(min(r.flood_blocks, r.capacity_blocks) for r in report.replicas.values())
+                    report.add_flood(res["replica"], res["prompt"])
+                    bar.update(sum(min(r.flood_blocks, r.capacity_blocks) for r in report.replicas.values()) - before)
+        for f in [pool.submit(_send, stub, r, args.max_tokens, metadata, args.timeout) for r in returning_requests(workload)]:
+            res = _result(f)
+            report.add_returning(res["replica"], res["prompt"], res["cached"])
+    time.sleep(HEARTBEAT_INTERVAL_S + 0.2)  # NOTE: evictions are read from the replicas' heartbeats
+    for rs in fetch_cluster_state(args.router, args.timeout, admin_key).replicas:
+        if rs.info.replica_id in report.replicas:
+            report.replicas[rs.info.replica_id].evictions_after = rs.cache.evictions
+    return report
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -131,5 +209,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default 8)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fill", action=argparse.BooleanOptionalAction, default=True,
+                   help="then fill every replica's cache with one-off prompts until it evicts, bring the sessions and "
+                        "templates back, and compare with LRU (default on)")
+    p.add_argument("--flood-chars", type=int, default=3000, help="characters per one-off prompt of --fill (default 3000)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline per request in seconds")
     p.set_defaults(func=run_demo)
