@@ -131,6 +131,12 @@ class RouterConfig:
     http_keepalive_timeout_s: float = field(default=5.0, metadata={"help": "HTTP: idle time between requests on a kept-alive connection"})
     http_max_connections: int = field(default=4096, metadata={"help": "HTTP: open connections beyond which new ones get 503"})
     http_parser: str = field(default="auto", metadata={"help": "HTTP parser: auto (httptools if installed), httptools, h11"})
+    http_idle_timeout_s: float = field(default=2.0, metadata={"help": "HTTP: time from accept to a connection's first byte (closed beyond)"})
+    http_max_header_bytes: int = field(default=32 << 10, metadata={"help": "HTTP: largest request head in bytes (431 beyond)"})
+    http_max_headers: int = field(default=100, metadata={"help": "HTTP: most header fields in one request (431 beyond)"})
+    http_max_connections_per_peer: int = field(
+        default=1024, metadata={"help": "HTTP: connections one client address may hold (503 beyond unless one of its idle ones can close; 0: no share; raise it behind a proxy)"}
+    )
     event_loop: str = field(
         default="auto",
         metadata={"help": "`unicache router` event loop: auto (uvloop when installed: less CPU per request, bench.router_profile), uvloop, asyncio"},
@@ -138,12 +144,6 @@ class RouterConfig:
     tenant_max_concurrent: int = field(default=1024, metadata={"help": "requests one tenant may have in flight (429 beyond; 0: no limit)"})
     tenant_max_prompt_tokens: int = field(default=32768, metadata={"help": "prompt tokens per request (400 beyond; 0: no limit)"})
     tenant_tokens_per_minute: int = field(default=0, metadata={"help": "prompt tokens one tenant may send per minute (429 beyond; 0: no limit)"})
-    http_idle_timeout_s: float = field(default=2.0, metadata={"help": "HTTP: time from accept to a connection's first byte (closed beyond)"})
-    http_max_header_bytes: int = field(default=32 << 10, metadata={"help": "HTTP: largest request head in bytes (431 beyond)"})
-    http_max_headers: int = field(default=100, metadata={"help": "HTTP: most header fields in one request (431 beyond)"})
-    http_max_connections_per_peer: int = field(
-        default=1024, metadata={"help": "HTTP: connections one client address may hold (503 beyond unless one of its idle ones can close; 0: no share; raise it behind a proxy)"}
-    )
     tenant_limits: str = field(
         default="", metadata={"help": "per-tenant overrides: JSON {tenant: {max_concurrent, max_prompt_tokens, tokens_per_minute}} or 'tenant.limit=N,...'"}
     )
@@ -280,6 +280,8 @@ def check_http_settings(cfg: RouterConfig) -> None:
                  "http_idle_timeout_s", "http_max_header_bytes", "http_max_headers"):
         if not getattr(cfg, name) > 0:
             raise UsageError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.http_max_connections_per_peer < 0:
+        raise UsageError(f"http_max_connections_per_peer must be >= 0, got {cfg.http_max_connections_per_peer}")
     parser_protocol(cfg.http_parser)
     loop_factory(cfg.event_loop)
 
@@ -290,5 +292,3 @@ def check_routing_policy(name: str) -> None:
         ROUTING_POLICIES.get(name)
     except ValueError as exc:
         raise UsageError(f"routing_policy: {exc}") from None
-    if cfg.http_max_connections_per_peer < 0:
-        raise UsageError(f"http_max_connections_per_peer must be >= 0, got {cfg.http_max_connections_per_peer}")
