@@ -58,6 +58,8 @@ class HopServer:
             server's pending limit: at least what the engine admits).
         max_message_bytes: largest frame payload accepted (default 64 MiB).
         grace_s: how long ``stop`` lets running streams finish (default 2 s).
+        ssl: a TLS server context (``unicache.tls.hop_server_context``: the router's
+            client certificate required); None: plain TCP.
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class HopServer:
         max_streams: int = 4096,
         max_message_bytes: int = 64 * 1024 * 1024,
         grace_s: float = 2.0,
+        ssl=None,  # noqa: ANN001 - ssl.SSLContext
     ):
         self.servicer = servicer
+        self.ssl = ssl
         self.host = host
         self.requested_port = port
         self.port = 0
@@ -86,7 +90,7 @@ class HopServer:
 
     async def start(self) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _HopConnection(self), self.host, self.requested_port)
+        self._server = await loop.create_server(lambda: _HopConnection(self), self.host, self.requested_port, ssl=self.ssl)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("replica %s serving the framed hop on %s:%d", self.servicer.replica_id, self.host, self.port)
         return self.port

@@ -79,7 +79,7 @@ class ReplicaRuntime:
         self.server = ReplicaServer(
             self.engine, s.replica_id, s.host, s.port, s.default_max_tokens, faults=s.faults(), cluster_key=key,
             metrics=metrics, max_pending_calls=s.max_num_seqs + s.max_waiting,
-            hop_port=s.hop_port if s.hop_port >= 0 else None,
+            hop_port=s.hop_port if s.hop_port >= 0 else None, tls=s.tls_files(),
         )
         if metrics is not None:
             metrics.watch_transports(self.server)

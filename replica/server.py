@@ -38,6 +38,7 @@ from unicache.replica.engine.api import EngineInputError, EngineRequest
 from unicache.replica.call_auth import ClusterAuthInterceptor
 from unicache.replica.call_error import GrpcGenerate, ReplicaCallError
 from unicache.replica.hop_server import HopServer
+from unicache.tls import TlsFiles, grpc_server_credentials, hop_server_context
 from unicache.replica.faults import FaultInjection
 
 if TYPE_CHECKING:
@@ -171,6 +172,9 @@ class ReplicaServer:
             waiting (default 4096); also the framed hop's streams per connection.
         hop_port: the framed hop's port (``unicache.replica.hop_server``: ``Generate``
             for routers, cheaper than gRPC); 0 picks a free one, None serves none.
+        tls: this replica's TLS files (``unicache.tls``): both transports then serve
+            mutual TLS only (the router's client certificate from the cluster CA is
+            required) and no call needs the bearer cluster credential; None: plain.
     """
 
     def __init__(
@@ -187,8 +191,10 @@ class ReplicaServer:
         metrics: "ReplicaMetrics | None" = None,
         max_pending_calls: int = 4096,
         hop_port: int | None = None,
+        tls: "TlsFiles | None" = None,
     ):
         self.host = host
+        self.tls = tls
         self.requested_port = port
         self.port = 0
         self.grace_s = grace_s
@@ -199,14 +205,16 @@ class ReplicaServer:
             ("grpc.max_receive_message_length", max_message_bytes),
             *pending_call_options(max_pending_calls),
         ]
-        self.auth = ClusterAuthInterceptor(CallCredential(cluster_key)) if cluster_key else None
+        # NOTE: with TLS the router proves itself by its client certificate in every
+        # handshake: no bearer value is asked for (or could be replayed).
+        self.auth = ClusterAuthInterceptor(CallCredential(cluster_key)) if cluster_key and tls is None else None
         self.signer = StateSigner(cluster_key) if cluster_key else None
         self._server: grpc.aio.Server | None = None
         self.hop: HopServer | None = None
         if hop_port is not None:
             self.hop = HopServer(
                 self.servicer, host, hop_port, cluster_key, max_streams=max_pending_calls,
-                max_message_bytes=max_message_bytes, grace_s=grace_s,
+                max_message_bytes=max_message_bytes, grace_s=grace_s, ssl=hop_server_context(tls) if tls is not None else None,
             )
 
     @property
@@ -216,12 +224,13 @@ class ReplicaServer:
 
     async def start(self) -> int:
         """Bind, start serving, mark the service SERVING; returns the bound port."""
-        if self.auth is None:
+        if self.auth is None and self.tls is None:
             log.warning("replica %s has no cluster key: its gRPC port serves anyone", self.servicer.replica_id)
         server = grpc.aio.server(options=self._options, interceptors=[self.auth] if self.auth else None)
         add_servicer(replica_pb2_grpc.add_ReplicaServicer_to_server, self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        where = f"{self.host}:{self.requested_port}"
+        port = server.add_secure_port(where, grpc_server_credentials(self.tls)) if self.tls is not None else server.add_insecure_port(where)
         if port == 0:
             raise OSError(f"cannot bind gRPC server to {self.host}:{self.requested_port}")
         await server.start()

@@ -85,6 +85,9 @@ class ReplicaSettings:
     )
     cluster_key_file: str = field(default="", metadata=_help("file holding the cluster key (instead of cluster_key)"))
     redis_tls_ca: str = field(default="", metadata=_help("CA bundle verifying the server of a rediss:// redis_url"))
+    tls_ca: str = field(default="", metadata=_help("mutual TLS with routers: the cluster CA bundle (routers' client certificates must chain to it)"))
+    tls_cert: str = field(default="", metadata=_help("mutual TLS: this replica's certificate, naming its replica id (unicache.tls); rotated files are picked up"))
+    tls_key: str = field(default="", metadata=_help("mutual TLS: the private key of tls_cert (secret file)"))
     engine: str = field(default="torch", metadata=_help("serving engine: torch (built-in) or vllm (vLLM V1 in-process, extra [vllm])"))
     eviction_policy: str = field(
         default="unicache",
@@ -175,6 +178,8 @@ class ReplicaSettings:
                 if name not in replica_eviction_policies():
                     raise UsageError(f"{flag}: {name!r} needs the future (simulator only); "
                                      f"a replica runs one of {', '.join(replica_eviction_policies())}")
+        if any((self.tls_ca, self.tls_cert, self.tls_key)) and not all((self.tls_ca, self.tls_cert, self.tls_key)):
+            raise UsageError("mutual TLS needs all of tls_ca, tls_cert and tls_key")
         if self.hop_port < -1 or self.hop_port > 65535:
             raise UsageError(f"hop_port must be -1 (none), 0 (a free port) or a port number, got {self.hop_port}")
         if self.metrics_port < -1 or self.metrics_port > 65535:
@@ -244,6 +249,18 @@ class ReplicaSettings:
 
     def resolved_redis_password(self) -> str:
         return settings.resolve_secret(self.redis_password, self.redis_password_file, "redis_password")
+
+    def tls_files(self) -> "TlsFiles | None":
+        """This replica's TLS files (``unicache.tls``), or None without TLS. UsageError if
+        one cannot be read."""
+        if not self.tls_cert:
+            return None
+        from unicache.tls import TlsFiles
+
+        try:
+            return TlsFiles(self.tls_ca, self.tls_cert, self.tls_key)
+        except OSError as exc:
+            raise UsageError(f"tls: cannot read {exc.filename}: {exc.strerror}") from None
 
     def resolved_cluster_key(self) -> bytes | None:
         """The cluster key as bytes, or None when none is set. UsageError if unreadable or short."""

@@ -42,6 +42,7 @@ from unicache.router.terms_exchange import TermsExchange
 from unicache.router.rejections import StateRejections
 from unicache.router.subscriber import RedisSubscriber
 from unicache.state_auth import CallCredential, StateSigner
+from unicache.tls import client_tls
 from unicache.classifier import RequestClassifier
 from unicache.aio import cancel_and_wait
 from unicache.errors import UsageError
@@ -112,6 +113,7 @@ class RouterApp:
         self.clients = ReplicaClients(
             config.forward_deadline_s, credential=CallCredential(cluster_key) if cluster_key else None,
             cluster_key=cluster_key or None, transport=config.replica_transport, hop_counter=self.metrics.hop_connections,
+            tls=client_tls(config.replica_tls_ca, config.replica_tls_cert, config.replica_tls_key),
         )
         self.state_rejections = StateRejections(self.metrics.registry)
         first_token = None

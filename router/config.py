@@ -45,6 +45,9 @@ class RouterConfig:
     )
     cluster_key_file: str = field(default="", metadata={"help": "file holding the cluster key"})
     redis_tls_ca: str = field(default="", metadata={"help": "CA bundle for rediss:// URLs"})
+    replica_tls_ca: str = field(default="", metadata={"help": "mutual TLS with replicas: the cluster CA bundle their certificates must chain to"})
+    replica_tls_cert: str = field(default="", metadata={"help": "mutual TLS with replicas: the router's client certificate (rotated files are picked up)"})
+    replica_tls_key: str = field(default="", metadata={"help": "mutual TLS with replicas: the private key of replica_tls_cert (secret file)"})
     redis_timeout_s: float = field(default=1.0, metadata={"help": "deadline of each Redis call"})
     use_redis: bool = field(default=True, metadata={"help": "follow replicas through Redis"})
     replicas: str = field(
@@ -245,6 +248,9 @@ def build_config(
         raise UsageError("session_ttl_s, session_timeout_s and terms_interval_s must be positive")
     check_routing_policy(cfg.routing_policy)
     check_http_settings(cfg)
+    tls = (cfg.replica_tls_ca, cfg.replica_tls_cert, cfg.replica_tls_key)
+    if any(tls) and not all(tls):
+        raise UsageError("mutual TLS with replicas needs all of replica_tls_ca, replica_tls_cert and replica_tls_key")
     if cfg.replica_transport not in TRANSPORTS:
         raise UsageError(f"replica_transport must be one of {', '.join(TRANSPORTS)}, got {cfg.replica_transport!r}")
     return cfg

@@ -37,6 +37,7 @@ import grpc
 from unicache import hop
 from unicache.coalesce import CoalescingWriter
 from unicache.state_auth import StateAuthError
+from unicache.tls import replica_dns_name
 from unicache.v1 import replica_pb2, router_pb2
 
 from unicache.router.replica_stream import ReplicaStream, parse_replica_message, rpc_error, take_queued
@@ -269,13 +270,17 @@ class HopClient:
         connect_timeout_s: connect plus handshake (default 5 s).
         counter: a Prometheus counter labelled (outcome) counting this hop's connections:
             connected, refused (UNAUTHENTICATED handshake), unreachable, lost (None: none).
+        tls: the router's mutual TLS (``unicache.tls.ClientTls``): the connection is TLS
+            and its server must prove ``replica_id`` by its certificate before anything
+            is sent (a mismatch is UNAVAILABLE, unreachable); None: plain TCP.
     """
 
     def __init__(
         self, address: str, replica_id: str, auth: hop.HopAuth | None, max_message_bytes: int = 64 * 1024 * 1024,
-        connect_timeout_s: float = 5.0, counter=None,
+        connect_timeout_s: float = 5.0, counter=None, tls=None,  # noqa: ANN001
     ):
         self.address = address
+        self.tls = tls
         self.counter = counter
         self.replica_id = replica_id
         self.auth = auth
@@ -313,7 +318,10 @@ class HopClient:
             conn: HopConnection | None = None
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
-                    _, conn = await loop.create_connection(lambda: HopConnection(self), host.strip("[]"), int(port))
+                    secure = {}
+                    if self.tls is not None:
+                        secure = {"ssl": self.tls.hop_context(), "server_hostname": replica_dns_name(self.replica_id)}
+                    _, conn = await loop.create_connection(lambda: HopConnection(self), host.strip("[]"), int(port), **secure)
                     await conn.ready
             except TimeoutError:
                 error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"replica hop {self.address}: no handshake within {self.connect_timeout_s:g}s")

@@ -10,7 +10,10 @@ Invariants:
       replicas without a hop, ``GetCacheState``, ``GetCacheSummary``) over gRPC.
     * Every forwarded ``Generate`` carries a deadline (the request's remaining time, at
       most ``forward_deadline_s``); every probe has its own.
-    * With a cluster key every call is authenticated: gRPC calls carry the cluster
+    * With mutual TLS (``tls``) every connection, either transport, proves the replica
+      id the call is for by its certificate before a byte of the call is sent, and the
+      router's client certificate is required; no bearer credential is sent. Without
+      TLS, with a cluster key every call is authenticated: gRPC calls carry the cluster
       credential (``x-unicache-cluster-auth``), hop connections complete the mutual
       handshake (``unicache.hop``); replicas refuse anything else (UNAUTHENTICATED).
     * A ``ReplicaStream`` cancels the replica call when it is closed before the replica
@@ -27,6 +30,7 @@ import grpc
 
 from unicache.hop import HopAuth
 from unicache.state_auth import CallCredential
+from unicache.tls import grpc_channel_options
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2
 
 from unicache.router.hop_client import HopClient
@@ -95,6 +99,11 @@ class ReplicaClients:
             elsewhere; default) or "grpc" (always gRPC).
         hop_counter: a Prometheus counter labelled (outcome) that counts hop connections
             (``HopClient``); None counts nothing.
+        tls: mutual TLS with the replicas (``unicache.tls.ClientTls``): every connection,
+            either transport, checks that its server's certificate names the replica id
+            the call is for (the one in its signed heartbeat) before sending anything, and
+            presents the router's client certificate; ``credential`` is then never sent.
+            Rotated files are used for new connections (gRPC channels are remade).
     """
 
     def __init__(
@@ -105,11 +114,17 @@ class ReplicaClients:
         cluster_key: bytes | None = None,
         transport: str = "auto",
         hop_counter=None,
+        tls=None,  # noqa: ANN001 - unicache.tls.ClientTls
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.forward_deadline_s = forward_deadline_s
-        self.credential = credential
+        # NOTE: with TLS the client certificate authenticates the router; a bearer value
+        # would only be something a squatter could capture and replay.
+        self.credential = credential if tls is None else None
+        self.tls = tls
+        self._tls_generation = 0
+        self._retired: list[grpc.aio.Channel] = []  # channels of rotated-out TLS files
         self.transport = transport
         self.max_message_bytes = max_message_bytes
         self._hop_auth = HopAuth(cluster_key) if cluster_key else None
@@ -122,16 +137,31 @@ class ReplicaClients:
         self._channels: dict[str, tuple[grpc.aio.Channel, replica_pb2_grpc.ReplicaStub, grpc.aio.UnaryStreamMultiCallable]] = {}
         self.vllm = VllmClients()  # stock vLLM servers, addressed by their HTTP base URL
 
-    def _entry(self, address: str):
-        entry = self._channels.get(address)
+    def _entry(self, address: str, replica_id: str = ""):
+        """The channel entry for ``address``; with TLS one per (address, replica id), its
+        server checked to be that replica ("": any replica of the cluster)."""
+        if self.tls is None:
+            key = address
+        else:
+            key = f"{replica_id}@{address}"
+            generation = self.tls.generation
+            if generation != self._tls_generation:
+                self._tls_generation = generation
+                # NOTE: calls under way finish on the old channels (closed with the client).
+                self._retired.extend(entry[0] for entry in self._channels.values())
+                self._channels.clear()
+        entry = self._channels.get(key)
         if entry is None:
-            entry = self._channels[address] = self._connect(address, self._options)
+            entry = self._channels[key] = self._connect(address, self._options, self.tls, replica_id)
         return entry
 
     @staticmethod
-    def _connect(address: str, options: list):
+    def _connect(address: str, options: list, tls=None, replica_id: str = ""):  # noqa: ANN001
         """(channel, stub, Generate multicallable reading ``parse_replica_message``)."""
-        channel = grpc.aio.insecure_channel(address, options=options)
+        if tls is not None:
+            channel = grpc.aio.secure_channel(address, tls.grpc_credentials(), options=[*options, *grpc_channel_options(replica_id)])
+        else:
+            channel = grpc.aio.insecure_channel(address, options=options)
         generate = channel.unary_stream(
             GENERATE_METHOD, request_serializer=replica_pb2.GenerateRequest.SerializeToString,
             response_deserializer=parse_replica_message,
@@ -149,7 +179,7 @@ class ReplicaClients:
         if client is None or client.address != hop_address:
             self.forget_replica(replica_id)
             client = self._hops[replica_id] = HopClient(
-                hop_address, replica_id, self._hop_auth, self.max_message_bytes, counter=self._hop_counter
+                hop_address, replica_id, self._hop_auth, self.max_message_bytes, counter=self._hop_counter, tls=self.tls
             )
         return client
 
@@ -165,7 +195,7 @@ class ReplicaClients:
             return self.vllm.generate(address, request, deadline)
         if hop_address and self.transport == "auto":
             return self.hop(hop_address, replica_id).stream(request, deadline)
-        return GrpcReplicaStream(self._entry(address)[2](request, timeout=deadline, metadata=self._metadata()))
+        return GrpcReplicaStream(self._entry(address, replica_id)[2](request, timeout=deadline, metadata=self._metadata()))
 
     def forget_replica(self, replica_id: str) -> None:
         """Retire the hops to a replica that left the cluster: each closes once its open
@@ -209,6 +239,7 @@ class ReplicaClients:
             client.close()
         self._hops.clear()
         await self.vllm.close()
-        channels = [entry[0] for entry in self._channels.values()]
+        channels = [entry[0] for entry in self._channels.values()] + self._retired
         self._channels.clear()
+        self._retired = []
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

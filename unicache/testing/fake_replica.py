@@ -20,9 +20,21 @@ import grpc
 from unicache.block_hash import hash_token_blocks, reusable_prompt_blocks
 from unicache.replica.call_error import GrpcGenerate, ReplicaCallError
 from unicache.replica.hop_server import HopServer
+from unicache.tls import TlsFiles, grpc_server_credentials, hop_server_context
 from unicache.router.replica_client import PROBE_REQUEST_ID
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.testing.signed_state import SIGNER, sealed
+
+
+class _MetadataRecorder(grpc.aio.ServerInterceptor):
+    """Records the metadata keys of each call (what crossed the wire besides the request)."""
+
+    def __init__(self, seen: list[set[str]]):
+        self.seen = seen
+
+    async def intercept_service(self, continuation, handler_call_details):
+        self.seen.append({k for k, _ in handler_call_details.invocation_metadata or ()})
+        return await continuation(handler_call_details)
 
 
 class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
@@ -46,6 +58,7 @@ class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
         self.epoch = 1
         self.summary_blocks: list[bytes] | None = None
         self.signer = SIGNER
+        self.metadata_keys: list[set[str]] = []
 
     @property
     def served(self) -> list[replica_pb2.GenerateRequest]:
@@ -56,15 +69,18 @@ class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def start(self, hop: bool = False, cluster_key: bytes | None = None) -> None:
-        """Serve gRPC on a free port, and with ``hop`` the framed hop too (with
-        ``cluster_key``: the handshake)."""
-        self.server = grpc.aio.server()
+    async def start(self, hop: bool = False, cluster_key: bytes | None = None, tls: TlsFiles | None = None,
+                    port: int = 0, hop_port: int = 0) -> None:
+        """Serve gRPC on a free port (or ``port``), and with ``hop`` the framed hop too
+        (with ``cluster_key``: the handshake); with ``tls`` both serve mutual TLS only.
+        ``metadata_keys`` records the metadata keys of every call received."""
+        self.server = grpc.aio.server(interceptors=[_MetadataRecorder(self.metadata_keys)])
         replica_pb2_grpc.add_ReplicaServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        where = f"127.0.0.1:{port}"
+        self.port = self.server.add_secure_port(where, grpc_server_credentials(tls)) if tls else self.server.add_insecure_port(where)
         await self.server.start()
         if hop:
-            self.hop = HopServer(self, cluster_key=cluster_key, grace_s=0.0)
+            self.hop = HopServer(self, port=hop_port, cluster_key=cluster_key, grace_s=0.0, ssl=hop_server_context(tls) if tls else None)
             await self.hop.start()
 
     async def stop(self) -> None:
