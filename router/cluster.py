@@ -120,6 +120,7 @@ class ClusterView:
         self.replicas: dict[str, ReplicaRecord] = {}
         self.redis_connected = False
         self.backend_events = 0  # vLLM backends whose own KV events feed the index
+        self.backend_stats: dict[str, dict[str, float]] = {}  # a vLLM backend's last /metrics figures
         self._on_change = on_change
         self._empty = EmptyView()
         self.removal_hooks: list[Callable[[str], None]] = []

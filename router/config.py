@@ -13,6 +13,7 @@ Secrets (``salt_secret``, ``redis_password``, ``api_keys``) are never included i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,7 @@ from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.router.replica_client import TRANSPORTS
 from unicache.router.routing.registry import ROUTING_POLICIES
+from unicache.router.vllm_fleet.spec import BackendSpec, backend_entries, parse_backends
 from unicache.state_auth import parse_cluster_key
 SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys", "cluster_key", "admin_key"})
 
@@ -52,6 +54,11 @@ class RouterConfig:
     use_redis: bool = field(default=True, metadata={"help": "follow replicas through Redis"})
     replicas: str = field(
         default="", metadata={"help": "static replicas 'id=host:port,...' (no Redis needed); 'id=host:port@hop_host:hop_port' adds the replica's framed hop"}
+    )
+    backends: str = field(
+        default="",
+        metadata={"help": "stock vLLM OpenAI servers to route to: 'URL,kv-events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,id=NAME]', "
+                          "several separated by ';' (a config file takes a list; the flag --backend repeats); docs/vllm-backends.md"},
     )
     routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
     workers: int = field(
@@ -177,6 +184,10 @@ class RouterConfig:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
 
+    def backend_specs(self) -> list[BackendSpec]:
+        """``backends`` parsed (``unicache.router.vllm_fleet.spec``); UsageError if malformed."""
+        return parse_backends(self.backends)
+
     def static_replicas(self) -> dict[str, tuple[str, str]]:
         """Parse ``replicas`` into {replica_id: (gRPC address, hop address or "")}: entries
         are ``id=host:port`` or ``id=host:port@hop_host:hop_port`` (the replica's framed hop)."""
@@ -224,8 +235,13 @@ def mask_url_password(url: str) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and one flag per field; unset flags stay ``None``."""
+    """Add ``--config``, one flag per field (unset flags stay ``None``) and the repeatable
+    ``--backend`` (each adds one entry to ``backends``)."""
     settings.add_arguments(parser, RouterConfig, secrets=SECRET_FIELDS)
+    parser.add_argument(
+        "--backend", dest="backend_list", action="append", default=None, metavar="URL,kv-events=tcp://HOST:PORT",
+        help="a stock vLLM OpenAI server and its KV events address (repeat for several; adds to --backends)",
+    )
 
 
 def build_config(
@@ -235,6 +251,10 @@ def build_config(
 ) -> RouterConfig:
     """Merge defaults < config file < environment < flags < ``overrides``."""
     cfg = settings.build(RouterConfig, args, env, overrides, secrets=SECRET_FIELDS).resolve_secrets()
+    extra = getattr(args, "backend_list", None) or []
+    if extra:
+        cfg.backends = json.dumps([*backend_entries(cfg.backends), *extra])
+    cfg.backend_specs()  # a bad entry is a UsageError now, not at start-up
     if cfg.block_size <= 0:
         raise UsageError("block_size must be positive")
     if cfg.memory_budget_mib < 64:

@@ -281,6 +281,9 @@ class KVEventSubscriber:
                         self.connects += 1
                         if self.connects > 1:
                             self._break(out)
+                        # NOTE: catch up at once from the server's replay buffer, so a router
+                        # that connects late (or again) knows what the server cached before.
+                        out.extend(self._replay(0, 1 << 62, catch_up=True))
                     elif msg["event"] == self._zmq.EVENT_DISCONNECTED:
                         self.connected = False
             while self._sub.poll(0):
@@ -316,8 +319,9 @@ class KVEventSubscriber:
             self.undecodable += 1
         self.next_seq = seq + 1
 
-    def _replay(self, start: int, stop: int) -> list[VllmEventBatch]:
-        """Batches ``start .. stop-1`` from the server's replay buffer (as many as it has)."""
+    def _replay(self, start: int, stop: int, catch_up: bool = False) -> list[VllmEventBatch]:
+        """Batches ``start .. stop-1`` from the server's replay buffer (as many as it has);
+        ``catch_up``: the stream starts at the buffer's oldest batch (``next_seq`` unset)."""
         if not self._replay_endpoint:
             return []
         zmq = self._zmq
@@ -335,6 +339,8 @@ class KVEventSubscriber:
                 if seq_bytes == END_SEQ:
                     break
                 seq = int.from_bytes(seq_bytes, "big")
+                if catch_up and self.next_seq is None:
+                    self.next_seq = seq  # the buffer's oldest: what came before is gone
                 if start <= seq < stop and seq == self.next_seq:
                     try:
                         got.append(decode_batch(payload))

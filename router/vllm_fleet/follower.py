@@ -3,7 +3,8 @@ and ``/v1/models`` into membership, its ``/metrics`` into the load policies see.
 
 Membership. A backend joins the cluster (``ClusterView.upsert``, static: no heartbeat
 expires it) once ``/health`` answers 200, ``/v1/models`` names its model, its block size
-(``vllm:cache_config_info``) equals the router's, and its events stream is connected (a
+(``vllm:cache_config_info``) equals the router's, and its events stream is connected and
+caught up from the server's replay buffer (a
 backend given without ``kv-events`` joins without, and the router logs once that it cannot
 route by prefix to it). After that the request path quarantines it when it refuses or
 stalls and ``unicache.router.prober`` re-probes it through ``/health``, as for replicas.
@@ -128,6 +129,7 @@ class BackendFollower:
         self.translator = EventTranslator()
         self.subscriber = KVEventSubscriber(spec.events, spec.replay) if spec.events else None
         self.joined = False
+        self.caught_up = False  # its events are connected and the replay buffer is applied
         self.problem = ""  # why it has not joined (logged once per distinct reason)
         self.capacity_blocks = 0
         self.batches = 0  # event batches applied
@@ -164,6 +166,9 @@ class BackendFollower:
             # stream costs one wake-up per 200 ms.
             batches = await asyncio.to_thread(sub.take, 200)
             self.apply(batches, sub.broken)
+            # NOTE: the take that saw the connection also replayed the server's buffer, so
+            # once its batches are applied the index knows what the server cached before.
+            self.caught_up = sub.connected
             if sub.connected:
                 self._disconnected_since = None
             elif self._disconnected_since is None:
@@ -232,7 +237,7 @@ class BackendFollower:
             return
         self._set_load(stats)
         if not self.joined:
-            if self.subscriber is not None and not self.subscriber.connected:
+            if self.subscriber is not None and not self.caught_up:
                 self._not_joined(f"its KV events at {self.spec.events} are not connected yet")
                 return
             self.joined = True
@@ -242,6 +247,7 @@ class BackendFollower:
             log.info("backend %s (%s, model %s) joined", self.backend_id, self.spec.url, self.clients.models[self.spec.url])
 
     def _set_load(self, stats: dict[str, float]) -> None:
+        self.cluster.backend_stats[self.backend_id] = stats
         gpu = int(stats.get("gpu_blocks", 0))
         self.capacity_blocks = gpu
         self.translator.max_entries = gpu + int(stats.get("cpu_blocks", 0))

