@@ -86,8 +86,12 @@ class ReplicaSettings:
     cluster_key_file: str = field(default="", metadata=_help("file holding the cluster key (instead of cluster_key)"))
     redis_tls_ca: str = field(default="", metadata=_help("CA bundle verifying the server of a rediss:// redis_url"))
     tls_ca: str = field(default="", metadata=_help("mutual TLS with routers: the cluster CA bundle (routers' client certificates must chain to it)"))
-    tls_cert: str = field(default="", metadata=_help("mutual TLS: this replica's certificate, naming its replica id (unicache.tls); rotated files are picked up"))
-    tls_key: str = field(default="", metadata=_help("mutual TLS: the private key of tls_cert (secret file)"))
+    tls_cert: str = field(
+        default="",
+        metadata=_help("mutual TLS: this replica's certificate, naming its replica id (unicache.tls); '{replica_id}' in the path "
+                       "stands for the id (replicas launched from one template); rotated files are picked up"),
+    )
+    tls_key: str = field(default="", metadata=_help("mutual TLS: the private key of tls_cert (secret file; '{replica_id}' as there)"))
     engine: str = field(default="torch", metadata=_help("serving engine: torch (built-in) or vllm (vLLM V1 in-process, extra [vllm])"))
     eviction_policy: str = field(
         default="unicache",
@@ -257,8 +261,9 @@ class ReplicaSettings:
             return None
         from unicache.tls import TlsFiles
 
+        rid = self.replica_id
         try:
-            return TlsFiles(self.tls_ca, self.tls_cert, self.tls_key)
+            return TlsFiles(self.tls_ca, self.tls_cert.replace("{replica_id}", rid), self.tls_key.replace("{replica_id}", rid))
         except OSError as exc:
             raise UsageError(f"tls: cannot read {exc.filename}: {exc.strerror}") from None
 

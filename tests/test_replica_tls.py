@@ -9,6 +9,7 @@ readable request through a relay, and which replica served every client request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import grpc
@@ -253,3 +254,38 @@ def test_half_a_tls_setting_fails_at_start_up(pki):
         ReplicaSettings(tls_cert=pki["r0"].cert).check(local_paths=False)
     with pytest.raises(UsageError, match="tls: cannot read /nonexistent/key.pem"):
         ReplicaSettings(tls_ca=pki["r0"].ca, tls_cert=pki["r0"].cert, tls_key="/nonexistent/key.pem").tls_files()
+
+
+def test_unicache_up_makes_an_ephemeral_pki_in_its_private_run_dir_and_removes_it():
+    """``unicache up`` (LocalCluster) issues the router's and each replica's certificate
+    from a CA made for the run, in its private dir (0700, files 0600, no CA key), wires
+    them into the router's and the replicas' settings, and removes them at stop."""
+    import stat
+
+    from unicache.local_cluster import ClusterSettings, LocalCluster, replica_settings
+
+    cluster = LocalCluster(ClusterSettings(num_replicas=2))
+    run_dir = cluster._tmp
+    try:
+        names = sorted(os.listdir(run_dir))
+        assert [n for n in names if n.endswith(".pem")] == [
+            "replica-0-ca.pem", "replica-0-key.pem", "replica-0.pem", "replica-1-ca.pem", "replica-1-key.pem", "replica-1.pem",
+            "router-ca.pem", "router-key.pem", "router.pem",
+        ]
+        assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+        assert {stat.S_IMODE(os.stat(os.path.join(run_dir, n)).st_mode) for n in names if n.endswith(".pem")} == {0o600}
+        rc = cluster.router_config()
+        assert (rc.replica_tls_ca, rc.replica_tls_cert, rc.replica_tls_key) == (
+            cluster.router_tls.ca, cluster.router_tls.cert, cluster.router_tls.key)
+        base = replica_settings(cluster.cfg, "redis://x", tls=cluster.replica_tls)
+        files = dataclasses.replace(base, replica_id="replica-1").tls_files()
+        assert files.cert == os.path.join(run_dir, "replica-1.pem")
+        from cryptography import x509
+
+        cert = x509.load_pem_x509_certificate(open(files.cert, "rb").read())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.DNSName) == ["replica-1.replica.unicache", "replica.unicache"]
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["unicache://replica/replica-1"]
+    finally:
+        cluster.stop_backends()
+    assert not os.path.exists(run_dir)

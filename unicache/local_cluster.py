@@ -34,6 +34,7 @@ from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.redis_server import write_private
 from unicache.state_auth import new_cluster_key
+from unicache.tls import make_cluster_pki
 
 log = logging.getLogger("unicache.up")
 
@@ -92,11 +93,16 @@ class Endpoints:
     replicas: list[tuple[str, str, str, str]]  # (id, address, device, metrics URL)
 
 
-def replica_settings(cfg: ClusterSettings, redis_url: str, redis_password_file: str = "", cluster_key_file: str = ""):
-    """The settings every replica of the run starts with (secrets by file, never by value)."""
+def replica_settings(cfg: ClusterSettings, redis_url: str, redis_password_file: str = "", cluster_key_file: str = "",
+                     tls: tuple[str, str, str] = ("", "", "")):
+    """The settings every replica of the run starts with (secrets by file, never by value;
+    ``tls``: the (CA, certificate, key) paths, ``{replica_id}`` standing for the id)."""
     from unicache.replica.settings import ReplicaSettings
 
     return ReplicaSettings(
+        tls_ca=tls[0],
+        tls_cert=tls[1],
+        tls_key=tls[2],
         redis_url=redis_url,
         redis_prefix=cfg.redis_prefix,
         redis_password_file=redis_password_file,
@@ -167,6 +173,10 @@ class LocalCluster:
         self.redis_password_file = cfg.redis_password_file
         self.cluster_key = new_cluster_key()
         self.cluster_key_file = write_private(os.path.join(self._tmp, "cluster.key"), self.cluster_key)
+        # NOTE: mutual TLS between router and replicas: an ephemeral CA whose key is never
+        # written, and its certificates in the private run dir (0700, files 0600), removed
+        # with it at stop.
+        self.router_tls, self.replica_tls = make_cluster_pki(self._tmp, [f"replica-{i}" for i in range(cfg.num_replicas)])
 
     # ------------------------------------------------------------------ start
     def _ray_temp_dir(self) -> str:
@@ -209,7 +219,7 @@ class LocalCluster:
             # NOTE: inside the block: a held Ctrl-C is raised as it ends, and stop_backends
             # must then know Ray runs.
             self._ray_started = True
-        base = replica_settings(cfg, self.redis_url, self.redis_password_file, self.cluster_key_file)
+        base = replica_settings(cfg, self.redis_url, self.redis_password_file, self.cluster_key_file, self.replica_tls)
         self.launcher = ReplicaLauncher(base, cfg.num_replicas, start_timeout_s=cfg.ready_timeout_s)
         return [(r.replica_id, r.address, r.device, r.metrics_url) for r in self.launcher.start()]
 
@@ -240,6 +250,9 @@ class LocalCluster:
             redis_password=self.redis_password,
             redis_tls_ca=cfg.redis_tls_ca,
             cluster_key=self.cluster_key,
+            replica_tls_ca=self.router_tls.ca,
+            replica_tls_cert=self.router_tls.cert,
+            replica_tls_key=self.router_tls.key,
             routing_policy=cfg.routing_policy,
             auth_enabled=bool(cfg.api_keys),
             api_keys=cfg.api_keys,

@@ -305,3 +305,16 @@ def write_tls_files(directory: str, prefix: str, ca_pem: bytes, issued: Issued) 
     for path, data in zip(paths, (ca_pem, issued.cert_pem, issued.key_pem)):
         write_private(path, data)
     return TlsFiles(*paths)
+
+
+def make_cluster_pki(directory: str, replica_ids: list[str]) -> tuple[TlsFiles, tuple[str, str, str]]:
+    """An ephemeral cluster CA and its certificates in ``directory`` (files 0600): the
+    router's (``router*.pem``) and one per replica id (``<id>.pem``, ``<id>-key.pem``,
+    ``<id>-ca.pem``). Returns the router's files and the replicas' (CA, certificate, key)
+    paths with ``{replica_id}`` standing for the id, as ``ReplicaSettings`` takes them.
+    The CA's key is never written: nothing more can be issued once this returns."""
+    ca = ClusterCA()
+    router = write_tls_files(directory, "router", ca.cert_pem, ca.issue_router())
+    for rid in replica_ids:
+        write_tls_files(directory, rid, ca.cert_pem, ca.issue_replica(rid))
+    return router, (router.ca, os.path.join(directory, "{replica_id}.pem"), os.path.join(directory, "{replica_id}-key.pem"))
