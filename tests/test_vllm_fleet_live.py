@@ -18,6 +18,7 @@ import sys
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 import pytest_asyncio
 
 from unicache.block_hash import hash_token_blocks
@@ -129,6 +130,13 @@ async def test_unicache_inside_vllm_serve_keeps_the_session_as_the_in_process_en
     # prompt blocks of the session, vLLM's LRU 9 of them.
     assert await session_sequence(servers["uc"], encode) == (0, 480)
     assert await session_sequence(servers["native"], encode) == (0, 288)
+    # The policy is observable from outside: the plug-in's own port serves the replica's series.
+    page = httpx.get(f"http://127.0.0.1:{servers['uc'].metrics_port}/metrics", timeout=10).text
+    series = {(f.name, s.labels.get("queue", s.labels.get("state", ""))): s.value
+              for f in text_string_to_metric_families(page) for s in f.samples}
+    assert series[("unicache_replica_capacity_blocks", "")] == 64
+    assert series[("unicache_replica_queue_evictions", "evict_first")] > 0 and series[("unicache_replica_queue_hits", "chat")] > 0
+    assert {q for (name, q) in series if name == "unicache_replica_queue_blocks"} >= {"evict_first", "chat", "agent", "structural"}
 
 
 # --- the router in front of both ------------------------------------------------------

@@ -244,19 +244,7 @@ class VLLMEngine:
         cap = self.num_blocks
         if st is None:  # no step ran yet: an empty pool
             return CacheStateInfo(self.block_size, cap, 0, cap, 0, 0.0, {}, self.config.eviction_policy, 0)
-        return CacheStateInfo(
-            block_size=self.block_size,
-            capacity_blocks=st.capacity_blocks,
-            used_blocks=st.capacity_blocks - st.free_blocks,
-            free_blocks=st.free_blocks,
-            cached_blocks=st.cached_blocks,
-            hit_ratio=st.hit_tokens / st.query_tokens if st.query_tokens else 0.0,
-            queue_sizes=dict(st.queue_sizes),
-            eviction_policy=st.eviction_policy,
-            evictions=st.evictions,
-            queue_evictions=dict(st.queue_evictions),
-            queue_hits=dict(st.queue_hits),
-        )
+        return st.cache_state(self.block_size)
 
     def take_events(self) -> list[KVEvent]:
         self._require_started()

@@ -13,7 +13,9 @@ vLLM's own constructor it
       cache was reset;
     * publishes a ``PoolStatus`` snapshot (capacity, free, cached, hit counters, the
       policy's queue sizes) on an ipc:// socket after every step that changed it, so the
-      replica's heartbeats and ``GetCacheState`` report vLLM's pool.
+      replica's heartbeats and ``GetCacheState`` report vLLM's pool; inside a stock vLLM
+      server (no replica around it), ``metrics_port`` serves the same snapshot as the
+      replica's ``unicache_replica_*`` series (replica/vllm_engine/plugin_metrics.py).
 
 The request class travels in ``SamplingParams.extra_args`` (replica/vllm_engine/request_meta.py).
 Per-request state (class) lives in a dict of live requests, dropped when the request's
@@ -44,8 +46,9 @@ CONFIG_KEY = "unicache"
 
 class UniCacheScheduler(Scheduler):
     """See the module docstring. Options come from ``additional_config["unicache"]``:
-    ``eviction_policy`` (registry name, required) and ``status_endpoint`` (ipc:// address;
-    empty: no snapshots)."""
+    ``eviction_policy`` (registry name, required), ``status_endpoint`` (ipc:// address;
+    empty: no snapshots) and ``metrics_port`` / ``metrics_host`` (the plug-in's own
+    Prometheus endpoint; unset: none)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -70,6 +73,14 @@ class UniCacheScheduler(Scheduler):
         self._hits = 0  # of which hit
         self._status = StatusPublisher(opts["status_endpoint"]) if opts.get("status_endpoint") else None
         self._last_status: PoolStatus | None = None
+        self._metrics = bool(opts.get("metrics_port"))
+        if self._metrics:
+            from unicache.replica.vllm_engine.plugin_metrics import serve_plugin_metrics
+
+            names = self.vllm_config.model_config.served_model_name or self.vllm_config.model_config.model
+            model = names[0] if isinstance(names, list) else names
+            serve_plugin_metrics(int(opts["metrics_port"]), self._latest_status, self.block_size, str(model),
+                                 opts.get("metrics_host", "0.0.0.0"))
         self._wrap_stats(km)
         if self.free_queue is not None:
             self._wrap(km, pool, self.free_queue)
@@ -174,10 +185,15 @@ class UniCacheScheduler(Scheduler):
             queue_hits=counters.hits if counters else {},
         )
 
+    def _latest_status(self) -> PoolStatus:
+        """The last snapshot a step took (what a metrics scrape reads from its thread)."""
+        return self._last_status or self.pool_status()
+
     def _publish_status(self) -> None:
-        if self._status is None:
+        if self._status is None and not self._metrics:
             return
         status = self.pool_status()
         if status != self._last_status:
-            self._status.publish(status)
+            if self._status is not None:
+                self._status.publish(status)
             self._last_status = status

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from unicache.replica.engine.api import CacheStateInfo
+
 
 @dataclass(slots=True, frozen=True)
 class PoolStatus:
@@ -28,6 +30,23 @@ class PoolStatus:
     eviction_policy: str = ""
     queue_evictions: dict[str, int] = field(default_factory=dict)  # CacheStateInfo's meaning
     queue_hits: dict[str, int] = field(default_factory=dict)
+
+    def cache_state(self, block_size: int) -> CacheStateInfo:
+        """This snapshot as the replica's cache-state report (heartbeats, ``GetCacheState``,
+        the ``unicache_replica_*`` series)."""
+        return CacheStateInfo(
+            block_size=block_size,
+            capacity_blocks=self.capacity_blocks,
+            used_blocks=self.capacity_blocks - self.free_blocks,
+            free_blocks=self.free_blocks,
+            cached_blocks=self.cached_blocks,
+            hit_ratio=self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            queue_sizes=dict(self.queue_sizes),
+            eviction_policy=self.eviction_policy,
+            evictions=self.evictions,
+            queue_evictions=dict(self.queue_evictions),
+            queue_hits=dict(self.queue_hits),
+        )
 
     def to_bytes(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()

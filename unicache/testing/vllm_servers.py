@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -31,7 +32,7 @@ SCHEDULER_CLS = "unicache.replica.vllm_engine.scheduler.UniCacheScheduler"
 
 def vllm_server_args(
     model: str, port: int, events_port: int, replay_port: int, block_size: int, max_model_len: int,
-    kv_cache_bytes: int, eviction_policy: str | None, device: str = "cpu", extra: tuple[str, ...] = (),
+    kv_cache_bytes: int, eviction_policy: str | None, device: str = "cpu", extra: tuple[str, ...] = (), metrics_port: int = 0,
 ) -> list[str]:
     """The command line of one server (see the module docstring)."""
     events = (
@@ -51,7 +52,8 @@ def vllm_server_args(
     else:
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if eviction_policy is not None:
-        args += ["--scheduler-cls", SCHEDULER_CLS, "--additional-config", f'{{"unicache": {{"eviction_policy": "{eviction_policy}"}}}}']
+        opts = {"eviction_policy": eviction_policy, **({"metrics_port": metrics_port, "metrics_host": "127.0.0.1"} if metrics_port else {})}
+        args += ["--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps({"unicache": opts})]
     return [*args, *extra]
 
 
@@ -69,6 +71,7 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)  # the UniCache plug-in's own series (with eviction_policy)
     log_path: str = ""
     proc: subprocess.Popen | None = None
 
@@ -86,7 +89,7 @@ class VllmServer:
             self.log_path = tempfile.mktemp(prefix=f"vllm-{self.port}-", suffix=".log")
         args = vllm_server_args(
             self.model, self.port, self.events_port, self.replay_port, self.block_size, self.max_model_len,
-            self.kv_cache_bytes, self.eviction_policy, self.device, self.extra,
+            self.kv_cache_bytes, self.eviction_policy, self.device, self.extra, self.metrics_port,
         )
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}  # dev mode: POST /reset_prefix_cache
         with open(self.log_path, "wb") as log:
