@@ -280,3 +280,70 @@ on
 {{- $r.sharedSessions -}}
 {{- end -}}
 {{- end }}
+
+{{/* Replica ids the launcher gives its actors (UNICACHE_ID_PREFIX + "-<i>"). */}}
+{{- define "unicache.replicaIds" -}}
+{{- $ids := list }}
+{{- range $i := until (include "unicache.replicaCount" . | int) }}
+{{- $id := printf "%s-replica-%d" $.Release.Name $i }}
+{{- if gt (len $id) 63 }}
+{{- fail (printf "replicaTls: replica id %q is longer than a DNS label (63): shorten the release name" $id) }}
+{{- end }}
+{{- $ids = append $ids $id }}
+{{- end }}
+{{- join "," $ids }}
+{{- end }}
+
+{{/* The Secret cert-manager fills for one certificate ("router" or a replica id). */}}
+{{- define "unicache.tlsSecretName" -}}
+{{- printf "%s-tls-%s" (include "unicache.fullname" .ctx | trunc 40 | trimSuffix "-") (.name | sha256sum | trunc 8) }}
+{{- end }}
+
+{{/*
+The replicaTls volume of the router ("router") or of the replicas' worker pods
+("replicas"): a projected volume with ca.pem and, per identity, <name>.pem and
+<name>-key.pem (the file names unicache/tls.py's settings use). Mounted whole (never
+subPath), so renewed Secrets reach the files and the processes pick them up.
+*/}}
+{{- define "unicache.replicaTlsVolume" -}}
+{{- $ctx := .ctx }}
+{{- $t := $ctx.Values.replicaTls }}
+{{- $names := ternary (list "router") (splitList "," (include "unicache.replicaIds" $ctx)) (eq .component "router") }}
+- name: replica-tls
+  projected:
+    defaultMode: 0400
+    sources:
+      {{- if eq $t.source "secret" }}
+      - secret:
+          name: {{ required "replicaTls.existingSecret is required when replicaTls.source is secret" $t.existingSecret }}
+          items:
+            - key: ca.crt
+              path: ca.pem
+            {{- range $names }}
+            - key: {{ . }}.crt
+              path: {{ . }}.pem
+            - key: {{ . }}.key
+              path: {{ . }}-key.pem
+            {{- end }}
+      {{- else }}
+      {{- range $i, $name := $names }}
+      - secret:
+          name: {{ include "unicache.tlsSecretName" (dict "ctx" $ctx "name" $name) }}
+          items:
+            {{- if eq $i 0 }}
+            - key: ca.crt
+              path: ca.pem
+            {{- end }}
+            - key: tls.crt
+              path: {{ $name }}.pem
+            - key: tls.key
+              path: {{ $name }}-key.pem
+      {{- end }}
+      {{- end }}
+{{- end }}
+
+{{- define "unicache.replicaTlsMount" -}}
+- name: replica-tls
+  mountPath: /etc/unicache/tls
+  readOnly: true
+{{- end }}
