@@ -41,7 +41,7 @@ from unicache.router.session_store import SessionStore
 from unicache.router.terms_exchange import TermsExchange
 from unicache.router.rejections import StateRejections
 from unicache.router.subscriber import RedisSubscriber
-from unicache.router.vllm_fleet.follower import BackendFollower
+from unicache.router.vllm_fleet.fleet import VllmFleet
 from unicache.state_auth import CallCredential, StateSigner
 from unicache.tls import client_tls
 from unicache.classifier import RequestClassifier
@@ -128,10 +128,10 @@ class RouterApp:
         if config.use_redis and config.redis_tls_ca and not config.redis_url.startswith("rediss://"):
             raise UsageError("redis_tls_ca needs a rediss:// redis_url")
         self.backend_specs = config.backend_specs()
-        if config.use_redis and cluster_key is None and self.backend_specs:
+        if config.use_redis and cluster_key is None and (self.backend_specs or config.backend_discovery):
             # NOTE: a fleet of stock vLLM servers needs no Redis: their own events feed the
             # index. Replicas of ours would need the key; without it none are followed.
-            log.info("no cluster key: not following replicas through Redis; routing the %d vLLM backends", len(self.backend_specs))
+            log.info("no cluster key: not following replicas through Redis; routing vLLM backends only")
             config.use_redis = False
         if config.use_redis and cluster_key is None:
             raise UsageError(
@@ -199,9 +199,7 @@ class RouterApp:
         )
         for rid, (addr, hop) in config.static_replicas().items():
             self.cluster.upsert(rid, addr, static=True, hop_address=hop)
-        self.backends = [
-            BackendFollower(spec, self.cluster, self.clients.vllm, config.block_size) for spec in self.backend_specs
-        ]
+        self.fleet = VllmFleet(self.cluster, self.clients.vllm, config.block_size, self.backend_specs, config.backend_discovery)
         self.history = ClusterHistory(self.metrics, self.cluster)
         self.http = HttpFrontDoor(
             self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes,
@@ -271,8 +269,8 @@ class RouterApp:
             self._tasks.append(asyncio.create_task(self.subscriber.run(), name="router-redis"))
         if self.terms is not None:
             self._tasks.append(asyncio.create_task(self.terms.run(), name="router-terms"))
-        for follower in self.backends:
-            self._tasks.append(asyncio.create_task(follower.run(), name=f"router-backend-{follower.backend_id}"))
+        if self.fleet:
+            self._tasks.append(asyncio.create_task(self.fleet.run(), name="router-backends"))
         log.info("router serving gRPC on %s:%d and HTTP on %s:%d", cfg.grpc_host, self.grpc_port, cfg.http_host, self.http_port)
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -280,10 +278,9 @@ class RouterApp:
             self._uvicorn.should_exit = True
         # The Redis follower and the prober are cancelled; uvicorn exits by itself once
         # should_exit is set.
-        background = ("router-redis", "router-prober", "router-history", "router-terms")
-        is_background = lambda t: t.get_name() in background or t.get_name().startswith("router-backend-")  # noqa: E731
-        await cancel_and_wait([t for t in self._tasks if is_background(t)])
-        http = [t for t in self._tasks if not is_background(t)]
+        background = ("router-redis", "router-prober", "router-history", "router-terms", "router-backends")
+        await cancel_and_wait([t for t in self._tasks if t.get_name() in background])
+        http = [t for t in self._tasks if t.get_name() not in background]
         if http:
             _, late = await asyncio.wait(http, timeout=grace_s + 5)
             await cancel_and_wait(late)

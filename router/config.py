@@ -25,6 +25,7 @@ from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.router.replica_client import TRANSPORTS
 from unicache.router.routing.registry import ROUTING_POLICIES
+from unicache.router.vllm_fleet.fleet import DnsDiscovery
 from unicache.router.vllm_fleet.spec import BackendSpec, backend_entries, parse_backends
 from unicache.state_auth import parse_cluster_key
 SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys", "cluster_key", "admin_key"})
@@ -59,6 +60,11 @@ class RouterConfig:
         default="",
         metadata={"help": "stock vLLM OpenAI servers to route to: 'URL,kv-events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,id=NAME]', "
                           "several separated by ';' (a config file takes a list; the flag --backend repeats); docs/vllm-backends.md"},
+    )
+    backend_discovery: str = field(
+        default="",
+        metadata={"help": "vLLM backends found by DNS (a Kubernetes headless Service): "
+                          "'dns://NAME:HTTP_PORT?kv-events=PORT&replay=PORT&interval=S'; docs/vllm-backends.md"},
     )
     routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
     workers: int = field(
@@ -255,6 +261,8 @@ def build_config(
     if extra:
         cfg.backends = json.dumps([*backend_entries(cfg.backends), *extra])
     cfg.backend_specs()  # a bad entry is a UsageError now, not at start-up
+    if cfg.backend_discovery:
+        DnsDiscovery(cfg.backend_discovery)
     if cfg.block_size <= 0:
         raise UsageError("block_size must be positive")
     if cfg.memory_budget_mib < 64:

@@ -74,7 +74,8 @@ def test_every_setting_has_flag_and_env(tmp_path):
             assert getattr(cfg, f.name[: -len("_file")]) == "secret-from-file-0123456789"
             continue
         valid = {"routing_policy": "sglang", "http_parser": "h11", "event_loop": "asyncio", "memory_budget_mib": "128",
-                 "shared_sessions": "on", "replica_transport": "grpc", "backends": "http://h:1,id=v"}  # checked names
+                 "shared_sessions": "on", "replica_transport": "grpc", "backends": "http://h:1,id=v",
+                 "backend_discovery": "dns://vllm:8000?kv-events=5557"}  # checked names
         value = valid.get(f.name) or {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]
         cfg = build_config(env={f"UNICACHE_{f.name.upper()}": value})
         assert str(getattr(cfg, f.name)) in (value, "True")
