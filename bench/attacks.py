@@ -14,8 +14,16 @@ salt that reached the forger, plus direct replica calls a replica accepted), cli
 failures, and seconds from the attack's end until the router's index equals every
 replica's true holdings (the baseline row is the normal event lag).
 
-Run: ``.venv/bin/python -m bench.attacks [--requests 20]``; writes
-bench/results/attacks.json and bench/results/attacks.md.
+Issue 39's rows: a process on a killed replica's ports (gRPC and hop, one router per
+transport): requests it received, bearer credentials it captured (and whether one replays
+on another replica), client failures; a relay between the router and the genuine replica's
+hop: requests it could read; every heartbeat and summary key deleted at 20 Hz for 6 s:
+client failures. ``--tls`` runs everything with mutual TLS (unicache/tls.py) between
+router and replicas; ``--cpu`` measures the routers' CPU per request with and without TLS
+on both transports (router processes, a fake replica; rounds interleaved).
+
+Run: ``.venv/bin/python -m bench.attacks [--requests 20] [--tls] [--cpu]``; writes
+bench/results/attacks[-tls].json and .md, and attacks-cpu.json with ``--cpu``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import asyncio
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -39,7 +49,9 @@ from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.settings import ReplicaSettings
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.state_auth import CallCredential, StateSigner, new_cluster_key, parse_cluster_key
+from unicache.router.replica_client import ReplicaClients
+from unicache.tls import ClientTls, ClusterCA, make_cluster_pki, write_tls_files
+from unicache.state_auth import CALL_METADATA, CallCredential, StateAuthError, StateSigner, new_cluster_key, parse_cluster_key
 from unicache.testing.fake_replica import FakeReplica
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -62,9 +74,14 @@ class Outcome:
 
 
 class Stack:
-    def __init__(self, requests: int):
+    def __init__(self, requests: int, tls: bool = False):
         self.n = requests
+        self.tls = tls
         self.key = new_cluster_key()
+        self.pki_dir = tempfile.mkdtemp(prefix="atk-pki-")
+        self.router_files = None
+        if tls:
+            self.router_files, self.replica_tls = make_cluster_pki(self.pki_dir, ["r0", "r1"])
         self.redis = EmbeddedRedis(password=os.urandom(12).hex())
         self.replicas: dict[str, ReplicaRuntime] = {}
         self.forger = FakeReplica("forger", block_size=BS)
@@ -74,48 +91,81 @@ class Stack:
     async def start(self) -> None:
         self.redis.start()
         for rid in ("r0", "r1"):
-            s = ReplicaSettings(
-                replica_id=rid, redis_url=self.redis.url, redis_prefix=PREFIX, cluster_key=self.key, model_preset="tiny",
-                block_size=BS, num_blocks=4096,  # nothing is evicted: a cached prompt stays where it is eviction_policy="lru", device="cpu", default_max_tokens=2,
-            )
-            self.replicas[rid] = ReplicaRuntime(s)
-            await self.replicas[rid].start()
+            await self.start_replica(rid)
         await self.forger.start()
-        cfg = build_config(
-            env={"UNICACHE_API_KEYS": f"{API_KEY}:{TENANT}", "UNICACHE_SALT_SECRET": "atk-salt", "UNICACHE_CLUSTER_KEY": self.key},
-            overrides={"grpc_port": 0, "http_port": 0, "redis_url": self.redis.url, "redis_prefix": PREFIX,
-                       "block_size": BS, "tokenizer": "byte"},
-        )
-        self.app = RouterApp(cfg, subscriber_kwargs=SUBSCRIBER)
+        self.app = RouterApp(self.router_config("auto"), subscriber_kwargs=SUBSCRIBER)
         await self.app.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.app.grpc_port}")
         self.stub = router_pb2_grpc.RouterStub(self.channel)
+        # A second router on the gRPC transport, following the same Redis (issue 39's setup).
+        self.app_grpc = RouterApp(self.router_config("grpc"), subscriber_kwargs=SUBSCRIBER)
+        await self.app_grpc.start()
+        self.channel_grpc = grpc.aio.insecure_channel(f"127.0.0.1:{self.app_grpc.grpc_port}")
+        self.stub_grpc = router_pb2_grpc.RouterStub(self.channel_grpc)
         self.r = aioredis.Redis.from_url(self.redis.url, socket_timeout=5)
-        await self.wait(lambda: sorted(self.app.cluster.replicas) == ["r0", "r1"], "replicas admitted")
+        await self.wait(self.both_admitted, "replicas admitted")
         self.old_r0_heartbeat = await self.r.get(KEYS.heartbeat("r0"))  # replayed later, when it is old
         self.salt = self.app.auth.cache_salt(TENANT)
         # Prime: each replica caches its own prompts (sent to it directly, as the router would).
         self.primed: dict[str, str] = {}
-        cred = CallCredential(parse_cluster_key(self.key))
+        clients = self.replica_clients()
         for i, rid in enumerate(("r0", "r1")):
             prompt = f"cached prompt of {rid}: " + "x" * 48
             self.primed[prompt] = rid
-            async with grpc.aio.insecure_channel(self.replicas[rid].address) as ch:
-                req = replica_pb2.GenerateRequest(
-                    token_ids=replica_pb2.TokenIds(ids=list(prompt.encode())), cache_salt=self.salt,
-                    sampling=common_pb2.SamplingParams(max_tokens=1),
-                )
-                [m async for m in replica_pb2_grpc.ReplicaStub(ch).Generate(req, timeout=60, metadata=cred.metadata())]
+            req = replica_pb2.GenerateRequest(
+                token_ids=replica_pb2.TokenIds(ids=list(prompt.encode())), cache_salt=self.salt,
+                sampling=common_pb2.SamplingParams(max_tokens=1),
+            )
+            stream = clients.generate(self.replicas[rid].address, req, 60, replica_id=rid)
+            while await stream.next() is not None:
+                pass
+        await clients.close()
         await self.wait(self.index_true, "index to learn the primed prompts", 30)
+
+    def replica_clients(self) -> ReplicaClients:
+        """What the router dials replicas with (gRPC transport)."""
+        cred = CallCredential(parse_cluster_key(self.key))
+        return ReplicaClients(credential=cred, transport="grpc", tls=ClientTls(self.router_files) if self.tls else None)
+
+    def settings(self, rid: str) -> ReplicaSettings:
+        tls = dict(zip(("tls_ca", "tls_cert", "tls_key"), self.replica_tls)) if self.tls else {}
+        return ReplicaSettings(
+            replica_id=rid, redis_url=self.redis.url, redis_prefix=PREFIX, cluster_key=self.key, model_preset="tiny",
+            block_size=BS, num_blocks=4096,  # nothing is evicted: a cached prompt stays where it is
+            eviction_policy="lru", device="cpu", default_max_tokens=2, **tls,
+        )
+
+    async def start_replica(self, rid: str) -> None:
+        self.replicas[rid] = ReplicaRuntime(self.settings(rid))
+        await self.replicas[rid].start()
+
+    def router_config(self, transport: str, **overrides):
+        tls = {}
+        if self.tls:
+            f = self.router_files
+            tls = {"replica_tls_ca": f.ca, "replica_tls_cert": f.cert, "replica_tls_key": f.key}
+        return build_config(
+            env={"UNICACHE_API_KEYS": f"{API_KEY}:{TENANT}", "UNICACHE_SALT_SECRET": "atk-salt", "UNICACHE_CLUSTER_KEY": self.key},
+            overrides={"grpc_port": 0, "http_port": 0, "redis_url": self.redis.url, "redis_prefix": PREFIX,
+                       "block_size": BS, "tokenizer": "byte", "replica_transport": transport, **tls, **overrides},
+        )
+
+    def both_admitted(self) -> bool:
+        want = sorted(self.replicas)
+        return all(sorted(a.cluster.replicas) == want and not any(r.quarantined for r in a.cluster.replicas.values())
+                   for a in (self.app, self.app_grpc))
 
     async def stop(self) -> None:
         await self.channel.close()
+        await self.channel_grpc.close()
         await self.r.aclose()
         await self.app.stop()
+        await self.app_grpc.stop()
         for rt in self.replicas.values():
             await rt.stop()
         await self.forger.stop()
         self.redis.close()
+        shutil.rmtree(self.pki_dir, ignore_errors=True)
 
     async def wait(self, pred: Callable[[], bool] | Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60) -> float:
         t0 = time.monotonic()
@@ -136,15 +186,16 @@ class Stack:
                 return False
         return True
 
-    async def requests(self) -> tuple[int, int]:
+    async def requests(self, stub=None, n: int | None = None) -> tuple[int, int]:
         """(misrouted, failures) over ``n`` requests; half are the primed prompts."""
         misrouted = failures = 0
         prompts = list(self.primed)
-        for i in range(self.n):
+        stub = stub or self.stub
+        for i in range(self.n if n is None else n):
             prompt = prompts[(i // 2) % 2] if i % 2 == 0 else f"fresh prompt {i} " + "y" * 24
             req = router_pb2.RouterGenerateRequest(text=prompt, sampling=common_pb2.SamplingParams(max_tokens=2))
             try:
-                msgs = [m async for m in self.stub.Generate(req, metadata=[("x-api-key", API_KEY)], timeout=30)]
+                msgs = [m async for m in stub.Generate(req, metadata=[("x-api-key", API_KEY)], timeout=30)]
             except grpc.aio.AioRpcError:
                 failures += 1
                 continue
@@ -241,6 +292,7 @@ async def direct_calls(stack: Stack) -> Outcome:
                                       sampling=common_pb2.SamplingParams(max_tokens=1))
     exposed = 0
     wrong = CallCredential(parse_cluster_key(new_cluster_key())).metadata()
+    codes: dict[str, int] = {}
     async with grpc.aio.insecure_channel(stack.replicas["r0"].address) as ch:
         stub = replica_pb2_grpc.ReplicaStub(ch)
         for i in range(stack.n):
@@ -248,17 +300,244 @@ async def direct_calls(stack: Stack) -> Outcome:
                 [m async for m in stub.Generate(req, timeout=10, metadata=None if i % 2 else wrong)]
                 exposed += 1
             except grpc.aio.AioRpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
-    return Outcome("direct replica call with a captured salt", stack.n, 0, exposed, 0, 0.0,
-                   {"refused UNAUTHENTICATED": stack.n - exposed})
+                # NOTE: UNAUTHENTICATED without TLS; with it the handshake fails first (UNAVAILABLE).
+                codes[f"refused {exc.code().name}"] = codes.get(f"refused {exc.code().name}", 0) + 1
+    return Outcome("direct replica call with a captured salt", stack.n, 0, exposed, 0, 0.0, codes)
+
+
+# --- issue 39: port takeover, handshake relay, deleted keys ----------------------------
+async def crash(stack: Stack, rid: str) -> tuple[int, int]:
+    """Kill replica ``rid`` as a crash would (its heartbeat stays until the TTL); returns
+    its freed (gRPC, hop) ports."""
+    rt = stack.replicas.pop(rid)
+    ports = (rt.server.port, rt.server.hop_port)
+    await rt.publisher.stop(remove_heartbeat=False)
+    rt.publisher = None
+    rt.server.grace_s = 0.0
+    await rt.stop()
+    return ports
+
+
+async def takeover(stack: Stack, transport: str) -> Outcome:
+    """r1 crashes; 43 ms later a process binds its gRPC and hop ports (no cluster key; under
+    TLS a certificate for r1 from its own CA). The client sends ``n`` requests through the
+    router on ``transport``; r1 restarts on new ports afterwards."""
+    app, stub = (stack.app, stack.stub) if transport == "auto" else (stack.app_grpc, stack.stub_grpc)
+    impostor = FakeReplica("r1", block_size=BS)
+    ports = await crash(stack, "r1")
+    await asyncio.sleep(0.043)
+    files = None
+    if stack.tls:
+        other = ClusterCA("impostor CA")
+        files = write_tls_files(stack.pki_dir, "impostor", other.cert_pem, other.issue_replica("r1"))
+    await impostor.start(hop=True, tls=files, port=ports[0], hop_port=ports[1])
+    sent = misrouted = failures = 0
+    t_end = time.monotonic() + 15.0
+    try:
+        # NOTE: requests until the router has let r1 go (its heartbeat stopped), the whole
+        # window in which the impostor could be sent anything; at least ``n``.
+        while sent < stack.n or ("r1" in app.cluster.replicas and time.monotonic() < t_end):
+            m, f = await stack.requests(stub, 2)
+            sent, misrouted, failures = sent + 2, misrouted + m, failures + f
+    finally:
+        await impostor.stop()
+    got = impostor.requests
+    captured = [keys for keys in impostor.metadata_keys if CALL_METADATA in keys]
+    replay = "-"
+    if captured:
+        replay = "accepted by r0" if await replays(stack, impostor) else "refused by r0"
+    await stack.start_replica("r1")
+    await stack.wait(stack.both_admitted, "r1 back in both routers", 60)
+    await stack.wait(stack.index_true, "index true after the takeover", 60)
+    return Outcome(f"port takeover of a crashed replica ({'hop' if transport == 'auto' else 'gRPC'} router)", sent,
+                   misrouted + len(got), sum(1 for r in got if r.cache_salt), failures, 0.0,
+                   {"impostor requests": len(got), "credentials captured": len(captured), "replay": replay})
+
+
+async def replays(stack: Stack, impostor: FakeReplica) -> bool:
+    """Whether a credential the impostor captured opens r0 (GetCacheSummary, replayed)."""
+    token = getattr(impostor, "last_credential", None)
+    if token is None:
+        return False
+    async with grpc.aio.insecure_channel(stack.replicas["r0"].address) as ch:
+        try:
+            await replica_pb2_grpc.ReplicaStub(ch).GetCacheSummary(
+                replica_pb2.GetCacheSummaryRequest(nonce=os.urandom(16)), timeout=5, metadata=((CALL_METADATA, token),))
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+
+async def relay(stack: Stack) -> Outcome:
+    """A relay between a router and the genuine r1's hop forwards every byte both ways
+    (the issue's handshake relay); counts the requests whose prompt it saw in clear."""
+    seen = bytearray()
+    r1 = stack.replicas["r1"]
+
+    async def pipe(reader, writer):
+        try:
+            while data := await reader.read(65536):
+                seen.extend(data)
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def forward(cr, cw):
+        ur, uw = await asyncio.open_connection("127.0.0.1", r1.server.hop_port)
+        await asyncio.gather(pipe(cr, uw), pipe(ur, cw))
+
+    server = await asyncio.start_server(forward, "127.0.0.1", 0)
+    relay_addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    app = RouterApp(stack.router_config("auto", use_redis=False, routing_policy="round_robin",
+                                        replicas=f"r1={r1.address}@{relay_addr}"))
+    await app.start()
+    prompts = [f"relayed secret prompt {i} " + "q" * 24 for i in range(stack.n)]
+    failures = 0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            for p in prompts:
+                req = router_pb2.RouterGenerateRequest(text=p, sampling=common_pb2.SamplingParams(max_tokens=2))
+                try:
+                    [m async for m in stub.Generate(req, metadata=[("x-api-key", API_KEY)], timeout=30)]
+                except grpc.aio.AioRpcError:
+                    failures += 1
+    finally:
+        await app.stop()
+        server.close()
+    read = sum(1 for p in prompts if p.encode() in seen)
+    salt = stack.app.auth.cache_salt(TENANT)
+    return Outcome("relay between router and the genuine replica (hop)", stack.n, 0, int(salt in seen) * read, failures, 0.0,
+                   {"requests read by the relay": read, "bytes relayed": len(seen)})
+
+
+async def deleted_keys(stack: Stack, seconds: float = 6.0) -> Outcome:
+    """Every heartbeat and summary key deleted at 20 Hz for ``seconds`` while the client
+    sends requests through both routers; client failures are the 503s of the issue."""
+    stop = asyncio.Event()
+
+    async def delete():
+        while not stop.is_set():
+            await stack.r.delete(*[k for rid in stack.replicas for k in (KEYS.heartbeat(rid), KEYS.summary(rid))])
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(delete())
+    sent = failures = 0
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        for stub in (stack.stub, stack.stub_grpc):
+            _, failed = await stack.requests(stub, 1)
+            sent, failures = sent + 1, failures + failed
+    stop.set()
+    await task
+    await stack.wait(stack.both_admitted, "replicas after the deletions", 30)
+    await stack.wait(stack.index_true, "index true after the deletions", 60)
+    kept = stack.app.subscriber.kept_alive + stack.app_grpc.subscriber.kept_alive
+    return Outcome(f"heartbeat and summary keys deleted at 20 Hz for {seconds:g} s", sent, 0, 0, failures, 0.0,
+                   {"kept by their own proof": kept})
+
+
+# --- router CPU per request: TLS on / off, both transports ------------------------------
+CPU_VARIANTS = ("hop", "grpc", "hop+tls", "grpc+tls")
+
+
+async def _router_process(variant: str, replica: FakeReplica, key: str, pki_dir: str, router_files) -> tuple:
+    """A ``unicache router`` process with ``replica`` as its static replica; (process, stub)."""
+    import subprocess
+    import sys
+
+    port, http = free_port(), free_port()
+    transport = "grpc" if variant.startswith("grpc") else "auto"
+    cmd = [sys.executable, "-m", "unicache.cli", "router", "--grpc-port", str(port), "--http-port", str(http),
+           "--use-redis", "false", "--auth-enabled", "false", "--replica-transport", transport, "--block-size", str(BS),
+           "--tokenizer", "byte", "--replicas", f"r0={replica.address}@127.0.0.1:{replica.hop.port}"]
+    if variant.endswith("+tls"):
+        cmd += ["--replica-tls-ca", router_files.ca, "--replica-tls-cert", router_files.cert, "--replica-tls-key", router_files.key]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, UNICACHE_CLUSTER_KEY=key), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = router_pb2_grpc.RouterStub(channel)
+    for _ in range(300):
+        try:
+            await _one(stub, "warm-up")
+            return proc, channel, stub
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"router {variant} did not serve")
+
+
+async def _one(stub, text: str) -> None:
+    req = router_pb2.RouterGenerateRequest(text=text, sampling=common_pb2.SamplingParams(max_tokens=1))
+    [m async for m in stub.Generate(req, timeout=30)]
+
+
+async def router_cpu(rounds: int, per_round: int, concurrency: int) -> dict:
+    """Router CPU ms per request for each variant (its process's utime + stime over
+    ``per_round`` requests, ``concurrency`` at a time, after a warm-up that opens its
+    connections), rounds interleaved and rotated so drift hits every variant alike."""
+    import tempfile
+
+    from unicache.testing.procfs import cpu_s
+    from unicache.tls import ClusterCA, write_tls_files
+
+    key = new_cluster_key()
+    pki_dir = tempfile.mkdtemp(prefix="atk-pki-")
+    ca = ClusterCA()
+    r0_files = write_tls_files(pki_dir, "r0", ca.cert_pem, ca.issue_replica("r0"))
+    router_files = write_tls_files(pki_dir, "router", ca.cert_pem, ca.issue_router())
+    plain, secure = FakeReplica("r0", block_size=BS), FakeReplica("r0", block_size=BS)
+    await plain.start(hop=True, cluster_key=parse_cluster_key(key))
+    await secure.start(hop=True, cluster_key=parse_cluster_key(key), tls=r0_files)
+    routers = {}
+    try:
+        for v in CPU_VARIANTS:
+            routers[v] = await _router_process(v, secure if v.endswith("+tls") else plain, key, pki_dir, router_files)
+        samples: dict[str, list[float]] = {v: [] for v in CPU_VARIANTS}
+        for r in range(rounds):
+            order = CPU_VARIANTS[r % len(CPU_VARIANTS):] + CPU_VARIANTS[: r % len(CPU_VARIANTS)]
+            for v in order:
+                proc, _, stub = routers[v]
+                sem = asyncio.Semaphore(concurrency)
+
+                async def one(i: int) -> None:
+                    async with sem:
+                        await _one(stub, f"cpu {v} {r} {i} " + "z" * 40)
+
+                before = cpu_s(proc.pid)
+                await asyncio.gather(*(one(i) for i in range(per_round)))
+                samples[v].append((cpu_s(proc.pid) - before) * 1000 / per_round)
+        out = {}
+        for v, xs in samples.items():
+            xs = sorted(xs)
+            out[v] = {"median_ms": round(xs[len(xs) // 2], 4), "rounds_ms": [round(x, 4) for x in samples[v]]}
+        for t in ("hop", "grpc"):
+            out[f"{t}+tls / {t}"] = round(out[f"{t}+tls"]["median_ms"] / out[t]["median_ms"], 3)
+        out["grpc+tls / hop+tls"] = round(out["grpc+tls"]["median_ms"] / out["hop+tls"]["median_ms"], 3)
+        return out
+    finally:
+        for proc, channel, _ in routers.values():
+            await channel.close()
+            proc.terminate()
+            proc.wait(10)
+        await plain.stop()
+        await secure.stop()
+        import shutil
+
+        shutil.rmtree(pki_dir, ignore_errors=True)
 
 
 async def main_async(args) -> list[Outcome]:
-    stack = Stack(args.requests)
+    stack = Stack(args.requests, tls=args.tls)
     await stack.start()
     try:
         out = [await run_attack(stack, name, fn) for name, fn in attacks(stack).items()]
         out.append(await direct_calls(stack))
+        for transport in ("auto", "grpc"):
+            out.append(await takeover(stack, transport))
+        out.append(await relay(stack))
+        out.append(await deleted_keys(stack))
         return out
     finally:
         await stack.stop()
@@ -266,13 +545,15 @@ async def main_async(args) -> list[Outcome]:
 
 def write(outcomes: list[Outcome], args) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "attacks.json").write_text(json.dumps(
-        {"command": f".venv/bin/python -m bench.attacks --requests {args.requests}",
-         "outcomes": [asdict(o) for o in outcomes]}, indent=2) + "\n")
+    stem = "attacks-tls" if args.tls else "attacks"
+    command = f".venv/bin/python -m bench.attacks --requests {args.requests}" + (" --tls" if args.tls else "")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(
+        {"command": command, "outcomes": [asdict(o) for o in outcomes]}, indent=2) + "\n")
     lines = [
         "# Control-plane attacks (bench/attacks.py)", "",
-        f"`.venv/bin/python -m bench.attacks --requests {args.requests}`: two real replicas, the router, a",
-        "password-protected Redis the attacker can write, a forger without the cluster key.", "",
+        f"`{command}`: two real replicas, two routers (hop and gRPC transports), a",
+        "password-protected Redis the attacker can write, a forger without the cluster key"
+        + (", mutual TLS between routers and replicas." if args.tls else "."), "",
         "| attack | requests | misrouted | salts exposed | client failures | index true after (s) | dropped by the router |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -280,15 +561,26 @@ def write(outcomes: list[Outcome], args) -> None:
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(o.rejected.items())) or "-"
         lines.append(f"| {o.attack} | {o.requests} | {o.misrouted} | {o.salts_exposed} | {o.client_failures} | "
                      f"{o.index_true_after_s:.3f} | {dropped} |")
-    (RESULTS / "attacks.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=20, help="client requests per attack")
+    ap.add_argument("--tls", action="store_true", help="mutual TLS between routers and replicas")
+    ap.add_argument("--cpu", action="store_true", help="only the routers' CPU per request, TLS on and off, both transports")
+    ap.add_argument("--cpu-rounds", type=int, default=5)
+    ap.add_argument("--cpu-requests", type=int, default=400, help="requests per variant per round")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.cpu:
+        out = asyncio.run(router_cpu(args.cpu_rounds, args.cpu_requests, concurrency=4))
+        out["command"] = f".venv/bin/python -m bench.attacks --cpu --cpu-rounds {args.cpu_rounds} --cpu-requests {args.cpu_requests}"
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "attacks-cpu.json").write_text(json.dumps(out, indent=2) + "\n")
+        print(json.dumps(out, indent=2))
+        return
     write(asyncio.run(main_async(args)), args)
 
 

@@ -20,6 +20,7 @@ import grpc
 from unicache.block_hash import hash_token_blocks, reusable_prompt_blocks
 from unicache.replica.call_error import GrpcGenerate, ReplicaCallError
 from unicache.replica.hop_server import HopServer
+from unicache.state_auth import CALL_METADATA
 from unicache.tls import TlsFiles, grpc_server_credentials, hop_server_context
 from unicache.router.replica_client import PROBE_REQUEST_ID
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
@@ -27,13 +28,18 @@ from unicache.testing.signed_state import SIGNER, sealed
 
 
 class _MetadataRecorder(grpc.aio.ServerInterceptor):
-    """Records the metadata keys of each call (what crossed the wire besides the request)."""
+    """Records the metadata keys of each call (what crossed the wire besides the request)
+    and the last cluster credential received (``FakeReplica.last_credential``)."""
 
-    def __init__(self, seen: list[set[str]]):
-        self.seen = seen
+    def __init__(self, replica: "FakeReplica"):
+        self.replica = replica
 
     async def intercept_service(self, continuation, handler_call_details):
-        self.seen.append({k for k, _ in handler_call_details.invocation_metadata or ()})
+        md = handler_call_details.invocation_metadata or ()
+        self.replica.metadata_keys.append({k for k, _ in md})
+        for k, v in md:
+            if k == CALL_METADATA:
+                self.replica.last_credential = v
         return await continuation(handler_call_details)
 
 
@@ -59,6 +65,7 @@ class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
         self.summary_blocks: list[bytes] | None = None
         self.signer = SIGNER
         self.metadata_keys: list[set[str]] = []
+        self.last_credential: str | None = None
 
     @property
     def served(self) -> list[replica_pb2.GenerateRequest]:
@@ -74,7 +81,7 @@ class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
         """Serve gRPC on a free port (or ``port``), and with ``hop`` the framed hop too
         (with ``cluster_key``: the handshake); with ``tls`` both serve mutual TLS only.
         ``metadata_keys`` records the metadata keys of every call received."""
-        self.server = grpc.aio.server(interceptors=[_MetadataRecorder(self.metadata_keys)])
+        self.server = grpc.aio.server(interceptors=[_MetadataRecorder(self)])
         replica_pb2_grpc.add_ReplicaServicer_to_server(self, self.server)
         where = f"127.0.0.1:{port}"
         self.port = self.server.add_secure_port(where, grpc_server_credentials(tls)) if tls else self.server.add_insecure_port(where)
