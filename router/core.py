@@ -334,7 +334,7 @@ class RouterCore:
         """
         # NOTE: one generator, no inner ones: every streamed message passes each generator
         # layer once, and the front door's own layers already cost per token.
-        lease = self._admit(prep)
+        lease = self.admit(prep)
         try:
             request_class = request_class_to_proto(prep.cls)
             request = replica_pb2.GenerateRequest(
@@ -365,7 +365,7 @@ class RouterCore:
         finally:
             lease.release()
 
-    def _admit(self, prep: Prepared):
+    def admit(self, prep: Prepared):
         """The router-wide in-flight cap, then the tenant's lease (released by the caller)."""
         if self.cluster.total_in_flight() >= self.max_in_flight:
             raise RouterError("overloaded", f"router has {self.max_in_flight} requests in flight; retry later")

@@ -53,17 +53,19 @@ from unicache.router.openai_errors import (
     error_response,
     sse_error_event,
     to_api_error,
+    unsupported,
 )
 from unicache.router.openai_request import (
     DEFAULT_MAX_BATCH_PROMPTS,
     DEFAULT_MAX_JSON_DEPTH,
     OpenAIRequest,
-    check_fields,
     check_model,
     parse_body,
     parse_request,
+    unimplemented_fields,
 )
 from unicache.router.http_server import TIMED_OUT_SCOPE_KEY  # set when the guard closed for a body timeout (and logged it)
+from unicache.router.vllm_fleet.passthrough import Passthrough
 from unicache.router.openai_response import FINISH, CompletionLogprobs, StreamChunks, TokenText, UsageTally, base, chat_logprobs
 from unicache.v1 import replica_pb2
 
@@ -248,6 +250,7 @@ class HttpFrontDoor:
             return require_admin(admin_key, endpoint, lambda: error_response(ApiError(401, "admin key required", "invalid_api_key")))
 
         self._generation_paths = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+        self.passthrough = Passthrough(core)
         self._starlette = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -365,14 +368,22 @@ class HttpFrontDoor:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
-    def _parse(self, body: dict, chat: bool, request: Request) -> OpenAIRequest:
+    def _parse(self, body: dict, chat: bool, request: Request) -> tuple[OpenAIRequest, bool]:
+        """The request, and whether it goes to a vLLM backend untouched: it has parameters
+        this door does not implement and the fleet has vLLM backends to take them
+        (router/vllm_fleet/passthrough.py); else such a parameter is refused by name."""
         check_model(body, self.model_name)
-        check_fields(body, chat)
+        extra = unimplemented_fields(body, chat)
+        if extra and not self.passthrough.available():
+            raise unsupported(extra[0])
         vocab = getattr(self.core.tokenizer, "vocab_size", None)
-        req = parse_request(body, chat, request.headers.get, vocab, self.max_batch_prompts)
+        parsed = {k: v for k, v in body.items() if k not in extra} if extra else body
+        req = parse_request(parsed, chat, request.headers.get, vocab, self.max_batch_prompts)
+        if extra and len(req.prompts) != 1:
+            raise ApiError(400, f"{extra[0]!r} is passed to vLLM for one prompt per request, not a batch", "unsupported_parameter", extra[0])
         if chat:
             req.prompts = [render_chat(body.get("messages"), self.core.tokenizer.chat_template)]
-        return req
+        return req, bool(extra)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         core = self.core
@@ -382,11 +393,15 @@ class HttpFrontDoor:
         try:
             tenant = core.auth.authenticate(api_key_from_headers(request.headers.get))
             body = parse_body(await read_body(request, self.max_body_bytes), self.max_json_depth)
-            req = self._parse(body, chat, request)
+            req, passed = self._parse(body, chat, request)
             # NOTE: vLLM's rule: a completion prompt gets the tokenizer's special tokens (BOS),
             # a rendered chat template already carries them.
             token_ids = [core.encode(p, add_special_tokens=not chat) if isinstance(p, str) else p for p in req.prompts]
             preps = [core.prepare(tenant, ids, req.labels) for ids in token_ids]
+            if passed:
+                response = await self.passthrough.forward(request.url.path, body, preps[0])
+                self._count(api, "ok")
+                return response
             if not req.generate:
                 return self._echo_only(req, token_ids, preps[0].request_id, api)
             agens = [core.forward(p, req.sampling) for p in preps]

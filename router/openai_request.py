@@ -151,15 +151,24 @@ def boolean(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def check_fields(body: dict, chat: bool) -> None:
-    """Refuse (by name) every field this endpoint does not implement (see ``_NOOP``)."""
+def unimplemented_fields(body: dict, chat: bool) -> list[str]:
+    """The fields this endpoint does not implement (see ``_NOOP``), in the body's order."""
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    out = []
     for name, value in body.items():
         if name in allowed and name not in _NOOP:
             continue
         if name in _NOOP and (value is None or _NOOP[name](value, body)):
             continue
-        raise unsupported(name)
+        out.append(name)
+    return out
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """Refuse (by name) every field this endpoint does not implement (see ``_NOOP``)."""
+    names = unimplemented_fields(body, chat)
+    if names:
+        raise unsupported(names[0])
 
 
 def check_model(body: dict, served: str) -> None:

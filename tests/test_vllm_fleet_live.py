@@ -238,6 +238,28 @@ async def test_a_second_router_routes_a_prefix_and_a_session_alike(router, model
         proc.wait(30)
 
 
+async def test_parameters_the_router_does_not_interpret_reach_vllm_untouched(router):
+    app, client = router
+    prompt = text(23, 130, 7)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "min_tokens": 6, "ignore_eos": True, "temperature": 0}
+    for i in range(2):
+        r = await client.post("/v1/completions", json=body, headers=A)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["usage"]["completion_tokens"] == 6  # vLLM honoured min_tokens / ignore_eos
+        assert r.headers["x-unicache-replica"] in ("uc", "native")
+    # The second went where the first left its blocks, and vLLM found them.
+    assert int(r.headers["x-unicache-matched-tokens"]) == out["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    stream = {**body, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=stream, headers=A) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line async for line in r.aiter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    # vLLM's own refusal of a bad value comes back as vLLM said it.
+    r = await client.post("/v1/completions", json={**body, "min_tokens": -1}, headers=A)
+    assert r.status_code == 400 and "min_tokens" in r.text
+
+
 async def test_a_backend_that_is_not_vllm_is_one_clear_line(router, caplog):
     app, _ = router
     dead = parse_backend(f"http://127.0.0.1:{free_port()},id=dead")
