@@ -163,3 +163,53 @@ def test_ctrl_c_to_the_whole_process_group_stops_quietly(moment):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_up_with_the_vllm_engine_stopped_by_sigterm_leaves_nothing_behind(tmp_path):
+    """vLLM's engine core is a process of its own under the replica actor: SIGTERM to
+    ``unicache up --engine vllm`` must end it too (one was seen left behind after 60 s)."""
+    from unicache.testing.tiny_hf_model import write_tiny_llama
+
+    model = write_tiny_llama(str(tmp_path / "tiny-llama"))
+    tmpdir = Path(tempfile.mkdtemp(prefix="uc-test-", dir="/tmp"))
+    env = dict(os.environ, TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unicache.cli", "up", "--engine", "vllm", "--model", model, "--block-size", "32",
+         "--replicas", "1", "--grpc-port", "0", "--http-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        match = None
+        while time.monotonic() < deadline and match is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+            match = READY.match(lines[-1])
+        assert match, "no ready line:\n" + "\n".join(lines)
+        http_url = match.group(2)
+        body = json.dumps({"model": "tiny-llama", "prompt": "w1 w2 w3 w4 " * 20, "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(f"{http_url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] == 4
+        engine_procs = [p for p in _session_pids(proc.pid) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        assert engine_procs, "vLLM's engine core runs as its own process"
+        os.kill(proc.pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, rest
+        for _ in range(100):
+            if not _session_pids(proc.pid):
+                break
+            time.sleep(0.2)
+        assert _session_pids(proc.pid) == []
+        assert not any(os.path.exists(f"/proc/{p}") and "EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
+                       for p in engine_procs)
+        assert list(tmpdir.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(tmpdir, ignore_errors=True)

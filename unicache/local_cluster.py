@@ -33,6 +33,7 @@ from unicache.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, LOCAL_ROUTE
 from unicache.errors import UsageError
 from unicache.redis_keys import DEFAULT_PREFIX
 from unicache.redis_server import write_private
+from unicache.process_tree import descendants, reap
 from unicache.state_auth import new_cluster_key
 from unicache.tls import make_cluster_pki
 
@@ -162,6 +163,8 @@ class LocalCluster:
         if cfg.num_replicas < 1:
             raise UsageError("--replicas must be at least 1")
         self.cfg = cfg
+        # NOTE: what already ran below this process is not the run's to end at stop
+        self._preexisting = frozenset(descendants(os.getpid()))
         self.redis = None
         self.launcher = None
         self.router = None
@@ -298,7 +301,18 @@ class LocalCluster:
             self.router = None
 
     def stop_backends(self) -> None:
-        """Replicas, then Ray, then Redis, then the temp dir. Safe to call twice."""
+        """Replicas, then Ray, then Redis, then the temp dir; then whatever process this run
+        started is still alive is ended (an engine core orphaned when its replica actor was
+        killed mid-shutdown: unicache/process_tree.py). Safe to call twice."""
+        started = [p for p in descendants(os.getpid()) if p not in self._preexisting]
+        try:
+            self._stop_backends()
+        finally:
+            left = reap(started)
+            if left:
+                log.warning("ended %d process(es) a clean stop left behind: %s", len(left), ", ".join(str(p.pid) for p in left))
+
+    def _stop_backends(self) -> None:
         if self.launcher is not None:
             try:
                 self.launcher.stop()

@@ -61,6 +61,9 @@ def phase_times(stats, first_token_s: float) -> tuple[float, float]:
     return queue, max(0.0, prefill)
 
 
+_OWN_RPC_PATHS = {""}  # VLLM_RPC_BASE_PATH values this module set ("": unset)
+
+
 @dataclass(slots=True)
 class _InFlight:
     prompt_tokens: int
@@ -113,6 +116,11 @@ class VLLMEngine:
             # NOTE: AF_UNIX paths are capped at 107 bytes: keep the directory short.
             self._ipc_dir, self._own_ipc_dir = tempfile.mkdtemp(prefix="uc-vllm-", dir="/tmp"), True
         ep = {name: f"ipc://{os.path.join(self._ipc_dir, name)}" for name in ("events", "replay", "status")}
+        # NOTE: vLLM's own front-end <-> engine-core sockets go to $VLLM_RPC_BASE_PATH (the
+        # temp dir by default), where it leaves them; in ours they go with it at stop.
+        if os.environ.get("VLLM_RPC_BASE_PATH", "") in _OWN_RPC_PATHS:  # unset, or an engine of ours set it
+            os.environ["VLLM_RPC_BASE_PATH"] = self._ipc_dir
+            _OWN_RPC_PATHS.add(self._ipc_dir)
         kwargs = self.config.engine_args(device.split(":")[0], ep["events"], ep["replay"], ep["status"])
         self._events = KVEventSubscriber(ep["events"], ep["replay"])
         self._status = StatusSubscriber(ep["status"])
