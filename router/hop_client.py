@@ -64,7 +64,16 @@ class HopStream(ReplicaStream):
 
     async def _read(self) -> router_pb2.RouterGenerateResponse | None:
         if self._conn is None and not self._ended:
-            conn = await self._client.connection()
+            # NOTE: the connect (and its handshake, TLS included) waits at most the
+            # stream's own deadline: a peer that accepts and never answers must not hold
+            # the request past it (the connect itself goes on for the streams after).
+            remaining = self._deadline - asyncio.get_running_loop().time()
+            try:
+                async with asyncio.timeout(max(remaining, 0.0)):
+                    conn = await self._client.connection()
+            except TimeoutError:
+                self._finish(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while connecting to the replica hop"))
+                raise self._error from None
             if not self._ended:  # closed while connecting
                 conn.open(self)
         items = self._items

@@ -91,3 +91,29 @@ async def test_a_replica_failing_authentication_is_retried_elsewhere(case):
         await r1.stop()
         if squatter is not None:
             squatter.close()
+
+
+async def test_a_hop_peer_that_never_answers_holds_a_stream_no_longer_than_its_deadline():
+    """A process that accepts the connection and stays silent (no handshake): the stream
+    ends DEADLINE_EXCEEDED at its own deadline, not at the connect timeout (5 s here)."""
+    from unicache.router.hop_client import HopClient
+    from unicache.v1 import common_pb2, replica_pb2
+
+    accepted = asyncio.Event()
+
+    async def silent(reader, writer):
+        accepted.set()
+        await reader.read()  # never answers; ends when the router closes
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    client = HopClient(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", "r1", hop.HopAuth(KEY), connect_timeout_s=30.0)
+    request = replica_pb2.GenerateRequest(request_id="x", text="hi", sampling=common_pb2.SamplingParams(max_tokens=1))
+    try:
+        stream = client.stream(request, 0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stream.first()
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and accepted.is_set()
+        assert stream.timed_out is False  # the call's deadline, not a first-token timeout
+    finally:
+        client.close()
+        server.close()
