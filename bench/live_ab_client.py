@@ -1,0 +1,130 @@
+"""The live A/B's measuring side: the open-loop replay through one router, the vLLM
+servers' prefix-cache counters and a process tree's CPU (bench/live_ab.py).
+
+A request is one streaming ``POST /v1/completions`` (temperature 0, the tenant's API key,
+``x-session-id`` where the trace has a session); TTFT is sent -> the first event carrying a
+choice, E2E sent -> the end of the stream. A non-200 answer, an error event, a stream
+without a choice, a transport error or a timeout fails the request; nothing is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+
+import httpx
+import psutil
+
+from bench.live_ab_workload import LiveRequest
+
+_COUNTER = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)_total)(?:\{[^}]*\})?\s+(\S+)", re.M)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One replayed request: ``error`` None when it succeeded."""
+
+    index: int
+    ttft_s: float = math.nan
+    e2e_s: float = math.nan
+    cached_tokens: int | None = None
+    error: str | None = None
+
+
+async def send(client: httpx.AsyncClient, url: str, model: str, req: LiveRequest, key: str, timeout_s: float) -> Outcome:
+    """Send ``req`` to ``url`` (a router's base URL) and time it."""
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    headers = {"authorization": f"Bearer {key}"}
+    if req.session_id is not None:
+        headers["x-session-id"] = req.session_id
+    out = Outcome(req.index)
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                out.error = f"http {resp.status_code}: {(await resp.aread())[:200].decode(errors='replace')}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    out.error = f"stream error: {str(event['error'])[:200]}"
+                    return out
+                if event.get("choices") and math.isnan(out.ttft_s):
+                    out.ttft_s = time.perf_counter() - t0
+                details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    out.cached_tokens = int(details["cached_tokens"])
+        out.e2e_s = time.perf_counter() - t0
+        if math.isnan(out.ttft_s):
+            out.error = "no tokens"
+    except httpx.TimeoutException:
+        out.error = "timeout"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+async def replay(url: str, model: str, requests: list[LiveRequest], keys: dict[str, str], rate_scale: float,
+                 timeout_s: float = 600.0, on_done=None) -> list[Outcome]:
+    """Send every request at ``at_s / rate_scale`` after the start (open loop: arrivals
+    never wait for answers); outcomes in request order."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+        t0 = time.perf_counter()
+
+        async def one(r: LiveRequest) -> Outcome:
+            o = await send(client, url, model, r, keys[r.tenant], timeout_s)
+            if on_done is not None:
+                on_done()
+            return o
+
+        tasks = []
+        for r in requests:
+            delay = t0 + r.at_s / rate_scale - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(r)))
+        return list(await asyncio.gather(*tasks))
+
+
+def prefix_counters(url: str, timeout_s: float = 10.0) -> tuple[float, float]:
+    """(hits, queries) of a vLLM server's ``vllm:prefix_cache_{hits,queries}_total``
+    (prompt tokens, summed over label sets)."""
+    text = httpx.get(f"{url}/metrics", timeout=timeout_s).text
+    sums = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    for name, value in _COUNTER.findall(text):
+        sums[name] += float(value)
+    return sums["vllm:prefix_cache_hits_total"], sums["vllm:prefix_cache_queries_total"]
+
+
+def fleet_counters(urls: list[str]) -> tuple[float, float]:
+    """``prefix_counters`` summed over servers."""
+    pairs = [prefix_counters(u) for u in urls]
+    return sum(h for h, _ in pairs), sum(q for _, q in pairs)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total

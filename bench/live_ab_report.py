@@ -1,0 +1,143 @@
+"""The live A/B's figures: runs folded into per-arm, per-rate fields, goodput, the
+simulator's prediction beside them, the markdown table and the plot (bench/live_ab.py).
+
+Field names are the issue's (36): ``arms: {name: {hit_ratio, ttft_p50_s, ttft_p90_s,
+ttft_p99_s, goodput, router_cpu_ms_per_request, requests, failed, rates: [{rate_scale,
+...}]}}``. Each rate's fields pool every round's requests; an arm's top-level fields are its
+lowest rate's, except ``goodput``: the highest rate scale whose TTFT p90 stays within the
+SLO with no failed request (0 when none does), over all rates.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from unicache.sim.metrics import percentile
+
+RATE_FIELDS = ("hit_ratio", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p90_s", "goodput",
+               "router_cpu_ms_per_request", "requests", "failed")
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return percentile(values, q) if values else None
+
+
+def rate_fields(runs: list[dict], rate_scale: float, slo_s: float) -> dict:
+    """One (arm, rate)'s fields from its runs (one per round). A run holds ``outcomes``,
+    ``hits``, ``queries`` (prompt tokens, summed over the servers) and ``cpu_s``."""
+    outcomes = [o for r in runs for o in r["outcomes"]]
+    ok = [o for o in outcomes if o.error is None]
+    ttft, e2e = [o.ttft_s for o in ok], [o.e2e_s for o in ok]
+    queries = sum(r["queries"] for r in runs)
+    p90 = _pct(ttft, 90)
+    failed = len(outcomes) - len(ok)
+    return {
+        "rate_scale": rate_scale,
+        "hit_ratio": sum(r["hits"] for r in runs) / queries if queries else 0.0,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": p90, "ttft_p99_s": _pct(ttft, 99),
+        "e2e_p50_s": _pct(e2e, 50), "e2e_p90_s": _pct(e2e, 90),
+        "goodput": rate_scale if p90 is not None and p90 <= slo_s and failed == 0 else 0.0,
+        "router_cpu_ms_per_request": 1000.0 * sum(r["cpu_s"] for r in runs) / max(1, len(outcomes)),
+        "requests": len(outcomes), "failed": failed,
+        "hit_ratio_rounds": [r["hits"] / r["queries"] if r["queries"] else 0.0 for r in runs],
+        "errors": sorted({o.error for o in outcomes if o.error})[:5],
+    }
+
+
+def arm_fields(rates: list[dict]) -> dict:
+    """An arm's fields: the lowest rate's, goodput over all rates, and ``rates``."""
+    rates = sorted(rates, key=lambda r: r["rate_scale"])
+    top = {k: rates[0][k] for k in RATE_FIELDS}
+    top["goodput"] = max(r["goodput"] for r in rates)
+    return {**top, "rates": rates}
+
+
+def sim_prediction(sim: dict, arms: dict, arm_sims: dict[str, tuple[str, str]]) -> dict:
+    """arm -> [{rate_scale, hit_ratio, ttft_p90_s}] from ``unicache sim --json``'s results
+    (token hit ratio: vLLM's counters count prompt tokens), plus the sim's goodput."""
+    out = {}
+    for arm, (router, policy) in arm_sims.items():
+        if arm not in arms:
+            continue
+        rows = [r for r in sim["results"] if r["policy"] == policy and r.get("router", router) == router]
+        good = [g for g in sim.get("goodput", []) if g["policy"] == policy and g.get("router", router) == router]
+        out[arm] = {
+            "rates": [{"rate_scale": r["rate_scale"], "hit_ratio": r["token_hit_ratio"], "ttft_p90_s": r["ttft_p90_s"]}
+                      for r in sorted(rows, key=lambda r: r["rate_scale"])],
+            "goodput": good[0]["goodput_rate_scale"] if good else None,
+        }
+    return out
+
+
+def _s(v: float | None, scale: float = 1.0, fmt: str = ".3f") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v * scale, fmt)
+
+
+def markdown(rep: dict) -> str:
+    """The report's table: one row per arm and rate, live beside predicted."""
+    pool = rep["pool_blocks"]
+    lines = [
+        f"# Live A/B: {rep['servers']} vLLM servers behind each router ({rep['trace_name']})", "",
+        f"{rep['requests_per_run']} requests per run, {rep['tokens_per_id']} tokens per hash id, block size "
+        f"{rep['block_size']}, {pool} KV blocks per server ({pool / max(1, rep['unique_blocks']):.1%} of the workload's "
+        f"{rep['unique_blocks']} unique blocks), at most {rep['max_output_tokens']} output tokens; rate scales "
+        f"{', '.join(f'{r:g}' for r in rep['rates'])} x {rep['rounds']} interleaved rounds. Unloaded TTFT "
+        f"{rep['unloaded_ttft_s'] * 1000:.1f} ms; SLO TTFT p90 <= {rep['slo_multiple']:g} x = {rep['slo_ttft_s'] * 1000:.1f} ms.",
+        "",
+        f"Peers: {', '.join(f'{k} {v}' for k, v in rep['peers'].items()) or 'none run'}; vLLM {rep['vllm_version']}.",
+        "",
+        "| arm | rate | hit ratio | sim hit ratio | TTFT p50 ms | TTFT p90 ms | sim TTFT p90 ms | TTFT p99 ms | "
+        "E2E p50 ms | router CPU ms/req | requests | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, a in rep["arms"].items():
+        sim = {r["rate_scale"]: r for r in rep.get("sim", {}).get("arms", {}).get(name, {}).get("rates", [])}
+        for r in a["rates"]:
+            s = sim.get(r["rate_scale"], {})
+            lines.append(
+                f"| {name} | {r['rate_scale']:g} | {_s(r['hit_ratio'])} | {_s(s.get('hit_ratio'))} | "
+                f"{_s(r['ttft_p50_s'], 1000, '.1f')} | {_s(r['ttft_p90_s'], 1000, '.1f')} | {_s(s.get('ttft_p90_s'), 1000, '.1f')} | "
+                f"{_s(r['ttft_p99_s'], 1000, '.1f')} | {_s(r['e2e_p50_s'], 1000, '.1f')} | "
+                f"{_s(r['router_cpu_ms_per_request'], 1, '.2f')} | {r['requests']} | {r['failed']} |")
+    lines += ["", "| arm | goodput (rate scale) | sim goodput |", "|---|---|---|"]
+    for name, a in rep["arms"].items():
+        sg = rep.get("sim", {}).get("arms", {}).get(name, {}).get("goodput")
+        lines.append(f"| {name} | {a['goodput']:g} | {'-' if sg is None else format(sg, 'g')} |")
+    lines += ["", f"Produced by `{rep['command']}` on {rep['host']} ({rep['cpus']} CPUs) at commit {rep['commit']}, "
+              f"{rep['date']}; {rep['wall_s'] / 60:.1f} min wall.", ""]
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: Path) -> None:
+    """TTFT p90 against rate scale, one line per arm (the SLO dashed); hit ratio per arm at
+    the lowest rate, live beside the simulator's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.report_files import save_figure
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, a in rep["arms"].items():
+        pts = [(r["rate_scale"], r["ttft_p90_s"] * 1000) for r in a["rates"] if r["ttft_p90_s"] is not None]
+        if pts:
+            ax1.plot(*zip(*pts), marker="o", label=name)
+    ax1.axhline(rep["slo_ttft_s"] * 1000, color="red", linestyle="--", label="SLO")
+    ax1.set_xlabel("rate scale (x the trace's arrival rate)")
+    ax1.set_ylabel("TTFT p90 (ms)")
+    ax1.set_title("TTFT p90 against load")
+    ax1.legend(fontsize=8)
+    names = list(rep["arms"])
+    live = [rep["arms"][n]["hit_ratio"] for n in names]
+    sim_arms = rep.get("sim", {}).get("arms", {})
+    sim = [sim_arms[n]["rates"][0]["hit_ratio"] if n in sim_arms and sim_arms[n]["rates"] else math.nan for n in names]
+    xs = range(len(names))
+    ax2.bar([x - 0.2 for x in xs], live, width=0.4, label="live (vLLM counters)")
+    ax2.bar([x + 0.2 for x in xs], sim, width=0.4, label="unicache sim")
+    ax2.set_xticks(list(xs), names, rotation=20, fontsize=8)
+    ax2.set_ylabel("prefix-cache hit ratio (prompt tokens)")
+    ax2.set_title(f"hit ratio at rate scale {min(rep['rates']):g}")
+    ax2.legend(fontsize=8)
+    save_figure(fig, path)
