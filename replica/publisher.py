@@ -41,7 +41,7 @@ from typing import Any, Protocol, TypeVar
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry  # NOTE: the asyncio client awaits its retry: the sync Retry warns at every start
 
 from unicache.block_hash import BlockHash
 from unicache.aio import cancel_and_wait, with_deadline
