@@ -247,6 +247,30 @@ def test_router_entry_point_runs_with_only_the_router_image_packages():
     assert proc.stdout.strip().endswith("ok")
 
 
+BENCH_IN_ROUTER_IMAGE = ROUTER_IMAGE_PROBE.replace(
+    'parser.parse_args(["router", "--help"])', 'parser.parse_args(["bench", "--help"])'
+).replace(
+    "import unicache.router.app, unicache.router.cli, unicache.cli",
+    "import unicache.router.app, unicache.router.cli, unicache.cli, unicache.bench_client, httpx, tqdm",
+)
+
+
+def test_unicache_bench_runs_with_only_the_router_image_packages():
+    """`unicache bench` ships in the router image (`kubectl exec` into a router pod to
+    measure the fleet from inside): its HTTP client must be installed there."""
+    assert BENCH_IN_ROUTER_IMAGE != ROUTER_IMAGE_PROBE
+    allowed = set(router_requirements()) | {
+        "typing-extensions", "click", "h11", "anyio", "idna", "sniffio", "huggingface-hub", "async-timeout", "markupsafe",
+        "httpcore", "certifi",  # httpx's own
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", BENCH_IN_ROUTER_IMAGE, ",".join(sorted(allowed))],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {"httpx", "tqdm"} <= set(router_requirements())
+
+
 # --- build context -------------------------------------------------------------------
 
 
