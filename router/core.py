@@ -61,12 +61,13 @@ log = logging.getLogger(__name__)
 _monotonic = time.monotonic
 
 class RouterError(Exception):
-    """A request-level failure with the status both front doors map it to.
+    """A request-level failure; each front door maps ``kind`` to its own status.
 
-    ``kind``: invalid (400 / INVALID_ARGUMENT), unauthenticated (401), overloaded
-    (429 / RESOURCE_EXHAUSTED), too_large (413 / RESOURCE_EXHAUSTED: a replica says the
-    request can never fit its context or cache), unavailable (503 / UNAVAILABLE), upstream (502 / the
-    replica's status).
+    ``kind``: invalid (INVALID_ARGUMENT), unauthenticated (UNAUTHENTICATED), overloaded
+    (RESOURCE_EXHAUSTED), too_large (RESOURCE_EXHAUSTED: a replica says the request can
+    never fit its context or cache), unavailable (UNAVAILABLE), upstream (INTERNAL / the
+    replica's status), deadline (DEADLINE_EXCEEDED). The gRPC door uses ``grpc_code``;
+    the HTTP door maps kinds in router/openai_errors.py.
     """
 
     GRPC = {
@@ -78,7 +79,6 @@ class RouterError(Exception):
         "upstream": grpc.StatusCode.INTERNAL,
         "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     }
-    HTTP = {"invalid": 400, "unauthenticated": 401, "overloaded": 429, "too_large": 413, "unavailable": 503, "upstream": 502, "deadline": 504}
 
     def __init__(self, kind: str, message: str):
         assert kind in self.GRPC, kind
@@ -88,10 +88,6 @@ class RouterError(Exception):
     @property
     def grpc_code(self) -> grpc.StatusCode:
         return self.GRPC[self.kind]
-
-    @property
-    def http_status(self) -> int:
-        return self.HTTP[self.kind]
 
 
 _FROM_REPLICA = {
