@@ -32,3 +32,22 @@ def test_the_ready_banner_shows_router_flags_only_when_needed(capsys):
     print_ready(Endpoints("127.0.0.1:41234", "http://127.0.0.1:8000", "redis://127.0.0.1:1", []), None)
     out = capsys.readouterr().out.splitlines()
     assert "  unicache status --router 127.0.0.1:41234" in out and "  unicache demo --router 127.0.0.1:41234" in out
+
+
+async def test_the_banners_hello_prompt_hits_the_cache_when_sent_twice(one_replica_stack, capsys):
+    """The first request a newcomer copies shows a cache hit on its second sending (a
+    prompt shorter than one block, as "Hello, cache!" was, never hits)."""
+    import httpx
+
+    from unicache.local_cluster import HELLO_PROMPT
+
+    print_ready(Endpoints(LOCAL_ROUTER, "http://127.0.0.1:8000", "redis://127.0.0.1:1", []), None, model="tiny")
+    banner = capsys.readouterr().out
+    assert f'"model": "tiny", "prompt": "{HELLO_PROMPT}"' in banner and "run it twice" in banner
+    body = {"model": "unicache-default", "prompt": HELLO_PROMPT, "max_tokens": 8}
+    async with httpx.AsyncClient(base_url=one_replica_stack.http_url, headers={"x-api-key": "key-acme"}, timeout=30) as c:
+        first = (await c.post("/v1/completions", json=body)).json()["usage"]
+        second = (await c.post("/v1/completions", json=body)).json()["usage"]
+    block = one_replica_stack.replicas[0].engine.block_size
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["prompt_tokens_details"]["cached_tokens"] == (second["prompt_tokens"] - 1) // block * block >= 2 * block

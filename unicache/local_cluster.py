@@ -331,7 +331,12 @@ class LocalCluster:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def print_ready(ep: Endpoints, api_key: str | None) -> None:
+# NOTE: longer than two 16-token blocks, so its second sending is served from the cache
+# (a prompt shorter than one block never hits: only whole blocks are cached).
+HELLO_PROMPT = "Hello, cache! Send me twice: the second time my blocks are already in the KV cache."
+
+
+def print_ready(ep: Endpoints, api_key: str | None, model: str = "unicache-default") -> None:
     from unicache.router.config import mask_url_password
 
     # NOTE: the banner is often captured into logs, so it shows a placeholder, never a key.
@@ -352,7 +357,8 @@ def print_ready(ep: Endpoints, api_key: str | None) -> None:
         "",
         "Try:" + ("   (export API_KEY=<one of the --api-keys keys>)" if api_key else ""),
         f"  curl -s {ep.http}/v1/completions -H 'Content-Type: application/json'{auth} \\",
-        """    -d '{"model": "unicache-default", "prompt": "Hello, cache!", "max_tokens": 8}'""",
+        f"""    -d '{{"model": "{model}", "prompt": "{HELLO_PROMPT}", "max_tokens": 8}}'""",
+        "    (run it twice: the second reply's usage.prompt_tokens_details.cached_tokens counts the tokens served from cache)",
         f"  unicache status{router_flag}",
         f"  unicache demo{router_flag}",
         "  python -c \"import os, grpc; from unicache.v1 import router_pb2 as pb, router_pb2_grpc as g; "
@@ -393,7 +399,8 @@ def run_up(args: argparse.Namespace) -> int:
                 done, _ = await asyncio.wait({ready, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 if ready in done:
                     ready.result()
-                    print_ready(Endpoints(grpc_addr, http_url, cluster.redis_url, replicas), api_key)
+                    print_ready(Endpoints(grpc_addr, http_url, cluster.redis_url, replicas), api_key,
+                                served_model_name(cfg) or "unicache-default")
                     await stopped.wait()
                 else:
                     ready.cancel()
