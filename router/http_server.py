@@ -260,6 +260,16 @@ def guarded_protocol(limits: HttpLimits, base: type | None = None) -> type:
             super().on_response_complete()
             if self._guard_phase == "app":
                 self._guard_cancel()
+                cycle = self.cycle
+                if cycle is not None and not cycle.response_complete:
+                    # NOTE: a pipelined request, parsed while this one was answered, is
+                    # under way now: the connection holds a request, it is not idle.
+                    self._guard_cycle = cycle
+                    if cycle.more_body:
+                        self._guard_arm("body", limits.body_timeout_s)
+                    else:
+                        self._guard_app()
+                    return
                 self._guard_phase = "idle"  # uvicorn's keep-alive timeout applies
                 self._guard_head_bytes = self._guard_head_lines = 0
                 self._guard_tail = b""

@@ -234,3 +234,40 @@ def test_bad_limit_settings_fail_at_build_time(overrides, message):
 
     with pytest.raises(UsageError, match=message):
         build_config(env={}, overrides=overrides)
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+async def test_a_connection_answering_a_pipelined_request_is_not_taken_for_idle(parser):
+    """A client pipelines a quick request and a slow one: once the first is answered the
+    connection still carries the second, so a new connection at the cap closes a truly
+    idle one instead, and the slow response arrives."""
+    rep = FakeReplica("r0")
+    await rep.start()
+    app = await start_router(rep, http_max_connections=2, http_max_connections_per_peer=0, http_parser=parser,
+                             http_header_timeout_s=60.0, http_idle_timeout_s=60.0)
+    try:
+        rep.hold = asyncio.Event()
+        reader, writer = await connect(app)
+        body = b'{"prompt": "slow", "max_tokens": 2}'
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n" + b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-type: application/json\r\nconnection: close\r\ncontent-length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b'"redis_connected":false}'), READ_TIMEOUT_S)  # the first answer
+        for _ in range(500):
+            if rep.served:
+                break
+            await asyncio.sleep(0.01)
+        idle_reader, idle_writer = await connect(app)  # 2 of 2
+        await asyncio.sleep(0.05)
+        status, _ = await send(app, b"GET /readyz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")  # 3rd: room is made
+        assert status == 200
+        assert await asyncio.wait_for(idle_reader.read(), READ_TIMEOUT_S) == b""  # the idle one was closed
+        rep.hold.set()
+        rest = await read_until_closed(reader)
+        assert rest.startswith(b"HTTP/1.1 200")  # the pipelined request was answered
+        writer.close()
+        idle_writer.close()
+    finally:
+        await app.stop(grace_s=0.2)
+        await rep.stop()
