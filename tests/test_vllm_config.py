@@ -226,3 +226,15 @@ def test_a_bad_vllm_arg_is_refused_in_one_line(model_dir):
             ReplicaSettings(engine="vllm", checkpoint=model_dir, block_size=32, vllm_args=text).check()
     with pytest.raises(UsageError, match="tensor_parallel_size and vllm_args need the vllm engine"):
         ReplicaSettings(tensor_parallel_size=2).check()
+
+
+def test_unicache_up_passes_the_vllm_gpu_settings_to_its_replicas(model_dir):
+    from unicache.local_cluster import replica_settings
+
+    cfg = ClusterSettings(engine="vllm", checkpoint=model_dir, block_size=32, tensor_parallel_size=2, gpu_memory_utilization=0.8,
+                          enforce_eager=True, max_model_len=1024, vllm_args='{"kv_cache_dtype": "fp8"}')
+    s = replica_settings(cfg, "redis://127.0.0.1:1/0")
+    assert (s.tensor_parallel_size, s.gpu_memory_utilization, s.enforce_eager, s.max_model_len, s.num_blocks) == (2, 0.8, True, 1024, 0)
+    args = s.vllm_engine_config().engine_args("cuda", *EP)
+    assert (args["tensor_parallel_size"], args["gpu_memory_utilization"], args["kv_cache_dtype"], args["max_model_len"]) == (2, 0.8, "fp8", 1024)
+    assert replica_settings(ClusterSettings(), "").num_blocks == 2048  # the built-in engine keeps its default

@@ -66,6 +66,15 @@ class ClusterSettings:
         default="", metadata={"help": "local Hugging Face model dir, also --model (empty: small seeded model, torch engine)"}
     )
     served_model_name: str = field(default="", metadata={"help": "model name clients use (default: the model dir's name)"})
+    max_model_len: int = field(default=0, metadata={"help": "longest prompt + output per replica (0: the model's context)"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "--engine vllm: GPUs per replica (tensor parallelism)"})
+    gpu_memory_utilization: float = field(
+        default=0.0, metadata={"help": "--engine vllm on GPUs: share of each GPU vLLM may use (0: vLLM's default)"}
+    )
+    enforce_eager: bool = field(default=False, metadata={"help": "--engine vllm on GPUs: no CUDA graphs"})
+    vllm_args: str = field(
+        default="", metadata={"help": "--engine vllm: other vLLM engine arguments, a JSON object (a mapping in a config file)"}
+    )
     tokenizer: str = field(default="", metadata={"help": "tokenizer.json (empty: byte-level)"})
     api_keys: str = field(default="", metadata={"help": "'key:tenant,...'; empty: local mode, no auth (secret: prefer the env)"})
     salt_secret: str = field(default="", metadata={"help": "tenant salt secret (empty: random per run; secret: prefer the env)"})
@@ -118,6 +127,11 @@ def replica_settings(cfg: ClusterSettings, redis_url: str, redis_password_file: 
         tokenizer=cfg.tokenizer,
         engine=cfg.engine,
         served_model_name=cfg.served_model_name,
+        max_model_len=cfg.max_model_len,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
+        vllm_args=cfg.vllm_args,
     )
 
 
