@@ -379,10 +379,10 @@ class HttpFrontDoor:
         vocab = getattr(self.core.tokenizer, "vocab_size", None)
         parsed = {k: v for k, v in body.items() if k not in extra} if extra else body
         req = parse_request(parsed, chat, request.headers.get, vocab, self.max_batch_prompts)
-        if extra and len(req.prompts) != 1:
-            raise ApiError(400, f"{extra[0]!r} is passed to vLLM for one prompt per request, not a batch", "unsupported_parameter", extra[0])
         if chat:
             req.prompts = [render_chat(body.get("messages"), self.core.tokenizer.chat_template)]
+        if extra and len(req.prompts) != 1:
+            raise ApiError(400, f"{extra[0]!r} is passed to vLLM for one prompt per request, not a batch", "unsupported_parameter", extra[0])
         return req, bool(extra)
 
     async def _generate(self, request: Request, chat: bool) -> Response:

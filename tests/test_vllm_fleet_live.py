@@ -255,6 +255,15 @@ async def test_parameters_the_router_does_not_interpret_reach_vllm_untouched(rou
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line async for line in r.aiter_lines() if line.startswith("data:")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
+    # A passed-through chat is rendered by vLLM itself (the model's chat template): the
+    # router's rendering and tokenization hash what vLLM caches.
+    chat = {"model": "tiny", "messages": [{"role": "system", "content": text(31, 70, 3)}, {"role": "user", "content": text(90, 50, 11)}],
+            "max_tokens": 3, "min_tokens": 3, "temperature": 0}
+    for _ in range(2):
+        r = await client.post("/v1/chat/completions", json=chat, headers=A)
+        assert r.status_code == 200, r.text
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert int(r.headers["x-unicache-matched-tokens"]) == cached == 96
     # vLLM's own refusal of a bad value comes back as vLLM said it.
     r = await client.post("/v1/completions", json={**body, "min_tokens": -1}, headers=A)
     assert r.status_code == 400 and "min_tokens" in r.text
