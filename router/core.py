@@ -49,7 +49,7 @@ from unicache.router.limits import LimitExceeded, TenantLimiter
 from unicache.router.metrics import RouterMetrics
 from unicache.router.replica_client import RETRYABLE, ReplicaClients, ReplicaStream
 from unicache.router.routing.base import RouteDecision, RoutingRequest
-from unicache.router.routing.session_affinity import session_key
+from unicache.router.routing.keys import session_key
 from unicache.router.session_store import SessionStore
 from unicache.block_hash import hash_token_blocks
 from unicache.classifier import Labels, RequestClassifier

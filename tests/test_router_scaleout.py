@@ -210,7 +210,7 @@ def test_cache_aware_import_makes_another_router_decide_as_the_first():
     from unicache.request_class import RequestClass
     from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
     from unicache.router.routing.cache_aware import CacheAwarePolicy
-    from unicache.router.routing.session_affinity import session_key
+    from unicache.router.routing.keys import session_key
     from unicache.router.cluster import EmptyView
 
     def req(rid, ids, session="s"):

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
 from unicache.router.routing.cache_aware import CacheAwarePolicy, common_prefix_blocks
+from unicache.router.routing.keys import HashRing, ring_hash, session_key
 from unicache.router.routing.registry import make_routing_policy, routing_policy_names
-from unicache.router.routing.session_affinity import HashRing, SessionAffinityPolicy, ring_hash, session_key
+from unicache.router.routing.session_affinity import SessionAffinityPolicy
 from unicache.router.routing.sglang import SGLangPolicy
 from unicache.block_hash import hash_id_blocks
 from unicache.request_class import RequestClass, Task
@@ -684,7 +685,7 @@ def test_sglang_roots_follow_inserts_evictions_and_departures():
 
 
 def test_hash_ring_joins_one_at_a_time_equal_one_rebuild():
-    from unicache.router.routing.session_affinity import HashRing, ring_hash
+    from unicache.router.routing.keys import HashRing, ring_hash
 
     ids = [f"r{i}" for i in range(40)]
     one_by_one, at_once, grown = HashRing(16), HashRing(16), HashRing(16)

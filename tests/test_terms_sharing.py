@@ -22,7 +22,7 @@ from unicache.request_class import RequestClass, Task
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RoutedEvent, RoutingRequest
 from unicache.router.routing.cache_aware import CacheAwarePolicy
-from unicache.router.routing.session_affinity import session_key
+from unicache.router.routing.keys import session_key
 
 BS = 16
 REPLICAS = ["r0", "r1", "r2"]

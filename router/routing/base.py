@@ -206,7 +206,7 @@ class RoutingPolicy(ABC):
         """The replica's heartbeat expired or its stream failed."""
 
     # Session memory shared between routers (several processes or pods): before choosing
-    # for a request of session ``key`` (``session_affinity.session_key``) the router
+    # for a request of session ``key`` (``keys.session_key``) the router
     # imports the cluster's record of it, after routing it exports the policy's. A policy
     # that keeps no per-session memory keeps these defaults.
     def export_session(self, key: str) -> SessionRecord | None:

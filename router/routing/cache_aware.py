@@ -197,10 +197,9 @@ from unicache.router.routing.base import (
 )
 from unicache.router.routing.candidates import CandidateWindow
 from unicache.router.routing.decaying import DecayingTotals
-from unicache.router.routing.least_loaded import load_key
+from unicache.router.routing.keys import HashRing, load_key, session_key
 from unicache.router.routing.queue_share import QueueShares
 from unicache.router.routing.registry import register_routing_policy
-from unicache.router.routing.session_affinity import HashRing, session_key
 
 
 

@@ -1,7 +1,7 @@
 """Least loaded: send each request to the replica with the fewest outstanding requests.
 
 Ignores locality entirely; it is the load-only baseline and the fallback that other
-policies (``session_affinity`` without a session) reuse through ``pick_least_loaded``.
+policies (``session_affinity`` without a session) reuse through ``keys.pick_least_loaded``.
 
 Order of comparison (first difference wins), so the choice is deterministic:
     1. ``ReplicaLoad.outstanding`` (max of the router's in-flight count and the
@@ -15,17 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from unicache.router.routing.base import LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from unicache.router.routing.keys import pick_least_loaded
 from unicache.router.routing.registry import register_routing_policy
-
-
-def load_key(load: ReplicaLoad) -> tuple[int, int, str]:
-    """Sort key of a replica by load; smaller is less loaded."""
-    return (load.outstanding, load.queued_prefill_tokens, load.replica_id)
-
-
-def pick_least_loaded(replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
-    """The least loaded replica of a non-empty sequence (ties broken by ``load_key``)."""
-    return min(replicas, key=load_key)
 
 
 @register_routing_policy("least_loaded")

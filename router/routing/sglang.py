@@ -35,7 +35,7 @@ from unicache.block_hash import BlockHash
 from unicache.router.routing.base import (
     LocalityView, ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest, replica_id_of,
 )
-from unicache.router.routing.least_loaded import load_key
+from unicache.router.routing.keys import load_key
 from unicache.router.routing.registry import register_routing_policy
 
 
