@@ -245,6 +245,24 @@ def test_vllm_statefulset_runs_vllm_serve_with_unicache_prefix_caching_and_kv_ev
     assert c["image"] == one(rendered["ray"], "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
 
 
+def test_vllms_own_serve_parser_takes_the_statefulsets_arguments(rendered):
+    """vLLM 0.32's `vllm serve` parser (the CPU wheel the tests install has the same CLI)
+    reads every argument the chart writes as the chart means it."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = one(rendered["vllm"], "StatefulSet", "vllm")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "serve"
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args[1:])
+    assert (ns.model_tag, ns.host, ns.port, ns.served_model_name) == ("/models/Qwen2.5-7B-Instruct", "0.0.0.0", 8000, ["Qwen2.5-7B-Instruct"])
+    assert (ns.block_size, ns.enable_prefix_caching, ns.enable_prompt_tokens_details) == (32, True, True)
+    assert ns.scheduler_cls == "unicache.replica.vllm_engine.scheduler.UniCacheScheduler"
+    assert ns.additional_config == {"unicache": {"eviction_policy": "lru"}}
+    events = ns.kv_events_config
+    assert (events.enable_kv_cache_events, events.publisher, events.endpoint, events.replay_endpoint) == (True, "zmq", "tcp://*:5557", "tcp://*:5558")
+    assert (ns.tensor_parallel_size, ns.gpu_memory_utilization, ns.max_model_len, ns.kv_cache_dtype) == (2, 0.85, 32768, "fp8")
+
+
 def test_vllm_default_args_are_the_documented_command():
     """Defaults: eviction policy unicache, block size 16, no optional vLLM flags."""
     args = one(documents(render(VLLM_ONE_ROUTER)), "StatefulSet", "vllm")["spec"]["template"]["spec"]["containers"][0]["args"]
