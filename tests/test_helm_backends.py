@@ -147,6 +147,13 @@ def test_each_mode_validates_strictly_and_names_templates_kind_component(rendere
 
 
 @pytest.mark.parametrize("mode_set", sorted(MODE_SETS))
+def test_helm_lint_is_clean_in_each_mode(mode_set):
+    report = helm.lint(CHART, MODE_SETS[mode_set], strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("mode_set", sorted(MODE_SETS))
 def test_each_mode_locks_down_every_container(rendered, mode_set):
     for _, doc in rendered[mode_set]:
         is_hook = "helm.sh/hook" in doc["metadata"].get("annotations", {})
