@@ -24,6 +24,8 @@ def bench_modules() -> list[str]:
     mods = []
     for path in sorted(BENCH.rglob("*.py")):
         rel = path.relative_to(REPO).with_suffix("")
+        if any(part.startswith(".") for part in rel.parts):
+            continue  # a hidden folder: a virtual environment (bench.live_ab's peers), not bench code
         if rel.name != "__init__":
             mods.append(".".join(rel.parts))
     return mods
