@@ -57,6 +57,7 @@ from bench.report_files import git_commit
 from bench.rounds import round_order
 
 SERVED = "live-ab"
+IDLE_WINDOW_S = 2.0
 KV_DTYPE_BYTES = 2  # vLLM keeps KV in bf16/fp16 here (the tiny Llama: 512 bytes a token)
 
 
@@ -166,7 +167,11 @@ def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx:
     try:
         router.wait_ready(SERVED, next(iter(ctx["keys"].values())))
         reset_caches(all_urls)
-        time.sleep(1.0)  # NOTE: the reset's AllBlocksCleared event reaches our router's index
+        # NOTE: the reset's AllBlocksCleared event reaches our router's index meanwhile; the
+        # router's CPU over this idle window is its background cost (polls, event streams).
+        i0, t0 = tree_cpu_s(router.proc.pid), time.perf_counter()
+        time.sleep(IDLE_WINDOW_S)
+        idle = (tree_cpu_s(router.proc.pid) - i0) / (time.perf_counter() - t0)
         h0, q0 = fleet_counters(urls)
         c0 = tree_cpu_s(router.proc.pid)
         outcomes = asyncio.run(replay(router.url, SERVED, ctx["requests"], ctx["keys"], rate, ctx["timeout_s"],
@@ -175,7 +180,7 @@ def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx:
         h1, q1 = fleet_counters(urls)
     finally:
         router.stop()
-    return {"outcomes": outcomes, "hits": h1 - h0, "queries": q1 - q0, "cpu_s": c1 - c0}
+    return {"outcomes": outcomes, "hits": h1 - h0, "queries": q1 - q0, "cpu_s": c1 - c0, "idle_cpu": idle}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             probes = probe_requests(requests, args.unloaded_probes + len(everyone), vocab, args.tokens_per_id)
             asyncio.run(_warm(everyone, probes[: len(everyone)]))
             reset_caches(all_urls)
-            unloaded = asyncio.run(unloaded_ttft(everyone[0].url, SERVED, probes[len(everyone):]))
+            plain = (fleets.get(None) or everyone)[0]  # vLLM's own order where a fleet has it
+            unloaded = asyncio.run(unloaded_ttft(plain.url, SERVED, probes[len(everyone):]))
             reset_caches(all_urls)
             ctx = {"model_dir": model_dir, "block_size": bs, "keys": keys, "venv": venv, "tmp": tmp,
                    "requests": requests, "timeout_s": args.timeout_s}

@@ -4,7 +4,7 @@ servers, and how each router is started, probed and stopped (bench/live_ab.py).
 Arms 1-3 are this project's router (``unicache router`` with ``--backend``, a subprocess);
 arms 4-6 are the routers its users would pick instead, each with its documented command
 line and cache-aware policy, from a virtual environment of their own
-(``bench/.peer-venv``) that ``--install-peers`` makes: they are never dependencies of this
+(``.peer-venv`` at the checkout's root) that ``--install-peers`` makes: they are never dependencies of this
 project. Peers see vLLM's own eviction order (they cannot send UniCache's request class).
 """
 
@@ -23,7 +23,7 @@ import httpx
 from bench.paths import REPO
 from unicache.redis_server import free_port
 
-PEER_VENV = REPO / "bench" / ".peer-venv"
+PEER_VENV = REPO / ".peer-venv"  # NOTE: not under bench/, whose every .py file the suite test indexes
 SALT_SECRET = "live-ab"
 
 
@@ -65,7 +65,7 @@ PEERS: dict[str, Peer] = {
     "vllm-router": Peer("vllm-router==0.1.17", "vllm_router", ("bin/vllm-router",)),
     "sglang-router": Peer("sglang-router==0.3.2", "sglang_router", ("bin/python", "-m", "sglang_router.launch_router"),
                           module="sglang_router"),
-    "smg": Peer("smg", "smg", ("bin/smg", "launch")),
+    "smg": Peer("smg==1.13.0", "smg", ("bin/smg", "launch")),
 }
 
 

@@ -40,6 +40,7 @@ def rate_fields(runs: list[dict], rate_scale: float, slo_s: float) -> dict:
         "goodput": rate_scale if p90 is not None and p90 <= slo_s and failed == 0 else 0.0,
         "router_cpu_ms_per_request": 1000.0 * sum(r["cpu_s"] for r in runs) / max(1, len(outcomes)),
         "requests": len(outcomes), "failed": failed,
+        "router_idle_cpu_pct": 100.0 * sum(r["idle_cpu"] for r in runs) / len(runs),
         "hit_ratio_rounds": [r["hits"] / r["queries"] if r["queries"] else 0.0 for r in runs],
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
     }
@@ -88,8 +89,8 @@ def markdown(rep: dict) -> str:
         f"Peers: {', '.join(f'{k} {v}' for k, v in rep['peers'].items()) or 'none run'}; vLLM {rep['vllm_version']}.",
         "",
         "| arm | rate | hit ratio | sim hit ratio | TTFT p50 ms | TTFT p90 ms | sim TTFT p90 ms | TTFT p99 ms | "
-        "E2E p50 ms | router CPU ms/req | requests | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "E2E p50 ms | router CPU ms/req | router idle CPU % | requests | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in rep["arms"].items():
         sim = {r["rate_scale"]: r for r in rep.get("sim", {}).get("arms", {}).get(name, {}).get("rates", [])}
@@ -99,7 +100,8 @@ def markdown(rep: dict) -> str:
                 f"| {name} | {r['rate_scale']:g} | {_s(r['hit_ratio'])} | {_s(s.get('hit_ratio'))} | "
                 f"{_s(r['ttft_p50_s'], 1000, '.1f')} | {_s(r['ttft_p90_s'], 1000, '.1f')} | {_s(s.get('ttft_p90_s'), 1000, '.1f')} | "
                 f"{_s(r['ttft_p99_s'], 1000, '.1f')} | {_s(r['e2e_p50_s'], 1000, '.1f')} | "
-                f"{_s(r['router_cpu_ms_per_request'], 1, '.2f')} | {r['requests']} | {r['failed']} |")
+                f"{_s(r['router_cpu_ms_per_request'], 1, '.2f')} | {_s(r['router_idle_cpu_pct'], 1, '.1f')} | "
+                f"{r['requests']} | {r['failed']} |")
     lines += ["", "| arm | goodput (rate scale) | sim goodput |", "|---|---|---|"]
     for name, a in rep["arms"].items():
         sg = rep.get("sim", {}).get("arms", {}).get(name, {}).get("goodput")
