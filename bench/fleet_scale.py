@@ -63,7 +63,7 @@ from unicache.block_hash import BlockHash
 from unicache.redis_keys import EVENT_FLUSH_INTERVAL_S
 from unicache.request_class import RequestClass
 from unicache.router.index import LocalityIndex
-from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
+from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest, SharesRouterState
 from unicache.router.routing.cache_aware import CacheAwarePolicy
 from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import percentile
@@ -162,7 +162,7 @@ def _policy(spec: str, index: LocalityIndex, loads, queue_shares: bool = False):
     name, kwargs = policy_spec(spec)
     policy = make_routing_policy(name, **kwargs)
     policy.update_replicas([r.replica_id for r in loads])
-    if queue_shares:
+    if queue_shares and isinstance(policy, SharesRouterState):
         # every replica with a queue holds other routers' waiting requests, a quarter of
         # their tokens uncached: a queue share for each (the worst case for its lookups)
         policy.set_peer_queued({r.replica_id: (r.queued_prefill_tokens // 4, r.queued_prefill_tokens)

@@ -33,7 +33,7 @@ from unicache.router.limits import limiter_from_config
 from unicache.router.metrics import RouterMetrics
 from unicache.router.prober import QuarantineProber
 from unicache.router.replica_client import ReplicaClients
-from unicache.router.routing.base import RoutingPolicy
+from unicache.router.routing.base import RoutingPolicy, SharesRouterState
 from unicache.router.memory import TableCaps
 from unicache.router.routing.registry import ROUTING_POLICIES, make_routing_policy
 from unicache.router.service import RouterServicer
@@ -155,10 +155,10 @@ class RouterApp:
                 },
             )
         self.sessions: SessionStore | None = None
-        # NOTE: only a policy that remembers sessions has anything to share; for the others
-        # (round robin, session_affinity's ring) the store would cost Redis calls for nothing.
-        keeps_sessions = type(self.policy).export_session is not RoutingPolicy.export_session
-        if self.subscriber is not None and shares_sessions(config) and keeps_sessions:
+        # NOTE: only a policy that shares router state (``SharesRouterState``: it remembers
+        # sessions) has anything to share; for the others (round robin, session_affinity's
+        # ring) the store would cost Redis calls for nothing.
+        if self.subscriber is not None and shares_sessions(config) and isinstance(self.policy, SharesRouterState):
             self.sessions = SessionStore(
                 self.subscriber.new_client(), config.redis_prefix, cluster_key, timeout_s=config.session_timeout_s,
                 ttl_s=config.session_ttl_s, counter=self.metrics.session_store,

@@ -48,7 +48,7 @@ from unicache.router.first_token import FirstTokenTimeout
 from unicache.router.limits import LimitExceeded, TenantLimiter
 from unicache.router.metrics import RouterMetrics
 from unicache.router.replica_client import RETRYABLE, ReplicaClients, ReplicaStream
-from unicache.router.routing.base import RouteDecision, RoutingRequest
+from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState
 from unicache.router.routing.keys import session_key
 from unicache.router.session_store import SessionStore
 from unicache.block_hash import hash_token_blocks
@@ -206,7 +206,8 @@ class RouterCore:
             other replicas (default 2), each tried once, within the request's deadline;
             refusals (UNAVAILABLE) move on to another replica without counting.
         sessions: the session placement shared with the cluster's other routers (None:
-            this router's policy memory only).
+            this router's policy memory only); needs a policy that implements
+            ``SharesRouterState`` (its ``import_session`` / ``export_session``).
     """
 
     def __init__(
@@ -228,6 +229,8 @@ class RouterCore:
     ):
         if retry_replicas < 0:
             raise ValueError("retry_replicas must be >= 0")
+        if sessions is not None and not isinstance(cluster.policy, SharesRouterState):
+            raise ValueError("a shared session store needs a policy that implements SharesRouterState")
         self.cluster = cluster
         self.auth = auth
         self.tokenizer = tokenizer

@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from unicache.router.cluster import ClusterView
+from unicache.router.routing.base import SharesRouterState
 
 # Routing decisions are sub-millisecond; buckets from 10 us to 100 ms.
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 1e-1)
@@ -155,7 +156,8 @@ class RouterMetrics:
         )
         for g in per_replica:
             g.clear()
-        shares = cluster.policy.queue_shares()
+        policy = cluster.policy
+        shares = policy.queue_shares() if isinstance(policy, SharesRouterState) else None
         for load in cluster.all_loads():
             rec = cluster.replicas[load.replica_id]
             rid = load.replica_id

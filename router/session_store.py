@@ -2,7 +2,8 @@
 
 Several router processes (``unicache router --workers N``) and pods serve one cluster; a
 session's turns may reach any of them. Each router's routing policy remembers sessions
-(``cache_aware``: the latest turn's replica and prompt hashes, ``SessionRecord``); this
+when it implements ``SharesRouterState`` (``cache_aware``: the latest turn's replica and
+prompt hashes, ``SessionRecord``; the router builds no store for other policies); this
 store makes that memory the cluster's: before choosing for a turn of session S the router
 ``load``s S's record and the policy imports it; after routing, the router ``save``s the
 policy's record. So a turn is decided on the latest turn's placement whichever router

@@ -5,10 +5,10 @@ churn inflow (uncached prompt tokens sent to each replica, decayed per routed re
 the session footprint (the prompt blocks of live sessions' latest turns there). Several
 router processes (``--workers N``) or pods each see only their share of the traffic, so
 alone each would hold different terms and decide differently. The exchange makes them one:
-each router's policy records what its decisions did (``RoutingPolicy.take_routed``:
+each router's policy records what its decisions did (``SharesRouterState.take_routed``:
 ``RoutedEvent``s); every ``interval_s`` the exchange seals the new ones into a
 ``RoutedBatch`` and appends it to the stream ``P:routed``, and applies what the other
-routers appended (``RoutingPolicy.apply_routed``). Every router then holds the terms one
+routers appended (``SharesRouterState.apply_routed``). Every router then holds the terms one
 router routing all the traffic would hold, up to the exchange's lag (exact when each batch
 is applied before the next decision: ``tests/test_terms_sharing.py``). Sessions' records
 travel through the session store (``unicache.router.session_store``), which the exchange
@@ -22,7 +22,7 @@ of every writer heard from within ``peer_ttl_s`` to its own (``ClusterView
 cluster's, not one router's share of it. A router that stops (or whose batches stop
 arriving) drops out of the sum after ``peer_ttl_s``. ``cache_aware``'s queue share travels
 alike: each batch carries its writer's uncached and whole prompt tokens of the requests it
-routed that have not sent their first token, per replica (``RoutingPolicy.queued_tokens``;
+routed that have not sent their first token, per replica (``SharesRouterState.queued_tokens``;
 ``RoutedBatch.queued_uncached_tokens`` / ``queued_prompt_tokens``), and each round hands
 the policy the sums of every other live writer's latest (``set_peer_queued``), so every
 router scales a replica's published queue by the share of all routers' waiting requests.
@@ -33,7 +33,7 @@ complete batch goes out at least every ``keepalive_s`` and after any batch that 
 have arrived (a failed send). A reader applies a delta only on top of the writer's batch
 just before it (seq - 1) that it applied; after a gap it keeps that writer's last view,
 not refreshed, until the next complete batch. The writer learns the changed sums from
-the policy (``RoutingPolicy.take_queued_changes``), and a reader reshares only the replicas
+the policy (``SharesRouterState.take_queued_changes``), and a reader reshares only the replicas
 whose totals moved, so a round costs what changed, not the fleet (except the complete
 batches). At 1,024 replicas with every replica holding queued requests a complete batch
 carries about 22 KB of sums, a delta about 22 bytes per replica its events touched
@@ -78,7 +78,7 @@ from collections.abc import Callable
 
 from unicache.redis_keys import ROUTED_STREAM_MAXLEN, RedisKeys
 from unicache.router.cluster import ClusterView
-from unicache.router.routing.base import RoutedEvent, RoutingPolicy
+from unicache.router.routing.base import RoutedEvent, RoutingPolicy, SharesRouterState
 from unicache.state_auth import StateAuthError, StateSigner
 from unicache.v1 import router_pb2
 
@@ -119,7 +119,9 @@ class TermsExchange:
         redis: a ``redis.asyncio`` client of its own (``run`` blocks on it).
         prefix: the cluster's Redis key prefix.
         cluster_key: the cluster key (batches are sealed with its state key).
-        policy: the routing policy whose terms are shared (``share_terms`` is called).
+        policy: the routing policy whose terms are shared when it implements
+            ``SharesRouterState`` (``share_terms`` is called); other policies share none,
+            and only in-flight counts travel.
         is_known: whether a replica id is one the router follows (events for others are
             dropped).
         router_id: this router's name in its batches (default ``new_router_id()``).
@@ -157,7 +159,9 @@ class TermsExchange:
         self.stream = RedisKeys(prefix).routed_stream()
         self.signer = StateSigner(cluster_key)
         self.policy = policy
-        policy.share_terms()  # False for a policy without such terms: then only in-flight counts travel
+        self.shared: SharesRouterState | None = policy if isinstance(policy, SharesRouterState) else None
+        if self.shared is not None:
+            self.shared.share_terms()  # False for a policy without such terms: then only in-flight counts travel
         self.is_known = is_known
         self.router_id = router_id or new_router_id()
         self.interval_s = interval_s
@@ -277,18 +281,21 @@ class TermsExchange:
         there are no events, the counts and sums are as last sent and no complete batch is
         due."""
         pending = self._pending
-        pending.extend(self.policy.take_routed())
+        shared, sent = self.shared, self._sent_queued
+        if shared is not None:
+            pending.extend(shared.take_routed())
         if len(pending) > self.max_pending:
             del pending[: len(pending) - self.max_pending]
         in_flight = self.cluster.own_in_flight() if self.cluster is not None else None
         now = self.clock()
         full = self._need_full or now - self._full_at >= self.keepalive_s
-        policy, sent = self.policy, self._sent_queued
-        if full:
-            queued = policy.queued_tokens()
-            policy.take_queued_changes()  # a complete batch carries them all
+        if shared is None:
+            queued = {}
+        elif full:
+            queued = shared.queued_tokens()
+            shared.take_queued_changes()  # a complete batch carries them all
         else:  # NOTE: the replicas whose sums moved since the last round, not every replica
-            queued = {rid: v for rid, v in policy.take_queued_changes().items() if sent.get(rid, (0, 0)) != v}
+            queued = {rid: v for rid, v in shared.take_queued_changes().items() if sent.get(rid, (0, 0)) != v}
         if not pending:
             if self.cluster is None and not queued and not sent:
                 return  # nothing to send or keep alive
@@ -337,7 +344,8 @@ class TermsExchange:
                 events = self.decode(fields.get(b"b", b""))
                 if events is None:
                     continue
-                self.policy.apply_routed(events)
+                if self.shared is not None:
+                    self.shared.apply_routed(events)
                 self.applied_batches += 1
                 self.applied_events += len(events)
                 self._count("applied")
@@ -379,7 +387,8 @@ class TermsExchange:
         await self.read(max(1, int(self.interval_s * 1000)))
         if self.cluster is not None:
             self.cluster.set_peer_in_flight(self.peer_in_flight())
-        self.policy.set_peer_queued(self.peer_queued())
+        if self.shared is not None:
+            self.shared.set_peer_queued(self.peer_queued())
 
     async def run(self) -> None:
         """Rounds until cancelled (a failing round waits an interval before the next)."""

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unicache.router.index import LocalityIndex
-from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
+from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest, SharesRouterState
 from unicache.router.routing.cache_aware import CacheAwarePolicy, common_prefix_blocks
 from unicache.router.routing.keys import HashRing, ring_hash, session_key
 from unicache.router.routing.registry import make_routing_policy, routing_policy_names
@@ -54,6 +54,16 @@ def test_registry_builds_every_policy():
 
 
 # -- round robin / least loaded ---------------------------------------------------------
+
+
+def test_only_cache_aware_shares_router_state():
+    """Sharing state between routers is a capability of its own, checked with isinstance;
+    the plug-in interface itself is ``choose`` plus lifecycle hooks."""
+    shares = {name: isinstance(make_routing_policy(name), SharesRouterState) for name in routing_policy_names()}
+    assert shares == {name: name == "cache_aware" for name in routing_policy_names()}
+    hooks = {n for n in vars(RoutingPolicy) if not n.startswith("_") and callable(vars(RoutingPolicy)[n])}
+    assert hooks == {"choose", "update_replicas", "on_request_routed", "on_first_token", "on_request_finished",
+                     "on_replica_died"}
 
 
 def test_round_robin_cycles_in_id_order():

@@ -4,6 +4,10 @@ A policy sees the request (its class and chained block hashes), a snapshot of ev
 live replica's load, and the locality index (which prefix blocks each replica is
 believed to hold). It returns one decision. The live router and ``unicache sim
 --replicas N --router NAME`` run the very same policy objects.
+
+``RoutingPolicy`` is what every policy implements: ``choose`` and lifecycle hooks.
+``SharesRouterState`` is an optional capability, checked with ``isinstance``: a policy
+whose session memory and traffic-derived terms the routers of a cluster share.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from unicache.block_hash import BlockHash
 from unicache.request_class import RequestClass
@@ -181,6 +185,12 @@ class LocalityView(ABC):
 class RoutingPolicy(ABC):
     """Chooses a replica per request. Lifecycle hooks keep policy-private state current.
 
+    ``choose`` is the one required method; the hooks default to doing nothing. The
+    router and the simulator call them in this order per request: ``choose``,
+    ``on_request_routed``, ``on_first_token``, ``on_request_finished``; membership
+    changes reach the policy through ``update_replicas`` and ``on_replica_died``. A policy
+    whose state other routers share implements ``SharesRouterState`` as well.
+
     ``choose`` is only called with a non-empty ``replicas`` list.
     """
 
@@ -205,48 +215,63 @@ class RoutingPolicy(ABC):
     def on_replica_died(self, replica_id: str) -> None:
         """The replica's heartbeat expired or its stream failed."""
 
-    # Session memory shared between routers (several processes or pods): before choosing
-    # for a request of session ``key`` (``keys.session_key``) the router
-    # imports the cluster's record of it, after routing it exports the policy's. A policy
-    # that keeps no per-session memory keeps these defaults.
+
+@runtime_checkable
+class SharesRouterState(Protocol):
+    """The optional capability of a policy whose state several routers of one cluster share
+    (several processes or pods): its session memory and its traffic-derived terms.
+
+    Checked with ``isinstance(policy, SharesRouterState)`` where the router wires the
+    session store (``unicache.router.session_store``) and the terms exchange
+    (``unicache.router.terms_exchange``); a policy without it shares nothing (the router
+    then makes no Redis calls for it), and its choices do not depend on what another
+    router saw.
+    """
+
+    # Sessions: before choosing for a request of session ``key`` (``keys.session_key``)
+    # the router imports the cluster's record of it; after routing it exports the policy's.
     def export_session(self, key: str) -> SessionRecord | None:
         """The policy's record of session ``key`` (None: it remembers none)."""
-        return None
+        ...
 
     def import_session(self, key: str, record: SessionRecord) -> None:
         """Adopt ``record`` (written by any router) as the session's latest turn."""
+        ...
 
-    # Traffic-derived terms shared between routers (``unicache.router.terms_exchange``):
-    # once ``share_terms`` is called, ``take_routed`` drains this router's decisions as
-    # events and ``apply_routed`` applies the other routers'. A policy whose choices do
-    # not depend on past traffic keeps these defaults.
+    # Traffic-derived terms: once ``share_terms`` is called, ``take_routed`` drains this
+    # router's decisions as events and ``apply_routed`` applies the other routers'.
     def share_terms(self) -> bool:
         """Start recording routed events for the other routers; False when the policy has
         no such terms (then the router exchanges nothing)."""
-        return False
+        ...
 
     def take_routed(self) -> list[RoutedEvent]:
         """This router's routed events since the last call (oldest first)."""
-        return []
+        ...
 
     def apply_routed(self, events: Sequence[RoutedEvent]) -> None:
         """Apply other routers' routed events, oldest first, as if routed here."""
+        ...
 
+    # Queued prompt tokens: each router's sums travel with its batches; the policy weighs
+    # the cluster's (its own plus ``set_peer_queued``'s).
     def queued_tokens(self) -> dict[str, tuple[int, int]]:
         """Per replica, the uncached and whole prompt tokens of this router's requests
-        routed there and without their first token yet (empty: the policy keeps none)."""
-        return {}
+        routed there and without their first token yet."""
+        ...
 
     def take_queued_changes(self) -> dict[str, tuple[int, int]]:
         """``queued_tokens``' entries that changed since the last call, (0, 0) for a
         replica whose sums fell to nothing (the terms exchange's deltas, once ``share_terms``
         is on; empty: none)."""
-        return {}
+        ...
 
     def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:
         """The other routers' ``queued_tokens``, summed per replica (replaces the last)."""
+        ...
 
     def queue_shares(self) -> dict[str, float] | None:
         """Per replica, the uncached share of its queue the policy weighs (a replica left
-        out: 1, nothing known to wait there); None when the policy keeps no such share."""
-        return None
+        out: 1, nothing known to wait there; None: no such share); the router's
+        ``unicache_router_replica_queue_share`` gauge shows it."""
+        ...

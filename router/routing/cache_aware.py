@@ -281,7 +281,8 @@ class _InFlight:
 @register_routing_policy("cache_aware")
 class CacheAwarePolicy(RoutingPolicy):
     """Prefix locality against load and churn, with stickiness, template homes and
-    eviction risk. The formula and its defaults are in the module docstring.
+    eviction risk. The formula and its defaults are in the module docstring. Implements
+    ``SharesRouterState``: several routers share its sessions and traffic-derived terms.
 
     Args:
         load_weight: tokens of cost per token of work queued ahead (default 1.0).
