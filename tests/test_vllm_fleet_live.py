@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,6 +35,7 @@ from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from unicache.testing.vllm_servers import VllmServer, start_servers
 from unicache.tokenizer import load_tokenizer
 from unicache.vllm_events import class_to_vllm, salt_to_vllm
+from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from unicache.wire import request_class_to_proto
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
@@ -94,6 +96,20 @@ async def complete(client, prompt, headers, max_tokens: int = 4, **extra):
     return r.headers["x-unicache-replica"], r.headers["x-unicache-route-reason"], int(r.headers["x-unicache-matched-tokens"]), body
 
 
+async def settled(app: RouterApp, quiet_s: float = 0.5) -> None:
+    """Wait until no event batch reached the router for ``quiet_s``: what the backends
+    cached so far is in its index (on a loaded machine the lag can exceed the time between
+    a response and the next request, and the exact match assertions need it applied)."""
+
+    def applied() -> int:
+        return sum(f.batches for f in app.fleet.followers.values())
+
+    last = -1
+    while (now := applied()) != last:
+        last = now
+        await asyncio.sleep(quiet_s)
+
+
 # --- UniCache inside stock vLLM ---------------------------------------------------------
 async def session_sequence(server: VllmServer, encode) -> tuple[int, int]:
     """tests/test_vllm_engine.py's live-session sequence, sent straight to ``server`` with
@@ -148,6 +164,7 @@ async def test_index_fills_from_events_and_a_repeated_prefix_goes_home(router):
     hashes = hash_token_blocks(app.core.encode(prompt, True), BS, cache_salt=app.auth.cache_salt("acme"))
     await eventually(lambda: app.index.match(rid, hashes) == 6, "the prompt's 6 blocks indexed from the backend's events")
     for _ in range(3):
+        await settled(app)
         rid2, reason2, matched2, body2 = await complete(client, prompt, A)
         # NOTE: the classifier takes a repeated prompt for an inferred session, so the reason
         # may be its home; a router without that memory says index_prefix (the two-router test).
@@ -169,6 +186,7 @@ async def test_explicit_session_stays_home_and_chat_hashes_match_vllms(router):
     history = [{"role": "user", "content": text(40, 120, 3)}]
     homes, cached, matched_all = [], [], []
     for turn in range(4):
+        await settled(app)
         r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": history, "max_tokens": 4, "temperature": 0},
                               headers={**A, "x-session-id": "fleet-chat-1"})
         assert r.status_code == 200, r.text
@@ -204,6 +222,7 @@ async def test_evicted_blocks_leave_the_index(router):
         await solo.stop()
     await eventually(lambda: app.index.match(rid, hashes) < 9, "evicted blocks left the index")
     assert app.index.num_blocks(rid) <= 64
+    await settled(app)
     _, _, matched, body = await complete(client, first, A)
     assert matched == body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -243,6 +262,7 @@ async def test_parameters_the_router_does_not_interpret_reach_vllm_untouched(rou
     prompt = text(23, 130, 7)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "min_tokens": 6, "ignore_eos": True, "temperature": 0}
     for i in range(2):
+        await settled(app)
         r = await client.post("/v1/completions", json=body, headers=A)
         assert r.status_code == 200, r.text
         out = r.json()
@@ -260,6 +280,7 @@ async def test_parameters_the_router_does_not_interpret_reach_vllm_untouched(rou
     chat = {"model": "tiny", "messages": [{"role": "system", "content": text(31, 70, 3)}, {"role": "user", "content": text(90, 50, 11)}],
             "max_tokens": 3, "min_tokens": 3, "temperature": 0}
     for _ in range(2):
+        await settled(app)
         r = await client.post("/v1/chat/completions", json=chat, headers=A)
         assert r.status_code == 200, r.text
     cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -290,6 +311,35 @@ async def test_a_backend_that_is_not_vllm_is_one_clear_line(router, caplog):
         await clients.close()
 
 
+async def test_the_grpc_door_reaches_vllm_backends(router):
+    app, _ = router
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        call = stub.Generate(router_pb2.RouterGenerateRequest(text=text(5, 70, 13), sampling=common_pb2.SamplingParams(max_tokens=3)),
+                             metadata=[("authorization", "Bearer ka")], timeout=60)
+        msgs = [m async for m in call]
+    assert msgs[0].route.replica_id in ("uc", "native")
+    assert sum(len(m.token_ids) for m in msgs) == 3 and msgs[-1].usage.prompt_tokens == 70
+
+
+async def test_a_client_that_goes_away_aborts_the_request_at_the_backend(router, servers):
+    app, client = router
+    body = {"model": "tiny", "prompt": text(9, 60, 3), "max_tokens": 900, "min_tokens": 900, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body, headers=A) as r:
+        rid = r.headers["x-unicache-replica"]
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                break  # the first token: then hang up
+    url = servers[rid].url
+
+    def running() -> float:
+        page = httpx.get(f"{url}/metrics", timeout=10).text
+        return sum(s.value for f in text_string_to_metric_families(page) if f.name == "vllm:num_requests_running" for s in f.samples)
+
+    await eventually(lambda: running() == 0, "vLLM aborted the abandoned request", timeout_s=20, every_s=0.2)
+    await eventually(lambda: app.cluster.replicas[rid].in_flight == 0, "the router ended it too")
+
+
 async def test_one_backend_killed_mid_traffic_fails_no_request(router, servers):
     app, client = router
     prompts = [text(60 + 7 * i, 96, 5) for i in range(16)]
@@ -301,3 +351,5 @@ async def test_one_backend_killed_mid_traffic_fails_no_request(router, servers):
         ok += body["choices"][0]["finish_reason"] in ("length", "stop")
     assert ok == len(prompts)
     assert app.cluster.replicas["native"].quarantined
+    # Its events stopped with it: after the staleness bound its blocks leave the index.
+    await eventually(lambda: app.index.num_blocks("native") == 0, "the dead backend's blocks aged out", timeout_s=30)
