@@ -55,6 +55,7 @@ from bench.live_ab_workload import LiveRequest, api_keys, build_requests, unique
 from bench.paths import REPO
 from bench.report_files import git_commit
 from bench.rounds import round_order
+from unicache.sim.timing import TimingModel
 
 SERVED = "live-ab"
 IDLE_WINDOW_S = 2.0
@@ -115,8 +116,9 @@ def reset_caches(urls: list[str]) -> None:
             raise RuntimeError(f"{u}/reset_prefix_cache answered {r.status_code}: {r.text[:200]}")
 
 
-def probe_requests(requests: list[LiveRequest], n: int, vocab: list[str], tokens_per_id: int) -> list[LiveRequest]:
-    """``n`` cold prompts of the workload's median length, on ids no trace uses (negative)."""
+def probe_requests(requests: list[LiveRequest], n: int, vocab: list[str], tokens_per_id: int, max_tokens: int) -> list[LiveRequest]:
+    """``n`` cold prompts of the workload's median length, on ids no trace uses (negative),
+    each asking for ``max_tokens``."""
     from bench.live_ab_workload import id_words
 
     words = int(statistics.median(r.words for r in requests))
@@ -124,22 +126,26 @@ def probe_requests(requests: list[LiveRequest], n: int, vocab: list[str], tokens
     for k in range(n):
         ids = [-(1 + k * 100_000 + i) for i in range(-(-words // tokens_per_id))]
         text = " ".join(w for h in ids for w in id_words(h, tokens_per_id, vocab))
-        out.append(LiveRequest(k, 0.0, " ".join(text.split()[:words]), words, 1, "probe", None, requests[0].source))
+        out.append(LiveRequest(k, 0.0, " ".join(text.split()[:words]), words, max_tokens, "probe", None, requests[0].source))
     return out
 
 
-async def unloaded_ttft(url: str, model: str, probes: list[LiveRequest]) -> float:
-    """The median TTFT of ``probes`` sent one at a time straight to one server."""
+async def unloaded(url: str, model: str, probes: list[LiveRequest]) -> tuple[float, float | None]:
+    """The median TTFT of ``probes`` sent one at a time straight to one server, and the
+    median decode seconds per token after the first (None when no probe decoded two)."""
     async with httpx.AsyncClient(timeout=300) as client:
         outs = [await send(client, url, model, p, "none", 300) for p in probes]
     bad = [o.error for o in outs if o.error]
     if bad:
         raise RuntimeError(f"unloaded probe failed: {bad[0]}")
-    return statistics.median(o.ttft_s for o in outs)
+    decode = [(o.e2e_s - o.ttft_s) / (o.tokens - 1) for o in outs if o.tokens > 1]
+    return statistics.median(o.ttft_s for o in outs), statistics.median(decode) if decode else None
 
 
-def simulate(requests: list[LiveRequest], args, pool_blocks: int, rates: list[float], arms: list[str], tmp: str) -> dict | None:
-    """``unicache sim`` on the live workload: arms 1-3's (router, eviction) pairs."""
+def simulate(requests: list[LiveRequest], args, pool_blocks: int, rates: list[float], arms: list[str], tmp: str,
+             timing: tuple[str, ...] = ()) -> dict | None:
+    """``unicache sim`` on the live workload: arms 1-3's (router, eviction) pairs;
+    ``timing``: its timing flags (default: the paper's GPU prefill fit)."""
     pairs = {a: ARMS[a].sim for a in arms if ARMS[a].sim}
     if not pairs or args.no_sim:
         return None
@@ -149,12 +155,22 @@ def simulate(requests: list[LiveRequest], args, pool_blocks: int, rates: list[fl
     cmd = [sys.executable, "-m", "unicache.cli", "sim", "--trace", str(trace), "--block-size", str(args.block_size),
            "--capacity-blocks", str(pool_blocks), "--policies", ",".join(sorted({p for _, p in pairs.values()})),
            "--replicas", str(args.servers), "--router", ",".join(sorted({r for r, _ in pairs.values()})),
-           "--rate-scale", ",".join(f"{r:g}" for r in rates), "--goodput-slo-s", "auto", "--json", str(out), "--no-progress"]
+           "--rate-scale", ",".join(f"{r:g}" for r in rates), "--goodput-slo-s", "auto", *timing,
+           "--json", str(out), "--no-progress"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     sim = json.loads(out.read_text())
     shown = ["unicache sim", *cmd[cmd.index("--block-size"):cmd.index("--json")]]
     return {"command": " ".join(shown), "goodput_slo_s": sim.get("goodput_slo_s"),
             "unloaded_median_ttft_s": sim.get("unloaded_median_ttft_s"), "arms": sim_prediction(sim, arms, pairs)}
+
+
+def calibrated_timing(ttft_s: float, words: int, decode_s: float | None) -> tuple[str, ...]:
+    """The simulator's timing flags fitted to the live engine's unloaded probe: the prefill
+    coefficient that gives its median TTFT for its prompt length (the fit's exponents
+    kept), and its decode time per token. Nothing of the trace's runs enters it."""
+    coef = ttft_s / words ** TimingModel().token_exp
+    flags = ("--prefill-coef", f"{coef:.6g}")
+    return flags + (("--decode-s-per-token", f"{decode_s:.6g}") if decode_s is not None else ())
 
 
 def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx: dict, bar) -> dict:
@@ -240,11 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(f"live_ab: starting {len(everyone)} vLLM servers ({pool_blocks} blocks of {bs} tokens each)", file=sys.stderr)
             start_servers(everyone)
-            probes = probe_requests(requests, args.unloaded_probes + len(everyone), vocab, args.tokens_per_id)
+            probes = probe_requests(requests, args.unloaded_probes + len(everyone), vocab, args.tokens_per_id,
+                                    args.max_output_tokens)
             asyncio.run(_warm(everyone, probes[: len(everyone)]))
             reset_caches(all_urls)
             plain = (fleets.get(None) or everyone)[0]  # vLLM's own order where a fleet has it
-            unloaded = asyncio.run(unloaded_ttft(plain.url, SERVED, probes[len(everyone):]))
+            unloaded_s, decode_s = asyncio.run(unloaded(plain.url, SERVED, probes[len(everyone):]))
             reset_caches(all_urls)
             ctx = {"model_dir": model_dir, "block_size": bs, "keys": keys, "venv": venv, "tmp": tmp,
                    "requests": requests, "timeout_s": args.timeout_s}
@@ -260,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for s in everyone:
                 s.stop()
-        slo_s = args.slo_multiple * unloaded
+        slo_s = args.slo_multiple * unloaded_s
         report = {
             "command": "python -m bench.live_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "host": platform.node(),
@@ -269,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             "requests_per_run": len(requests), "tenants": len(keys), "tokens_per_id": args.tokens_per_id,
             "block_size": bs, "max_model_len": max_len, "pool_frac": args.pool_frac, "pool_blocks": pool_blocks,
             "unique_blocks": unique, "max_output_tokens": args.max_output_tokens, "rates": rates, "rounds": args.rounds,
-            "slo_multiple": args.slo_multiple, "unloaded_ttft_s": unloaded, "slo_ttft_s": slo_s,
+            "slo_multiple": args.slo_multiple, "unloaded_ttft_s": unloaded_s,
+            "unloaded_decode_s_per_token": decode_s, "slo_ttft_s": slo_s,
             "peers": {ARMS[a].peer: peer_version(ARMS[a].peer, venv) for a in arms if ARMS[a].peer},
             "vllm_version": _vllm_version(),
             "arms": {a: arm_fields([rate_fields(runs[(a, r)], r, slo_s) for r in rates]) for a in arms},
@@ -277,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         sim = simulate(requests, args, pool_blocks, rates, arms, tmp)
         if sim is not None:
             report["sim"] = sim
+            report["sim_calibrated"] = simulate(requests, args, pool_blocks, rates, arms, tmp,
+                                                calibrated_timing(unloaded_s, probes[-1].words, decode_s))
     report["wall_s"] = time.perf_counter() - t_start
     md = markdown(report)
     if args.json:

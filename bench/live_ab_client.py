@@ -32,6 +32,7 @@ class Outcome:
     ttft_s: float = math.nan
     e2e_s: float = math.nan
     cached_tokens: int | None = None
+    tokens: int = 0  # events carrying a choice (one token each from vLLM)
     error: str | None = None
 
 
@@ -59,8 +60,10 @@ async def send(client: httpx.AsyncClient, url: str, model: str, req: LiveRequest
                 if "error" in event:
                     out.error = f"stream error: {str(event['error'])[:200]}"
                     return out
-                if event.get("choices") and math.isnan(out.ttft_s):
-                    out.ttft_s = time.perf_counter() - t0
+                if event.get("choices"):
+                    out.tokens += 1
+                    if math.isnan(out.ttft_s):
+                        out.ttft_s = time.perf_counter() - t0
                 details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
                 if details.get("cached_tokens") is not None:
                     out.cached_tokens = int(details["cached_tokens"])

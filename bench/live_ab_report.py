@@ -88,24 +88,29 @@ def markdown(rep: dict) -> str:
         "",
         f"Peers: {', '.join(f'{k} {v}' for k, v in rep['peers'].items()) or 'none run'}; vLLM {rep['vllm_version']}.",
         "",
-        "| arm | rate | hit ratio | sim hit ratio | TTFT p50 ms | TTFT p90 ms | sim TTFT p90 ms | TTFT p99 ms | "
-        "E2E p50 ms | router CPU ms/req | router idle CPU % | requests | failed |",
+        "| arm | rate | hit ratio | sim hit ratio | TTFT p50 ms | TTFT p90 ms | sim TTFT p90 ms (GPU fit / calibrated) | "
+        "TTFT p99 ms | E2E p50 ms | router CPU ms/req | router idle CPU % | requests | failed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in rep["arms"].items():
         sim = {r["rate_scale"]: r for r in rep.get("sim", {}).get("arms", {}).get(name, {}).get("rates", [])}
+        cal = {r["rate_scale"]: r for r in (rep.get("sim_calibrated") or {}).get("arms", {}).get(name, {}).get("rates", [])}
         for r in a["rates"]:
-            s = sim.get(r["rate_scale"], {})
+            s, c = sim.get(r["rate_scale"], {}), cal.get(r["rate_scale"], {})
             lines.append(
                 f"| {name} | {r['rate_scale']:g} | {_s(r['hit_ratio'])} | {_s(s.get('hit_ratio'))} | "
-                f"{_s(r['ttft_p50_s'], 1000, '.1f')} | {_s(r['ttft_p90_s'], 1000, '.1f')} | {_s(s.get('ttft_p90_s'), 1000, '.1f')} | "
+                f"{_s(r['ttft_p50_s'], 1000, '.1f')} | {_s(r['ttft_p90_s'], 1000, '.1f')} | "
+                f"{_s(s.get('ttft_p90_s'), 1000, '.1f')} / {_s(c.get('ttft_p90_s'), 1000, '.1f')} | "
                 f"{_s(r['ttft_p99_s'], 1000, '.1f')} | {_s(r['e2e_p50_s'], 1000, '.1f')} | "
                 f"{_s(r['router_cpu_ms_per_request'], 1, '.2f')} | {_s(r['router_idle_cpu_pct'], 1, '.1f')} | "
                 f"{r['requests']} | {r['failed']} |")
-    lines += ["", "| arm | goodput (rate scale) | sim goodput |", "|---|---|---|"]
+    lines += ["", "| arm | goodput (rate scale) | sim goodput (GPU fit / calibrated) |", "|---|---|---|"]
     for name, a in rep["arms"].items():
-        sg = rep.get("sim", {}).get("arms", {}).get(name, {}).get("goodput")
-        lines.append(f"| {name} | {a['goodput']:g} | {'-' if sg is None else format(sg, 'g')} |")
+        sg = [(rep.get(k) or {}).get("arms", {}).get(name, {}).get("goodput") for k in ("sim", "sim_calibrated")]
+        lines.append(f"| {name} | {a['goodput']:g} | {' / '.join('-' if g is None else format(g, 'g') for g in sg)} |")
+    for key, what in (("sim", "the paper's GPU prefill fit"), ("sim_calibrated", "timing fitted to the unloaded probe")):
+        if rep.get(key):
+            lines.append(f"\nSimulator ({what}): `{rep[key]['command']}`.")
     lines += ["", f"Produced by `{rep['command']}` on {rep['host']} ({rep['cpus']} CPUs) at commit {rep['commit']}, "
               f"{rep['date']}; {rep['wall_s'] / 60:.1f} min wall.", ""]
     return "\n".join(lines)
