@@ -58,6 +58,9 @@ def test_config_errors_are_usage_errors_without_secrets(tmp_path):
     assert "topsecret" not in json.dumps(shown)
 
 
+TLS_TRIO = ("replica_tls_ca", "replica_tls_cert", "replica_tls_key")
+
+
 def test_every_setting_has_flag_and_env(tmp_path):
     from unicache.settings import SECRET_FILE_FIELDS
 
@@ -77,7 +80,10 @@ def test_every_setting_has_flag_and_env(tmp_path):
                  "shared_sessions": "on", "replica_transport": "grpc", "backends": "http://h:1,id=v",
                  "backend_discovery": "dns://vllm:8000?kv-events=5557"}  # checked names
         value = valid.get(f.name) or {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]
-        cfg = build_config(env={f"UNICACHE_{f.name.upper()}": value})
+        env = {f"UNICACHE_{f.name.upper()}": value}
+        if f.name in TLS_TRIO:  # one needs the other two
+            env = {f"UNICACHE_{name.upper()}": value for name in TLS_TRIO}
+        cfg = build_config(env=env)
         assert str(getattr(cfg, f.name)) in (value, "True")
 
 
