@@ -207,17 +207,17 @@ def time_policy(name: str, prompt, index, loads, iters: int, queue_shares: bool 
 
 def time_cold_phases(prompt, index, loads, iters: int, queue_shares: bool = False) -> dict:
     """Where ``cache_aware``'s decision for a prompt no replica holds goes: the index walk
-    (``prefix_matches``), TTFT admission (``_admissible``) and fit-first's room filter
-    (``_with_room``) timed alone, each ``iters`` times on the busy fleet's state that
+    (``prefix_matches``), TTFT admission (``_admission``) and fit-first's room filter
+    (``_fit``) timed alone, each ``iters`` times on the busy fleet's state that
     ``time_policy`` decides on; the cost loop is the rest of ``choose``."""
     policy = _policy("cache_aware", index, loads, queue_shares)
     _busy_terms(policy, loads)
     n_tokens = len(prompt) * BLOCK_SIZE
     matches = index.prefix_matches(prompt)
-    admissible = policy._admissible(loads, n_tokens, BLOCK_SIZE, matches)
+    admissible = policy._admission(loads, n_tokens, BLOCK_SIZE, matches)
     return {"walk": _timed(lambda i: index.prefix_matches(prompt), iters, warmup=50),
-            "admission": _timed(lambda i: policy._admissible(loads, n_tokens, BLOCK_SIZE, matches), iters, warmup=50),
-            "room": _timed(lambda i: policy._with_room(admissible, n_tokens, BLOCK_SIZE), iters, warmup=50),
+            "admission": _timed(lambda i: policy._admission(loads, n_tokens, BLOCK_SIZE, matches), iters, warmup=50),
+            "room": _timed(lambda i: policy._fit(admissible, n_tokens, BLOCK_SIZE), iters, warmup=50),
             "admissible": len(admissible)}
 
 

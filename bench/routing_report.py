@@ -40,7 +40,6 @@ Run (from the repository root, niced, 2 worker processes):
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -49,13 +48,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from bench.paths import REPO, RESULTS, mooncake_trace
 from bench.report_files import git_commit, save_figure, write_report
 from bench.workers import map_in_workers
-from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.routing.cache_aware import CacheAwareConfig
 from unicache.sim.goodput import default_slo_s, goodput, lanes_unloaded_ttft_s
 from unicache.sim.metrics import percentile
 from unicache.sim.prepare import PreparedTrace
@@ -300,10 +299,10 @@ def cross_validate(tune: list[dict], cands: Iterable[str] = CANDIDATES, n: str =
 
 
 def code_default_candidate(cands: dict[str, dict] = CANDIDATES) -> str | None:
-    """The candidate whose kwargs equal ``CacheAwarePolicy``'s constructor defaults, if any."""
-    params = inspect.signature(CacheAwarePolicy).parameters
+    """The candidate whose kwargs equal ``CacheAwareConfig``'s defaults, if any."""
+    defaults = {f.name: f.default for f in fields(CacheAwareConfig)}
     for name, kw in cands.items():
-        if all(params[k].default == v for k, v in kw.items()):
+        if all(defaults[k] == v for k, v in kw.items()):
             return name
     return None
 

@@ -8,7 +8,6 @@ Ports given as 0 are chosen by the OS and read back (``grpc_port``, ``http_port`
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import socket
 
@@ -35,7 +34,7 @@ from unicache.router.prober import QuarantineProber
 from unicache.router.replica_client import ReplicaClients
 from unicache.router.routing.base import RoutingPolicy, SharesRouterState
 from unicache.router.memory import TableCaps
-from unicache.router.routing.registry import ROUTING_POLICIES, make_routing_policy
+from unicache.router.routing.registry import make_routing_policy, routing_policy_parameters
 from unicache.router.service import RouterServicer
 from unicache.router.session_store import SessionStore
 from unicache.router.terms_exchange import TermsExchange
@@ -63,7 +62,7 @@ def build_policy(name: str, caps: TableCaps | None = None) -> RoutingPolicy:
     try:
         kwargs = {}
         if caps is not None:
-            params = inspect.signature(ROUTING_POLICIES.get(name)).parameters
+            params = routing_policy_parameters(name)
             if "max_session_blocks" in params:
                 kwargs["max_session_blocks"] = caps.policy_session_blocks
             if "max_sessions" in params:

@@ -23,7 +23,7 @@ from unicache.router.cluster import ClusterView, EmptyView
 from unicache.router.config import build_config
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from tests.support.engine_factory import tiny_config
 from unicache.testing.fake_replica import FakeReplica
 from unicache.block_hash import hash_token_blocks
@@ -215,7 +215,7 @@ def test_a_restarted_replica_is_not_quarantined_for_its_predecessors_refusals():
 def test_sessions_stick_while_the_index_is_unavailable():
     # NOTE: no churn term: after one request its inflow share alone would outweigh the
     # sticky credit; the cluster test shows stickiness under the default policy.
-    policy = CacheAwarePolicy(churn_weight=0.0)
+    policy = CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0))
     cluster = ClusterView(policy, LocalityIndex())
     for rid in ("r0", "r1", "r2"):
         cluster.upsert(rid, f"127.0.0.1:{rid}")

@@ -13,7 +13,7 @@ from unicache.router.config import build_config
 from unicache.router.core import Labelled
 from unicache.router.memory import BYTES_PER_ENTRY, MIB, SHARES, TableCaps, measure_bytes_per_entry, table_entries
 from unicache.router.routing.base import RouteDecision, RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from unicache.errors import UsageError
 
 
@@ -48,7 +48,7 @@ def test_the_router_caps_its_tables_from_its_budget():
 
 
 def test_policy_sessions_are_bounded_in_hashes_oldest_first():
-    p = CacheAwarePolicy(max_session_blocks=10)
+    p = CacheAwarePolicy(CacheAwareConfig(max_session_blocks=10))
     for i in range(5):  # sessions s0..s4 of 4 blocks each, on r0 then r1 alternately
         h = hash_id_blocks([100 * i + k for k in range(4)], 16)
         p.on_request_routed(RoutingRequest(f"q{i}", RequestClass(tenant="t", session_id=f"s{i}"), h, 64, 16),

@@ -13,7 +13,7 @@ from unicache.block_hash import hash_id_blocks
 from unicache.request_class import RequestClass
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from unicache.router.routing.candidates import CandidateWindow
 
 BS = 16
@@ -95,15 +95,15 @@ def test_fleets_up_to_the_window_decide_exactly_as_without_it():
     for r in reps[::5]:
         index.apply_events_unchecked(r.replica_id, hash_id_blocks([1, 2, 3, rng.randrange(100)]), [])
     requests = [_request(i, [1, 2, 3, rng.randrange(100)] if i % 2 else [1000 + i, 7]) for i in range(300)]
-    with_window = _replay(CacheAwarePolicy(candidate_window=64), reps, index, requests)
-    assert with_window == _replay(CacheAwarePolicy(candidate_window=0), reps, index, requests)
+    with_window = _replay(CacheAwarePolicy(CacheAwareConfig(candidate_window=64)), reps, index, requests)
+    assert with_window == _replay(CacheAwarePolicy(CacheAwareConfig(candidate_window=0)), reps, index, requests)
 
 
 def test_a_large_fleet_keeps_the_holder_outside_the_window_and_spreads_new_prompts():
     reps = fleet(1024)
     index = LocalityIndex()
     index.apply_events_unchecked("r0900", hash_id_blocks(list(range(1, 33))), [])
-    p = CacheAwarePolicy(candidate_window=64)
+    p = CacheAwarePolicy(CacheAwareConfig(candidate_window=64))
     p.update_replicas(ids(reps))
     held = _request(0, range(1, 33))
     # clock 0: the window is r0000-r0063; the holder r0900 is weighed anyway, and wins
@@ -156,7 +156,7 @@ def test_held_prompts_the_holders_decide_are_routed_exactly_as_over_the_whole_fl
     p = CacheAwarePolicy()
     assert all(p.admission.decided_by_matches(reps, q.num_prompt_tokens, BS, index.prefix_matches(q.block_hashes))
                for q in requests[:6])
-    assert _replay(p, reps, index, requests) == _replay(CacheAwarePolicy(candidate_window=0), reps, index, requests)
+    assert _replay(p, reps, index, requests) == _replay(CacheAwarePolicy(CacheAwareConfig(candidate_window=0)), reps, index, requests)
 
 
 def test_a_host_tier_run_outside_the_window_is_weighed():
@@ -169,7 +169,7 @@ def test_a_host_tier_run_outside_the_window_is_weighed():
     d = p.choose(RoutingRequest("q0", RequestClass(), prompt, len(prompt) * BS, BS), reps, index)
     # clock 0: the window is r0000-r0031; the host run makes r0700 a candidate, and it wins
     assert (d.replica_id, d.reason, d.matched_blocks) == ("r0700", "host_prefix", 32)
-    assert CacheAwarePolicy(host_cost=1.0).choose(
+    assert CacheAwarePolicy(CacheAwareConfig(host_cost=1.0)).choose(
         RoutingRequest("q1", RequestClass(), prompt, len(prompt) * BS, BS), reps, index).replica_id != "r0700"
 
 
@@ -191,6 +191,6 @@ def test_a_grouped_replica_whose_host_tier_continues_the_prompt_is_weighed():
     d = p.choose(RoutingRequest("q0", RequestClass(), prompt, len(prompt) * BS, BS), reps, index)
     assert (d.replica_id, d.reason, d.matched_blocks) == ("r0700", "host_prefix", 32)
     # the same decision as weighing every replica
-    full = CacheAwarePolicy(candidate_window=0)
+    full = CacheAwarePolicy(CacheAwareConfig(candidate_window=0))
     full.update_replicas(ids(reps))
     assert full.choose(RoutingRequest("q0", RequestClass(), prompt, len(prompt) * BS, BS), reps, index) == d

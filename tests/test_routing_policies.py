@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest, SharesRouterState
-from unicache.router.routing.cache_aware import CacheAwarePolicy, common_prefix_blocks
+from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy, common_prefix_blocks
 from unicache.router.routing.keys import HashRing, ring_hash, session_key
 from unicache.router.routing.registry import make_routing_policy, routing_policy_names
 from unicache.router.routing.session_affinity import SessionAffinityPolicy
@@ -54,6 +54,30 @@ def test_registry_builds_every_policy():
 
 
 # -- round robin / least loaded ---------------------------------------------------------
+
+
+def test_cache_aware_config_is_frozen_validated_and_built_by_the_registry():
+    import dataclasses
+
+    cfg = CacheAwareConfig(fit_first=False, max_sessions=7)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.fit_first = True  # type: ignore[misc]
+    p = CacheAwarePolicy(cfg)
+    assert (p.config, p.fit_first, p.max_sessions) == (cfg, False, 7)
+    assert CacheAwarePolicy().config == CacheAwareConfig()
+    for bad, field in ((dict(churn_window=0), "churn_window"), (dict(host_cost=1.5), "host_cost"),
+                       (dict(session_hold_frac=-0.1), "session_hold_frac"),
+                       (dict(template_key_blocks=-1), "template_key_blocks"),
+                       (dict(admission_factor=0.5), "admission_factor"), (dict(prefill_lanes=0), "prefill_lanes"),
+                       (dict(virtual_nodes=0), "virtual_nodes"), (dict(candidate_window=-1), "candidate_window")):
+        with pytest.raises(ValueError, match=field):
+            CacheAwareConfig(**bad)
+    built = make_routing_policy("cache_aware", fit_first=False, max_sessions=7)
+    assert isinstance(built, CacheAwarePolicy) and built.config == cfg
+    with pytest.raises(ValueError, match=r"^routing policy 'cache_aware' does not take bogus \(its arguments: load_weight, "):
+        make_routing_policy("cache_aware", bogus=1)
+    with pytest.raises(TypeError):
+        CacheAwarePolicy(fit_first=False)  # type: ignore[call-arg]
 
 
 def test_only_cache_aware_shares_router_state():
@@ -284,7 +308,7 @@ def test_cache_aware_ttft_admission_keeps_a_cached_request_off_an_idle_replica()
 
 
 def test_cache_aware_ttft_admission_excludes_a_replica_whose_queue_outweighs_its_cache():
-    p = CacheAwarePolicy(load_weight=0.0)  # the cost ignores load: only admission sees the queue
+    p = CacheAwarePolicy(CacheAwareConfig(load_weight=0.0))  # the cost ignores load: only admission sees the queue
     idx = make_index({"r1": list(range(10))})
     req = make_request("q", range(10))
     # r1: 0 uncached + 1000 / 4 lanes = 250 <= 2 x 160 (r0, nothing cached): admissible, and
@@ -301,7 +325,7 @@ def test_cache_aware_queue_share_counts_only_the_uncached_part_of_a_queue():
     w = make_request("w", range(12))  # r1 holds 10 of its 12 blocks: 32 of 192 tokens uncached
     q = make_request("q", range(10))  # all cached on r1
     reps = [load("r0"), load("r1", queued=2000)]
-    shared, whole = CacheAwarePolicy(load_weight=0.0), CacheAwarePolicy(load_weight=0.0, queue_share=False)
+    shared, whole = CacheAwarePolicy(CacheAwareConfig(load_weight=0.0)), CacheAwarePolicy(CacheAwareConfig(load_weight=0.0, queue_share=False))
     for p in (shared, whole):
         d = p.choose(w, [load("r0"), load("r1")], idx)
         assert (d.replica_id, d.matched_blocks) == ("r1", 10)
@@ -320,7 +344,7 @@ def test_cache_aware_queue_share_counts_only_the_uncached_part_of_a_queue():
 
 
 def test_cache_aware_queue_share_follows_retries_finishes_bounds_and_departures():
-    p = CacheAwarePolicy(max_inflight=2)
+    p = CacheAwarePolicy(CacheAwareConfig(max_inflight=2))
     idx = make_index({"r1": list(range(3))})
     a = make_request("a", range(4))  # 64 tokens
     p.on_request_routed(a, RouteDecision("r0", "load", matched_blocks=0))
@@ -345,9 +369,9 @@ def test_cache_aware_discounts_blocks_under_eviction_pressure():
     reps = [load("r0", queued=160, free=10), load("r1", queued=160, free=1000)]
     req = make_request("q", range(10))
     # fit_first off: r0 has no room beyond its queue, which alone would exclude it.
-    d = CacheAwarePolicy(fit_first=False).choose(req, reps, idx)
+    d = CacheAwarePolicy(CacheAwareConfig(fit_first=False)).choose(req, reps, idx)
     assert (d.replica_id, d.matched_blocks) == ("r1", 5)  # 96*0.5=48 < 80*(1-0.005)=79.6
-    d = CacheAwarePolicy(evict_weight=0.0, fit_first=False).choose(req, reps, idx)
+    d = CacheAwarePolicy(CacheAwareConfig(evict_weight=0.0, fit_first=False)).choose(req, reps, idx)
     assert (d.replica_id, d.matched_blocks) == ("r0", 6)
 
 
@@ -358,14 +382,14 @@ def test_cache_aware_fit_first_prefers_room_but_keeps_a_sessions_home():
     # admissible (est r0 32 + 2400/4 = 632, r1 640 + 2000/4 = 1140 <= 2 x 632) and the cost
     # prefers r0 (32 + 2400/4 = 632 < 640 + 2000/4 = 1140; eviction discount off for clarity).
     reps = [load("r0", queued=2400, free=180), load("r1", queued=2000, free=1000)]
-    assert CacheAwarePolicy(evict_weight=0.0, fit_first=False).choose(req, reps, idx).replica_id == "r0"
-    d = CacheAwarePolicy(evict_weight=0.0).choose(req, reps, idx)
+    assert CacheAwarePolicy(CacheAwareConfig(evict_weight=0.0, fit_first=False)).choose(req, reps, idx).replica_id == "r0"
+    d = CacheAwarePolicy(CacheAwareConfig(evict_weight=0.0)).choose(req, reps, idx)
     assert (d.replica_id, d.reason, d.score) == ("r1", "load", 1140.0)
     # Nobody has room: nothing to prefer, the cost decides as without fit-first.
     full = [load("r0", queued=2400, free=180), load("r1", queued=2000, free=150)]
-    assert CacheAwarePolicy(evict_weight=0.0).choose(req, full, idx).replica_id == "r0"
+    assert CacheAwarePolicy(CacheAwareConfig(evict_weight=0.0)).choose(req, full, idx).replica_id == "r0"
     # A session's later turn stays home though home has no room (moving recomputes it).
-    p = CacheAwarePolicy(evict_weight=0.0)
+    p = CacheAwarePolicy(CacheAwareConfig(evict_weight=0.0))
     first = make_request("t1", range(38), session="s")
     p.on_request_routed(first, p.choose(first, [load("r0"), load("r1", out=1)], idx))
     turn = make_request("t2", range(40), session="s")
@@ -374,7 +398,7 @@ def test_cache_aware_fit_first_prefers_room_but_keeps_a_sessions_home():
 
 
 def test_cache_aware_follows_in_flight_prefix_until_finished():
-    p = CacheAwarePolicy(churn_weight=0.0, track_inflight=True)
+    p = CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0, track_inflight=True))
     a = make_request("a", range(10))
     reps = [load("r0", out=1), load("r1", out=1), load("r2")]
     da = p.choose(a, reps, EMPTY)
@@ -389,7 +413,7 @@ def test_cache_aware_follows_in_flight_prefix_until_finished():
     p.on_request_finished(a, "r2")
     assert p.choose(b, reps, EMPTY).replica_id == "r0"
     # With in-flight tracking off (the default), b goes by load at once.
-    q = CacheAwarePolicy(churn_weight=0.0)
+    q = CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0))
     q.on_request_routed(a, da)
     assert q.choose(b, reps, EMPTY).replica_id == "r0"
 
@@ -411,12 +435,12 @@ def test_cache_aware_churn_spreads_new_prefixes(members):
     d = p.choose(make_request("c", list(range(6)) + [50, 51, 52, 53]), reps, idx)
     assert (d.replica_id, d.score) == ("r0", pytest.approx(160 - 96 + 80))
     # Without the churn term the unrelated prompt goes to r0 (tie -> id).
-    assert CacheAwarePolicy(churn_weight=0.0).choose(make_request("b", range(100, 110)), reps, EMPTY).replica_id == "r0"
+    assert CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0)).choose(make_request("b", range(100, 110)), reps, EMPTY).replica_id == "r0"
 
 
 def test_cache_aware_sticky_credit_while_the_index_is_stale():
     # The cost path's sticky credit (what decides when session_sticky is off).
-    p = CacheAwarePolicy(churn_weight=0.0, session_sticky=False)
+    p = CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0, session_sticky=False))
     t0 = make_request("t0", range(10), session="s")
     d0 = p.choose(t0, [load("r0", out=1), load("r1"), load("r2", out=1)], EMPTY)
     assert d0.replica_id == "r1"
@@ -440,7 +464,7 @@ def test_cache_aware_sticky_credit_while_the_index_is_stale():
 
 
 def test_cache_aware_index_beats_stale_sticky_credit():
-    p = CacheAwarePolicy(churn_weight=0.0, session_sticky=False)
+    p = CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0, session_sticky=False))
     t0 = make_request("t0", range(10), session="s")
     p.on_request_routed(t0, p.choose(t0, [load("r0"), load("r1", out=1)], EMPTY))  # -> r0
     p.on_request_finished(t0, "r0")
@@ -484,7 +508,7 @@ def test_cache_aware_session_goes_home_through_lag_load_and_churn():
 
 def test_cache_aware_session_leaves_a_dead_overloaded_or_evicted_home():
     def confirmed_on_r1():
-        p = CacheAwarePolicy(churn_weight=0.0)
+        p = CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0))
         _routed(p, make_request("t0", range(10), session="s"), [load("r0", out=1), load("r1")], EMPTY)
         _routed(p, make_request("t1", range(12), session="s"), [load("r0"), load("r1")], make_index({"r1": list(range(10))}))
         return p
@@ -522,11 +546,11 @@ def test_cache_aware_session_leaves_a_dead_overloaded_or_evicted_home():
     p.on_request_routed(t2, RouteDecision("r0", "load"))
     assert p._sessions[session_key("default", "s")].confirmed is False
     with pytest.raises(ValueError, match="session_hold_frac"):
-        CacheAwarePolicy(session_hold_frac=1.5)
+        CacheAwarePolicy(CacheAwareConfig(session_hold_frac=1.5))
 
 
 def test_cache_aware_template_home_is_the_ring_owner():
-    p = CacheAwarePolicy(template_trust=0.5, churn_weight=0.0)
+    p = CacheAwarePolicy(CacheAwareConfig(template_trust=0.5, churn_weight=0.0))
     reps = [load("r0"), load("r1"), load("r2")]
     p.update_replicas(["r0", "r1", "r2"])
     b = make_request("b", [500, 501, 502, 503, 9, 9], template_blocks=4)
@@ -546,7 +570,7 @@ def test_cache_aware_template_home_is_an_offered_replica():
     """With every live replica offered the ring's owner is the home; with the owner left
     out (quarantined, or excluded on a retry) the next offered one clockwise is."""
     ids = [f"r{i}" for i in range(4)]
-    p = CacheAwarePolicy(template_trust=2.0, churn_weight=0.0)
+    p = CacheAwarePolicy(CacheAwareConfig(template_trust=2.0, churn_weight=0.0))
     p.update_replicas(ids)
     t = make_request("t", [700, 701, 702, 703, 9], template_blocks=4)
     home = reference_owner(ids, t.block_hashes[0].hex(), 160)
@@ -562,14 +586,14 @@ def test_cache_aware_template_key_blocks_sets_the_ring_key():
     ids = [r.replica_id for r in reps]
     grown = make_request("g", [600, 601, 602, 603, 9], template_blocks=4)
     # key_blocks=1: the home stays put while the template's known extent grows 1 -> 4.
-    p = CacheAwarePolicy(template_trust=2.0, churn_weight=0.0, template_key_blocks=1)
+    p = CacheAwarePolicy(CacheAwareConfig(template_trust=2.0, churn_weight=0.0, template_key_blocks=1))
     p.update_replicas(ids)
     home1 = reference_owner(ids, grown.block_hashes[0].hex(), 160)
     for tb in (1, 4):
         d = p.choose(make_request(f"t{tb}", [600, 601, 602, 603, 9], template_blocks=tb), reps, EMPTY)
         assert (d.replica_id, d.reason) == (home1, "template_home")
     # key_blocks=0: keyed on the template's last block, so the home follows its extent.
-    p0 = CacheAwarePolicy(template_trust=2.0, churn_weight=0.0, template_key_blocks=0)
+    p0 = CacheAwarePolicy(CacheAwareConfig(template_trust=2.0, churn_weight=0.0, template_key_blocks=0))
     p0.update_replicas(ids)
     for tb in (1, 4):
         want = reference_owner(ids, grown.block_hashes[tb - 1].hex(), 160)
@@ -578,7 +602,7 @@ def test_cache_aware_template_key_blocks_sets_the_ring_key():
 
 
 def test_cache_aware_session_footprint_steers_other_work_away():
-    p = CacheAwarePolicy(churn_weight=0.0, session_sticky=False)  # footprint_weight 0.5, window 96
+    p = CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0, session_sticky=False))  # footprint_weight 0.5, window 96
     reps = [load("r0", cap=100), load("r1", cap=100)]
     s0 = make_request("s0", range(40), session="s")
     d0 = p.choose(s0, reps, EMPTY)
@@ -588,7 +612,7 @@ def test_cache_aware_session_footprint_steers_other_work_away():
     # Unrelated 10-block prompt: r0 costs 160 + 0.5 * 160 * 40/100 = 192, r1 160.
     b = make_request("b", range(100, 110))
     assert (p.choose(b, reps, EMPTY).replica_id, p.choose(b, reps, EMPTY).score) == ("r1", 160.0)
-    assert CacheAwarePolicy(churn_weight=0.0, footprint_weight=0.0).choose(b, reps, EMPTY).replica_id == "r0"
+    assert CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0, footprint_weight=0.0)).choose(b, reps, EMPTY).replica_id == "r0"
     # Unknown capacity (0): no footprint term.
     assert p.choose(b, [load("r0", cap=0), load("r1", cap=0)], EMPTY).replica_id == "r0"
     # The session's own footprint does not count against its next turn: 720 - 640 = 80.
@@ -606,7 +630,7 @@ def test_cache_aware_session_footprint_steers_other_work_away():
 
 
 def test_cache_aware_forgotten_sessions_leave_the_footprint():
-    p = CacheAwarePolicy(max_sessions=1)
+    p = CacheAwarePolicy(CacheAwareConfig(max_sessions=1))
     p.on_request_routed(make_request("a", range(10), session="a"), RouteDecision("r0", "load"))
     p.on_request_routed(make_request("b", range(100, 105), session="b"), RouteDecision("r0", "load"))
     # Session a was dropped by the bound: only b's 5 blocks remain on r0.
@@ -653,12 +677,12 @@ def test_cache_aware_counts_a_host_match_at_its_promotion_cost():
     d = CacheAwarePolicy().choose(req, reps, idx)  # host_cost 0.08: 160 - 16 * 7.52
     assert (d.replica_id, d.reason, d.matched_blocks) == ("r0", "host_prefix", 8)
     assert d.score == pytest.approx(160 - 16 * (2 + 0.92 * 6))
-    d = CacheAwarePolicy(host_cost=0.75).choose(req, reps, idx)  # r0: 160 - 56 = 104 > 80
+    d = CacheAwarePolicy(CacheAwareConfig(host_cost=0.75)).choose(req, reps, idx)  # r0: 160 - 56 = 104 > 80
     assert (d.replica_id, d.reason, d.score) == ("r1", "index_prefix", pytest.approx(80))
-    d = CacheAwarePolicy(host_cost=1.0).choose(req, reps, idx)  # the host tier ignored
+    d = CacheAwarePolicy(CacheAwareConfig(host_cost=1.0)).choose(req, reps, idx)  # the host tier ignored
     assert (d.replica_id, d.matched_blocks) == ("r1", 5)
     with pytest.raises(ValueError, match="host_cost"):
-        CacheAwarePolicy(host_cost=1.5)
+        CacheAwarePolicy(CacheAwareConfig(host_cost=1.5))
 
 
 def test_cache_aware_counts_gpu_blocks_after_host_blocks_as_full_hits():
@@ -720,10 +744,10 @@ def test_cache_aware_queue_per_lane_counts_the_queue_over_the_prefill_lanes():
     req = make_request("a", range(10))
     kw = {"churn_weight": 0.0, "footprint_weight": 0.0, "evict_weight": 0.0, "queue_share": False}
     # whole queue: r0 costs 160 - 128 + 200 = 232 > r1's 160
-    d = CacheAwarePolicy(queue_per_lane=False, **kw).choose(req, reps, idx)
+    d = CacheAwarePolicy(CacheAwareConfig(queue_per_lane=False, **kw)).choose(req, reps, idx)
     assert (d.replica_id, d.score) == ("r1", 160.0)
     # over 4 lanes: r0 costs 32 + 50 = 82
-    d = CacheAwarePolicy(queue_per_lane=True, **kw).choose(req, reps, idx)
+    d = CacheAwarePolicy(CacheAwareConfig(queue_per_lane=True, **kw)).choose(req, reps, idx)
     assert (d.replica_id, d.reason, d.score) == ("r0", "index_prefix", 82.0)
-    d = CacheAwarePolicy(queue_per_lane=True, prefill_lanes=2, **kw).choose(req, reps, idx)
+    d = CacheAwarePolicy(CacheAwareConfig(queue_per_lane=True, prefill_lanes=2, **kw)).choose(req, reps, idx)
     assert (d.replica_id, d.score) == ("r0", 132.0)

@@ -21,7 +21,7 @@ from unicache.block_hash import hash_id_blocks
 from unicache.request_class import RequestClass, Task
 from unicache.router.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RoutedEvent, RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from unicache.router.routing.keys import session_key
 
 BS = 16
@@ -122,7 +122,7 @@ def test_without_the_events_the_routers_drift_from_one_router():
 def test_events_say_what_the_decision_did():
     """A session's second turn on another replica: its event takes the first turn's
     decayed share out where it went and adds the new turn's blocks."""
-    p = CacheAwarePolicy(footprint_window=4)
+    p = CacheAwarePolicy(CacheAwareConfig(footprint_window=4))
     assert p.take_routed() == [] and p.share_terms()
     first, second = stream(3, 1)[0], None
     cls = first.cls

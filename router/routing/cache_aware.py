@@ -1,170 +1,92 @@
 """``cache_aware`` (ours): minimise an estimate of each replica's time to first token,
 while keeping the replicas' cache churn even.
 
-For a request of N prompt tokens and chained block hashes h[0..L), block size B, and
-every live replica r:
+One decision, for a request of N prompt tokens in L blocks of B tokens (chained block
+hashes h[0..L)), over the live replicas r offered to ``choose``::
 
-    m_r      = blocks of h the replica holds or will hold:
+    fleet --> candidates --> admissible --> session home? --yes--> its replica
+                                                  | no
+                                                  v
+                                    fit (with room) --> argmin cost_r
+
+The decision has five stages (methods of ``CacheAwarePolicy``, in this order):
+
+1. ``_candidates``: the replicas weighed. Up to ``candidate_window`` replicas, the
+   whole fleet. Beyond it, the replicas that could hit the prompt (the index's holders
+   of its first block, host-tier runs, blocks in flight, the session's replica, the
+   template's home), the fleet's least-queued replica and a window of
+   ``candidate_window`` others that moves with each routed request
+   (``unicache.router.routing.candidates``). A prefix more than half the fleet holds sets
+   no replica apart: ``LocalityView.prefix_match_groups`` groups its holders by length,
+   weighed only where the window brings them in (``matches_of_candidates``). When the
+   holders alone decide admission (``TTFTAdmission.decided_by_matches``) they are the
+   candidates, exactly as over the whole fleet.
+2. ``_admission``: the replicas whose estimated TTFT is within ``admission_factor`` of
+   the best one's (``unicache.router.routing.admission``):
+       est_r = uncached prompt tokens by the index + q_r * queued_prefill_tokens_r / lanes
+   a hard guard: locality never makes a request wait longer than recomputing its prefix
+   elsewhere.
+3. ``_session_home`` (``session_sticky``): a turn of an explicit session with a
+   remembered previous turn goes to that turn's replica (reason ``session_home``;
+   ``session_sticky`` while the view is stale for it) unless the replica is not
+   admissible (dead, or a long queue, or another replica so much faster) or lost the
+   session's blocks: the view is fresh, it once showed at least ``session_hold_frac`` of
+   the session's prefix there (the session is *confirmed*) and now shows less. An
+   unconfirmed session stays home on a miss: a fresh-looking index can lag the replica by
+   one event flush.
+4. ``_fit`` (``fit_first``): of the admissible replicas, those with room for the request's
+   blocks, when any has (``with_room``: free_blocks_r - queued_prefill_tokens_r / B >=
+   ceil(N / B)). After the session home: a moved turn recomputes its context.
+5. ``_score``: argmin cost_r over what is left; ties to the less loaded (``load_key``).
+
+Names the cost uses, per replica r:
+
+    m_r      = blocks of h the replica holds or will hold, max of:
                  index    = LocalityView.prefix_matches(h)[r]  (published holdings)
                  inflight = index extended while h[i] is in a prompt routed to r and not
-                            finished yet (being computed: it will be cached; only with
-                            ``track_inflight``)
+                            finished yet (only with ``track_inflight``)
                  sticky   = sticky_trust * k on the session's last replica, k = common
                             prefix with the session's previous turn, only while the view
                             is stale for r (``LocalityView.is_stale``: Redis down, resync)
                  home     = template_trust * template_blocks on the template's home, the
                             owner of h[k - 1], k = min(template_blocks,
                             template_key_blocks), on a consistent-hash ring
-               m_r = max(inflight, sticky, home)
     p_r      = min(1, (queued_prefill_tokens_r / B) / max(1, free_blocks_r))
                (eviction pressure: the share of r's evictable blocks that work already
                queued there claims before this request is admitted)
     run_r    = the run that continues the index match through both tiers
-               (``LocalityView.tier_runs(h, index matches)[r]``: its first block on the
-               host, later ones on the host or the GPU, as the replica's store matches)
-    g_r, h_r = of run_r's blocks past m_r, those on the GPU (shared, full hits) and those
-               on the host (the replica would promote them, copying their KV from host
-               memory)
+               (``LocalityView.tier_runs``: its first block on the host, later ones on
+               the host or the GPU, as the replica's store matches)
+    g_r, h_r = of run_r's blocks past m_r, those on the GPU (full hits) and those on the
+               host (promoted: their KV copied from host memory)
     hit_r    = B * (m_r + g_r + (1 - host_cost) * h_r) * (1 - evict_weight * p_r)
-               (a matched block likely to be evicted before use counts less; a host block
-               saves its prefill but costs its copy, host_cost of a prefill per token)
-    load_r   = q_r * queued_prefill_tokens_r / L + request_cost_tokens * outstanding_r
-               (L = prefill_lanes with ``queue_per_lane``, else 1: the queue drains on every
-               lane while the request's own prefill runs on one, as the admission estimate
-               below counts it)
-    q_r      = the uncached share of r's queue (``queue_share``): of the router's requests
-               (sharing terms: every router's) routed to r that have not sent their
-               first token, the uncached prompt
-               tokens at routing (N - B * matched blocks of the decision) over their whole
-               prompt tokens; 1 when there are none (replicas publish their queue as whole
-               prompts: an engine learns a request's match only when it schedules it)
-    churn_r  = N * max(0, inflow_r / mean(inflow) - 1), inflow_r = the uncached prompt
-               tokens routed to r, decayed by (1 - 1/W) per routed request,
-               W = max(churn_window, 32 x live replicas)
-               (new blocks per replica: what evicts cached blocks there, and the prefill
-               work the load-imbalance figure counts)
+    q_r      = the uncached share of r's queue (``queue_share``): of the requests this
+               router (sharing terms: every router) routed to r without a first token
+               yet, uncached prompt tokens at routing over whole prompt tokens; 1 when
+               there are none (replicas publish their queue as whole prompts)
+    load_r   = q_r * queued_prefill_tokens_r / lanes + request_cost_tokens * outstanding_r
+               (lanes = prefill_lanes with ``queue_per_lane``, else 1)
+    churn_r  = N * max(0, inflow_r / mean(inflow) - 1), inflow_r = uncached prompt tokens
+               routed to r, decayed by (1 - 1/W) per routed request,
+               W = max(churn_window, CHURN_WINDOW_PER_REPLICA x live replicas)
     foot_r   = N * F_r / capacity_blocks_r, F_r = the prompt blocks of each session's
                latest turn routed to r, decayed by (1 - 1/footprint_window) per routed
-               request, leaving out the request's own session (the share of r's cache
-               that live sessions will read again soon: a request placed there competes
-               with them for it; 0 when the capacity is unknown)
+               request, leaving out the request's own session (0 when the capacity is
+               unknown)
+
     cost_r   = (N - hit_r) + load_weight * load_r + churn_weight * churn_r
                + footprint_weight * foot_r
 
-Explicit sessions first: a request whose session has a remembered previous turn goes to
-that turn's replica (reason ``session_home``) unless the replica is dead (not among the
-live replicas), not admissible under the TTFT admission rule below (a long prefill queue, or
-another replica holding so much more of the prompt that it is over twice as fast), or no longer
-holds the session's blocks (reason ``session_sticky`` while the view is stale for it): the view is fresh for it, it once showed at least
-``session_hold_frac`` of the session's prefix there (the session is *confirmed*), and now
-shows less. An unconfirmed session stays home on a miss, because a fresh-looking index
-can lag the replica by one event flush: the previous turn's blocks may simply not be
-published yet (live, that lag moved later turns of sequential sessions before). Otherwise
-(``session_sticky`` off, or one of the three exceptions) the cost below decides.
-
-The request goes to argmin cost_r over the *admissible* replicas, those whose estimated
-TTFT is within ``admission_factor`` of the best replica's
-(``unicache.router.routing.admission``: est_r = uncached prompt tokens by the index +
-q_r * queued_prefill_tokens_r / prefill_lanes; a hard guard so locality never makes a request
-wait longer than recomputing its prefix elsewhere) and, with ``fit_first``, of those the
-ones with room for the request's blocks (``with_room``: free_blocks_r -
-queued_prefill_tokens_r / B >= ceil(N / B)), when any has; ties go to the less loaded
-replica (``load_key``). KV memory, not prefill, is what fills first on every family of the
-routing suite, and a replica without free blocks makes a request wait for running ones to
-finish: on the suite's 26 tuning traces fit-first raised goodput 1.031x at 4 replicas and
-1.036x at 8 over the same policy without it, token hits -0.06 / -0.04 points
-(the ``kv_admission`` study, docs/studies.md); applied to a session's home too it cost agent traffic
-0.974x / 0.929x (a moved turn recomputes its context), so a home is judged before it.
-The queue share (q_r) exists because replicas publish whole prompts (of the requests
-without a first token, waiting or being prefilled: what the vLLM engine can see): on agent
-traffic, mostly cached, that overstated the work at the replica holding a session's or an
-agent prompt's context several times, so under load turns and first turns left it and
-copied their context elsewhere; on the 26 tuning traces it raised goodput 1.014x at 4
-replicas (agent 1.099x) and 1.023x at 8 over whole prompts, as much as an oracle of each
-queue's uncached tokens (the ``queue_share`` study, docs/studies.md; measured while the simulator
-published waiting requests only). The queue counts over the prefill lanes in the cost
-(``queue_per_lane``) since the simulator publishes running prefills as the engines do: a
-running prefill holds one lane of several, and weighed 1:1 against the request's own
-uncached tokens it drove requests off the replicas holding their prefixes (26 tuning traces:
-the policy with the whole queue in its cost scored 1.054x / 1.045x at 4 / 8 replicas fed
-the old figure than fed the engines'; counting the queue per lane scores 1.019x / 1.016x
-the whole queue, a third of that back, the ``prefill_queue`` study, docs/studies.md).
-The load weight stays 1.0: cross-validation with 0.5 among the candidates picked 0.5 by
-about 1% of mean log goodput, but on tuning points no default was chosen on 0.5 scored
-0.949x (95% interval 0.845-1.019) and 1.009x (0.990-1.028) at 4 / 8 replicas, neither
-interval above 1.0 as the rule fixed before the run required (the ``load_weight`` study, docs/studies.md).
-On those points the admission factor 1.5 scored 1.022x (1.000-1.052) at 4 replicas and
-0.971x (0.921-1.013) at 8, so 2.0 stays by the same rule; the footprint term and the queue
-per lane held there (the ``fresh_points`` study, docs/studies.md).
-Defaults: load_weight 1.0, request_cost_tokens 128,
-evict_weight 0.5, host_cost 0.08, sticky_trust 0.5, template_trust 0.1, churn_weight 0.5,
-churn_window 256, footprint_weight 0.5, footprint_window 96, track_inflight off,
-admission_factor 2.0, prefill_lanes 4, template_key_blocks 1, session_sticky on,
-session_hold_frac 0.5, fit_first on, queue_share on, queue_per_lane on. TTFT admission replaced a fixed balance guard (outstanding within
-1.5 x the mean): on 26 suite tuning traces it raised goodput against sglang + unicache
-from 1.098x to 1.143x at 4 replicas and from 1.189x to 1.299x at 8, and token hits
-against sglang + unicache from -0.70 to +0.21 points at 4 and from -2.09 to +0.09 at 8;
-max load imbalance rose from 1.63 to 2.02 at 8 (the ``routing_admission`` study, docs/studies.md). The
-admission factor 2.0 comes from that study (3.0 ties it there: 1.138x and 1.298x) and is
-``bench.routing_report``'s leave-one-family-out pick of goodput over the suite's 25 tuning
-traces (with the queue per lane: mean log goodput -0.170, against -0.190 for 1.5 and
--0.193 for 3.0; 7 of 7 held-out families pick it). The queue per lane (7 of 7 held-out
-families; -0.170 against -0.190 without) and the footprint term at 0.5 (4 of 7; the other
-3 pick 0.0, all-family -0.170 against -0.175) were chosen by that cross-validation, and
-the churn term at 0.5, fit-first on and the queue share on by its earlier form over 48
-settings on 7 tuning traces (7, 6 and 7 of 7 held-out families); the other terms by replaying three seeds of the default mix and the Mooncake
-trace at 4 replicas (the ``routing_mix`` study, docs/studies.md, with an ablation of each term); the
-footprint window by seeds 0-8 of the mix, checked on seeds 9-17
-(the ``routing_footprint`` study, docs/studies.md).
-
-In a fleet of more than ``candidate_window`` replicas (default 32), unless TTFT admission
-can decide among the replicas holding the prompt alone (then exactly as over the whole
-fleet), the replicas weighed (admission, fit-first, cost) are the candidates of
-``unicache.router.routing.candidates``: those that could hit the prompt (the index's
-holders of its first block, host-tier runs, blocks in flight, the session's replica, the
-template's home), the fleet's least-queued replica, and a window of 32 others that moves
-by its size with each routed request; the churn term's mean and the template home stay
-the whole fleet's. A prefix more than half the fleet holds (a system prompt everywhere)
-sets no replica apart: ``LocalityView.prefix_match_groups`` groups its holders by length
-and they are weighed only where the window brings them in (``matches_of_candidates``).
-A prompt no replica holds, or one most of them hold, then costs a decision about what it
-costs in a fleet of 32 instead of growing with the fleet (``bench.fleet_scale``). The
-window's size is the smallest of 32, 64 and 128 that held TTFT mean and p99 within 1.05x
-and token hits within 0.5 points of weighing every replica over six tuning workloads at
-256 and 1,024 replicas, a rule fixed before the run (the ``candidate_window`` study, docs/studies.md:
-0.982x / 0.992x, -0.04 points). Fleets up to the window decide exactly as without it:
-every figure at 4 and 8 replicas is unchanged.
-
-There is no balance rule beyond TTFT admission, though load imbalance (max / mean
-computed prefill tokens per replica) runs above 1.2: every bound measured lost goodput
-(the ``routing_balance`` study, docs/studies.md, the admission study's 26 tuning traces). Bounding each
-replica's decayed computed tokens (the churn term's inflow, plus the request's uncached
-tokens there) at 1.2 x the mean after placement, for requests without a kept session
-home, cut max imbalance from 1.63 to 1.22 at 4 replicas and from 2.02 to 1.54 at 8
-(traces within 1.2: 19 -> 24 and 10 -> 19 of 26), for goodput against sglang + unicache
-1.143x -> 1.127x and 1.299x -> 1.286x and token hits +0.21 -> -0.20 and +0.09 -> -0.63
-points; applied to session turns too (a session leaves a home that ran ahead), 1.18 and
-1.48 for 1.116x and 1.135x. Where one explicit session computes more than 1.2 x a
-replica's mean share, no placement that keeps sessions home reaches 1.2 (the study's
-session-atomic bound: 1.86 and 1.40 on two chat report traces at 8 replicas).
-
-The footprint term is what the churn term cannot see: churn is a flow (new blocks per
-request), a live session's context is a stock that stays cached between its turns. Long
-agent sessions grow to most of one replica's cache; without the term, unrelated work
-keeps landing beside them and the two evict each other.
-
-Task and template locality come mostly from chained hashes: requests of one template
-(or one agent system prompt) share leading hashes, so ``m_r`` steers them to where those
-blocks live, and the churn term spreads *new* prefixes instead of piling them on the
-replica that happens to hold a tenant's short system prompt. ``inflight`` and ``home``
-cover what the index cannot know yet (a burst of one new template before its blocks are
-published); the sticky floor keeps sessions in place while the index is unavailable.
-The home is keyed on the template's first ``template_key_blocks`` blocks, not on its
-last block: a template's known extent (``template_blocks``, from the classifier's
-popularity counts) grows as it warms, and a key on its last block moved the home each
-time, scattering the template's copies (mean of mix seeds 0-5, 4 replicas x 1%: 47.5%
-token hits keyed on the last block, 47.9 without homes, 48.3 keyed on the first block).
-Where every template shares a first block (a common system prompt), raise it.
+Why the terms: churn is a flow (new blocks per request: what evicts cached blocks and
+the prefill work a replica computes), a live session's context is a stock that stays
+cached between its turns (the footprint); without the footprint term unrelated work
+lands beside long agent sessions and the two evict each other. Task and template
+locality come mostly from chained hashes (requests of one template share leading
+hashes); ``inflight`` and ``home`` cover what the index cannot know yet, and the sticky
+floor keeps sessions in place while the index is unavailable. The home is keyed on the
+template's first ``template_key_blocks`` blocks, not its last, because a template's
+known extent grows as it warms. The defaults (``CacheAwareConfig``) and the
+measurements that chose them are in docs/routing.md.
 
 Invariants:
     * Router-side state is bounded: at most ``max_sessions`` sessions holding at most
@@ -252,11 +174,9 @@ def common_prefix_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
 
 # The churn window scales with the fleet beyond 8 replicas: the default window (256
 # requests) holds 32 requests per replica at 8, the largest fleet the defaults were chosen
-# at. With a fixed 256 at 1,024 replicas most replicas had no inflow in the window, and
-# one that had just taken a new prompt stood at hundreds of times the mean, so the churn
-# term outweighed any prefix hit there: on Mooncake at 1,024 replicas TTFT p99 9.39 s and
-# imbalance 4.49 with the fixed window, 5.64 s and 2.22 with this one; on a generated mix
-# within 3% (the ``churn_window_fleet`` study, docs/studies.md).
+# at. With a fixed window in a large fleet most replicas have no inflow in it, and one that
+# has just taken a new prompt stands at hundreds of times the mean, so the churn term
+# outweighs any prefix hit there (docs/routing.md, the ``churn_window_fleet`` study).
 CHURN_WINDOW_PER_REPLICA = 32
 _INF = float("inf")
 
@@ -278,21 +198,20 @@ class _InFlight:
     hashes: list[BlockHash]
 
 
-@register_routing_policy("cache_aware")
-class CacheAwarePolicy(RoutingPolicy):
-    """Prefix locality against load and churn, with stickiness, template homes and
-    eviction risk. The formula and its defaults are in the module docstring. Implements
-    ``SharesRouterState``: several routers share its sessions and traffic-derived terms.
+@dataclass(frozen=True, slots=True)
+class CacheAwareConfig:
+    """``CacheAwarePolicy``'s tunables: what an operator may set, with the defaults the
+    policy was tuned at (why each default: docs/routing.md). Frozen; ``__post_init__``
+    refuses a value out of range with a ValueError naming the field.
 
-    Args:
+    Attributes:
         load_weight: tokens of cost per token of work queued ahead (default 1.0).
         request_cost_tokens: work, in prompt tokens, one outstanding request stands for
             (default 128).
         evict_weight: how much full eviction pressure discounts a matched block (0.5).
         host_cost: a promoted token's cost in prefilled tokens: H2D copy time per token
-            over prefill time per token (default 0.08: 128 KiB of KV per token at 25 GB/s
-            is 5.2 us, against 68 us per token of the simulator's prefill fit at 512
-            tokens; ``unicache.sim.timing``). 1 ignores host tiers.
+            over prefill time per token (default 0.08; ``unicache.sim.timing``). 1 ignores
+            host tiers.
         sticky_trust: share of the previous turn's prefix credited to the session's
             last replica while the view is stale for it (default 0.5).
         template_trust: share of a template's blocks credited to its home (default 0.1).
@@ -305,22 +224,14 @@ class CacheAwarePolicy(RoutingPolicy):
             request's tokens per replica cache share (default 0.5; 0 turns it off).
         footprint_window: a session's footprint decays by 1 - 1/footprint_window per
             routed request (default 96).
-        track_inflight: count blocks of unfinished requests as held (default False: on
-            the suite's tuning traces it scored 0.991x / 0.992x the goodput without it at
-            4 / 8 replicas with the index lagging 50 ms as live, 0.994x / 0.986x with a
-            fresh one: the ``index_lag`` study, docs/studies.md).
+        track_inflight: count blocks of unfinished requests as held (default False).
         admission_factor: a replica is admissible while its estimated TTFT is at most
             this times the best replica's (default 2.0; ``TTFTAdmission``).
         prefill_lanes: what a replica's queue is divided by in the TTFT estimate and the
-            load term (default 4, the simulator's prefill lanes). An engine that steps
-            (vLLM, the built-in one) drains its queue at the speed of one request's
-            prefill, which suggests 1, but on the step service model 4 still scores best:
-            1 lane 0.986x / 0.932x its goodput at 4 / 8 replicas on the tuning traces, 2
-            lanes 0.985x / 0.988x, 4 every held-out family's pick
-            (the ``step_lanes`` study, docs/studies.md): KV memory, not prefill, binds there.
+            load term (default 4, the simulator's prefill lanes).
         session_sticky: a session's next turn goes to its previous turn's replica unless
             that replica is dead, not admissible or lost the session's blocks (default
-            True; False leaves sessions to the cost, as before).
+            True; False leaves sessions to the cost).
         session_hold_frac: the share of the session's prefix (common prefix with its
             previous turn) the index must show on the home replica for it to count as
             holding the session (default 0.5).
@@ -332,102 +243,207 @@ class CacheAwarePolicy(RoutingPolicy):
             router (with the terms exchange: every router) sent (default True; False:
             whole prompts, as replicas publish them). Fit-first's room and the eviction
             pressure keep whole prompts: a queued request claims its cached blocks too.
+        queue_per_lane: the load term counts the queue over ``prefill_lanes`` (default
+            True; False: the whole queue).
         virtual_nodes: points per replica on the template ring (default 160).
         template_key_blocks: the home is the ring owner of the hash of block
             min(template_blocks, template_key_blocks) - 1 (default 1: the first block, a
             key that stays put while the template's known extent grows; 0: the template's
             last block).
+        max_sessions / max_inflight: bounds on router-side state (default 100,000 each).
+        max_session_blocks: bound on the prompt hashes the remembered sessions hold in all
+            (default 4,000,000; the router derives it from its memory budget,
+            ``unicache.router.memory``).
         candidate_window: in a fleet of more than this many replicas, a decision weighs
             the replicas that could hit the prompt and this many others, a window that
             moves with each routed request (``unicache.router.routing.candidates``;
             default 32; 0: every replica). Fleets up to it decide as without it.
-        max_sessions / max_inflight: bounds on router-side state.
-        max_session_blocks: bound on the prompt hashes the remembered sessions hold in all
-            (default 4,000,000; the router derives it from its memory budget,
-            ``unicache.router.memory``).
     """
 
-    def __init__(
-        self,
-        load_weight: float = 1.0,
-        request_cost_tokens: float = 128.0,
-        evict_weight: float = 0.5,
-        host_cost: float = 0.08,
-        sticky_trust: float = 0.5,
-        template_trust: float = 0.1,
-        churn_weight: float = 0.5,
-        churn_window: int = 256,
-        footprint_weight: float = 0.5,
-        footprint_window: int = 96,
-        track_inflight: bool = False,
-        admission_factor: float = 2.0,
-        prefill_lanes: int = 4,
-        session_sticky: bool = True,
-        session_hold_frac: float = 0.5,
-        fit_first: bool = True,
-        queue_share: bool = True,
-        queue_per_lane: bool = True,
-        virtual_nodes: int = 160,
-        template_key_blocks: int = 1,
-        max_sessions: int = 100_000,
-        max_inflight: int = 100_000,
-        max_session_blocks: int = 4_000_000,
-        candidate_window: int = 32,
-    ):
-        if churn_window <= 0 or footprint_window <= 0:
+    load_weight: float = 1.0
+    request_cost_tokens: float = 128.0
+    evict_weight: float = 0.5
+    host_cost: float = 0.08
+    sticky_trust: float = 0.5
+    template_trust: float = 0.1
+    churn_weight: float = 0.5
+    churn_window: int = 256
+    footprint_weight: float = 0.5
+    footprint_window: int = 96
+    track_inflight: bool = False
+    admission_factor: float = 2.0
+    prefill_lanes: int = 4
+    session_sticky: bool = True
+    session_hold_frac: float = 0.5
+    fit_first: bool = True
+    queue_share: bool = True
+    queue_per_lane: bool = True
+    virtual_nodes: int = 160
+    template_key_blocks: int = 1
+    max_sessions: int = 100_000
+    max_inflight: int = 100_000
+    max_session_blocks: int = 4_000_000
+    candidate_window: int = 32
+
+    def __post_init__(self) -> None:
+        if self.churn_window <= 0 or self.footprint_window <= 0:
             raise ValueError("churn_window and footprint_window must be positive")
-        if template_key_blocks < 0:
+        if self.template_key_blocks < 0:
             raise ValueError("template_key_blocks must be >= 0")
-        if not 0.0 <= session_hold_frac <= 1.0:
+        if not 0.0 <= self.session_hold_frac <= 1.0:
             raise ValueError("session_hold_frac must be in [0, 1]")
-        self.session_sticky = session_sticky
-        self.session_hold_frac = session_hold_frac
-        self.fit_first = fit_first
-        self.queue_share = queue_share
-        self.queue_per_lane = queue_per_lane
-        self.load_weight = load_weight
-        self.request_cost_tokens = request_cost_tokens
-        self.evict_weight = evict_weight
-        if not 0.0 <= host_cost <= 1.0:
+        if not 0.0 <= self.host_cost <= 1.0:
             raise ValueError("host_cost must be in [0, 1]")
-        self.host_cost = host_cost
-        self.sticky_trust = sticky_trust
-        self.template_trust = template_trust
-        self.churn_weight = churn_weight
-        self.track_inflight = track_inflight
-        self.admission = TTFTAdmission(admission_factor, prefill_lanes)
-        self.max_sessions = max_sessions
-        self.max_inflight = max_inflight
-        self.max_session_blocks = max_session_blocks
+        if not self.admission_factor >= 1.0:
+            raise ValueError(f"admission_factor must be >= 1, got {self.admission_factor}")
+        if self.prefill_lanes < 1:
+            raise ValueError(f"prefill_lanes must be >= 1, got {self.prefill_lanes}")
+        if self.virtual_nodes <= 0:
+            raise ValueError(f"virtual_nodes must be positive, got {self.virtual_nodes}")
+        if self.candidate_window < 0:
+            raise ValueError(f"candidate_window must be >= 0 (0: every replica), got {self.candidate_window}")
+
+
+@dataclass(slots=True)
+class _Candidates:
+    """What the candidates stage hands the later ones: the replicas weighed, their index
+    matches, the admissible set when the holders alone decided it (else None), the
+    template home when it was needed already, and the host-tier runs when looked up
+    (``runs_known``; None: no tiers)."""
+
+    replicas: Sequence[ReplicaLoad]
+    matches: dict[str, int]
+    admissible: list[ReplicaLoad] | None = None
+    template_home: tuple[str | None, float] | None = None
+    runs_known: bool = False
+    runs: dict | None = None
+
+
+@register_routing_policy("cache_aware")
+class CacheAwarePolicy(RoutingPolicy):
+    """Prefix locality against load and churn, with stickiness, template homes and
+    eviction risk; the formula and the stages of a decision are in the module docstring.
+    Implements ``SharesRouterState``: several routers share its sessions and
+    traffic-derived terms.
+
+    Args:
+        config: the tunables (default ``CacheAwareConfig()``). The policy's attributes of
+            the same names hold them, as the decision reads them per request.
+    """
+
+    config_class = CacheAwareConfig
+
+    def __init__(self, config: CacheAwareConfig | None = None):
+        if config is None:
+            config = CacheAwareConfig()
+        elif not isinstance(config, CacheAwareConfig):
+            raise TypeError(f"CacheAwarePolicy takes a CacheAwareConfig, got {type(config).__name__}")
+        self.config = config
+        self.session_sticky = config.session_sticky
+        self.session_hold_frac = config.session_hold_frac
+        self.fit_first = config.fit_first
+        self.queue_share = config.queue_share
+        self.queue_per_lane = config.queue_per_lane
+        self.load_weight = config.load_weight
+        self.request_cost_tokens = config.request_cost_tokens
+        self.evict_weight = config.evict_weight
+        self.host_cost = config.host_cost
+        self.sticky_trust = config.sticky_trust
+        self.template_trust = config.template_trust
+        self.churn_weight = config.churn_weight
+        self.track_inflight = config.track_inflight
+        self.admission = TTFTAdmission(config.admission_factor, config.prefill_lanes)
+        self.max_sessions = config.max_sessions
+        self.max_inflight = config.max_inflight
+        self.max_session_blocks = config.max_session_blocks
         self.session_blocks = 0  # hashes held by the remembered sessions
-        self.ring = HashRing(virtual_nodes)
-        self.template_key_blocks = template_key_blocks
-        self.churn_window = churn_window
-        self._decay = 1.0 - 1.0 / churn_window
+        self.ring = HashRing(config.virtual_nodes)
+        self.template_key_blocks = config.template_key_blocks
+        self.churn_window = config.churn_window
+        self._decay = 1.0 - 1.0 / config.churn_window
         self._inflow = DecayingTotals()
-        self.footprint_weight = footprint_weight
-        self.footprint_window = footprint_window
-        self._foot_decay = 1.0 - 1.0 / footprint_window
+        self.footprint_weight = config.footprint_weight
+        self.footprint_window = config.footprint_window
+        self._foot_decay = 1.0 - 1.0 / config.footprint_window
         self._footprint = DecayingTotals()
         self._routed = 0  # requests routed so far (by every router, when sharing terms): the decays' clock
         self._outbox: list[RoutedEvent] | None = None  # this router's events, when sharing terms
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._inflight: OrderedDict[str, _InFlight] = OrderedDict()
         self._pending: dict[str, dict[BlockHash, int]] = {}
-        self._queues = QueueShares(max_inflight)
-        self._window = CandidateWindow(candidate_window)
+        self._queues = QueueShares(config.max_inflight)
+        self._window = CandidateWindow(config.candidate_window)
 
-    # -- decision -------------------------------------------------------------------
+    # -- decision: the stages the module docstring names, in order ----------------------
 
-    def _admissible(self, replicas: Sequence[ReplicaLoad], n_tokens: int, block_size: int,
-                    matches: dict[str, int]) -> list[ReplicaLoad]:
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision:
+        cls = request.cls
+        prev = self._sessions.get(session_key(cls.tenant, cls.session_id)) if cls.session_id is not None else None
+        cand = self._candidates(request, replicas, index, prev)
+        admissible = cand.admissible
+        if admissible is None:
+            admissible = self._admission(cand.replicas, request.num_prompt_tokens, request.block_size, cand.matches)
+        if prev is not None and self.session_sticky:
+            kept = self._session_home(prev, request.block_hashes, admissible, index, cand.matches)
+            if kept is not None:
+                return kept
+        if self.fit_first:
+            admissible = self._fit(admissible, request.num_prompt_tokens, request.block_size)
+        return self._score(request, replicas, admissible, index, cand, prev)
+
+    def _candidates(self, request: RoutingRequest, fleet: Sequence[ReplicaLoad], index: LocalityView,
+                    prev: _Session | None) -> _Candidates:
+        """Stage 1: the replicas a decision weighs and their index matches. The whole fleet
+        up to ``candidate_window`` replicas; beyond it, the holders alone when TTFT
+        admission can decide among them (then the admissible set comes with them), else
+        the replicas that could hit the prompt plus a moving window of the others
+        (``unicache.router.routing.candidates``)."""
+        hashes = request.block_hashes
+        window = self._window
+        if not window.applies(len(fleet)):
+            return _Candidates(fleet, index.prefix_matches(hashes))  # NOTE: one walk; replicas left out match 0
+        # a large fleet. A prefix more than half the fleet holds (a system prompt
+        # everywhere) sets no replica apart: its holders come grouped by length, and
+        # count only where the window below or another reason brings them in
+        matches, groups = index.prefix_match_groups(hashes, len(fleet) // 2)
+        if not groups:
+            # the holders clearly fastest: TTFT admission decides among them alone,
+            # exactly as over the whole fleet, and no window is needed
+            admissible = self.admission.decided_by_matches(fleet, request.num_prompt_tokens, request.block_size,
+                                                           matches, self._queues.share)
+            if admissible is not None:
+                return _Candidates(fleet, matches, admissible)
+        # weigh the replicas that could hit the prompt and a moving window of the
+        # others; the template home and the churn term's mean are still the whole fleet's
+        template_home = self._template_home(request, fleet)
+        keep: list[str | None] = [*matches, template_home[0], prev.replica_id if prev is not None else None]
+        # host-tier runs start past each replica's GPU match (a grouped replica's: its
+        # group's length); a replica with one is kept
+        runs = index.tier_runs(hashes, matches, groups) if self.host_cost < 1.0 else None
+        if runs:
+            keep.extend(runs)
+        if self._pending and hashes:
+            first = hashes[0]
+            keep.extend(rid for rid, pend in self._pending.items() if first in pend)
+        replicas = window.select(fleet, keep, self._routed)
+        if groups:
+            matches = matches_of_candidates(matches, groups, replicas)
+        return _Candidates(replicas, matches, None, template_home, True, runs)
+
+    def _admission(self, replicas: Sequence[ReplicaLoad], n_tokens: int, block_size: int,
+                   matches: dict[str, int]) -> list[ReplicaLoad]:
+        """Stage 2: the replicas whose estimated TTFT is within ``admission_factor`` of the
+        best (``TTFTAdmission``), in their order."""
         return self.admission.admissible(replicas, n_tokens, block_size, matches, self._queues.share)
 
-    def _with_room(self, admissible: list[ReplicaLoad], n_tokens: int, block_size: int) -> list[ReplicaLoad]:
-        """Fit-first's filter (``with_room``)."""
+    def _fit(self, admissible: list[ReplicaLoad], n_tokens: int, block_size: int) -> list[ReplicaLoad]:
+        """Stage 4 (``fit_first``): of the admissible replicas, those with room for the
+        request's blocks (``with_room``), or all of them when none has."""
         return with_room(admissible, n_tokens, block_size)
 
     def _template_home(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad]) -> tuple[str | None, float]:
+        """The template's home (the ring owner of its key block, an offered replica) and
+        the blocks credited there; (None, 0.0) without a template."""
         cls = request.cls
         tb = cls.template_blocks
         if not (cls.template and self.template_trust and 0 < tb <= len(request.block_hashes)):
@@ -445,60 +461,22 @@ class CacheAwarePolicy(RoutingPolicy):
         k = min(tb, self.template_key_blocks) if self.template_key_blocks else tb
         return ring.owner(request.block_hashes[k - 1].hex(), live), self.template_trust * tb
 
-    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision:
+    def _score(self, request: RoutingRequest, fleet: Sequence[ReplicaLoad], admissible: list[ReplicaLoad],
+               index: LocalityView, cand: _Candidates, prev: _Session | None) -> RouteDecision:
+        """Stage 5: argmin cost_r over ``admissible`` (the module docstring's formula), ties
+        to the less loaded (``load_key``). ``fleet``: every live replica offered (the churn
+        term's mean and the template home are the fleet's)."""
         hashes = request.block_hashes
         bs = request.block_size
         n_tokens = request.num_prompt_tokens
-        cls = request.cls
-
-        prev = self._sessions.get(session_key(cls.tenant, cls.session_id)) if cls.session_id is not None else None
-        fleet = replicas
-        template_home: tuple[str | None, float] | None = None
-        runs_known, runs = False, None
-        window = self._window
-        admissible: list[ReplicaLoad] | None = None
-        if not window.applies(len(fleet)):
-            matches = index.prefix_matches(hashes)  # NOTE: one walk; replicas left out match 0
-        else:
-            # a large fleet. A prefix more than half the fleet holds (a system prompt
-            # everywhere) sets no replica apart: its holders come grouped by length, and
-            # count only where the window below or another reason brings them in
-            matches, groups = index.prefix_match_groups(hashes, len(fleet) // 2)
-            if not groups:
-                # the holders clearly fastest: TTFT admission decides among them alone,
-                # exactly as over the whole fleet, and no window is needed
-                admissible = self.admission.decided_by_matches(fleet, n_tokens, bs, matches, self._queues.share)
-            if admissible is None:
-                # weigh the replicas that could hit the prompt and a moving window of the
-                # others (``candidates``); the template home and the churn term's mean
-                # are still the whole fleet's
-                template_home = self._template_home(request, fleet)
-                keep: list[str | None] = [*matches, template_home[0], prev.replica_id if prev is not None else None]
-                # host-tier runs start past each replica's GPU match (a grouped replica's:
-                # its group's length); a replica with one is kept
-                runs_known, runs = True, (index.tier_runs(hashes, matches, groups) if self.host_cost < 1.0 else None)
-                if runs:
-                    keep.extend(runs)
-                if self._pending and hashes:
-                    first = hashes[0]
-                    keep.extend(rid for rid, pend in self._pending.items() if first in pend)
-                replicas = window.select(fleet, keep, self._routed)
-                if groups:
-                    matches = matches_of_candidates(matches, groups, replicas)
-        if admissible is None:
-            admissible = self._admissible(replicas, n_tokens, bs, matches)
-        if prev is not None and self.session_sticky:
-            kept = self._session_home(prev, hashes, admissible, index, matches)
-            if kept is not None:
-                return kept
-        if self.fit_first:
-            admissible = self._with_room(admissible, n_tokens, bs)
+        matches = cand.matches
         sticky_id, sticky_blocks = None, 0.0
         if prev is not None and self.sticky_trust:
             sticky_id = prev.replica_id
             sticky_blocks = self.sticky_trust * common_prefix_blocks(hashes, prev.hashes)
         foot_scale = self.footprint_weight * n_tokens if self._footprint else 0.0
         own_id, own_share = (prev.replica_id, self._session_share(prev)) if prev is not None else (None, 0.0)
+        template_home = cand.template_home
         home_id, home_blocks = template_home if template_home is not None else self._template_home(request, fleet)
         churn_scale, mean_inflow = 0.0, 0.0
         if self.churn_weight and self._inflow:
@@ -524,7 +502,9 @@ class CacheAwarePolicy(RoutingPolicy):
         per_lane = 1.0 / self.admission.prefill_lanes if self.queue_per_lane else 0.0
         host_weight = 1.0 - self.host_cost
         # runs through both tiers past each replica's GPU match, for the replicas that have one
-        if not runs_known:
+        if cand.runs_known:
+            runs = cand.runs
+        else:
             runs = index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None
         best_r: ReplicaLoad | None = None
         best_cost, best_m, best_reason = _INF, 0.0, ""

@@ -74,7 +74,8 @@ class ReplayConfig:
             (default 16384; the first request always fits).
         timing: the prefill/decode time model.
         policy_kwargs: extra constructor arguments of the eviction policy.
-        router_kwargs: extra constructor arguments of the routing policy (ablations).
+        router_kwargs: keywords of the routing policy, as ``make_routing_policy`` takes them
+            (``cache_aware``: fields of its ``CacheAwareConfig``; ablations).
         router_factory: builds the routing policy from ``router_kwargs`` instead of the
             registry (a study's variant that production does not register; ``router``
             still names it in the results).

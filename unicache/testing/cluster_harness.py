@@ -319,9 +319,9 @@ def prompt_text(tag: str, n: int) -> str:
 def locality_first():
     """cache_aware without its churn term, for scenarios that need a request to land where
     its prefix is cached (the fault handling under test does not depend on the policy)."""
-    from unicache.router.routing.cache_aware import CacheAwarePolicy
+    from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy
 
-    return CacheAwarePolicy(churn_weight=0.0)
+    return CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0))
 
 
 def prompt_hashes(router: "RouterHandle", prompt: str) -> list:
