@@ -48,13 +48,15 @@ def apply_events(index: LocalityIndex, backend_id: str, events: list[KVEvent]) -
     host_stored: list = []
     host_removed: list = []
 
+    runs = (stored, parents, removed, host_stored, host_removed)
+
     def flush(cleared: bool = False) -> None:
         if stored or removed or host_stored or host_removed or cleared:
             index.apply_events_unchecked(
                 backend_id, list(stored), list(removed), list(parents), cleared=cleared,
                 host_stored=list(host_stored), host_removed=list(host_removed),
             )
-            for run in (stored, parents, removed, host_stored, host_removed):
+            for run in runs:
                 run.clear()
 
     for ev in events:
@@ -71,7 +73,8 @@ def apply_events(index: LocalityIndex, backend_id: str, events: list[KVEvent]) -
                 flush()
             (host_removed if ev.tier == Tier.HOST else removed).append(ev.block_hash)
         elif isinstance(ev, AllBlocksCleared):
-            stored.clear(), parents.clear(), removed.clear(), host_stored.clear(), host_removed.clear()
+            for run in runs:  # what came before the clear in this batch is gone with it
+                run.clear()
             flush(cleared=True)
     flush()
 
