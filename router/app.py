@@ -88,7 +88,9 @@ class RouterApp:
     """The router process.
 
     Args:
-        config: settings (``unicache.router.config``).
+        config: settings (``unicache.router.config``), validated by ``build_config``
+            (``RouterConfig.validate``); whether Redis is followed is the config's call
+            (``RouterConfig.follows_redis``).
         policy: a routing policy object (default: built from ``config.routing_policy``).
         subscriber_kwargs: extra ``RedisSubscriber`` arguments, which replace the defaults
             (tests shorten intervals, or answer ``fetch_summary`` for simulated replicas).
@@ -122,22 +124,8 @@ class RouterApp:
                 config.first_token_timeout_s, config.first_token_timeout_floor_s, config.first_token_timeout_multiplier
             )
         self.subscriber: RedisSubscriber | None = None
-        if config.use_redis and not config.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise UsageError("redis_url must start with redis://, rediss:// or unix://")
-        if config.use_redis and config.redis_tls_ca and not config.redis_url.startswith("rediss://"):
-            raise UsageError("redis_tls_ca needs a rediss:// redis_url")
         self.backend_specs = config.backend_specs()
-        if config.use_redis and cluster_key is None and (self.backend_specs or config.backend_discovery):
-            # NOTE: a fleet of stock vLLM servers needs no Redis: their own events feed the
-            # index. Replicas of ours would need the key; without it none are followed.
-            log.info("no cluster key: not following replicas through Redis; routing vLLM backends only")
-            config.use_redis = False
-        if config.use_redis and cluster_key is None:
-            raise UsageError(
-                "following replicas through Redis needs the cluster key (set UNICACHE_CLUSTER_KEY or --cluster-key-file): "
-                "only state signed with it is trusted"
-            )
-        if config.use_redis:
+        if config.follows_redis():
             self.subscriber = RedisSubscriber(
                 self.cluster,
                 config.redis_url,

@@ -6,6 +6,10 @@ environment variable ``UNICACHE_<FIELD NAME IN CAPITALS>``, and the command-line
 ``--<field-name-with-dashes>``. The flags are generated from the fields, so a new setting
 needs exactly one line here.
 
+The config validates itself: ``RouterConfig.validate`` (``build_config`` calls it) refuses
+a setting that cannot work with a UsageError naming it, and ``follows_redis`` decides
+whether Redis is followed; ``RouterApp`` only wires what they allow.
+
 Secrets (``salt_secret``, ``redis_password``, ``api_keys``) are never included in
 ``describe()`` output, logs or error messages.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -28,6 +33,8 @@ from unicache.router.routing.registry import ROUTING_POLICIES
 from unicache.router.vllm_fleet.fleet import DnsDiscovery
 from unicache.router.vllm_fleet.spec import BackendSpec, backend_entries, parse_backends
 from unicache.state_auth import parse_cluster_key
+
+log = logging.getLogger(__name__)
 SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys", "cluster_key", "admin_key"})
 
 
@@ -182,6 +189,64 @@ class RouterConfig:
             setattr(self, name, settings.resolve_secret(getattr(self, name), getattr(self, name + "_file"), name))
         return self
 
+    def validate(self) -> None:
+        """UsageError naming the setting for any setting that cannot work; nothing else.
+
+        ``build_config`` calls it on what it merged. It checks the settings alone: the
+        cluster key, which may be absent when only vLLM backends are routed, is checked
+        where the router decides whether to follow Redis (``follows_redis``).
+        """
+        self.backend_specs()  # a bad entry is a UsageError now, not at start-up
+        if self.backend_discovery:
+            DnsDiscovery(self.backend_discovery)
+        if self.block_size <= 0:
+            raise UsageError("block_size must be positive")
+        if self.memory_budget_mib < 64:
+            raise UsageError(f"memory_budget_mib must be >= 64, got {self.memory_budget_mib}")
+        if self.workers < 1:
+            raise UsageError(f"workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and (self.grpc_port == 0 or self.http_port == 0):
+            raise UsageError("--workers > 1 needs fixed --grpc-port and --http-port (with port 0 each process would pick its own)")
+        shares_sessions(self)  # a bad value is a UsageError now, not at start-up
+        if self.session_ttl_s <= 0 or self.session_timeout_s <= 0 or self.terms_interval_s <= 0:
+            raise UsageError("session_ttl_s, session_timeout_s and terms_interval_s must be positive")
+        check_routing_policy(self.routing_policy)
+        check_http_settings(self)
+        tls = (self.replica_tls_ca, self.replica_tls_cert, self.replica_tls_key)
+        if any(tls) and not all(tls):
+            raise UsageError("mutual TLS with replicas needs all of replica_tls_ca, replica_tls_cert and replica_tls_key")
+        if self.replica_transport not in TRANSPORTS:
+            raise UsageError(f"replica_transport must be one of {', '.join(TRANSPORTS)}, got {self.replica_transport!r}")
+        self.check_redis()
+
+    def check_redis(self) -> None:
+        """UsageError for Redis settings that cannot work while ``use_redis``: a URL that
+        is not Redis, a TLS CA without ``rediss://``."""
+        if self.use_redis and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise UsageError("redis_url must start with redis://, rediss:// or unix://")
+        if self.use_redis and self.redis_tls_ca and not self.redis_url.startswith("rediss://"):
+            raise UsageError("redis_tls_ca needs a rediss:// redis_url")
+
+    def follows_redis(self) -> bool:
+        """Whether the router follows replicas through Redis: ``use_redis``, unless there
+        is no cluster key and it routes vLLM backends (their own events feed the index).
+        UsageError for Redis settings that cannot work (``check_redis``) and for following
+        Redis without the cluster key: only state signed with it is trusted."""
+        if not self.use_redis:
+            return False
+        self.check_redis()
+        if self.cluster_key_bytes() is not None:
+            return True
+        if self.backend_specs() or self.backend_discovery:
+            # NOTE: a fleet of stock vLLM servers needs no Redis: their own events feed the
+            # index. Replicas of ours would need the key; without it none are followed.
+            log.info("no cluster key: not following replicas through Redis; routing vLLM backends only")
+            return False
+        raise UsageError(
+            "following replicas through Redis needs the cluster key (set UNICACHE_CLUSTER_KEY or --cluster-key-file): "
+            "only state signed with it is trusted"
+        )
+
     def cluster_key_bytes(self) -> bytes | None:
         if not self.cluster_key:
             return None
@@ -260,27 +325,7 @@ def build_config(
     extra = getattr(args, "backend_list", None) or []
     if extra:
         cfg.backends = json.dumps([*backend_entries(cfg.backends), *extra])
-    cfg.backend_specs()  # a bad entry is a UsageError now, not at start-up
-    if cfg.backend_discovery:
-        DnsDiscovery(cfg.backend_discovery)
-    if cfg.block_size <= 0:
-        raise UsageError("block_size must be positive")
-    if cfg.memory_budget_mib < 64:
-        raise UsageError(f"memory_budget_mib must be >= 64, got {cfg.memory_budget_mib}")
-    if cfg.workers < 1:
-        raise UsageError(f"workers must be >= 1, got {cfg.workers}")
-    if cfg.workers > 1 and (cfg.grpc_port == 0 or cfg.http_port == 0):
-        raise UsageError("--workers > 1 needs fixed --grpc-port and --http-port (with port 0 each process would pick its own)")
-    shares_sessions(cfg)  # a bad value is a UsageError now, not at start-up
-    if cfg.session_ttl_s <= 0 or cfg.session_timeout_s <= 0 or cfg.terms_interval_s <= 0:
-        raise UsageError("session_ttl_s, session_timeout_s and terms_interval_s must be positive")
-    check_routing_policy(cfg.routing_policy)
-    check_http_settings(cfg)
-    tls = (cfg.replica_tls_ca, cfg.replica_tls_cert, cfg.replica_tls_key)
-    if any(tls) and not all(tls):
-        raise UsageError("mutual TLS with replicas needs all of replica_tls_ca, replica_tls_cert and replica_tls_key")
-    if cfg.replica_transport not in TRANSPORTS:
-        raise UsageError(f"replica_transport must be one of {', '.join(TRANSPORTS)}, got {cfg.replica_transport!r}")
+    cfg.validate()
     return cfg
 
 

@@ -78,13 +78,30 @@ def test_every_setting_has_flag_and_env(tmp_path):
             continue
         valid = {"routing_policy": "sglang", "http_parser": "h11", "event_loop": "asyncio", "memory_budget_mib": "128",
                  "shared_sessions": "on", "replica_transport": "grpc", "backends": "http://h:1,id=v",
-                 "backend_discovery": "dns://vllm:8000?kv-events=5557"}  # checked names
+                 "backend_discovery": "dns://vllm:8000?kv-events=5557", "redis_url": "rediss://h:1/0"}  # checked names
         value = valid.get(f.name) or {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]
         env = {f"UNICACHE_{f.name.upper()}": value}
         if f.name in TLS_TRIO:  # one needs the other two
             env = {f"UNICACHE_{name.upper()}": value for name in TLS_TRIO}
+        if f.name == "redis_tls_ca":  # a CA needs a rediss:// URL
+            env["UNICACHE_REDIS_URL"] = "rediss://h:1/0"
         cfg = build_config(env=env)
         assert str(getattr(cfg, f.name)) in (value, "True")
+
+
+def test_router_config_validates_itself_and_decides_redis():
+    """The checks RouterApp made while wiring are the config's: ``validate`` (which
+    build_config calls) and ``follows_redis``, with the same messages."""
+    with pytest.raises(UsageError, match="^redis_url must start with redis://, rediss:// or unix://$"):
+        RouterConfig(redis_url="http://h:1/0").validate()
+    with pytest.raises(UsageError, match="^redis_tls_ca needs a rediss:// redis_url$"):
+        build_config(overrides={"redis_url": "redis://h:1/0", "redis_tls_ca": "/ca.pem"})
+    RouterConfig(use_redis=False, redis_url="http://h:1/0").validate()  # not followed: not checked
+    assert RouterConfig(use_redis=False).follows_redis() is False
+    with pytest.raises(UsageError, match="^following replicas through Redis needs the cluster key"):
+        RouterConfig().follows_redis()
+    assert RouterConfig(backends="http://h:1,id=v").follows_redis() is False  # vLLM backends only
+    assert RouterConfig(cluster_key="00" * 32).follows_redis() is True
 
 
 def test_auth_keys_tenants_and_salts(tmp_path):
