@@ -16,11 +16,28 @@ replicas publish it; a caller that knows what share of it is uncached passes tha
 ``queue_share[r]``, and the queue counts ``queued_prefill_tokens_r * queue_share[r]``;
 a replica runs ``prefill_lanes`` prefill batches at once.) A replica is *admissible* when
 
-    est_r <= factor * min_r' est_r'
+    est_r <= factor * min_r' est_r'   and it is not saturated:   sat_r <= factor * min_r' sat_r'
+
+    sat_r = est_r + wait_cost * unstarted_r,   unstarted_r = max(0, outstanding_r - running_r)
 
 so the cache-best replica keeps the request unless its queueing delay makes the
 estimated TTFT more than ``factor`` times the best alternative's. The least-estimate
-replica is always admissible, so the set is never empty.
+replica is always admissible, so the set is never empty: when every replica the first
+rule admits is saturated, the admissible set is the replicas within ``factor`` of the
+least ``sat`` (``sat_r <= factor * min sat``), which holds that least one.
+
+Saturation is what lets a hot spot overflow. ``unstarted_r`` counts the requests at r it
+has not started: waiting for a slot there, or sent by the router and not reported
+running yet (``ReplicaLoad.outstanding`` less ``running``); each stands for ``wait_cost``
+prefill tokens of delay (``CacheAwarePolicy``: its ``request_cost_tokens``), whatever
+its prompt: a request queued behind a full replica waits for running ones to finish,
+which a cached prompt does not shorten. Without it, a replica that holds a long prefix
+or a session estimates near 0, and while its queue is that same cached traffic the
+queue's uncached share keeps the queue term near 0 too: no other replica is ever within
+``factor`` of it, however many requests pile up there (issue 39: 583 of 583 requests
+on one replica). Saturation only takes replicas out: decoding requests do not count, a
+replica with no unstarted request is never saturated (``sat = est``), and while no
+replica has one the set is the first rule's alone. ``wait_cost`` 0 turns it off.
 
 A replica the index shows nothing of estimates at least N (its queue only adds), so when
 the best replica that matches estimates below N / factor, no other one can be admissible
@@ -90,10 +107,14 @@ class TTFTAdmission:
             the lowest estimate (>= 1).
         prefill_lanes: prefill batches a replica runs at once (the queue drains this
             many times faster than one request's prefill; >= 1).
+        wait_cost: prefill tokens of delay one unstarted request at a replica stands
+            for in the saturation rule (>= 0; 0, the default here: no replica is
+            saturated; ``CacheAwarePolicy`` passes its ``request_cost_tokens``).
     """
 
     factor: float = 2.0
     prefill_lanes: int = 4
+    wait_cost: float = 0.0
     _positions: ReplicaPositions = field(default_factory=ReplicaPositions, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +122,14 @@ class TTFTAdmission:
             raise ValueError("the admission factor must be >= 1")
         if self.prefill_lanes < 1:
             raise ValueError("prefill_lanes must be >= 1")
+        if not self.wait_cost >= 0.0:
+            raise ValueError("wait_cost must be >= 0")
+
+    def unstarted_delay(self, load: ReplicaLoad) -> float:
+        """``sat - est`` for ``load``'s replica: ``wait_cost`` times its requests not
+        started yet (``outstanding`` less ``running``; 0 when none or ``wait_cost`` is 0)."""
+        u = (load.in_flight if load.in_flight > load.running + load.waiting else load.running + load.waiting) - load.running
+        return self.wait_cost * u if u > 0 and self.wait_cost else 0.0
 
     def estimate(self, num_prompt_tokens: int, block_size: int, matched_blocks: int, load: ReplicaLoad,
                  queue_share: float = 1.0) -> float:
@@ -144,6 +173,16 @@ class TTFTAdmission:
             est = [(u if (u := n - bs * get(r.replica_id, 0)) > 0 else 0) + r.queued_prefill_tokens / lanes
                    for r in replicas]
         cap = self.factor * min(est)
+        if self.wait_cost:
+            # NOTE: ``unstarted_delay`` inlined (the same expression, so the same floats)
+            wc = self.wait_cost
+            delays = [wc * u if (u := (f if (f := r.in_flight) > (o := r.running + r.waiting) else o) - r.running) > 0
+                      else 0.0 for r in replicas]
+            if any(delays):  # else no replica is saturated (sat = est)
+                sat = [e + d for e, d in zip(est, delays)]
+                sat_cap = self.factor * min(sat)
+                return ([r for r, e, x in zip(replicas, est, sat) if e <= cap and x <= sat_cap]
+                        or [r for r, x in zip(replicas, sat) if x <= sat_cap])
         if max(est) <= cap:
             return list(replicas)  # every one (a quiet fleet): no filtering pass
         return [r for r, e in zip(replicas, est) if e <= cap]
@@ -153,16 +192,18 @@ class TTFTAdmission:
         """``admissible``'s result found among the replicas in ``matches`` alone, or None
         when that cannot be decided there.
 
-        Exact: every other replica estimates N + (its queue) >= N (floats: N is exact and
-        adding a non-negative number never rounds below it). If ``factor * best < N`` for
-        the lowest estimate ``best`` among the matching replicas, that is the lowest
-        overall, the cap is the same float, and no other replica is within it. Estimates
+        Exact: every other replica estimates N + (its queue) >= N, and its ``sat`` is no
+        less (floats: N is exact and adding a non-negative number never rounds below it).
+        If ``factor * best < N`` for the lowest estimate ``best`` among the matching
+        replicas, that is the lowest overall, the cap is the same float, and no other
+        replica is within it; the same for ``sat`` when some replica is saturated. Estimates
         are computed with the full pass's expressions, so equal inputs give equal floats."""
         lanes = self.prefill_lanes
         positions = self._positions
         positions.new_round()
         share = queue_share.get if queue_share else None
-        found: list[tuple[int, float]] = []
+        found: list[tuple[int, float, float]] = []
+        wait = self.wait_cost
         for rid, m in matches.items():
             i = positions.find(replicas, rid)
             if i is None:
@@ -170,13 +211,20 @@ class TTFTAdmission:
             r = replicas[i]
             uncached = max(0, num_prompt_tokens - block_size * m)
             if share is not None:
-                found.append((i, uncached + r.queued_prefill_tokens * share(rid, 1.0) / lanes))
+                e = uncached + r.queued_prefill_tokens * share(rid, 1.0) / lanes
             else:
-                found.append((i, uncached + r.queued_prefill_tokens / lanes))
+                e = uncached + r.queued_prefill_tokens / lanes
+            found.append((i, e, e + self.unstarted_delay(r) if wait else e))
         if not found:
             return None
-        cap = self.factor * min(e for _, e in found)
+        cap = self.factor * min(e for _, e, _ in found)
         if not cap < num_prompt_tokens:
             return None
         found.sort()
-        return [replicas[i] for i, e in found if e <= cap]
+        if wait and any(x != e for _, e, x in found):
+            sat_cap = self.factor * min(x for _, _, x in found)
+            if not sat_cap < num_prompt_tokens:
+                return None
+            return ([replicas[i] for i, e, x in found if e <= cap and x <= sat_cap]
+                    or [replicas[i] for i, _, x in found if x <= sat_cap])
+        return [replicas[i] for i, e, _ in found if e <= cap]

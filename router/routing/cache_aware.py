@@ -25,15 +25,20 @@ The decision has five stages (methods of ``CacheAwarePolicy``, in this order):
    the best one's (``unicache.router.routing.admission``):
        est_r = uncached prompt tokens by the index + q_r * queued_prefill_tokens_r / lanes
    a hard guard: locality never makes a request wait longer than recomputing its prefix
-   elsewhere.
+   elsewhere. A *saturated* replica is taken out: one whose estimate plus
+   ``request_cost_tokens`` per request it has not started (outstanding_r - running_r)
+   is beyond ``admission_factor`` of the least such sum; when that leaves none, the
+   replicas within the factor of that least sum are admissible. This is how a hot
+   session or prefix overflows (issue 39): its holder estimates near 0 and a queue of
+   its own cached traffic adds near 0 (q_r), so nothing else was ever admissible there.
 3. ``_session_home`` (``session_sticky``): a turn of an explicit session with a
    remembered previous turn goes to that turn's replica (reason ``session_home``;
    ``session_sticky`` while the view is stale for it) unless the replica is not
-   admissible (dead, or a long queue, or another replica so much faster) or lost the
-   session's blocks: the view is fresh, it once showed at least ``session_hold_frac`` of
-   the session's prefix there (the session is *confirmed*) and now shows less. An
-   unconfirmed session stays home on a miss: a fresh-looking index can lag the replica by
-   one event flush.
+   admissible (dead, saturated, a long queue, or another replica so much faster) or
+   lost the session's blocks: the view is fresh, it once showed at least
+   ``session_hold_frac`` of the session's prefix there (the session is *confirmed*) and
+   now shows less. An unconfirmed session stays home on a miss: a fresh-looking index
+   can lag the replica by one event flush.
 4. ``_fit`` (``fit_first``): of the admissible replicas, those with room for the request's
    blocks, when any has (``with_room``: free_blocks_r - queued_prefill_tokens_r / B >=
    ceil(N / B)). After the session home: a moved turn recomputes its context.
@@ -226,7 +231,8 @@ class CacheAwareConfig:
             routed request (default 96).
         track_inflight: count blocks of unfinished requests as held (default False).
         admission_factor: a replica is admissible while its estimated TTFT is at most
-            this times the best replica's (default 2.0; ``TTFTAdmission``).
+            this times the best replica's and it is not saturated (default 2.0;
+            ``TTFTAdmission``, whose ``wait_cost`` is ``request_cost_tokens``).
         prefill_lanes: what a replica's queue is divided by in the TTFT estimate and the
             load term (default 4, the simulator's prefill lanes).
         session_sticky: a session's next turn goes to its previous turn's replica unless
@@ -352,7 +358,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.template_trust = config.template_trust
         self.churn_weight = config.churn_weight
         self.track_inflight = config.track_inflight
-        self.admission = TTFTAdmission(config.admission_factor, config.prefill_lanes)
+        self.admission = TTFTAdmission(config.admission_factor, config.prefill_lanes, config.request_cost_tokens)
         self.max_sessions = config.max_sessions
         self.max_inflight = config.max_inflight
         self.max_session_blocks = config.max_session_blocks
