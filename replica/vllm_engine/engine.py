@@ -141,6 +141,10 @@ class VLLMEngine:
             if sock is not None:
                 sock.close()
         self._events = self._status = None
+        if self._ipc_dir and os.environ.get("VLLM_RPC_BASE_PATH") == self._ipc_dir:
+            # NOTE: set by start(); left behind it would send every later vLLM of this
+            # process, and every child started after, to a folder that is gone.
+            del os.environ["VLLM_RPC_BASE_PATH"]
         if self._own_ipc_dir and self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir, self._own_ipc_dir = None, False

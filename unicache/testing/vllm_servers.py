@@ -92,6 +92,7 @@ class VllmServer:
             self.kv_cache_bytes, self.eviction_policy, self.device, self.extra, self.metrics_port,
         )
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}  # dev mode: POST /reset_prefix_cache
+        env.pop("VLLM_RPC_BASE_PATH", None)  # an in-process engine's private folder is not the server's
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self
