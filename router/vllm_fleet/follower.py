@@ -79,19 +79,27 @@ def apply_events(index: LocalityIndex, backend_id: str, events: list[KVEvent]) -
     flush()
 
 
+_SERIES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "usage",
+    "vllm:prefix_cache_hits": "prefix_hits",
+    "vllm:prefix_cache_queries": "prefix_queries",
+}
+_PREFIXES = (*(f"{name}{{" for name in _SERIES), *(f"{name}_total{{" for name in _SERIES), "vllm:cache_config_info{")
+_TYPE_PREFIXES = tuple(f"# TYPE {p[:-1]} " for p in _PREFIXES)
+
+
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """The series the router reads from a vLLM ``/metrics`` page (summed over engines):
     ``running``, ``waiting``, ``usage`` (0..1), ``gpu_blocks``, ``cpu_blocks``,
     ``block_size``, ``prefix_hits``, ``prefix_queries``; absent ones are left out."""
     out: dict[str, float] = {}
-    names = {
-        "vllm:num_requests_running": "running",
-        "vllm:num_requests_waiting": "waiting",
-        "vllm:kv_cache_usage_perc": "usage",
-        "vllm:prefix_cache_hits": "prefix_hits",
-        "vllm:prefix_cache_queries": "prefix_queries",
-    }
-    for family in text_string_to_metric_families(text):
+    names = _SERIES
+    # NOTE: only the lines of these series reach the parser: a vLLM page has ~650 lines and
+    # parsing all of it cost 12 ms per scrape, every second, per backend.
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_PREFIXES) or line.startswith(_TYPE_PREFIXES))
+    for family in text_string_to_metric_families(wanted + "\n"):
         if family.name in names:
             for sample in family.samples:
                 if sample.name.endswith("_created"):
