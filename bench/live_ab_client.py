@@ -20,6 +20,7 @@ import httpx
 import psutil
 
 from bench.live_ab_workload import LiveRequest
+from unicache.bench_client import sse_events
 
 _COUNTER = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)_total)(?:\{[^}]*\})?\s+(\S+)", re.M)
 
@@ -50,13 +51,7 @@ async def send(client: httpx.AsyncClient, url: str, model: str, req: LiveRequest
             if resp.status_code != 200:
                 out.error = f"http {resp.status_code}: {(await resp.aread())[:200].decode(errors='replace')}"
                 return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in sse_events(resp):
                 if "error" in event:
                     out.error = f"stream error: {str(event['error'])[:200]}"
                     return out

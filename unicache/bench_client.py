@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -125,6 +126,17 @@ def synthetic_requests(n: int, seed: int, block_size: int) -> list[TraceRequest]
     return [parse_trace_line(json.dumps(r), "<synthetic>", i + 1, i) for i, r in enumerate(records[:n])]
 
 
+
+async def sse_events(resp) -> AsyncIterator[dict]:
+    """The JSON events of an OpenAI server-sent-event stream (``data:`` lines), up to ``[DONE]``."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
 async def _one(client: httpx.AsyncClient, cfg: BenchConfig, req: TraceRequest, t0: float) -> RequestRecord:
     body = {
         "model": cfg.model,
@@ -148,13 +160,7 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, req: TraceRequest, t
                 except ValueError:
                     rec.error_message = raw[:500].decode(errors="replace") or None
                 return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in sse_events(resp):
                 if "error" in event:
                     rec.error = "stream error"
                     rec.error_code, rec.error_message = _server_error(event)
