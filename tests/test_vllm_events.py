@@ -181,3 +181,20 @@ def test_vllm_metrics_page_gives_load_and_pool():
         'vllm:cache_config_info{block_size="32",num_cpu_blocks="None",num_gpu_blocks="2048"} 1.0',
     ])
     assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 1.0, "usage": 0.25, "prefix_hits": 64.0, "gpu_blocks": 2048, "block_size": 32}
+
+
+def test_an_impossible_claim_drops_the_backends_blocks():
+    from unicache.router.cluster import ClusterView
+    from unicache.router.routing.registry import make_routing_policy
+    from unicache.router.vllm_fleet.follower import BackendFollower
+    from unicache.router.vllm_fleet.http_stream import VllmClients
+
+    cluster = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
+    f = BackendFollower(parse_backend("http://127.0.0.1:1,id=b"), cluster, VllmClients(), BS)  # no events: no subscriber
+    cluster.index.set_capacity("b", 2)
+    f.capacity_blocks = 2
+    toks = list(range(8))
+    f.apply([batch(stored([1, 2], None, toks))])
+    assert cluster.index.match("b", hash_token_blocks(toks, BS)) == 2 and f.breaks == 0
+    f.apply([batch(stored([3], 2, list(range(8, 12))))])  # a third block in a 2-block pool
+    assert (cluster.index.num_blocks("b"), len(f.translator), f.breaks) == (0, 0, 1)

@@ -263,6 +263,7 @@ class KVEventSubscriber:
         self.replayed = 0  # batches recovered through the replay socket
         self.missed = 0  # batches neither stream nor replay delivered
         self.undecodable = 0  # payloads that are not a vLLM KVEventBatch
+        self._catch_up = False  # request_catch_up() was called: the next take() replays from 0
 
     def take(self, timeout_ms: int = 0) -> list[VllmEventBatch]:
         """The batches that arrived (waiting up to ``timeout_ms`` for the first); clears
@@ -271,6 +272,10 @@ class KVEventSubscriber:
 
         self.broken = False
         out: list[VllmEventBatch] = []
+        if self._catch_up:
+            self._catch_up = False
+            self.next_seq = None
+            out.extend(self._replay(0, 1 << 62, catch_up=True))
         events = dict(self._poller.poll(timeout_ms))
         while events:
             if self._monitor in events:
@@ -290,6 +295,11 @@ class KVEventSubscriber:
                 self._receive(self._sub.recv_multipart(), out)
             events = dict(self._poller.poll(0))
         return out
+
+    def request_catch_up(self) -> None:
+        """Make the next ``take`` start over from the server's replay buffer (a consumer
+        that dropped what it built, after an impossible claim, resyncs this way)."""
+        self._catch_up = True
 
     def _break(self, out: list) -> None:
         self.broken = True

@@ -12,7 +12,8 @@ stalls and ``unicache.router.prober`` re-probes it through ``/health``, as for r
 Invariants:
     * The index holds, for this backend, exactly the blocks its translated events stored
       and did not remove since the stream's last break; a break (reconnect, a gap replay
-      cannot fill, an impossible claim) drops them all and starts over from what follows.
+      cannot fill) drops them all and starts over from what follows; an impossible claim
+      (more blocks than the server's pool) drops them and resyncs from its replay buffer.
     * A backend whose events stream is disconnected for ``stale_after_s`` has its blocks
       aged out of the index (it may have restarted empty); they come back with its events.
     * ``/metrics`` is scraped at most once per ``metrics_interval_s``; the load it gives
@@ -202,9 +203,11 @@ class BackendFollower:
         if events:
             index = self.cluster.index
             apply_events(index, self.backend_id, events)
-            if index.needs_resync(self.backend_id):  # an impossible claim: start over
+            if index.needs_resync(self.backend_id):  # an impossible claim: resync from the replay buffer
                 self.breaks += 1
                 self._drop_blocks()
+                if self.subscriber is not None:
+                    self.subscriber.request_catch_up()
 
     def _drop_blocks(self) -> None:
         self.translator.reset()
