@@ -179,14 +179,14 @@ def test_a_long_prefix_overflows_from_its_saturated_holder_and_returns_when_the_
     q = prefix_request("q", 100)
     # r3's estimate: 32 + w x 4,128 x (32 / 4,128) / 4 = 32 + 8 w; the others' 4,128:
     # only r3 is admissible. With its unstarted requests, 32 + 136 w: within
-    # 2 x 4,128 = 8,256 up to w = 60 (8,192). r3 keeps the prefix: waiting there is still
-    # shorter than twice recomputing 4,128 tokens elsewhere (48 requests decode there too).
-    for w in (0, 14, 60):
+    # 2 x 4,128 + 128 = 8,384 up to w = 61 (8,328). r3 keeps the prefix: waiting there is
+    # still shorter than twice recomputing 4,128 tokens elsewhere (48 requests decode there too).
+    for w in (0, 14, 61):
         d = p.choose(q, hot_holder(w), PREFIX)
         assert (d.replica_id, d.reason, d.matched_blocks) == ("r3", "index_prefix", PREFIX_BLOCKS), w
-    # w = 61 (8,328 > 8,256): r3 is saturated; the others are admissible and the cost
+    # w = 62 (8,464 > 8,384): r3 is saturated; the others are admissible and the cost
     # picks r1, the least loaded, at 4,128 + 128 x 1.
-    for w in (61, 80, 200):
+    for w in (62, 80, 200):
         d = p.choose(q, hot_holder(w), PREFIX)
         assert (d.replica_id, d.reason, d.score) == ("r1", "load", 4256.0), w
     # Before the fix r3 was the only admissible replica at any queue.
@@ -219,8 +219,11 @@ def test_saturation_counts_unstarted_requests_and_only_takes_replicas_out():
     assert [x.replica_id for x in a.admissible(reps, 160, 16, {"r0": 8})] == ["r0"]
     # One unstarted request makes r1 no less admissible than it was (no way in by saturation).
     assert [x.replica_id for x in a.admissible(reps, 160, 16, {})] == ["r0", "r1", "r2"]
-    # Three on r0 (32 + 384 = 416 > 2 x 160): saturated; r1 (160 + 128 = 288) and r2 (160).
+    # Three on r0 (32 + 384 = 416 <= 2 x 160 + 128 = 448: one unstarted request is always
+    # tolerated) keep it; four (544) saturate it: r1 (160 + 128 = 288) and r2 (160) remain.
     reps[0] = ReplicaLoad("r0", waiting=3)
+    assert [x.replica_id for x in a.admissible(reps, 160, 16, {"r0": 8})] == ["r0"]
+    reps[0] = ReplicaLoad("r0", waiting=4)
     assert [x.replica_id for x in a.admissible(reps, 160, 16, {"r0": 8})] == ["r1", "r2"]
 
 
@@ -228,7 +231,7 @@ def _reference(a: TTFTAdmission, replicas, n, bs, matches, share):
     """The rule as the module docstring states it, over every replica."""
     est = [a.estimate(n, bs, matches.get(r.replica_id, 0), r, share.get(r.replica_id, 1.0)) for r in replicas]
     sat = [e + a.unstarted_delay(r) for r, e in zip(replicas, est)]
-    cap, sat_cap = a.factor * min(est), a.factor * min(sat)
+    cap, sat_cap = a.factor * min(est), a.factor * min(sat) + a.wait_cost
     return ([r for r, e, x in zip(replicas, est, sat) if e <= cap and x <= sat_cap]
             or [r for r, x in zip(replicas, sat) if x <= sat_cap])
 

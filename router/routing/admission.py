@@ -16,7 +16,7 @@ replicas publish it; a caller that knows what share of it is uncached passes tha
 ``queue_share[r]``, and the queue counts ``queued_prefill_tokens_r * queue_share[r]``;
 a replica runs ``prefill_lanes`` prefill batches at once.) A replica is *admissible* when
 
-    est_r <= factor * min_r' est_r'   and it is not saturated:   sat_r <= factor * min_r' sat_r'
+    est_r <= factor * min_r' est_r'   and it is not saturated:   sat_r <= factor * min_r' sat_r' + wait_cost
 
     sat_r = est_r + wait_cost * unstarted_r,   unstarted_r = max(0, outstanding_r - running_r)
 
@@ -24,7 +24,10 @@ so the cache-best replica keeps the request unless its queueing delay makes the
 estimated TTFT more than ``factor`` times the best alternative's. The least-estimate
 replica is always admissible, so the set is never empty: when every replica the first
 rule admits is saturated, the admissible set is the replicas within ``factor`` of the
-least ``sat`` (``sat_r <= factor * min sat``), which holds that least one.
+least ``sat`` (``sat_r <= factor * min sat + wait_cost``), which holds that least one.
+The ``+ wait_cost`` tolerates one unstarted request beyond the factor: with short prompts
+(estimates of a few dozen tokens) a single request in transit, or another router's in-flight
+count not yet updated, would otherwise take a session's home out of admission.
 
 Saturation is what lets a hot spot overflow. ``unstarted_r`` counts the requests at r it
 has not started: waiting for a slot there, or sent by the router and not reported
@@ -180,7 +183,7 @@ class TTFTAdmission:
                       else 0.0 for r in replicas]
             if any(delays):  # else no replica is saturated (sat = est)
                 sat = [e + d for e, d in zip(est, delays)]
-                sat_cap = self.factor * min(sat)
+                sat_cap = self.factor * min(sat) + wc  # one unstarted request is always tolerated
                 return ([r for r, e, x in zip(replicas, est, sat) if e <= cap and x <= sat_cap]
                         or [r for r, x in zip(replicas, sat) if x <= sat_cap])
         if max(est) <= cap:
@@ -222,7 +225,7 @@ class TTFTAdmission:
             return None
         found.sort()
         if wait and any(x != e for _, e, x in found):
-            sat_cap = self.factor * min(x for _, _, x in found)
+            sat_cap = self.factor * min(x for _, _, x in found) + wait
             if not sat_cap < num_prompt_tokens:
                 return None
             return ([replicas[i] for i, e, x in found if e <= cap and x <= sat_cap]
