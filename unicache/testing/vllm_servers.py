@@ -140,13 +140,31 @@ class VllmServer:
             pass
 
 
+PORT_TAKEN = "Address already in use"
+PORT_RETRIES = 3
+
+
 def start_servers(servers: list[VllmServer], timeout_s: float = 300.0) -> list[VllmServer]:
-    """Start all, then wait for all (they load side by side); stop all if one fails."""
+    """Start all, then wait for all (they load side by side); stop all if one fails.
+
+    A server whose port was taken between ``free_port`` choosing it and vLLM binding it
+    (vLLM's own processes pick free ports too, during the minute a start takes) is started
+    again on fresh ports, up to ``PORT_RETRIES`` times."""
     try:
         for s in servers:
             s.start()
         for s in servers:
-            s.wait_ready(timeout_s)
+            for attempt in range(PORT_RETRIES + 1):
+                try:
+                    s.wait_ready(timeout_s)
+                    break
+                except RuntimeError:
+                    if attempt == PORT_RETRIES or PORT_TAKEN not in s.log_tail(200):
+                        raise
+                    s.stop()
+                    s.port, s.events_port, s.replay_port, s.metrics_port = (free_port() for _ in range(4))
+                    s.log_path = ""
+                    s.start()
     except BaseException:
         for s in servers:
             s.stop()
