@@ -319,6 +319,23 @@ class RedisSubscriber:
             self._beats.pop(rid, None)
             self._proved.pop(rid, None)
 
+    async def _proof(self, replica_id: str, address: str, timeout_s: float, unreachable: str) -> cache_pb2.CacheSummary | None:
+        """The replica's summary, sealed over a fresh nonce and fetched from ``address``:
+        proof that what answers there is the replica itself. None when nothing answers
+        (logged with ``unreachable``, whose ``{}`` is the error's type) or the answer fails
+        its seal or nonce (counted as a rejection)."""
+        nonce = os.urandom(16)
+        try:
+            raw = await self.fetch_summary(address, nonce, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - whatever the transport raised: no proof
+            log.info("replica %s: %s", replica_id, unreachable.format(type(exc).__name__))
+            return None
+        summary = self._open(replica_id, "rpc-summary", raw, cache_pb2.CacheSummary, "summary from its address")
+        if summary is not None and summary.nonce != nonce:
+            self.rejections.reject("identity", replica_id, "summary from its address")
+            return None
+        return summary
+
     async def _proves_alive(self, replica_id: str) -> bool:
         """Whether the known replica, its heartbeat missing from Redis, still answers at
         its address as itself: a ``GetCacheSummary`` sealed over a fresh nonce and naming
@@ -326,17 +343,9 @@ class RedisSubscriber:
         rec = self.cluster.replicas.get(replica_id)
         if rec is None or not rec.address:
             return False
-        nonce = os.urandom(16)
-        try:
-            raw = await self.fetch_summary(rec.address, nonce, self.probe_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - unreachable or refusing: it is gone
-            log.info("replica %s: heartbeat missing and no answer (%s)", replica_id, type(exc).__name__)
-            return False
-        summary = self._open(replica_id, "rpc-summary", raw, cache_pb2.CacheSummary, "summary from its address")
+        # NOTE: unreachable or refusing: it is gone
+        summary = await self._proof(replica_id, rec.address, self.probe_timeout_s, "heartbeat missing and no answer ({})")
         if summary is None:
-            return False
-        if summary.nonce != nonce:
-            self.rejections.reject("identity", replica_id, "summary from its address")
             return False
         if replica_id not in self._proved:
             log.info("replica %s: heartbeat missing from Redis but it answers as itself; keeping it", replica_id)
@@ -404,17 +413,9 @@ class RedisSubscriber:
         self._retry_at[replica_id] = self.clock() + self.resync_retry_s
         if not address:
             return False
-        nonce = os.urandom(16)
-        try:
-            raw = await self.fetch_summary(address, nonce, self.summary_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - unreachable or refusing: try again later
-            log.info("replica %s: cannot fetch its summary (%s); retrying", replica_id, type(exc).__name__)
-            return False
-        summary = self._open(replica_id, "rpc-summary", raw, cache_pb2.CacheSummary, "summary from its address")
+        # NOTE: unreachable or refusing: try again later
+        summary = await self._proof(replica_id, address, self.summary_timeout_s, "cannot fetch its summary ({}); retrying")
         if summary is None:
-            return False
-        if summary.nonce != nonce:
-            self.rejections.reject("identity", replica_id, "summary from its address")
             return False
         if pending is not None:
             del self._pending[replica_id]
