@@ -18,7 +18,7 @@ Issue 39's rows: a process on a killed replica's ports (gRPC and hop, one router
 transport): requests it received, bearer credentials it captured (and whether one replays
 on another replica), client failures; a relay between the router and the genuine replica's
 hop: requests it could read; every heartbeat and summary key deleted at 20 Hz for 6 s:
-client failures. ``--tls`` runs everything with mutual TLS (unicache/tls.py) between
+client failures. ``--tls`` runs everything with mutual TLS (unicache/plumbing/tls.py) between
 router and replicas; ``--cpu`` measures the routers' CPU per request with and without TLS
 on both transports (router processes, a fake replica; rounds interleaved).
 
@@ -43,15 +43,15 @@ import grpc
 import redis.asyncio as aioredis
 
 from bench.paths import RESULTS
-from unicache.redis_keys import RedisKeys
-from unicache.redis_server import EmbeddedRedis, free_port
+from unicache.contract.redis_keys import RedisKeys
+from unicache.plumbing.redis_server import EmbeddedRedis, free_port
 from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.settings import ReplicaSettings
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.router.replica_client import ReplicaClients
-from unicache.tls import ClientTls, ClusterCA, make_cluster_pki, write_tls_files
-from unicache.state_auth import CALL_METADATA, CallCredential, StateAuthError, StateSigner, new_cluster_key, parse_cluster_key
+from unicache.router.upstream.replica_client import ReplicaClients
+from unicache.plumbing.tls import ClientTls, ClusterCA, make_cluster_pki, write_tls_files
+from unicache.contract.state_auth import CALL_METADATA, CallCredential, StateAuthError, StateSigner, new_cluster_key, parse_cluster_key
 from unicache.testing.fake_replica import FakeReplica
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -451,7 +451,7 @@ async def _router_process(variant: str, replica: FakeReplica, key: str, pki_dir:
 
     port, http = free_port(), free_port()
     transport = "grpc" if variant.startswith("grpc") else "auto"
-    cmd = [sys.executable, "-m", "unicache.cli", "router", "--grpc-port", str(port), "--http-port", str(http),
+    cmd = [sys.executable, "-m", "unicache.cli.main", "router", "--grpc-port", str(port), "--http-port", str(http),
            "--use-redis", "false", "--auth-enabled", "false", "--replica-transport", transport, "--block-size", str(BS),
            "--tokenizer", "byte", "--replicas", f"r0={replica.address}@127.0.0.1:{replica.hop.port}"]
     if variant.endswith("+tls"):
@@ -480,7 +480,7 @@ async def router_cpu(rounds: int, per_round: int, concurrency: int) -> dict:
     import tempfile
 
     from unicache.testing.procfs import cpu_s
-    from unicache.tls import ClusterCA, write_tls_files
+    from unicache.plumbing.tls import ClusterCA, write_tls_files
 
     key = new_cluster_key()
     pki_dir = tempfile.mkdtemp(prefix="atk-pki-")

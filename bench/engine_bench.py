@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from unicache.replica.engine.cpu_env import prefer_passive_omp_wait  # noqa: E402 - before torch
+from unicache.replica.engines.builtin.cpu_env import prefer_passive_omp_wait  # noqa: E402 - before torch
 
 prefer_passive_omp_wait()
 
@@ -32,9 +32,9 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from unicache.replica.engine.api import EngineRequest, SamplingParams
-from unicache.replica.engine.config import EngineConfig
-from unicache.replica.engine.engine import LLMEngine
+from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.builtin.config import EngineConfig
+from unicache.replica.engines.builtin.engine import LLMEngine
 
 
 def _tokens(seed: int, n: int) -> list[int]:

@@ -23,15 +23,15 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from unicache.redis_keys import EVENT_FLUSH_INTERVAL_S, RedisKeys
-from unicache.redis_server import EmbeddedRedis
+from unicache.contract.redis_keys import EVENT_FLUSH_INTERVAL_S, RedisKeys
+from unicache.plumbing.redis_server import EmbeddedRedis
 from unicache.v1 import cache_pb2
-from unicache.replica.engine.api import EngineRequest, SamplingParams
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.engine.config import EngineConfig
-from unicache.kv_events import BlockStored
-from unicache.replica.publisher import CachePublisher
-from unicache.state_auth import StateSigner, new_cluster_key, parse_cluster_key
+from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
+from unicache.replica.engines.builtin.config import EngineConfig
+from unicache.contract.kv_events import BlockStored
+from unicache.replica.publishing.publisher import CachePublisher
+from unicache.contract.state_auth import StateSigner, new_cluster_key, parse_cluster_key
 from unicache.sim.metrics import percentile
 
 KEYS = RedisKeys("bench")

@@ -23,7 +23,7 @@ prompt no replica holds, its phases alone too (``time_cold_phases``: the walk, T
 admission, fit-first's room filter over the whole fleet; the cost loop over the admissible
 replicas is the rest). Above 32 replicas ``cache_aware`` weighs the replicas that could hit
 the prompt, the least-queued one and a moving window of 32 others
-(``router/routing/candidates.py``); the rows
+(``router/routing/cache_aware/candidates.py``); the rows
 ``cache_aware:candidate_window=0`` time the same two prompts with every replica weighed.
 Last, every replica is also given the prompt's first block (a system prompt the whole
 fleet holds) and both settings are timed on the held prompt and on a prompt that shares
@@ -59,12 +59,12 @@ from tqdm import tqdm
 
 from bench.paths import RESULTS, mooncake_trace
 from bench.report_files import git_commit, save_figure, write_report
-from unicache.block_hash import BlockHash
-from unicache.redis_keys import EVENT_FLUSH_INTERVAL_S
-from unicache.request_class import RequestClass
-from unicache.router.index import LocalityIndex
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.redis_keys import EVENT_FLUSH_INTERVAL_S
+from unicache.contract.request_class import RequestClass
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest, SharesRouterState
-from unicache.router.routing.cache_aware import CacheAwarePolicy
+from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
 from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import percentile
 
@@ -73,7 +73,7 @@ HOLDERS = 8
 TEMPLATE_BLOCKS = 4  # a template request's template: the prompt's first blocks
 FILLER_CHAIN = 50
 BLOCK_SIZE = 16
-# cache_aware weighing every replica, as before its candidate window (router/routing/candidates.py)
+# cache_aware weighing every replica, as before its candidate window (router/routing/cache_aware/candidates.py)
 FULL_PASS = "cache_aware:candidate_window=0"
 
 
@@ -224,7 +224,7 @@ def time_cold_phases(prompt, index, loads, iters: int, queue_shares: bool = Fals
 def time_live(name: str, prompt, index, loads, iters: int, queue_shares: bool = False) -> dict:
     """The live router's choice: ``ClusterView.loads`` (replicas known from heartbeats)
     then the policy, with the in-flight bookkeeping around the request."""
-    from unicache.router.cluster import ClusterView
+    from unicache.router.cluster.view import ClusterView
     from unicache.v1 import cache_pb2, common_pb2
 
     policy = _policy(name, index, loads, queue_shares)
@@ -272,10 +272,10 @@ def index_bytes(replicas: int, blocks: int, copies: int) -> dict:
 
 
 def bandwidth(trace_path: Path, requests: int, replicas: int, capacity: int, block_size: int) -> dict:
-    from unicache.replica.event_batch import PendingBatch
+    from unicache.replica.publishing.event_batch import PendingBatch
     from unicache.sim.prepare import prepare
     from unicache.sim.replay import Replay, ReplayConfig
-    from unicache.trace import read_trace
+    from unicache.sim.trace import read_trace
     from unicache.testing.signed_state import SIGNER
 
     class Recording(Replay):

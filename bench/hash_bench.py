@@ -21,7 +21,7 @@ from array import array
 
 import xxhash
 
-from unicache.block_hash import ROOT_HASH, block_extra_keys, hash_block, hash_token_blocks
+from unicache.contract.block_hash import ROOT_HASH, block_extra_keys, hash_block, hash_token_blocks
 
 
 def _chain(make, blocks: list[list[int]]) -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     parent = ROOT_HASH
     for toks in blocks:
         parent = hash_block(parent, toks)
-    results["unicache.block_hash.hash_block"] = args.blocks / (time.perf_counter() - t0)
+    results["unicache.contract.block_hash.hash_block"] = args.blocks / (time.perf_counter() - t0)
     base = results["sha256"]
     print(f"{'hash':34s} {'blocks/s':>12s} {'vs sha256':>10s}")
     for name, rate in results.items():

@@ -14,7 +14,7 @@ Needs transformers (the ``dev`` extra).
 
 from __future__ import annotations
 
-from unicache.replica.engine.cpu_env import prefer_passive_omp_wait  # noqa: E402 - before torch
+from unicache.replica.engines.builtin.cpu_env import prefer_passive_omp_wait  # noqa: E402 - before torch
 
 prefer_passive_omp_wait()
 
@@ -28,11 +28,11 @@ import torch  # noqa: E402
 
 from bench.paths import RESULTS  # noqa: E402
 from bench.report_files import write_report  # noqa: E402
-from unicache.replica.engine.api import EngineRequest, SamplingParams  # noqa: E402
-from unicache.replica.engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from unicache.replica.engine.config import EngineConfig  # noqa: E402
-from unicache.replica.engine.engine import LLMEngine  # noqa: E402
-from unicache.replica.engine.model import Rotary  # noqa: E402
+from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams  # noqa: E402
+from unicache.replica.engines.builtin.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from unicache.replica.engines.builtin.config import EngineConfig  # noqa: E402
+from unicache.replica.engines.builtin.engine import LLMEngine  # noqa: E402
+from unicache.replica.engines.builtin.model import Rotary  # noqa: E402
 from unicache.testing.hf_models import (  # noqa: E402
     CASES, REFUSED, edit_config, hf_greedy, hf_logits, load_hf, paged_logits, prompt, write_case,
 )

@@ -56,7 +56,7 @@ def router_main(spec: str, parser: str, loop_name: str, ports, stop, profile_pat
     port, pid) to ``ports`` and, with ``grpc_port_too``, then ("router-grpc", gRPC port, pid)."""
     from unicache.router.app import RouterApp
     from unicache.router.config import build_config
-    from unicache.router.http_server import loop_factory
+    from unicache.router.frontends.http_server import loop_factory
 
     async def run() -> None:
         import cProfile
@@ -177,7 +177,7 @@ async def stop_bare_http(server, task, channels) -> None:
 
 
 def bare_main(spec: str, loop_name: str, ports, stop) -> None:
-    from unicache.router.http_server import loop_factory
+    from unicache.router.frontends.http_server import loop_factory
 
     async def run() -> None:
         server, task, port, channels = await start_bare_http([a.split("=", 1)[1] for a in spec.split(",")])

@@ -37,9 +37,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.engine.config import EngineConfig
-from unicache.replica.server import ReplicaServer
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
+from unicache.replica.engines.builtin.config import EngineConfig
+from unicache.replica.serving.server import ReplicaServer
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc

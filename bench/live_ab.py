@@ -103,7 +103,7 @@ def vocabulary(args: argparse.Namespace) -> list[str]:
         from unicache.testing.tiny_hf_model import WORDS
 
         return list(WORDS)
-    from unicache.bench_prompts import VOCAB
+    from unicache.bench_client.prompts import VOCAB
 
     return list(VOCAB)
 
@@ -152,7 +152,7 @@ def simulate(requests: list[LiveRequest], args, pool_blocks: int, rates: list[fl
     trace = Path(tmp) / "sim-trace.jsonl"
     write_sim_trace(requests, args.tokens_per_id, args.block_size, trace)
     out = Path(tmp) / "sim.json"
-    cmd = [sys.executable, "-m", "unicache.cli", "sim", "--trace", str(trace), "--block-size", str(args.block_size),
+    cmd = [sys.executable, "-m", "unicache.cli.main", "sim", "--trace", str(trace), "--block-size", str(args.block_size),
            "--capacity-blocks", str(pool_blocks), "--policies", ",".join(sorted({p for _, p in pairs.values()})),
            "--replicas", str(args.servers), "--router", ",".join(sorted({r for r, _ in pairs.values()})),
            "--rate-scale", ",".join(f"{r:g}" for r in rates), "--goodput-slo-s", "auto", *timing,
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from unicache.testing.vllm_servers import VllmServer, start_servers
-    from unicache.trace import read_trace
+    from unicache.sim.trace import read_trace
 
     t_start = time.perf_counter()
     rates = sorted(float(r) for r in args.rates.split(","))

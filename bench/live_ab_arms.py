@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from bench.paths import REPO
-from unicache.redis_server import free_port
+from unicache.plumbing.redis_server import free_port
 
 PEER_VENV = REPO / ".peer-venv"  # NOTE: not under bench/, whose every .py file the suite test indexes
 SALT_SECRET = "live-ab"
@@ -115,7 +115,7 @@ class Router:
         env = dict(os.environ)
         if arm.peer is None:
             tokenizer = Path(model_dir) / "tokenizer.json"
-            cmd = [sys.executable, "-m", "unicache.cli", "router", "--grpc-port", "0", "--http-port", str(self.port),
+            cmd = [sys.executable, "-m", "unicache.cli.main", "router", "--grpc-port", "0", "--http-port", str(self.port),
                    "--block-size", str(block_size), "--served-model-name", served, "--use-redis", "false",
                    "--routing-policy", arm.policy, "--log-level", "warning",
                    *(["--tokenizer", str(tokenizer)] if tokenizer.exists() else ["--checkpoint", model_dir])]

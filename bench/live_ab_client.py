@@ -20,7 +20,7 @@ import httpx
 import psutil
 
 from bench.live_ab_workload import LiveRequest
-from unicache.bench_client import sse_events
+from unicache.bench_client.client import sse_events
 
 _COUNTER = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)_total)(?:\{[^}]*\})?\s+(\S+)", re.M)
 

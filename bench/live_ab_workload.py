@@ -25,7 +25,7 @@ from pathlib import Path
 
 import xxhash
 
-from unicache.trace import TraceRequest
+from unicache.sim.trace import TraceRequest
 
 DEFAULT_TENANT = "default"
 

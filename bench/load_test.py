@@ -40,10 +40,10 @@ def rss_kib(pid: int) -> dict[str, int]:
 
 def replica_main(rid: str, ports, stop) -> None:
     async def run() -> None:
-        from unicache.replica.engine.async_engine import AsyncEngine
-        from unicache.replica.engine.config import EngineConfig
-        from unicache.replica.engine.model import ModelConfig
-        from unicache.replica.server import ReplicaServer
+        from unicache.replica.engines.builtin.async_engine import AsyncEngine
+        from unicache.replica.engines.builtin.config import EngineConfig
+        from unicache.replica.engines.builtin.model import ModelConfig
+        from unicache.replica.serving.server import ReplicaServer
 
         cfg = EngineConfig(
             model=ModelConfig(**FAST_MODEL), num_blocks=2048, block_size=16, eviction_policy="lru", device="cpu",

@@ -19,8 +19,8 @@ import time
 
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.router.core import Labelled
-from unicache.block_hash import BlockHash, hash_token_blocks
+from unicache.router.request_path.core import Labelled
+from unicache.contract.block_hash import BlockHash, hash_token_blocks
 from unicache.sim.metrics import percentile
 
 

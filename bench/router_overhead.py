@@ -41,13 +41,13 @@ import time
 import grpc
 import httpx
 
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.engine.config import EngineConfig
-from unicache.replica.engine.model import ModelConfig
-from unicache.replica.server import ReplicaServer
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
+from unicache.replica.engines.builtin.config import EngineConfig
+from unicache.replica.engines.builtin.model import ModelConfig
+from unicache.replica.serving.server import ReplicaServer
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.state_auth import CallCredential, new_cluster_key, parse_cluster_key
+from unicache.contract.state_auth import CallCredential, new_cluster_key, parse_cluster_key
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 from unicache.sim.metrics import percentile
 
@@ -70,8 +70,8 @@ async def run(args) -> dict:
     redis = publisher = None
     overrides = {"grpc_port": 0, "http_port": 0, "use_redis": False, "replicas": spec, "routing_policy": args.policy}
     if args.with_redis:
-        from unicache.replica.publisher import CachePublisher
-        from unicache.redis_server import EmbeddedRedis
+        from unicache.replica.publishing.publisher import CachePublisher
+        from unicache.plumbing.redis_server import EmbeddedRedis
 
         redis = EmbeddedRedis()
         redis.start()
@@ -163,8 +163,8 @@ async def run(args) -> dict:
 
     direct_paths = {"direct_grpc": direct}
     if hop_addr:
-        from unicache.hop import HopAuth
-        from unicache.router.hop_client import HopClient
+        from unicache.contract.hop import HopAuth
+        from unicache.router.upstream.hop_client import HopClient
 
         hop_client = HopClient(hop_addr, "r0", HopAuth(parse_cluster_key(key)))
 
@@ -250,7 +250,7 @@ def main() -> None:
                     help="this tree's routers reach the replica over its framed hop (production's default) or gRPC")
     ap.add_argument("--json")
     args = ap.parse_args()
-    from unicache.router.http_server import loop_factory
+    from unicache.router.frontends.http_server import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
         out = runner.run(run(args))

@@ -166,7 +166,7 @@ def router_main(spec: str, profile_path: str | None, ports, cmds, stop, bare: bo
         else:
             await app.stop()
 
-    from unicache.router.http_server import loop_factory
+    from unicache.router.frontends.http_server import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory(loop_name)) as runner:
         runner.run(run())
@@ -302,7 +302,7 @@ def main() -> None:
                          "router_uvloop, bare_proxy_uvloop are the uvloop runs")
     ap.add_argument("--transports", default="grpc",
                     help="comma-separated replica hops the router is measured on: grpc (front door 'router'), "
-                         "hop (the framed hop, unicache/hop.py: 'router_hop')")
+                         "hop (the framed hop, unicache/contract/hop.py: 'router_hop')")
     ap.add_argument("--step-ms", type=float, default=0.0,
                     help="the fake replicas make tokens in engine steps of this length, one per running stream "
                          "per step (default 0: a stream's tokens at once)")

@@ -67,7 +67,7 @@ from bench.rounds import round_order
 from bench.router_profile import free_port, replica_spec, replicas_main, start_bare_proxy
 from bench.router_workers import grpc_frame, h2load_burst
 from bench.bare_http import TOKENS, bare_app, bare_main, h2load
-from unicache.model_name import DEFAULT_MODEL_NAME
+from unicache.contract.model_name import DEFAULT_MODEL_NAME
 from unicache.sim.metrics import percentile
 from unicache.testing.procfs import cpu_s
 

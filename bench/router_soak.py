@@ -105,7 +105,7 @@ def table_sizes(app) -> dict[str, int]:
 
 
 def soak(args) -> dict:
-    from unicache.router.core import Labelled
+    from unicache.router.request_path.core import Labelled
 
     app = build_app(args.budget_mib, args.index_blocks)
     core, cluster, policy, index, metrics = app.core, app.cluster, app.policy, app.index, app.metrics

@@ -1,6 +1,6 @@
 """Routing decision latency: an 8,000-token prompt against 8 replicas x 100,000 indexed blocks.
 
-Builds a ``unicache.router.index.LocalityIndex`` whose replicas each hold 100,000 block hashes:
+Builds a ``unicache.router.cluster.index.LocalityIndex`` whose replicas each hold 100,000 block hashes:
 replica i holds the first ``(i + 1) * L / R`` blocks of the request's L = 500-block
 prompt (so every policy scans long matches, the expensive case) plus random filler.
 Times ``policy.choose`` (and the lifecycle hooks the router calls per request) for every
@@ -17,11 +17,11 @@ import json
 import os
 import time
 
-from unicache.router.index import LocalityIndex
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RoutingRequest
 from unicache.router.routing.registry import make_routing_policy, routing_policy_names
-from unicache.block_hash import BlockHash
-from unicache.request_class import RequestClass
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.request_class import RequestClass
 from unicache.sim.metrics import percentile
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.paths import RESULTS, mooncake_trace
 from bench.report_files import write_report
-from unicache.redis_server import EmbeddedRedis
+from unicache.plumbing.redis_server import EmbeddedRedis
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.suite import SuiteTrace, load_suite_trace
 from unicache.testing.routing_parity import run_parity

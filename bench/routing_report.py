@@ -54,7 +54,7 @@ from pathlib import Path
 from bench.paths import REPO, RESULTS, mooncake_trace
 from bench.report_files import git_commit, save_figure, write_report
 from bench.workers import map_in_workers
-from unicache.router.routing.cache_aware import CacheAwareConfig
+from unicache.router.routing.cache_aware.policy import CacheAwareConfig
 from unicache.sim.goodput import default_slo_s, goodput, lanes_unloaded_ttft_s
 from unicache.sim.metrics import percentile
 from unicache.sim.prepare import PreparedTrace

@@ -25,10 +25,10 @@ from pathlib import Path
 async def run(args) -> dict:
     import redis.asyncio as aioredis
 
-    from unicache.redis_server import EmbeddedRedis
+    from unicache.plumbing.redis_server import EmbeddedRedis
     from unicache.router.routing.base import SessionRecord
-    from unicache.router.session_store import SessionStore
-    from unicache.state_auth import parse_cluster_key
+    from unicache.router.cluster.session_store import SessionStore
+    from unicache.contract.state_auth import parse_cluster_key
 
     server = EmbeddedRedis()
     server.start()

@@ -1,6 +1,6 @@
 """What sharing cache_aware's terms between routers costs each router, per request.
 
-The exchange (``unicache.router.terms_exchange``) adds three kinds of work to a router:
+The exchange (``unicache.router.cluster.terms_exchange``) adds three kinds of work to a router:
 recording each decision as a ``RoutedEvent`` (on the request path), sending its events as
 one sealed batch per interval (``publish``: seal + XADD), and applying the other routers'
 batches (``read``: XREAD + MAC check + parse + ``apply_routed``, whose decays walk every
@@ -48,11 +48,11 @@ import time
 from pathlib import Path
 
 from bench.rounds import round_order
-from unicache.block_hash import hash_id_blocks
-from unicache.request_class import RequestClass, Task
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import RequestClass, Task
 from unicache.router.routing.base import RouteDecision, RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwarePolicy
-from unicache.router.terms_exchange import TermsExchange
+from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
+from unicache.router.cluster.terms_exchange import TermsExchange
 from unicache.v1 import router_pb2
 
 BS = 16
@@ -90,7 +90,7 @@ async def exchange_cpu_us(url: str, reqs, batch: int, replicas: int, rnd: int, c
     it sent changes)."""
     import redis.asyncio as aioredis
 
-    from unicache.state_auth import parse_cluster_key
+    from unicache.contract.state_auth import parse_cluster_key
 
     key = parse_cluster_key("ab" * 32)
     ca, cb = aioredis.from_url(url), aioredis.from_url(url)
@@ -156,7 +156,7 @@ async def exchange_cpu_us(url: str, reqs, batch: int, replicas: int, rnd: int, c
 
 
 async def run(args) -> dict:
-    from unicache.redis_server import EmbeddedRedis
+    from unicache.plumbing.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis()
     server.start()

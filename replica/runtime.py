@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from unicache.aio import cancel_and_wait
-from unicache.errors import UsageError
-from unicache.redis_keys import RedisKeys
-from unicache.replica.engine.api import ServingEngine
-from unicache.replica.engines import make_engine
-from unicache.replica.publisher import CachePublisher
-from unicache.replica.metrics import ReplicaMetrics
-from unicache.replica.metrics_server import MetricsServer
-from unicache.replica.server import ReplicaServer
+from unicache.plumbing.aio import cancel_and_wait
+from unicache.plumbing.errors import UsageError
+from unicache.contract.redis_keys import RedisKeys
+from unicache.replica.engines.builtin.api import ServingEngine
+from unicache.replica.engines.registry import make_engine
+from unicache.replica.publishing.publisher import CachePublisher
+from unicache.replica.publishing.metrics import ReplicaMetrics
+from unicache.replica.publishing.metrics_server import MetricsServer
+from unicache.replica.serving.server import ReplicaServer
 from unicache.replica.settings import ReplicaSettings
 
 log = logging.getLogger(__name__)

@@ -13,19 +13,19 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from unicache import settings
-from unicache.errors import UsageError
-from unicache.model_name import served_model_name
-from unicache.state_auth import parse_cluster_key
-from unicache.redis_keys import DEFAULT_PREFIX
-from unicache.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
-from unicache.replica.engine.config import EngineConfig
+from unicache.plumbing import settings
+from unicache.plumbing.errors import UsageError
+from unicache.contract.model_name import served_model_name
+from unicache.contract.state_auth import parse_cluster_key
+from unicache.contract.redis_keys import DEFAULT_PREFIX
+from unicache.plumbing.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
+from unicache.replica.engines.builtin.config import EngineConfig
 
 DEFAULT_NUM_BLOCKS = 1024
 """KV blocks when ``num_blocks`` is 0 (but the vllm engine on CUDA: vLLM sizes its pool)."""
-from unicache.replica.engine.model_config import model_preset
+from unicache.replica.engines.builtin.model_config import model_preset
 from unicache.replica.eviction.registry import EVICTION_POLICIES
-from unicache.replica.faults import FaultInjection
+from unicache.replica.serving.faults import FaultInjection
 
 
 def _help(text: str) -> dict:
@@ -88,7 +88,7 @@ class ReplicaSettings:
     tls_ca: str = field(default="", metadata=_help("mutual TLS with routers: the cluster CA bundle (routers' client certificates must chain to it)"))
     tls_cert: str = field(
         default="",
-        metadata=_help("mutual TLS: this replica's certificate, naming its replica id (unicache.tls); '{replica_id}' in the path "
+        metadata=_help("mutual TLS: this replica's certificate, naming its replica id (unicache.plumbing.tls); '{replica_id}' in the path "
                        "stands for the id (replicas launched from one template); rotated files are picked up"),
     )
     tls_key: str = field(default="", metadata=_help("mutual TLS: the private key of tls_cert (secret file; '{replica_id}' as there)"))
@@ -156,7 +156,7 @@ class ReplicaSettings:
         engine runs on this machine) a checkpoint or tokenizer that is not there. A launcher
         (``unicache replicas``) passes ``local_paths=False``: the paths are the worker
         pods'. Raises ``UsageError``."""
-        from unicache.replica.engines import ENGINES
+        from unicache.replica.engines.registry import ENGINES
 
         if self.engine not in ENGINES:
             raise UsageError(f"engine: unknown engine {self.engine!r} (choose from {', '.join(ENGINES)})")
@@ -247,7 +247,7 @@ class ReplicaSettings:
 
     def vllm_engine_config(self):
         """The vllm engine's ``VLLMEngineConfig`` (ValueError for a bad value)."""
-        from unicache.replica.vllm_engine.config import VLLMEngineConfig
+        from unicache.replica.engines.vllm.config import VLLMEngineConfig
 
         return VLLMEngineConfig(**self.vllm_engine_values())
 
@@ -255,11 +255,11 @@ class ReplicaSettings:
         return settings.resolve_secret(self.redis_password, self.redis_password_file, "redis_password")
 
     def tls_files(self) -> "TlsFiles | None":
-        """This replica's TLS files (``unicache.tls``), or None without TLS. UsageError if
+        """This replica's TLS files (``unicache.plumbing.tls``), or None without TLS. UsageError if
         one cannot be read."""
         if not self.tls_cert:
             return None
-        from unicache.tls import TlsFiles
+        from unicache.plumbing.tls import TlsFiles
 
         rid = self.replica_id
         try:
@@ -313,7 +313,7 @@ def parse_vllm_args(text: str) -> dict:
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add ``--config`` and ``--<field>`` for every ``ReplicaSettings`` field (unicache/settings.py);
+    """Add ``--config`` and ``--<field>`` for every ``ReplicaSettings`` field (unicache/plumbing/settings.py);
     ``--model`` is another name of ``--checkpoint``."""
     settings.add_arguments(parser, ReplicaSettings, skip=skip, secrets=SECRET_FIELDS, aliases=FLAG_ALIASES)
 

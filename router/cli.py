@@ -6,8 +6,8 @@ import argparse
 import logging
 
 from unicache.router.config import add_config_arguments, build_config
-from unicache.endpoints import LOCAL_ROUTER, ROUTER_ENV, default_router
-from unicache.errors import UsageError
+from unicache.contract.endpoints import LOCAL_ROUTER, ROUTER_ENV, default_router
+from unicache.plumbing.errors import UsageError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +40,7 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from unicache.router.status import admin_key_from_env, fetch_cluster_state, format_table
+    from unicache.router.observability.status import admin_key_from_env, fetch_cluster_state, format_table
 
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")

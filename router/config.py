@@ -24,15 +24,15 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from unicache import settings
-from unicache.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
-from unicache.errors import UsageError
-from unicache.redis_keys import DEFAULT_PREFIX
-from unicache.router.replica_client import TRANSPORTS
+from unicache.plumbing import settings
+from unicache.contract.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from unicache.plumbing.errors import UsageError
+from unicache.contract.redis_keys import DEFAULT_PREFIX
+from unicache.router.upstream.replica_client import TRANSPORTS
 from unicache.router.routing.registry import ROUTING_POLICIES
-from unicache.router.vllm_fleet.fleet import DnsDiscovery
-from unicache.router.vllm_fleet.spec import BackendSpec, backend_entries, parse_backends
-from unicache.state_auth import parse_cluster_key
+from unicache.router.upstream.vllm_fleet.fleet import DnsDiscovery
+from unicache.router.upstream.vllm_fleet.spec import BackendSpec, backend_entries, parse_backends
+from unicache.contract.state_auth import parse_cluster_key
 
 log = logging.getLogger(__name__)
 SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys", "cluster_key", "admin_key"})
@@ -83,7 +83,7 @@ class RouterConfig:
     shared_sessions: str = field(
         default="auto",
         metadata={
-            "help": "share explicit sessions' placement with the cluster's other routers through Redis (router/session_store.py): "
+            "help": "share explicit sessions' placement with the cluster's other routers through Redis (router/cluster/session_store.py): "
             "on, off, or auto (on when several router processes share the ports: --workers > 1 or --reuse-port; "
             "the Helm chart sets on when it runs more than one router pod). Each shared turn costs a Redis read and write"
         },
@@ -92,7 +92,7 @@ class RouterConfig:
         default=True,
         metadata={"help": "where sessions are shared, also share the routing policy's traffic-derived terms (churn, session footprint) "
                           "and the requests in flight per replica with the other routers through a Redis stream "
-                          "(router/terms_exchange.py), so each decides as one router routing all the traffic would"},
+                          "(router/cluster/terms_exchange.py), so each decides as one router routing all the traffic would"},
     )
     terms_interval_s: float = field(
         default=0.05, metadata={"help": "how often a router sends its routed events to the other routers and applies theirs"}
@@ -112,7 +112,7 @@ class RouterConfig:
     admin_key_file: str = field(default="", metadata={"help": "file holding the admin key"})
     replica_transport: str = field(
         default="auto",
-        metadata={"help": "how requests reach the replicas: auto (the framed hop, unicache/hop.py, where a replica's heartbeat "
+        metadata={"help": "how requests reach the replicas: auto (the framed hop, unicache/contract/hop.py, where a replica's heartbeat "
                           "advertises one; gRPC elsewhere) or grpc (always gRPC)"},
     )
     forward_deadline_s: float = field(
@@ -256,7 +256,7 @@ class RouterConfig:
             raise UsageError(str(exc)) from None
 
     def backend_specs(self) -> list[BackendSpec]:
-        """``backends`` parsed (``unicache.router.vllm_fleet.spec``); UsageError if malformed."""
+        """``backends`` parsed (``unicache.router.upstream.vllm_fleet.spec``); UsageError if malformed."""
         return parse_backends(self.backends)
 
     def static_replicas(self) -> dict[str, tuple[str, str]]:
@@ -273,7 +273,7 @@ class RouterConfig:
 
 
 def resolve_tokenizer_path(cfg: RouterConfig) -> str | None:
-    """The tokenizer file the replicas use, by their rule (replica/engine/config.py):
+    """The tokenizer file the replicas use, by their rule (replica/engines/builtin/config.py):
     an explicit tokenizer, else the checkpoint's ``tokenizer.json``, else bytes (None).
 
     A checkpoint the router cannot read is a UsageError: guessing bytes would send the
@@ -353,7 +353,7 @@ def shares_sessions(cfg: RouterConfig) -> bool:
 
 def check_http_settings(cfg: RouterConfig) -> None:
     """``UsageError`` for non-positive HTTP limits or an unknown/missing parser or loop."""
-    from unicache.router.http_server import loop_factory, parser_protocol
+    from unicache.router.frontends.http_server import loop_factory, parser_protocol
 
     for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keepalive_timeout_s", "http_max_connections",
                  "http_idle_timeout_s", "http_max_header_bytes", "http_max_headers"):

@@ -6,7 +6,7 @@ connections over the processes that listen on the gRPC and HTTP ports (SO_REUSEP
 one connection (a gRPC channel, an HTTP keep-alive connection) stays with one process.
 Each worker follows Redis itself (its own subscriber and locality index: one view of the
 cluster, built from the same signed state) and shares session placement through Redis
-(``unicache.router.session_store``), so a session's turns reach the same replica through
+(``unicache.router.cluster.session_store``), so a session's turns reach the same replica through
 any worker or pod.
 
 Invariants:
@@ -36,7 +36,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def serve(cfg: RouterConfig) -> None:
     """One router process: run ``RouterApp(cfg)`` until SIGINT/SIGTERM, then stop it."""
     from unicache.router.app import RouterApp
-    from unicache.router.http_server import loop_factory
+    from unicache.router.frontends.http_server import loop_factory
 
     async def main() -> None:
         # NOTE: the app is built on the running loop. Built before it (as this command

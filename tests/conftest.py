@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from unicache.replica.engine.cpu_env import prefer_passive_omp_wait
+from unicache.replica.engines.builtin.cpu_env import prefer_passive_omp_wait
 
 # Before anything imports torch: spinning OpenMP threads made small CPU forwards ~100x
 # slower on the shared 2-core box (cpu_env.py).
@@ -12,7 +12,7 @@ import secrets  # noqa: E402
 
 import pytest  # noqa: E402
 
-from unicache.redis_server import EmbeddedRedis
+from unicache.plumbing.redis_server import EmbeddedRedis
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 import asyncio
 
-from unicache.aio import cancel_and_wait
+from unicache.plumbing.aio import cancel_and_wait
 
 
 async def test_cancel_and_wait_stops_a_task_that_swallows_one_cancellation():
@@ -76,7 +76,7 @@ async def _unretrieved_after_cancel(call) -> list[str]:
 
 
 async def test_with_deadline_leaves_no_unretrieved_task_exception_at_shutdown():
-    from unicache.aio import with_deadline
+    from unicache.plumbing.aio import with_deadline
 
     # The failure it replaces: wait_for's inner task keeps the error nobody retrieves.
     assert await _unretrieved_after_cancel(lambda aw: asyncio.wait_for(aw, 5.0)) == ["Task exception was never retrieved"]
@@ -86,7 +86,7 @@ async def test_with_deadline_leaves_no_unretrieved_task_exception_at_shutdown():
 async def test_with_deadline_raises_timeout_error():
     import pytest
 
-    from unicache.aio import with_deadline
+    from unicache.plumbing.aio import with_deadline
 
     with pytest.raises(TimeoutError):
         await with_deadline(asyncio.sleep(10), 0.01)

@@ -10,12 +10,12 @@ import os
 
 import pytest
 
-from unicache.bench_client import BenchConfig, run_bench, synthetic_requests
-from unicache.bench_prompts import block_text, prompt_text
-from unicache.bench_stats import RequestRecord, format_table, summarize
-from unicache.cli import main
-from unicache.errors import UsageError
-from unicache.trace import read_trace, write_trace
+from unicache.bench_client.client import BenchConfig, run_bench, synthetic_requests
+from unicache.bench_client.prompts import block_text, prompt_text
+from unicache.bench_client.stats import RequestRecord, format_table, summarize
+from unicache.cli.main import main
+from unicache.plumbing.errors import UsageError
+from unicache.sim.trace import read_trace, write_trace
 
 
 def test_block_text_is_fixed_words_per_id():
@@ -149,8 +149,8 @@ def _sse_stream(*events: dict) -> bytes:
 async def test_a_choice_is_a_token_event_even_with_empty_text(events, error, ttft, tokens):
     import httpx
 
-    from unicache.bench_client import _one
-    from unicache.trace import TraceRequest
+    from unicache.bench_client.client import _one
+    from unicache.sim.trace import TraceRequest
 
     transport = httpx.MockTransport(lambda request: httpx.Response(
         200, content=_sse_stream(*events), headers={"content-type": "text/event-stream"}))
@@ -162,8 +162,8 @@ async def test_a_choice_is_a_token_event_even_with_empty_text(events, error, ttf
 
 
 def test_fit_request_keeps_the_leading_words_that_fit_one_token_per_byte():
-    from unicache.bench_prompts import SPECIAL_TOKENS_RESERVE, fit_request
-    from unicache.trace import TraceRequest
+    from unicache.bench_client.prompts import SPECIAL_TOKENS_RESERVE, fit_request
+    from unicache.sim.trace import TraceRequest
 
     req = TraceRequest(index=0, timestamp_ms=0.0, input_length=40, output_length=50, hash_ids=[7, 8, 9])
     assert fit_request(req, 16, 100_000) is req  # fits: unchanged
@@ -181,8 +181,8 @@ def test_fit_request_keeps_the_leading_words_that_fit_one_token_per_byte():
 async def test_a_refusal_keeps_the_servers_code_and_message():
     import httpx
 
-    from unicache.bench_client import _one
-    from unicache.trace import TraceRequest
+    from unicache.bench_client.client import _one
+    from unicache.sim.trace import TraceRequest
 
     body = {"error": {"message": "prompt (5000 tokens) + max_tokens (90) exceeds the context of 4096",
                       "type": "invalid_request_error", "param": None, "code": "context_length_exceeded"}}

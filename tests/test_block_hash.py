@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicache.block_hash import ROOT_HASH, block_extra_keys, hash_block, hash_token_blocks
+from unicache.contract.block_hash import ROOT_HASH, block_extra_keys, hash_block, hash_token_blocks
 
 
 def chained(token_ids, block_size, cache_salt=None, adapter_id=None, parent=ROOT_HASH, start_index=0):

@@ -2,7 +2,7 @@
 prefix, overflows from a saturated home replica to the next best one and returns once the
 home's load falls. Exact outcomes on hand-built loads and indexes, no clock, no sleeps.
 
-Why it pinned: TTFT admission (``unicache.router.routing.admission``) estimated a replica
+Why it pinned: TTFT admission (``unicache.router.routing.cache_aware.admission``) estimated a replica
 by its uncached prompt tokens plus its queued prefill tokens times the queue's uncached
 share. The home holds the prompt (estimate near 0) and its queue is the same cached
 traffic (share near 0), so no other replica was ever within ``admission_factor`` of it:
@@ -17,12 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicache.block_hash import hash_id_blocks
-from unicache.router.index import LocalityIndex
-from unicache.router.routing.admission import TTFTAdmission
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.routing.cache_aware.admission import TTFTAdmission
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwarePolicy
-from unicache.request_class import RequestClass, Task
+from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
+from unicache.contract.request_class import RequestClass, Task
 
 BS = 16
 

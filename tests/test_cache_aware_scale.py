@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from unicache.router.routing.cache_aware import CHURN_WINDOW_PER_REPLICA, CacheAwarePolicy
+from unicache.router.routing.cache_aware.policy import CHURN_WINDOW_PER_REPLICA, CacheAwarePolicy
 
 
 @pytest.mark.parametrize("replicas, window", [(1, 256), (4, 256), (8, 256), (9, 288), (64, 2048), (1024, 32768)])

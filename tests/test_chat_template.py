@@ -13,8 +13,8 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from unicache.chat_template import BYTE_CHAT_TEMPLATE, ChatFormatError, ChatTemplate, render_chat
-from unicache.tokenizer import HFTokenizer, ByteTokenizer, load_tokenizer, special_tokens
+from unicache.contract.chat_template import BYTE_CHAT_TEMPLATE, ChatFormatError, ChatTemplate, render_chat
+from unicache.contract.tokenizer import HFTokenizer, ByteTokenizer, load_tokenizer, special_tokens
 
 SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 
@@ -204,7 +204,7 @@ def test_special_tokens_are_read_like_transformers(dirs, tmp_path):
 
 
 def test_router_and_replica_load_one_template(dirs, tmp_path):
-    from unicache.replica.engine.config import EngineConfig
+    from unicache.replica.engines.builtin.config import EngineConfig
     from unicache.router.app import RouterApp
     from unicache.router.config import build_config
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from unicache.block_hash import hash_id_blocks
-from unicache.classifier import Labels, RequestClassifier
-from unicache.request_class import RequestClass, Task
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.router.request_path.classifier import Labels, RequestClassifier
+from unicache.contract.request_class import RequestClass, Task
 
 
 def H(*ids: int, salt: bytes | None = None):

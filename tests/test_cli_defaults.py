@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from unicache.cli import build_parser
-from unicache.endpoints import LOCAL_ROUTER, default_router
-from unicache.local_cluster import ClusterSettings, Endpoints, print_ready
+from unicache.cli.main import build_parser
+from unicache.contract.endpoints import LOCAL_ROUTER, default_router
+from unicache.cli.local_cluster import ClusterSettings, Endpoints, print_ready
 from unicache.router.config import RouterConfig
 
 
@@ -39,7 +39,7 @@ async def test_the_banners_hello_prompt_hits_the_cache_when_sent_twice(one_repli
     prompt shorter than one block, as "Hello, cache!" was, never hits)."""
     import httpx
 
-    from unicache.local_cluster import HELLO_PROMPT
+    from unicache.cli.local_cluster import HELLO_PROMPT
 
     print_ready(Endpoints(LOCAL_ROUTER, "http://127.0.0.1:8000", "redis://127.0.0.1:1", []), None, model="tiny")
     banner = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Coalesced writes (``unicache.coalesce``): the hop's frames and the HTTP front door's
+"""Coalesced writes (``unicache.plumbing.coalesce``): the hop's frames and the HTTP front door's
 responses. Exact sends, on a transport that records them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import uvicorn
 
-from unicache.coalesce import CoalescingWriter
-from unicache.router.http_server import CoalescingTransport, HttpLimits, parser_protocol, uvicorn_config
+from unicache.plumbing.coalesce import CoalescingWriter
+from unicache.router.frontends.http_server import CoalescingTransport, HttpLimits, parser_protocol, uvicorn_config
 
 
 class _RecordingTransport:

@@ -13,10 +13,10 @@ import math
 
 import pytest
 
-from unicache.router.cluster import ClusterView
-from unicache.router.history import ClusterHistory, bucket_quantile
-from unicache.router.index import LocalityIndex
-from unicache.router.metrics import RouterMetrics
+from unicache.router.cluster.view import ClusterView
+from unicache.router.observability.history import ClusterHistory, bucket_quantile
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.observability.metrics import RouterMetrics
 from unicache.router.routing.registry import make_routing_policy
 from unicache.testing.browser import dump_dom, find_chromium, parse_charts
 from unicache.testing.dashboard_stack import DashboardStack

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from unicache.router.dashboard import DASHBOARD_HTML
+from unicache.router.observability.dashboard import DASHBOARD_HTML
 
 
 def test_the_two_hit_ratios_are_named_apart():

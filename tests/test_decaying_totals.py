@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from unicache.router.routing import decaying
-from unicache.router.routing.decaying import DecayingTotals
+from unicache.router.routing.cache_aware import decaying
+from unicache.router.routing.cache_aware.decaying import DecayingTotals
 
 
 def test_totals_decay_add_subtract_and_clamp_at_zero():

@@ -1,6 +1,6 @@
 import json
 
-from unicache.demo import build_workload
+from unicache.cli.demo import build_workload
 
 
 def test_demo_workload_is_deterministic_and_sessions_grow_by_whole_turns():

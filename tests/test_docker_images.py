@@ -171,7 +171,7 @@ def test_router_requirements_are_a_torch_free_subset_of_pyproject():
 def router_import_closure() -> tuple[set[str], set[str]]:
     """(first-party modules, third-party top-level names) reachable from router/."""
     todo = [module_name(p) for p in (REPO / "router").rglob("*.py")]
-    todo.append("unicache.cli")
+    todo.append("unicache.cli.main")
     seen, third = set(), set()
     while todo:
         module = todo.pop().removesuffix(".__init__")
@@ -194,7 +194,7 @@ def router_import_closure() -> tuple[set[str], set[str]]:
 
 def test_router_requirements_cover_everything_the_router_imports():
     seen, third = router_import_closure()
-    assert {"unicache.router.app", "unicache.router.cli", "unicache.cli", "unicache.tokenizer"} <= seen
+    assert {"unicache.router.app", "unicache.router.cli", "unicache.cli.main", "unicache.contract.tokenizer"} <= seen
     dists = packages_distributions()
     provided = set(router_requirements())
     missing = {top: dists.get(top) for top in third if not {canonicalize_name(d) for d in dists.get(top, [])} & provided}
@@ -220,8 +220,8 @@ ROUTER_IMAGE_PROBE = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, RouterImage())
-    import unicache.router.app, unicache.router.cli, unicache.cli
-    parser = unicache.cli.build_parser()
+    import unicache.router.app, unicache.router.cli, unicache.cli.main
+    parser = unicache.cli.main.build_parser()
     try:
         parser.parse_args(["router", "--help"])
     except SystemExit as exc:
@@ -250,8 +250,8 @@ def test_router_entry_point_runs_with_only_the_router_image_packages():
 BENCH_IN_ROUTER_IMAGE = ROUTER_IMAGE_PROBE.replace(
     'parser.parse_args(["router", "--help"])', 'parser.parse_args(["bench", "--help"])'
 ).replace(
-    "import unicache.router.app, unicache.router.cli, unicache.cli",
-    "import unicache.router.app, unicache.router.cli, unicache.cli, unicache.bench_client, httpx, tqdm",
+    "import unicache.router.app, unicache.router.cli, unicache.cli.main",
+    "import unicache.router.app, unicache.router.cli, unicache.cli.main, unicache.bench_client.client, httpx, tqdm",
 )
 
 

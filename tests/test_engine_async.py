@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from unicache.replica.engine.api import EngineInputError, EngineRequest, SamplingParams
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.engine.engine import LLMEngine
-from unicache.replica.engine.scheduler import ScheduledChunk
-from unicache.replica.engine.sequence import RequestGroup, Sequence
+from unicache.replica.engines.builtin.api import EngineInputError, EngineRequest, SamplingParams
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
+from unicache.replica.engines.builtin.engine import LLMEngine
+from unicache.replica.engines.builtin.scheduler import ScheduledChunk
+from unicache.replica.engines.builtin.sequence import RequestGroup, Sequence
 from tests.support.engine_factory import make_request, run_one, tiny_config
 
 PROMPT = [(i * 13 + 5) % 256 for i in range(21)]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unicache.replica.engine.engine import LLMEngine
-from unicache.replica.engine.sampling import make_generator, sample
+from unicache.replica.engines.builtin.engine import LLMEngine
+from unicache.replica.engines.builtin.sampling import make_generator, sample
 from tests.support.engine_factory import drain, make_request, run_one, tiny_config
 
 BS = 4

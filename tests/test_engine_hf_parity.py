@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support.engine_factory import make_request, run_one, tiny_config
-from unicache.replica.engine.checkpoint import CheckpointError, load_checkpoint
-from unicache.replica.engine.engine import LLMEngine
-from unicache.replica.engine.model import Rotary
+from unicache.replica.engines.builtin.checkpoint import CheckpointError, load_checkpoint
+from unicache.replica.engines.builtin.engine import LLMEngine
+from unicache.replica.engines.builtin.model import Rotary
 from unicache.testing.hf_models import (
     CASES, REFUSED, edit_config, hf_greedy, hf_logits, load_hf, paged_logits, prompt, write_case,
 )
@@ -133,7 +133,7 @@ def test_qwen2_without_sliding_layers_has_no_window(tmp_path):
 
 
 def test_a_model_with_a_window_refuses_metadata_without_it(checkpoints):
-    from unicache.replica.engine.attention import build_metadata
+    from unicache.replica.engines.builtin.attention import build_metadata
     from unicache.replica.kv.torch_storage import TorchKVStorage
 
     model = load_checkpoint(checkpoints["mistral-window-8"])

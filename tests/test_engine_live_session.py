@@ -15,10 +15,10 @@ import random
 
 import pytest
 
-from unicache.block_hash import hash_token_blocks
-from unicache.classifier import Labels, RequestClassifier
-from unicache.replica.engine.engine import LLMEngine
-from unicache.replica.engine.model import ModelConfig
+from unicache.contract.block_hash import hash_token_blocks
+from unicache.router.request_path.classifier import Labels, RequestClassifier
+from unicache.replica.engines.builtin.engine import LLMEngine
+from unicache.replica.engines.builtin.model import ModelConfig
 from tests.support.engine_factory import TINY_MODEL, drain, make_request, tiny_config
 
 BS = 32

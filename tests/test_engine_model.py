@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from unicache.replica.engine.attention import build_metadata
-from unicache.replica.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from unicache.replica.engine.model import LlamaForCausalLM, ModelConfig
+from unicache.replica.engines.builtin.attention import build_metadata
+from unicache.replica.engines.builtin.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from unicache.replica.engines.builtin.model import LlamaForCausalLM, ModelConfig
 from unicache.replica.kv.torch_storage import TorchKVStorage
 from tests.support.engine_factory import TINY_MODEL, make_request, run_one, tiny_config
-from unicache.replica.engine.engine import LLMEngine
+from unicache.replica.engines.builtin.engine import LLMEngine
 
 BS = 4
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.support.engine_factory import drain, make_request, run_one, tiny_config
-from unicache.replica.engine.api import EngineInputError, SamplingParams
-from unicache.replica.engine.engine import LLMEngine
-from unicache.replica.engine.sampling import apply_penalties, token_logprob
+from unicache.replica.engines.builtin.api import EngineInputError, SamplingParams
+from unicache.replica.engines.builtin.engine import LLMEngine
+from unicache.replica.engines.builtin.sampling import apply_penalties, token_logprob
 
 PROMPT = [10, 20, 30, 40, 50, 60]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from unicache.replica.engine.config import EngineConfig
-from unicache.replica.engine.engine import LLMEngine
+from unicache.replica.engines.builtin.config import EngineConfig
+from unicache.replica.engines.builtin.engine import LLMEngine
 from tests.support.engine_factory import make_request, run_one, tiny_config
 
 

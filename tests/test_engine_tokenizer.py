@@ -8,7 +8,7 @@ import sys
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from unicache.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from unicache.contract.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXT = "naïve café: 3€ 🍕 ok"
 
@@ -74,7 +74,7 @@ def test_missing_tokenizer_file_is_reported(tmp_path):
 
 
 def test_tokenizer_module_does_not_import_torch():
-    code = "import sys, unicache.tokenizer; print('torch' in sys.modules)"
+    code = "import sys, unicache.contract.tokenizer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -82,9 +82,9 @@ def test_tokenizer_module_does_not_import_torch():
 def test_engine_uses_a_checkpoints_tokenizer_json(hf_path, tmp_path):
     import shutil
 
-    from unicache.replica.engine.checkpoint import save_checkpoint
-    from unicache.replica.engine.engine import LLMEngine
-    from unicache.replica.engine.model import LlamaForCausalLM, ModelConfig
+    from unicache.replica.engines.builtin.checkpoint import save_checkpoint
+    from unicache.replica.engines.builtin.engine import LLMEngine
+    from unicache.replica.engines.builtin.model import LlamaForCausalLM, ModelConfig
     from tests.support.engine_factory import TINY_MODEL, make_request, run_one, tiny_config
 
     tok = HFTokenizer(str(hf_path))

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from unicache.block_hash import hash_id_blocks
-from unicache.request_class import SINGLE_TURN
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import SINGLE_TURN
 from unicache.replica.eviction.arc import ARCPolicy
 from unicache.replica.eviction.base import ReleaseInfo
 from unicache.replica.eviction.fifo import FIFOPolicy

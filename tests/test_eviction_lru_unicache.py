@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from unicache.block_hash import hash_id_blocks
-from unicache.request_class import RequestClass, Task
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import RequestClass, Task
 from unicache.replica.eviction.base import ReleaseInfo
 from unicache.replica.eviction.lognormal import OnlineLogNormal
 from unicache.replica.eviction.registry import make_policy

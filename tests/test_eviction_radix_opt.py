@@ -9,8 +9,8 @@ from unicache.replica.eviction.opt import NEVER, FutureAccesses, OptPolicy
 from unicache.replica.eviction.radix_lru import RadixLRUPolicy
 from unicache.replica.eviction.registry import make_policy, policy_names
 from unicache.replica.kv.store import KVStore
-from unicache.block_hash import BlockHash, hash_id_blocks
-from unicache.request_class import SINGLE_TURN
+from unicache.contract.block_hash import BlockHash, hash_id_blocks
+from unicache.contract.request_class import SINGLE_TURN
 
 
 def H(i: int) -> BlockHash:

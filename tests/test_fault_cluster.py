@@ -24,7 +24,7 @@ from unicache.testing.cluster_harness import (
     stop_ray,
     wait_for,
 )
-from unicache.redis_server import EmbeddedRedis
+from unicache.plumbing.redis_server import EmbeddedRedis
 
 pytestmark = pytest.mark.slow
 PREFIX = "faults"

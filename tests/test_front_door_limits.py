@@ -229,7 +229,7 @@ async def test_a_peer_at_its_share_replaces_its_own_oldest_idle_connection():
     ],
 )
 def test_bad_limit_settings_fail_at_build_time(overrides, message):
-    from unicache.errors import UsageError
+    from unicache.plumbing.errors import UsageError
     from unicache.router.config import build_config
 
     with pytest.raises(UsageError, match=message):

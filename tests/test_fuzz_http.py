@@ -21,7 +21,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from unicache.router.http_api import DEFAULT_MAX_BODY_BYTES
+from unicache.router.frontends.http_api import DEFAULT_MAX_BODY_BYTES
 from tests.support.fuzz_stack import serves_over_http, stack_fixture
 
 EXAMPLES = int(os.environ.get("UNICACHE_FUZZ_EXAMPLES", "150"))

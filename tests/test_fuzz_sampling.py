@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from unicache.replica.engine.api import SamplingParams
-from unicache.replica.engine.sampling import make_generator, sample
+from unicache.replica.engines.builtin.api import SamplingParams
+from unicache.replica.engines.builtin.sampling import make_generator, sample
 
 logit_rows = st.lists(st.floats(-1e4, 1e4, width=32), min_size=2, max_size=64).map(lambda xs: torch.tensor(xs, dtype=torch.float32))
 temperatures = st.one_of(

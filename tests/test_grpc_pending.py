@@ -1,6 +1,6 @@
 """A burst larger than grpc core's default pending-call limit (1000) is answered in full.
 
-Before ``unicache.grpc_server``, 2,000 concurrent streams into the router ended about 10%
+Before ``unicache.plumbing.grpc_server``, 2,000 concurrent streams into the router ended about 10%
 CANCELLED by grpc core before the router saw them; the router's own overload answer
 (RESOURCE_EXHAUSTED beyond ``max_in_flight``) never applied.
 """
@@ -13,8 +13,8 @@ import collections
 import grpc
 import pytest
 
-from unicache.grpc_server import pending_call_options
-from unicache.replica.server import ReplicaServer
+from unicache.plumbing.grpc_server import pending_call_options
+from unicache.replica.serving.server import ReplicaServer
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.testing.fake_replica import FakeReplica

@@ -70,9 +70,9 @@ def test_schema_mode_enum_and_bad_backend_values():
     schema = json.loads((CHART / "values.schema.json").read_text())
     backends = schema["properties"]["backends"]
     assert backends["properties"]["mode"]["enum"] == ["ray", "vllm", "external"]
-    from unicache.replica.vllm_engine.config import LIVE_UNSUPPORTED, NATIVE_POLICY, policy_names
+    from unicache.replica.engines.vllm.config import LIVE_UNSUPPORTED, NATIVE_POLICY, policy_names
 
-    # the policies UniCache's scheduler accepts inside vLLM (replica/vllm_engine/config.py)
+    # the policies UniCache's scheduler accepts inside vLLM (replica/engines/vllm/config.py)
     assert backends["properties"]["vllm"]["properties"]["evictionPolicy"]["enum"] == sorted(set(policy_names()) - LIVE_UNSUPPORTED) + [NATIVE_POLICY]
     with helm.Chart.load(CHART) as chart:
         for values in MODE_SETS.values():
@@ -233,13 +233,13 @@ def test_vllm_statefulset_runs_vllm_serve_with_unicache_prefix_caching_and_kv_ev
     assert (flag("--host"), flag("--port"), flag("--served-model-name")) == ("0.0.0.0", "8000", "Qwen2.5-7B-Instruct")
     assert flag("--block-size") == "32"  # settings.blockSize, the router's block_size too
     assert "--enable-prefix-caching" in args and "--enable-prompt-tokens-details" in args
-    assert flag("--scheduler-cls") == "unicache.replica.vllm_engine.scheduler.UniCacheScheduler"
+    assert flag("--scheduler-cls") == "unicache.replica.engines.vllm.scheduler.UniCacheScheduler"
     assert json.loads(flag("--additional-config")) == {"unicache": {"eviction_policy": "lru"}}
     assert json.loads(flag("--kv-events-config")) == {
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
     assert (flag("--tensor-parallel-size"), flag("--gpu-memory-utilization"), flag("--max-model-len")) == ("2", "0.85", "32768")
     assert args[-2:] == ["--kv-cache-dtype", "fp8"] and "--enforce-eager" not in args
-    from unicache.replica.vllm_engine.config import SCHEDULER_CLS
+    from unicache.replica.engines.vllm.config import SCHEDULER_CLS
 
     assert flag("--scheduler-cls") == SCHEDULER_CLS
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000), ("kv-events", 5557), ("kv-replay", 5558)]
@@ -263,7 +263,7 @@ def test_vllms_own_serve_parser_takes_the_statefulsets_arguments(rendered):
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args[1:])
     assert (ns.model_tag, ns.host, ns.port, ns.served_model_name) == ("/models/Qwen2.5-7B-Instruct", "0.0.0.0", 8000, ["Qwen2.5-7B-Instruct"])
     assert (ns.block_size, ns.enable_prefix_caching, ns.enable_prompt_tokens_details) == (32, True, True)
-    assert ns.scheduler_cls == "unicache.replica.vllm_engine.scheduler.UniCacheScheduler"
+    assert ns.scheduler_cls == "unicache.replica.engines.vllm.scheduler.UniCacheScheduler"
     assert ns.additional_config == {"unicache": {"eviction_policy": "lru"}}
     events = ns.kv_events_config
     assert (events.enable_kv_cache_events, events.publisher, events.endpoint, events.replay_endpoint) == (True, "zmq", "tcp://*:5557", "tcp://*:5558")
@@ -276,7 +276,7 @@ def test_vllm_default_args_are_the_documented_command():
     assert args == [
         "serve", "/models/Qwen2.5-7B-Instruct", "--host", "0.0.0.0", "--port", "8000",
         "--served-model-name", "Qwen2.5-7B-Instruct", "--block-size", "16", "--enable-prefix-caching",
-        "--scheduler-cls", "unicache.replica.vllm_engine.scheduler.UniCacheScheduler",
+        "--scheduler-cls", "unicache.replica.engines.vllm.scheduler.UniCacheScheduler",
         "--additional-config", '{"unicache":{"eviction_policy":"unicache"}}',
         "--kv-events-config",
         '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558"}',
@@ -365,7 +365,7 @@ def test_external_urls_reach_the_router_without_rbac(rendered):
 
 
 def test_external_dns_discovery_is_the_routers_backend_discovery():
-    from unicache.router.vllm_fleet.fleet import DnsDiscovery
+    from unicache.router.upstream.vllm_fleet.fleet import DnsDiscovery
 
     docs = documents(render({"backends": {"mode": "external", "external": {"dnsDiscovery": "dns://vllm.fleet.svc:8000?kv-events=5557&replay=5558"}}}))
     cfg = router_config(docs)

@@ -405,7 +405,7 @@ def test_router_limits_from_values_reach_the_router_config():
     assert (cfg.retry_replicas, cfg.first_token_timeout_floor_s, cfg.first_token_timeout_multiplier) == (1, 5.0, 3.0)
     assert (cfg.quarantine_initial_s, cfg.quarantine_max_s) == (0.5, 30.0)
     assert cfg.tenant_limits == "acme.max_concurrent=4,beta.tokens_per_minute=900"
-    from unicache.router.limits import parse_tenant_limits
+    from unicache.router.request_path.limits import parse_tenant_limits
 
     assert parse_tenant_limits(cfg.tenant_limits) == {"acme": {"max_concurrent": 4}, "beta": {"tokens_per_minute": 900}}
 
@@ -431,11 +431,11 @@ def test_every_unicache_variable_the_chart_sets_is_a_real_setting(rendered):
 
 
 def test_probe_paths_and_heartbeat_keys_match_the_code(rendered):
-    """The chart's HTTP paths are routes of router/http_api.py, and the launcher's readiness
-    probe counts heartbeats under the key pattern of unicache/redis_keys.py."""
-    from unicache.redis_keys import RedisKeys
+    """The chart's HTTP paths are routes of router/frontends/http_api.py, and the launcher's readiness
+    probe counts heartbeats under the key pattern of unicache/contract/redis_keys.py."""
+    from unicache.contract.redis_keys import RedisKeys
 
-    routes = set(re.findall(r'Route\("([^"]+)"', (REPO / "router" / "http_api.py").read_text()))
+    routes = set(re.findall(r'Route\("([^"]+)"', (REPO / "router" / "frontends" / "http_api.py").read_text()))
     docs = rendered["default"]
     router = one(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
     paths = {router[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe")}
@@ -554,8 +554,8 @@ def test_committed_dashboard_matches_its_generator():
 
 
 def test_router_exports_every_metric_the_dashboard_queries():
-    """The dashboard's contract with router/metrics.py: each queried series exists."""
-    from unicache.router.metrics import RouterMetrics
+    """The dashboard's contract with router/observability/metrics.py: each queried series exists."""
+    from unicache.router.observability.metrics import RouterMetrics
 
     suffix = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     exported = {
@@ -567,10 +567,10 @@ def test_router_exports_every_metric_the_dashboard_queries():
 
 
 def test_replicas_export_every_metric_the_dashboard_queries():
-    """The replica panels' contract with replica/metrics.py (the torch engine's registry,
+    """The replica panels' contract with replica/publishing/metrics.py (the torch engine's registry,
     after one request so every labelled series exists)."""
-    from unicache.replica.engine.api import CacheStateInfo, EngineLoad, EngineOutput, Usage
-    from unicache.replica.metrics import ReplicaMetrics
+    from unicache.replica.engines.builtin.api import CacheStateInfo, EngineLoad, EngineOutput, Usage
+    from unicache.replica.publishing.metrics import ReplicaMetrics
 
     class Engine:
         def load(self):
@@ -660,8 +660,8 @@ def test_rendered_manifests_are_parsed_with_duplicate_keys_refused():
 ])
 def test_the_served_model_name_is_written_once_as_the_replicas_name_it(values, expected):
     """One UNICACHE_SERVED_MODEL_NAME (a second was refused by strict parsers), and the name
-    unicache/model_name.py gives the replicas: the router serves what the replicas label."""
-    from unicache.model_name import served_model_name
+    unicache/contract/model_name.py gives the replicas: the router serves what the replicas label."""
+    from unicache.contract.model_name import served_model_name
 
     rendered = render(values)
     text = next(t for p, t in rendered.items() if p.endswith("configmap-settings.yaml"))
@@ -693,7 +693,7 @@ VLLM_GPU = {
 def test_vllm_gpu_values_reach_the_replica_settings(raycluster_schema):
     """The chart's vLLM keys become the replicas' settings (the ConfigMap's variables, read
     as the replica reads its environment), and the launcher runs one replica per TP group."""
-    from unicache import settings as settings_mod
+    from unicache.plumbing import settings as settings_mod
     from unicache.replica.settings import ReplicaSettings
 
     with helm.Chart.load(CHART) as chart:

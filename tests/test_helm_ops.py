@@ -177,7 +177,7 @@ def test_prometheus_rule_alerts_on_replica_down_hit_ratio_and_ttft():
 def test_alert_metrics_are_exported_by_the_router():
     from prometheus_client import generate_latest
 
-    from unicache.router.metrics import RouterMetrics
+    from unicache.router.observability.metrics import RouterMetrics
 
     text = generate_latest(RouterMetrics().registry).decode()
     for name in ("unicache_router_replicas", "unicache_router_ttft_seconds_bucket"):

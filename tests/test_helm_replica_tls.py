@@ -1,6 +1,6 @@
 """The chart's mutual TLS between router and replicas (replicaTls): certificates from an
 existing Secret or from cert-manager Certificates, mounted whole (renewals reach the
-files) where the router and the replica actors read them, with the names unicache/tls.py
+files) where the router and the replica actors read them, with the names unicache/plumbing/tls.py
 checks. Rendered, then validated as the chart's other manifests are."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 
 from tests.test_helm_chart import KUBE_VERSION, RELEASE, RAYCLUSTER_SCHEMA, _strict_crd_schema, documents, find, one, render
-from unicache.tls import ANY_REPLICA_NAME, ROUTER_NAME, replica_dns_name
+from unicache.plumbing.tls import ANY_REPLICA_NAME, ROUTER_NAME, replica_dns_name
 
 REPLICA_IDS = [f"{RELEASE}-replica-{i}" for i in range(3)]
 BASE = {"replicas": {"count": 3}}

@@ -20,8 +20,8 @@ import httpx
 import pytest
 import redis
 
-from unicache.redis_keys import RedisKeys
-from unicache.redis_server import EmbeddedRedis, find_redis_binary, free_port
+from unicache.contract.redis_keys import RedisKeys
+from unicache.plumbing.redis_server import EmbeddedRedis, find_redis_binary, free_port
 from tests.support import strict_yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def test_router_starts_with_the_charts_environment(docs, tmp_path):
         args[args.index("--grpc-port") + 1] = str(grpc_port)
         args[args.index("--http-port") + 1] = str(http_port)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "unicache.cli", *args],
+            [sys.executable, "-m", "unicache.cli.main", *args],
             env={**os.environ, **env}, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         base = f"http://127.0.0.1:{http_port}"

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from unicache.classifier import Labels, _BlockUse, _Session
-from unicache.request_class import RequestClass
+from unicache.router.request_path.classifier import Labels, _BlockUse, _Session
+from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import ReleaseInfo
 from unicache.replica.eviction.lognormal import OnlineLogNormal
 from unicache.replica.kv.block import KVBlock
-from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.store import Allocation, CacheStats, RequestBlocks
 
 RECORDS = [

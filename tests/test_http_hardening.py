@@ -209,8 +209,8 @@ async def test_cancelled_sse_stream_counts_as_cancelled_not_error(router):
 
 
 def test_unknown_parser_or_loop_is_a_usage_error():
-    from unicache.errors import UsageError
-    from unicache.router.http_server import loop_factory, parser_protocol
+    from unicache.plumbing.errors import UsageError
+    from unicache.router.frontends.http_server import loop_factory, parser_protocol
 
     with pytest.raises(UsageError, match="unknown http_parser 'fast'"):
         parser_protocol("fast")
@@ -230,7 +230,7 @@ def test_unknown_parser_or_loop_is_a_usage_error():
     ],
 )
 def test_bad_http_settings_fail_at_build_time(overrides, message):
-    from unicache.errors import UsageError
+    from unicache.plumbing.errors import UsageError
 
     with pytest.raises(UsageError, match=message):
         build_config(env={}, overrides=overrides)

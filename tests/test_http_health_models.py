@@ -1,16 +1,16 @@
 """vLLM's probe and model card on the router's HTTP door: ``GET /health`` (200 when a
 request can be routed, 503 when not) and ``/v1/models`` reporting ``max_model_len``, the
-smallest context the replicas announce in their heartbeats (replica/publisher.py)."""
+smallest context the replicas announce in their heartbeats (replica/publishing/publisher.py)."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from unicache.replica.engine.async_engine import AsyncEngine
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.store import KVStore
-from unicache.replica.publisher import CachePublisher
+from unicache.replica.publishing.publisher import CachePublisher
 from unicache.router.app import RouterApp
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.signed_state import SIGNER

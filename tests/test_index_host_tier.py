@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from unicache.block_hash import hash_id_blocks
-from unicache.router.index import LocalityIndex
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.router.cluster.index import LocalityIndex
 
 H = hash_id_blocks(list(range(8)))
 
@@ -60,11 +60,11 @@ def test_the_index_fed_by_a_two_tier_store_matches_what_the_store_would_use():
     run's GPU blocks, and the run's host blocks."""
     import random
 
-    from unicache.block_hash import hash_token_blocks
+    from unicache.contract.block_hash import hash_token_blocks
     from unicache.replica.eviction.registry import make_host_policy, make_policy
     from unicache.replica.kv.host_tier import HostTier
     from unicache.replica.kv.store import KVStore, OutOfBlocks
-    from unicache.request_class import RequestClass, Task
+    from unicache.contract.request_class import RequestClass, Task
     from unicache.sim.replay import _pump
 
     bs = 4

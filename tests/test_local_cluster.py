@@ -54,7 +54,7 @@ def test_up_serves_then_sigterm_leaves_nothing_behind():
     tmpdir = Path(tempfile.mkdtemp(prefix="uc-test-", dir="/tmp"))
     env = dict(os.environ, TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unicache.cli", "up", "--replicas", "1", "--grpc-port", "0", "--http-port", "0",
+        [sys.executable, "-m", "unicache.cli.main", "up", "--replicas", "1", "--grpc-port", "0", "--http-port", "0",
          "--num-blocks", "256"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -93,7 +93,7 @@ def test_up_serves_then_sigterm_leaves_nothing_behind():
         prompt_line = next(l for l in scraped.splitlines() if l.startswith("vllm:prompt_tokens_total{"))
         assert float(prompt_line.split()[-1]) == out["usage"]["prompt_tokens"]
         demo = subprocess.run(
-            [sys.executable, "-m", "unicache.cli", "demo", "--router", grpc_addr, "--sessions", "1", "--turns", "2",
+            [sys.executable, "-m", "unicache.cli.main", "demo", "--router", grpc_addr, "--sessions", "1", "--turns", "2",
              "--templated", "2", "--single", "1", "--max-tokens", "2"],
             capture_output=True, text=True, timeout=120, env=env,
         )
@@ -133,7 +133,7 @@ def test_ctrl_c_to_the_whole_process_group_stops_quietly(moment):
     tmpdir = Path(tempfile.mkdtemp(prefix="uc-test-", dir="/tmp"))
     env = dict(os.environ, TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unicache.cli", "up", "--replicas", "1", "--grpc-port", "0", "--http-port", "0",
+        [sys.executable, "-m", "unicache.cli.main", "up", "--replicas", "1", "--grpc-port", "0", "--http-port", "0",
          "--num-blocks", "256", "--log-level", "info"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )
@@ -175,7 +175,7 @@ def test_up_with_the_vllm_engine_stopped_by_sigterm_leaves_nothing_behind(tmp_pa
     tmpdir = Path(tempfile.mkdtemp(prefix="uc-test-", dir="/tmp"))
     env = dict(os.environ, TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unicache.cli", "up", "--engine", "vllm", "--model", model, "--block-size", "32",
+        [sys.executable, "-m", "unicache.cli.main", "up", "--engine", "vllm", "--model", model, "--block-size", "32",
          "--replicas", "1", "--grpc-port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )

@@ -1,4 +1,4 @@
-"""The locality index keyed by block hash -> replicas (router/index.py): prefix walks,
+"""The locality index keyed by block hash -> replicas (router/cluster/index.py): prefix walks,
 per-replica stream state, bounds, and its internal invariants under random operations."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicache.block_hash import BlockHash, hash_token_blocks
-from unicache.router.index import LocalityIndex
+from unicache.contract.block_hash import BlockHash, hash_token_blocks
+from unicache.router.cluster.index import LocalityIndex
 
 
 def chain(first_token: int, n: int) -> list[BlockHash]:

@@ -8,8 +8,8 @@ carry each block's parent (``KVEventBatch.stored_parents``), so the index knows 
 
 from __future__ import annotations
 
-from unicache.block_hash import BlockHash, hash_token_blocks
-from unicache.router.index import LocalityIndex
+from unicache.contract.block_hash import BlockHash, hash_token_blocks
+from unicache.router.cluster.index import LocalityIndex
 
 
 def chain(first_token: int, n: int) -> list[BlockHash]:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.support.load_stack import fast_engine_config
-from unicache.replica.engine.api import EngineRequest, SamplingParams
-from unicache.replica.engine.engine import LLMEngine
-from unicache.tokenizer import load_tokenizer
+from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.builtin.engine import LLMEngine
+from unicache.contract.tokenizer import load_tokenizer
 
 MODEL = "unicache-default"
 TOKENIZER = load_tokenizer(fast_engine_config().tokenizer_path())

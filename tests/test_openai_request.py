@@ -1,11 +1,11 @@
-"""``unicache.router.openai_request``: defaults, refusals and the structure check, exactly."""
+"""``unicache.router.frontends.openai_request``: defaults, refusals and the structure check, exactly."""
 
 from __future__ import annotations
 
 import pytest
 
-from unicache.router.openai_errors import ApiError
-from unicache.router.openai_request import check_fields, check_model, check_unicode, parse_body, parse_request
+from unicache.router.frontends.openai_errors import ApiError
+from unicache.router.frontends.openai_request import check_fields, check_model, check_unicode, parse_body, parse_request
 
 
 def parse(body: dict, chat: bool = False):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from unicache.router.openai_response import StreamChunks, base
+from unicache.router.frontends.openai_response import StreamChunks, base
 
 TEXTS = ["", "a", 'quote " and \\ backslash', "line\nbreak\ttab", "héllo wörld", "日本語", "emoji 🎉", "\ud800 lone", "\x00\x1f"]
 

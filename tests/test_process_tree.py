@@ -1,4 +1,4 @@
-"""unicache/process_tree.py: a stop ends what the run started, orphans included, and
+"""unicache/plumbing/process_tree.py: a stop ends what the run started, orphans included, and
 nothing that ran before it (``unicache up --engine vllm`` left an engine core behind when
 its replica actor was killed mid-shutdown)."""
 
@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 
-from unicache.process_tree import Proc, alive, descendants, reap
+from unicache.plumbing.process_tree import Proc, alive, descendants, reap
 
 # A child that starts a grandchild ignoring SIGTERM (a slow shutdown), prints its pid,
 # then waits: killing the child orphans the grandchild.
@@ -58,7 +58,7 @@ def test_a_reused_pid_is_never_signalled():
 
 
 def test_local_cluster_stop_ends_what_its_backends_left_behind():
-    from unicache.local_cluster import ClusterSettings, LocalCluster
+    from unicache.cli.local_cluster import ClusterSettings, LocalCluster
 
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # before the run
     cluster = LocalCluster(ClusterSettings(num_replicas=1))

@@ -1,6 +1,6 @@
 """The publisher's asyncio Redis client gets redis-py's asyncio ``Retry`` (the synchronous
 one made the client warn at every replica start), and no retry at all: the publisher
-resyncs after an outage itself (replica/publisher.py)."""
+resyncs after an outage itself (replica/publishing/publisher.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import warnings
 import redis.asyncio.retry
 import redis.retry
 
-from unicache.replica.publisher import CachePublisher
+from unicache.replica.publishing.publisher import CachePublisher
 from unicache.testing.signed_state import SIGNER
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from unicache.router.routing.queue_share import QueueShares
+from unicache.router.routing.cache_aware.queue_share import QueueShares
 
 
 def test_sums_shares_bound_peers_and_departures():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unicache.registry import Registry
+from unicache.plumbing.registry import Registry
 from unicache.replica.eviction.lru import LRUPolicy
 from unicache.replica.eviction.registry import EVICTION_POLICIES, make_policy, policy_names
 from unicache.router.routing.registry import ROUTING_POLICIES, make_routing_policy, routing_policy_names

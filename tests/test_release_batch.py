@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from unicache.block_hash import hash_token_blocks
-from unicache.request_class import SINGLE_TURN, RequestClass, Task
+from unicache.contract.block_hash import hash_token_blocks
+from unicache.contract.request_class import SINGLE_TURN, RequestClass, Task
 from unicache.replica.eviction.base import EvictionPolicy
 from unicache.replica.eviction.lru import LRUPolicy
 from unicache.replica.eviction.registry import make_policy

@@ -13,7 +13,7 @@ import pytest
 import ray
 import redis
 
-from unicache.redis_keys import RedisKeys
+from unicache.contract.redis_keys import RedisKeys
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.actor import ACTOR_NAMESPACE, actor_name, actor_options
 from unicache.replica.launcher import ReplicaLauncher, wait_healthy

@@ -17,8 +17,8 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from unicache.errors import UsageError
-from unicache.redis_keys import RedisKeys
+from unicache.plumbing.errors import UsageError
+from unicache.contract.redis_keys import RedisKeys
 from unicache.replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
 from unicache.testing.signed_state import CLUSTER_KEY
 
@@ -72,7 +72,7 @@ def test_unicache_replica_process_serves_and_stops_on_sigterm(redis_server):
     env.update(UNICACHE_REDIS_URL=redis_server.url, UNICACHE_REDIS_PREFIX="clitest", UNICACHE_NUM_BLOCKS="64",
                UNICACHE_CLUSTER_KEY=CLUSTER_KEY)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unicache.cli", "replica", "--replica-id", "c0", "--device", "cpu", "--eviction-policy", "lru"],
+        [sys.executable, "-m", "unicache.cli.main", "replica", "--replica-id", "c0", "--device", "cpu", "--eviction-policy", "lru"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     r = redis.Redis.from_url(redis_server.url, socket_timeout=5)

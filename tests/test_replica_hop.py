@@ -1,4 +1,4 @@
-"""The framed replica hop (unicache/hop.py): the replica's ``HopServer`` and the router's
+"""The framed replica hop (unicache/contract/hop.py): the replica's ``HopServer`` and the router's
 ``HopClient`` against the real engine with a tiny seeded model.
 
 The hop must be indistinguishable from gRPC to the request path: the same messages, the
@@ -15,14 +15,14 @@ import socket
 import grpc
 import pytest
 
-from unicache import hop
-from unicache.replica.faults import FaultInjection
-from unicache.replica.server import ReplicaServer
-from unicache.router.hop_client import HopClient, HopStream
-from unicache.router.replica_client import GrpcReplicaStream, ReplicaClients
-from unicache.state_auth import CallCredential
+from unicache.contract import hop
+from unicache.replica.serving.faults import FaultInjection
+from unicache.replica.serving.server import ReplicaServer
+from unicache.router.upstream.hop_client import HopClient, HopStream
+from unicache.router.upstream.replica_client import GrpcReplicaStream, ReplicaClients
+from unicache.contract.state_auth import CallCredential
 from unicache.testing.polling import eventually
-from unicache.wire import REFUSAL_METADATA
+from unicache.contract.wire import REFUSAL_METADATA
 
 from tests.test_replica_server import PROMPT, direct, engine, make_request, no_blocks_referenced  # noqa: F401 - engine: a fixture
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from unicache.redis_keys import RedisKeys
-from unicache.replica.metrics_server import MetricsServer
+from unicache.contract.redis_keys import RedisKeys
+from unicache.replica.publishing.metrics_server import MetricsServer
 from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.settings import ReplicaSettings
 from unicache.router.app import RouterApp
@@ -160,7 +160,7 @@ async def test_metrics_server_answers_only_get_metrics():
 
 
 def test_a_negative_metrics_port_other_than_minus_one_is_refused():
-    from unicache.errors import UsageError
+    from unicache.plumbing.errors import UsageError
 
     with pytest.raises(UsageError, match="metrics_port must be -1"):
         ReplicaSettings(metrics_port=-2).check()
@@ -224,9 +224,9 @@ async def test_replicas_sharing_a_port_span_each_bind_the_next_free_port():
 async def test_refused_callers_and_hop_connections_are_exported(replica):
     """Callers without the cluster key are counted per transport; the hop's connections
     and streams as the replica sees them."""
-    from unicache import hop
-    from unicache.router.hop_client import HopClient
-    from unicache.state_auth import parse_cluster_key
+    from unicache.contract import hop
+    from unicache.router.upstream.hop_client import HopClient
+    from unicache.contract.state_auth import parse_cluster_key
 
     async with grpc.aio.insecure_channel(replica.address) as ch:
         req = replica_pb2.GenerateRequest(token_ids=replica_pb2.TokenIds(ids=[1, 2, 3]),

@@ -13,20 +13,20 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from unicache.block_hash import hash_token_blocks
-from unicache.redis_keys import RedisKeys
-from unicache.request_class import SINGLE_TURN
+from unicache.contract.block_hash import hash_token_blocks
+from unicache.contract.redis_keys import RedisKeys
+from unicache.contract.request_class import SINGLE_TURN
 from unicache.v1 import cache_pb2
 from unicache.replica.eviction.registry import make_host_policy, make_policy
-from unicache.replica.event_batch import PendingBatch
-from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from unicache.kv_tier import Tier
+from unicache.replica.publishing.event_batch import PendingBatch
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.contract.kv_tier import Tier
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore
 from unicache.testing.signed_state import SIGNER
-from unicache.replica.publisher import CachePublisher
+from unicache.replica.publishing.publisher import CachePublisher
 from unicache.testing.store_source import StoreCacheSource
-from unicache.router.index import LocalityIndex
+from unicache.router.cluster.index import LocalityIndex
 from unicache.testing.polling import eventually
 
 BS = 4
@@ -264,7 +264,7 @@ async def test_redis_outage_then_fresh_epoch_with_exact_summary(redis_server, re
 
 
 def test_hot_path_records_use_slots():
-    from unicache.replica.publisher import PublisherStats
+    from unicache.replica.publishing.publisher import PublisherStats
 
     for obj in (PendingBatch(), PublisherStats()):
         assert not hasattr(obj, "__dict__"), type(obj).__name__

@@ -9,8 +9,8 @@ from __future__ import annotations
 import grpc
 import redis.asyncio as aioredis
 
-from unicache.block_hash import hash_token_blocks
-from unicache.redis_keys import RedisKeys
+from unicache.contract.block_hash import hash_token_blocks
+from unicache.contract.redis_keys import RedisKeys
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.settings import ReplicaSettings

@@ -14,11 +14,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
-from unicache.replica.engine.api import EngineRequest, SamplingParams
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.engine.config import EngineConfig
-from unicache.replica.engine.model import ModelConfig
-from unicache.replica.server import SERVICE_NAME, ReplicaServer, ReplicaServicer
+from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
+from unicache.replica.engines.builtin.config import EngineConfig
+from unicache.replica.engines.builtin.model import ModelConfig
+from unicache.replica.serving.server import SERVICE_NAME, ReplicaServer, ReplicaServicer
 
 BS = 4
 NUM_BLOCKS = 32

@@ -1,7 +1,7 @@
 """Mutual TLS between the router and its replicas (issue 39), over both transports.
 
 A router (static replicas r0, r1, a cluster key, round robin) with a cluster CA made by
-``unicache.tls.ClusterCA``; fake replicas serve gRPC and the framed hop with TLS. Each case
+``unicache.plumbing.tls.ClusterCA``; fake replicas serve gRPC and the framed hop with TLS. Each case
 asserts what crossed the wire: no bearer credential, no request to an impostor, no
 readable request through a relay, and which replica served every client request.
 """
@@ -18,12 +18,12 @@ import pytest
 
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.router.replica_client import PROBE_REQUEST_ID, ReplicaClients
-from unicache.state_auth import CALL_METADATA, CallCredential
+from unicache.router.upstream.replica_client import PROBE_REQUEST_ID, ReplicaClients
+from unicache.contract.state_auth import CALL_METADATA, CallCredential
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY, parse_cluster_key
-from unicache.tls import ClientTls, ClusterCA, TlsFiles, replica_dns_name, write_tls_files
+from unicache.plumbing.tls import ClientTls, ClusterCA, TlsFiles, replica_dns_name, write_tls_files
 from unicache.v1 import common_pb2, replica_pb2
 
 KEY = parse_cluster_key(CLUSTER_KEY)
@@ -245,7 +245,7 @@ def test_replica_names_are_dns_labels_or_digests():
 
 
 def test_half_a_tls_setting_fails_at_start_up(pki):
-    from unicache.errors import UsageError
+    from unicache.plumbing.errors import UsageError
     from unicache.replica.settings import ReplicaSettings
 
     with pytest.raises(UsageError, match="mutual TLS with replicas needs all of replica_tls_ca, replica_tls_cert and replica_tls_key"):
@@ -262,7 +262,7 @@ def test_unicache_up_makes_an_ephemeral_pki_in_its_private_run_dir_and_removes_i
     them into the router's and the replicas' settings, and removes them at stop."""
     import stat
 
-    from unicache.local_cluster import ClusterSettings, LocalCluster, replica_settings
+    from unicache.cli.local_cluster import ClusterSettings, LocalCluster, replica_settings
 
     cluster = LocalCluster(ClusterSettings(num_replicas=2))
     run_dir = cluster._tmp

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from unicache.block_hash import reusable_prompt_blocks
-from unicache.replica.engine.engine import LLMEngine
+from unicache.contract.block_hash import reusable_prompt_blocks
+from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.testing.fake_replica import FakeReplica
-from unicache.trace import TraceRequest
+from unicache.sim.trace import TraceRequest
 from unicache.v1 import common_pb2, replica_pb2
 from tests.support.engine_factory import make_request, run_one, tiny_config
 

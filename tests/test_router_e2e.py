@@ -15,7 +15,7 @@ from unicache.router.config import build_config
 from unicache.router.routing.registry import make_routing_policy
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
-from unicache.block_hash import hash_token_blocks
+from unicache.contract.block_hash import hash_token_blocks
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 KEYS = "key-a:tenantA,key-b:tenantB"
@@ -399,7 +399,7 @@ def test_tenants_never_share_block_hashes():
 
 
 async def test_unicache_status_against_live_router(cluster2, capsys):
-    from unicache.cli import main
+    from unicache.cli.main import main
 
     app, _, _ = cluster2
     rc = await asyncio.to_thread(main, ["status", "--router", f"127.0.0.1:{app.grpc_port}"])

@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from unicache import hop
+from unicache.contract import hop
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.testing.fake_replica import FakeReplica
@@ -96,7 +96,7 @@ async def test_a_replica_failing_authentication_is_retried_elsewhere(case):
 async def test_a_hop_peer_that_never_answers_holds_a_stream_no_longer_than_its_deadline():
     """A process that accepts the connection and stays silent (no handshake): the stream
     ends DEADLINE_EXCEEDED at its own deadline, not at the connect timeout (5 s here)."""
-    from unicache.router.hop_client import HopClient
+    from unicache.router.upstream.hop_client import HopClient
     from unicache.v1 import common_pb2, replica_pb2
 
     accepted = asyncio.Event()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import redis
 
-from unicache.block_hash import hash_token_blocks
+from unicache.contract.block_hash import hash_token_blocks
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.testing.fake_replica import FakeReplica

@@ -13,7 +13,7 @@ from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.testing.fake_replica import FakeReplica
 from tests.test_router_subscriber import KEYS
-from unicache.block_hash import hash_token_blocks
+from unicache.contract.block_hash import hash_token_blocks
 from unicache.v1 import cache_pb2
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY, sealed

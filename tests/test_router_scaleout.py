@@ -18,12 +18,12 @@ import random
 import httpx
 import pytest
 
-from unicache.errors import UsageError
+from unicache.plumbing.errors import UsageError
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.routing.base import SessionRecord
-from unicache.router.session_store import SessionStore
-from unicache.state_auth import parse_cluster_key
+from unicache.router.cluster.session_store import SessionStore
+from unicache.contract.state_auth import parse_cluster_key
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY
@@ -206,12 +206,12 @@ async def test_store_degrades_when_redis_is_down(redis_server, store):
 # --- the policy side: export on one router, import on another ------------------------------
 
 def test_cache_aware_import_makes_another_router_decide_as_the_first():
-    from unicache.block_hash import hash_id_blocks
-    from unicache.request_class import RequestClass
+    from unicache.contract.block_hash import hash_id_blocks
+    from unicache.contract.request_class import RequestClass
     from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
-    from unicache.router.routing.cache_aware import CacheAwarePolicy
+    from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
     from unicache.router.routing.keys import session_key
-    from unicache.router.cluster import EmptyView
+    from unicache.router.cluster.view import EmptyView
 
     def req(rid, ids, session="s"):
         h = hash_id_blocks(ids, 16)

@@ -1,6 +1,6 @@
 """The Redis subscriber against a real redis-server on a free port: events, gaps, epochs,
 Redis outages and heartbeat expiry. Payloads are written into Redis directly as the
-replicas' publisher would (sealed protobuf, keys from unicache.redis_keys); a
+replicas' publisher would (sealed protobuf, keys from unicache.contract.redis_keys); a
 ``ReplicaTruth`` answers for the replicas' GetCacheSummary (resyncs come from them)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unicache.router.cluster import ClusterView, EmptyView
-from unicache.router.index import LocalityIndex
+from unicache.router.cluster.view import ClusterView, EmptyView
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import RoutingPolicy
-from unicache.router.subscriber import REDIS_ERRORS, RedisSubscriber
-from unicache.block_hash import BlockHash
-from unicache.redis_keys import RedisKeys
+from unicache.router.cluster.subscriber import REDIS_ERRORS, RedisSubscriber
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.redis_keys import RedisKeys
 from unicache.v1 import cache_pb2, common_pb2
 from unicache.testing.signed_state import SIGNER, ReplicaTruth, sealed
 
@@ -302,7 +302,7 @@ async def test_block_size_mismatch_is_logged_once(setup, caplog):
     hb = heartbeat("a")
     hb.cache.block_size = 32
     r.set(KEYS.heartbeat("a"), sealed("hb", hb))
-    with caplog.at_level("WARNING", logger="unicache.router.subscriber"):
+    with caplog.at_level("WARNING", logger="unicache.router.cluster.subscriber"):
         await sub.scan_heartbeats()
         await sub.scan_heartbeats()
     msgs = [rec.getMessage() for rec in caplog.records if "block size" in rec.getMessage()]
@@ -310,7 +310,7 @@ async def test_block_size_mismatch_is_logged_once(setup, caplog):
 
 
 async def test_password_protected_redis():
-    from unicache.redis_server import EmbeddedRedis
+    from unicache.plumbing.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(password="pw-123")
     server.start()

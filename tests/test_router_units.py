@@ -11,16 +11,16 @@ import json
 
 import pytest
 
-from unicache.router.auth import AuthError, Authenticator, api_key_from_headers, load_api_keys_file, parse_api_keys
-from unicache.chat_template import BYTE_CHAT_TEMPLATE, ChatFormatError, render_chat
-from unicache.router.chat_template import render_chat_json
-from unicache.router.cluster import ReplicaRecord
+from unicache.router.request_path.auth import AuthError, Authenticator, api_key_from_headers, load_api_keys_file, parse_api_keys
+from unicache.contract.chat_template import BYTE_CHAT_TEMPLATE, ChatFormatError, render_chat
+from unicache.router.frontends.chat_template import render_chat_json
+from unicache.router.cluster.view import ReplicaRecord
 from unicache.router.config import RouterConfig, add_config_arguments, build_config
-from unicache.router.core import Labelled, Prepared
-from unicache.router.status import format_table
-from unicache.cli import main
-from unicache.errors import UsageError
-from unicache.router.replica_client import parse_replica_message
+from unicache.router.request_path.core import Labelled, Prepared
+from unicache.router.observability.status import format_table
+from unicache.cli.main import main
+from unicache.plumbing.errors import UsageError
+from unicache.router.upstream.replica_client import parse_replica_message
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 
@@ -62,7 +62,7 @@ TLS_TRIO = ("replica_tls_ca", "replica_tls_cert", "replica_tls_key")
 
 
 def test_every_setting_has_flag_and_env(tmp_path):
-    from unicache.settings import SECRET_FILE_FIELDS
+    from unicache.plumbing.settings import SECRET_FILE_FIELDS
 
     secret_file = tmp_path / "secret"
     secret_file.write_text("secret-from-file-0123456789\n")
@@ -219,8 +219,8 @@ def test_redis_url_password_masked_in_describe():
 def test_router_tokenizes_like_the_replicas(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from unicache.replica.engine.config import EngineConfig
-    from unicache.tokenizer import load_tokenizer
+    from unicache.replica.engines.builtin.config import EngineConfig
+    from unicache.contract.tokenizer import load_tokenizer
     from unicache.router.app import RouterApp
 
     ckpt = tmp_path / "ckpt"
@@ -244,9 +244,9 @@ def test_router_tokenizes_like_the_replicas(tmp_path):
 
 
 def test_metrics_per_replica_gauges_follow_membership():
-    from unicache.router.cluster import ClusterView
-    from unicache.router.index import LocalityIndex
-    from unicache.router.metrics import RouterMetrics
+    from unicache.router.cluster.view import ClusterView
+    from unicache.router.cluster.index import LocalityIndex
+    from unicache.router.observability.metrics import RouterMetrics
     from unicache.router.routing.registry import make_routing_policy
     from unicache.v1 import cache_pb2
 
@@ -275,13 +275,13 @@ def test_metrics_per_replica_gauges_follow_membership():
 
 
 def test_metrics_show_cache_awares_queue_share_per_replica():
-    from unicache.router.cluster import ClusterView
-    from unicache.router.index import LocalityIndex
-    from unicache.router.metrics import RouterMetrics
+    from unicache.router.cluster.view import ClusterView
+    from unicache.router.cluster.index import LocalityIndex
+    from unicache.router.observability.metrics import RouterMetrics
     from unicache.router.routing.base import RouteDecision, RoutingRequest
-    from unicache.block_hash import hash_id_blocks
-    from unicache.request_class import RequestClass
-    from unicache.router.routing.cache_aware import CacheAwarePolicy
+    from unicache.contract.block_hash import hash_id_blocks
+    from unicache.contract.request_class import RequestClass
+    from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
 
     policy = CacheAwarePolicy()
     cluster = ClusterView(policy, LocalityIndex())
@@ -302,7 +302,7 @@ async def test_completion_prompts_get_the_tokenizers_bos_and_chat_templates_do_n
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     from unicache.router.app import RouterApp
-    from unicache.tokenizer import ByteTokenizer, HFTokenizer
+    from unicache.contract.tokenizer import ByteTokenizer, HFTokenizer
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -351,7 +351,7 @@ def _msg(**kw) -> router_pb2.RouterGenerateResponse:
 def test_queued_messages_of_one_sample_are_handed_on_as_one():
     from collections import deque
 
-    from unicache.router.replica_stream import take_queued
+    from unicache.router.upstream.replica_stream import take_queued
 
     lp = [common_pb2.TokenLogprobs(logprob=-float(i)) for i in range(4)]
     usage = common_pb2.Usage(prompt_tokens=9, completion_tokens=4)
@@ -371,7 +371,7 @@ def test_queued_messages_of_one_sample_are_handed_on_as_one():
 def test_take_queued_stops_at_a_sample_change_and_after_an_end():
     from collections import deque
 
-    from unicache.router.replica_stream import take_queued
+    from unicache.router.upstream.replica_stream import take_queued
 
     items = deque([_msg(index=0, token_ids=[1]), _msg(index=1, token_ids=[2]), _msg(index=0, token_ids=[3])])
     assert take_queued(items) == _msg(index=0, token_ids=[1]) and len(items) == 2  # interleaved samples stay apart
@@ -389,7 +389,7 @@ def test_take_queued_knows_every_field_a_replica_sends():
 
 
 async def test_a_hop_stream_reads_what_arrived_before_it_asked_as_one_message():
-    from unicache.router.hop_client import HopStream
+    from unicache.router.upstream.hop_client import HopStream
 
     stream = HopStream(None, b"", deadline=0.0)  # ended below, so it never connects
     for i, t in enumerate("abc"):

@@ -29,7 +29,7 @@ from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-UNICACHE = [sys.executable, "-m", "unicache.cli"]
+UNICACHE = [sys.executable, "-m", "unicache.cli.main"]
 
 
 def free_port() -> int:

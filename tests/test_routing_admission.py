@@ -1,4 +1,4 @@
-"""TTFT admission (unicache.router.routing.admission): exact estimates and admissible sets."""
+"""TTFT admission (unicache.router.routing.cache_aware.admission): exact estimates and admissible sets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicache.router.routing.admission import MATCHES_FIRST_MIN_REPLICAS, TTFTAdmission
+from unicache.router.routing.cache_aware.admission import MATCHES_FIRST_MIN_REPLICAS, TTFTAdmission
 from unicache.router.routing.base import ReplicaLoad
 
 

@@ -1,4 +1,4 @@
-"""The candidate window of large fleets (unicache.router.routing.candidates) and
+"""The candidate window of large fleets (unicache.router.routing.cache_aware.candidates) and
 cache_aware's use of it: exact members, kept holders, unchanged small fleets."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicache.block_hash import hash_id_blocks
-from unicache.request_class import RequestClass
-from unicache.router.index import LocalityIndex
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import RequestClass
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy
-from unicache.router.routing.candidates import CandidateWindow
+from unicache.router.routing.cache_aware.policy import CacheAwareConfig, CacheAwarePolicy
+from unicache.router.routing.cache_aware.candidates import CandidateWindow
 
 BS = 16
 
@@ -116,7 +116,7 @@ def test_a_large_fleet_keeps_the_holder_outside_the_window_and_spreads_new_promp
 
 
 def test_a_system_prompt_on_every_replica_groups_its_holders_and_the_long_holder_still_wins():
-    from unicache.router.routing.cache_aware import matches_of_candidates
+    from unicache.router.routing.cache_aware.policy import matches_of_candidates
 
     reps = fleet(1024)
     index = LocalityIndex()

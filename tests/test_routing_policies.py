@@ -6,15 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicache.router.index import LocalityIndex
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest, SharesRouterState
-from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy, common_prefix_blocks
+from unicache.router.routing.cache_aware.policy import CacheAwareConfig, CacheAwarePolicy, common_prefix_blocks
 from unicache.router.routing.keys import HashRing, ring_hash, session_key
 from unicache.router.routing.registry import make_routing_policy, routing_policy_names
-from unicache.router.routing.session_affinity import SessionAffinityPolicy
-from unicache.router.routing.sglang import SGLangPolicy
-from unicache.block_hash import hash_id_blocks
-from unicache.request_class import RequestClass, Task
+from unicache.router.routing.baselines.session_affinity import SessionAffinityPolicy
+from unicache.router.routing.baselines.sglang import SGLangPolicy
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import RequestClass, Task
 
 BS = 16
 
@@ -701,7 +701,7 @@ def test_cache_aware_counts_gpu_blocks_after_host_blocks_as_full_hits():
 
 
 def test_sglang_roots_follow_inserts_evictions_and_departures():
-    from unicache.router.routing.sglang import SGLangPolicy
+    from unicache.router.routing.baselines.sglang import SGLangPolicy
 
     p = SGLangPolicy(max_tree_tokens=3 * 16)
     p.update_replicas(["r0", "r1"])

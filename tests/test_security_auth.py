@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from unicache.router.config import RouterConfig
-from unicache.cli import main
-from unicache.local_cluster import ClusterSettings, LocalCluster
+from unicache.cli.main import main
+from unicache.cli.local_cluster import ClusterSettings, LocalCluster
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_router_with_keys_but_no_salt_secret_refuses_to_start(clean_env, capsys,
 
 def test_router_starts_when_auth_is_explicitly_disabled(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNICACHE_")}
-    cmd = [sys.executable, "-m", "unicache.cli", "router", "--auth-enabled", "false", "--use-redis", "false",
+    cmd = [sys.executable, "-m", "unicache.cli.main", "router", "--auth-enabled", "false", "--use-redis", "false",
            "--grpc-port", "0", "--http-port", "0"]
     log = tmp_path / "router.log"
     with open(log, "w") as f:

@@ -1,4 +1,4 @@
-"""Per-tenant limits (router/limits.py): the limiter alone with a fake clock, its config,
+"""Per-tenant limits (router/request_path/limits.py): the limiter alone with a fake clock, its config,
 and through the live router (gRPC + HTTP) against in-process fake replicas, checking the
 status, the message, and that the tenant's counter returns to zero on every exit path."""
 
@@ -13,9 +13,9 @@ import pytest
 
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.router.limits import LimitExceeded, TenantLimiter, TenantLimits, parse_tenant_limits
+from unicache.router.request_path.limits import LimitExceeded, TenantLimiter, TenantLimits, parse_tenant_limits
 from unicache.testing.fake_replica import FakeReplica
-from unicache.errors import UsageError
+from unicache.plumbing.errors import UsageError
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from unicache.testing.polling import eventually
 

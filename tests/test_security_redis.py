@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from unicache.redis_keys import RedisKeys
-from unicache.redis_server import EmbeddedRedis, RedisTls, write_private
+from unicache.contract.redis_keys import RedisKeys
+from unicache.plumbing.redis_server import EmbeddedRedis, RedisTls, write_private
 from unicache.replica.kv.store import KVStore
 from unicache.replica.eviction.registry import make_policy
-from unicache.replica.publisher import CachePublisher
-from unicache.router.cluster import ClusterView
-from unicache.router.index import LocalityIndex
-from unicache.router.routing.round_robin import RoundRobinPolicy
-from unicache.router.subscriber import RedisSubscriber
+from unicache.replica.publishing.publisher import CachePublisher
+from unicache.router.cluster.view import ClusterView
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.routing.baselines.round_robin import RoundRobinPolicy
+from unicache.router.cluster.subscriber import RedisSubscriber
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import SIGNER
 from unicache.testing.store_source import StoreCacheSource
@@ -61,7 +61,7 @@ def test_write_private_replaces_a_file_with_mode_0600(tmp_path):
 
 
 def test_local_cluster_key_file_is_private():
-    from unicache.local_cluster import ClusterSettings, LocalCluster
+    from unicache.cli.local_cluster import ClusterSettings, LocalCluster
 
     cluster = LocalCluster(ClusterSettings())
     try:

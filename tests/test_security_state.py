@@ -14,13 +14,13 @@ import grpc
 import pytest
 import redis
 
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.server import ReplicaServer
-from unicache.router.cluster import ClusterView
-from unicache.router.index import LocalityIndex
-from unicache.router.routing.round_robin import RoundRobinPolicy
-from unicache.router.subscriber import RedisSubscriber
-from unicache.state_auth import (
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
+from unicache.replica.serving.server import ReplicaServer
+from unicache.router.cluster.view import ClusterView
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.routing.baselines.round_robin import RoundRobinPolicy
+from unicache.router.cluster.subscriber import RedisSubscriber
+from unicache.contract.state_auth import (
     CALL_METADATA,
     CallCredential,
     StateAuthError,
@@ -357,10 +357,10 @@ async def test_admin_key_guards_operator_endpoints():
 async def test_admin_key_guards_grpc_cluster_state_and_status_presents_it(monkeypatch, tmp_path):
     import asyncio
 
-    from unicache.errors import UsageError
+    from unicache.plumbing.errors import UsageError
     from unicache.router.app import RouterApp
     from unicache.router.config import build_config
-    from unicache.router.status import admin_key_from_env, fetch_cluster_state
+    from unicache.router.observability.status import admin_key_from_env, fetch_cluster_state
     from unicache.v1 import router_pb2, router_pb2_grpc
 
     cfg = build_config(

@@ -10,8 +10,8 @@ import re
 import subprocess
 import sys
 
-from unicache.cli import build_parser
-from unicache.trace import read_trace
+from unicache.cli.main import build_parser
+from unicache.sim.trace import read_trace
 from tests.support.source_tree import REPO
 
 SLICE = REPO / "traces" / "mooncake-conversation-slice.jsonl"
@@ -47,7 +47,7 @@ def test_the_documented_sim_command_runs_on_the_slice(tmp_path):
     cmd = re.search(r"^(unicache sim --trace traces/mooncake-conversation-slice\.jsonl .*?)$",
                     (REPO / "docs" / "simulator.md").read_text().replace("\\\n    ", ""), flags=re.M).group(1)
     out = tmp_path / "sim.json"
-    run = subprocess.run([sys.executable, "-m", "unicache.cli", *cmd.split()[1:], "--json", str(out)],
+    run = subprocess.run([sys.executable, "-m", "unicache.cli.main", *cmd.split()[1:], "--json", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from unicache.cli import main
-from unicache.trace import write_trace
+from unicache.cli.main import main
+from unicache.sim.trace import write_trace
 
 REC = {"timestamp": 0, "input_length": 8, "output_length": 0, "hash_ids": [1, 2]}
 TRACE = [

@@ -10,8 +10,8 @@ from unicache.sim.metrics import percentile
 from unicache.sim.prepare import future_accesses, prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.timing import TimingModel
-from unicache.request_class import Task
-from unicache.trace import TraceRequest
+from unicache.contract.request_class import Task
+from unicache.sim.trace import TraceRequest
 
 BS = 4
 # prefill = 0.125 s per uncached token (batch of one), decode = 0.5 s per token
@@ -256,9 +256,9 @@ def test_router_kwargs_build_the_routing_policy():
 
 
 def test_the_event_pump_hands_the_index_each_blocks_parent():
-    from unicache.block_hash import hash_token_blocks
-    from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-    from unicache.router.index import LocalityIndex
+    from unicache.contract.block_hash import hash_token_blocks
+    from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from unicache.router.cluster.index import LocalityIndex
     from unicache.sim.replay import _pump
 
     a, b, c = hash_token_blocks([1, 2, 3], 1)

@@ -9,7 +9,7 @@ from unicache.sim.prepare import prepare
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.steps import StepReplay, unloaded_ttft_s
 from unicache.sim.timing import TimingModel
-from unicache.trace import TraceRequest
+from unicache.sim.trace import TraceRequest
 
 BS = 4
 # prefill = 0.125 s per uncached token on one lane, decode step = 0.5 s

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from unicache import local_cluster
-from unicache.cli import main
-from unicache.errors import UsageError
+from unicache.cli import local_cluster
+from unicache.cli.main import main
+from unicache.plumbing.errors import UsageError
 from unicache.replica.eviction.registry import policy_names
 from unicache.replica.settings import ReplicaSettings, replica_eviction_policies
 from unicache.router.routing.registry import routing_policy_names
@@ -90,7 +90,7 @@ def test_unicache_replicas_refuses_a_bad_policy_before_ray(capsys, monkeypatch):
 
 
 def test_the_real_command_exits_with_one_line_and_no_traceback():
-    out = subprocess.run([sys.executable, "-m", "unicache.cli", "up", "--routing-policy", "nope"],
+    out = subprocess.run([sys.executable, "-m", "unicache.cli.main", "up", "--routing-policy", "nope"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stdout == ""

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from unicache.block_hash import hash_id_blocks
-from unicache.request_class import RequestClass, Task
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import RequestClass, Task
 from unicache.router.routing.base import RouteDecision, RoutedEvent, RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwarePolicy
-from unicache.router.terms_exchange import TermsExchange
-from unicache.state_auth import StateSigner, parse_cluster_key
+from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
+from unicache.router.cluster.terms_exchange import TermsExchange
+from unicache.contract.state_auth import StateSigner, parse_cluster_key
 from unicache.testing.signed_state import CLUSTER_KEY
 from unicache.v1 import router_pb2
 
@@ -101,8 +101,8 @@ async def test_an_outage_keeps_the_events_for_the_next_round(redis_server, clien
 async def test_in_flight_counts_reach_the_other_router_and_expire_with_their_writer(clients):
     """A's requests in flight show in B's loads (B's own plus A's); when A's requests
     finish B's count falls back; when A goes quiet past the TTL its counts are dropped."""
-    from unicache.router.cluster import ClusterView
-    from unicache.router.index import LocalityIndex
+    from unicache.router.cluster.view import ClusterView
+    from unicache.router.cluster.index import LocalityIndex
 
     now = [0.0]
     views = []

@@ -14,12 +14,12 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicache.block_hash import hash_id_blocks
-from unicache.request_class import RequestClass, Task
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import RequestClass, Task
 from unicache.router.routing.base import RouteDecision, RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwarePolicy
-from unicache.router.terms_exchange import TermsExchange
-from unicache.state_auth import StateSigner, parse_cluster_key
+from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
+from unicache.router.cluster.terms_exchange import TermsExchange
+from unicache.contract.state_auth import StateSigner, parse_cluster_key
 from unicache.testing.signed_state import CLUSTER_KEY
 from unicache.v1 import router_pb2
 

@@ -17,11 +17,11 @@ import random
 
 import pytest
 
-from unicache.block_hash import hash_id_blocks
-from unicache.request_class import RequestClass, Task
-from unicache.router.index import LocalityIndex
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import RequestClass, Task
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RoutedEvent, RoutingRequest
-from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy
+from unicache.router.routing.cache_aware.policy import CacheAwareConfig, CacheAwarePolicy
 from unicache.router.routing.keys import session_key
 
 BS = 16

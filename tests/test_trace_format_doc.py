@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 import shlex
 
-from unicache.block_hash import reusable_prompt_blocks
-from unicache.cli import build_parser
-from unicache.trace import parse_trace_line
+from unicache.contract.block_hash import reusable_prompt_blocks
+from unicache.cli.main import build_parser
+from unicache.sim.trace import parse_trace_line
 from tests.support.source_tree import REPO
 
 DOC = (REPO / "docs" / "trace-format.md").read_text()

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from unicache.request_class import Task
-from unicache.trace import TraceError, iter_trace, read_trace, write_trace
+from unicache.contract.request_class import Task
+from unicache.sim.trace import TraceError, iter_trace, read_trace, write_trace
 
 GOOD = {"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1, 2]}
 

@@ -10,15 +10,15 @@ import re
 
 import pytest
 
-from unicache.local_cluster import ClusterSettings, served_model_name
-from unicache.replica.engine.api import ServingEngine
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.engines import make_engine
+from unicache.cli.local_cluster import ClusterSettings, served_model_name
+from unicache.replica.engines.builtin.api import ServingEngine
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
+from unicache.replica.engines.registry import make_engine
 from unicache.replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
-from unicache.replica.vllm_engine.config import SCHEDULER_CLS, VLLMEngineConfig
-from unicache.replica.vllm_engine.engine import VLLMEngine
-from unicache.replica.vllm_engine.request_meta import class_from_extra_args, class_to_extra_args, salt_from_vllm, salt_to_vllm
-from unicache.request_class import SINGLE_TURN, RequestClass, Task
+from unicache.replica.engines.vllm.config import SCHEDULER_CLS, VLLMEngineConfig
+from unicache.replica.engines.vllm.engine import VLLMEngine
+from unicache.replica.engines.vllm.request_meta import class_from_extra_args, class_to_extra_args, salt_from_vllm, salt_to_vllm
+from unicache.contract.request_class import SINGLE_TURN, RequestClass, Task
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -100,7 +100,7 @@ def test_unicache_up_serves_the_model_directory_name():
 
 
 def test_settings_check_refuses_a_bad_engine_before_anything_starts(model_dir):
-    from unicache.errors import UsageError
+    from unicache.plumbing.errors import UsageError
 
     with pytest.raises(UsageError, match=r"engine: unknown engine 'tgi' \(choose from torch, vllm\)"):
         ReplicaSettings(engine="tgi").check()
@@ -122,7 +122,7 @@ def test_settings_check_refuses_a_bad_engine_before_anything_starts(model_dir):
     ],
 )
 def test_unicache_up_gives_the_router_the_served_model_name(settings, expected):
-    from unicache.local_cluster import LocalCluster
+    from unicache.cli.local_cluster import LocalCluster
 
     cluster = LocalCluster(ClusterSettings(**settings))
     try:
@@ -134,8 +134,8 @@ def test_unicache_up_gives_the_router_the_served_model_name(settings, expected):
 def test_vllm_logprobs_become_ours_top_k_by_rank_with_the_sampled_token_only_if_ranked():
     from types import SimpleNamespace as LP
 
-    from unicache.replica.engine.api import TokenLogprob
-    from unicache.replica.vllm_engine.outputs import token_logprobs
+    from unicache.replica.engines.builtin.api import TokenLogprob
+    from unicache.replica.engines.vllm.outputs import token_logprobs
 
     per_token = [
         {7: LP(logprob=-0.1, rank=1), 3: LP(logprob=-2.5, rank=2)},  # sampled token ranked first
@@ -156,7 +156,7 @@ def test_vllm_logprobs_become_ours_top_k_by_rank_with_the_sampled_token_only_if_
 def test_phase_times_read_vllms_request_stats():
     from types import SimpleNamespace
 
-    from unicache.replica.vllm_engine.engine import phase_times
+    from unicache.replica.engines.vllm.engine import phase_times
 
     stats = SimpleNamespace(queued_ts=10.0, scheduled_ts=10.25, first_token_ts=10.75)
     assert phase_times(stats, first_token_s=0.9) == (0.25, 0.5)
@@ -209,7 +209,7 @@ def test_the_ray_actor_asks_for_the_replicas_tensor_parallel_gpus():
 
 
 def test_a_bad_vllm_arg_is_refused_in_one_line(model_dir):
-    from unicache.errors import UsageError
+    from unicache.plumbing.errors import UsageError
 
     bad = ReplicaSettings(engine="vllm", checkpoint=model_dir, block_size=32, vllm_args='{"no_such_arg": 1}')
     bad.check()  # a key is checked against vLLM's EngineArgs when the engine starts
@@ -229,7 +229,7 @@ def test_a_bad_vllm_arg_is_refused_in_one_line(model_dir):
 
 
 def test_unicache_up_passes_the_vllm_gpu_settings_to_its_replicas(model_dir):
-    from unicache.local_cluster import replica_settings
+    from unicache.cli.local_cluster import replica_settings
 
     cfg = ClusterSettings(engine="vllm", checkpoint=model_dir, block_size=32, tensor_parallel_size=2, gpu_memory_utilization=0.8,
                           enforce_eager=True, max_model_len=1024, vllm_args='{"kv_cache_dtype": "fp8"}')

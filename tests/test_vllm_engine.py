@@ -17,22 +17,22 @@ import pytest
 import pytest_asyncio
 
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
-from unicache.block_hash import hash_token_blocks
-from unicache.redis_keys import RedisKeys
-from unicache.redis_server import EmbeddedRedis
-from unicache.replica.engine.api import EngineRequest, SamplingParams
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.engine.config import EngineConfig
-from unicache.replica.engine.model import ModelConfig
-from unicache.replica.publisher import CachePublisher
+from unicache.contract.block_hash import hash_token_blocks
+from unicache.contract.redis_keys import RedisKeys
+from unicache.plumbing.redis_server import EmbeddedRedis
+from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
+from unicache.replica.engines.builtin.config import EngineConfig
+from unicache.replica.engines.builtin.model import ModelConfig
+from unicache.replica.publishing.publisher import CachePublisher
 from unicache.replica.runtime import ReplicaRuntime
-from unicache.replica.server import ReplicaServer
+from unicache.replica.serving.server import ReplicaServer
 from unicache.replica.settings import ReplicaSettings
-from unicache.replica.vllm_engine.config import VLLMEngineConfig
-from unicache.replica.vllm_engine.engine import VLLMEngine
-from unicache.request_class import RequestClass, Task
+from unicache.replica.engines.vllm.config import VLLMEngineConfig
+from unicache.replica.engines.vllm.engine import VLLMEngine
+from unicache.contract.request_class import RequestClass, Task
 from unicache.router.app import RouterApp
-from unicache.state_auth import parse_cluster_key
+from unicache.contract.state_auth import parse_cluster_key
 from unicache.testing.signed_state import CLUSTER_KEY, SIGNER, call_metadata
 from unicache.router.config import build_config
 from unicache.testing.polling import eventually
@@ -83,7 +83,7 @@ def reference(model_dir) -> Reference:
     from vllm import LLM
     from vllm import SamplingParams as VSamplingParams
 
-    from unicache.tokenizer import load_tokenizer
+    from unicache.contract.tokenizer import load_tokenizer
 
     args = vllm_config(model_dir, "vllm").engine_args("cpu", "ipc:///tmp/unused-e", "ipc:///tmp/unused-r", "")
     for ours in ("scheduler_cls", "additional_config", "kv_events_config"):
@@ -177,8 +177,7 @@ async def generate(stub, prompt: str | list[int], salt: bytes = b"", cls: Reques
                    messages: list | None = None, **sampling):
     """One request straight to the replica (text or token ids): (token ids, last message's usage).
     ``messages``, when given, collects every response message."""
-    from unicache import wire
-
+    from unicache.contract import wire
     req = replica_pb2.GenerateRequest(
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling), cache_salt=salt,
         request_class=wire.request_class_to_proto(cls or RequestClass()),

@@ -1,5 +1,5 @@
-"""vLLM's KV events decoded without vLLM (unicache/vllm_events.py) and what the router
-builds from them (router/vllm_fleet): exact hashes, tiers, counts and index contents."""
+"""vLLM's KV events decoded without vLLM (unicache/contract/vllm_events.py) and what the router
+builds from them (router/upstream/vllm_fleet): exact hashes, tiers, counts and index contents."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import grpc
 import msgspec
 import pytest
 
-from unicache.block_hash import hash_token_blocks
-from unicache.errors import UsageError
-from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from unicache.kv_tier import Tier
-from unicache.router.index import LocalityIndex
-from unicache.router.vllm_fleet.follower import apply_events, parse_vllm_metrics
-from unicache.router.vllm_fleet.http_stream import _status_error, completion_body, parse_chunk
-from unicache.router.vllm_fleet.spec import BackendSpec, parse_backend, parse_backends
+from unicache.contract.block_hash import hash_token_blocks
+from unicache.plumbing.errors import UsageError
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from unicache.contract.kv_tier import Tier
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.upstream.vllm_fleet.follower import apply_events, parse_vllm_metrics
+from unicache.router.upstream.vllm_fleet.http_stream import _status_error, completion_body, parse_chunk
+from unicache.router.upstream.vllm_fleet.spec import BackendSpec, parse_backend, parse_backends
 from unicache.v1 import common_pb2, replica_pb2
-from unicache.vllm_events import (
+from unicache.contract.vllm_events import (
     EXTRA_ARGS_KEY,
     EventTranslator,
     VllmAllBlocksCleared,
@@ -184,10 +184,10 @@ def test_vllm_metrics_page_gives_load_and_pool():
 
 
 def test_an_impossible_claim_drops_the_backends_blocks():
-    from unicache.router.cluster import ClusterView
+    from unicache.router.cluster.view import ClusterView
     from unicache.router.routing.registry import make_routing_policy
-    from unicache.router.vllm_fleet.follower import BackendFollower
-    from unicache.router.vllm_fleet.http_stream import VllmClients
+    from unicache.router.upstream.vllm_fleet.follower import BackendFollower
+    from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
 
     cluster = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
     f = BackendFollower(parse_backend("http://127.0.0.1:1,id=b"), cluster, VllmClients(), BS)  # no events: no subscriber

@@ -1,17 +1,17 @@
-"""vLLM backends found by DNS (router/vllm_fleet/fleet.py): what a resolved name becomes,
+"""vLLM backends found by DNS (router/upstream/vllm_fleet/fleet.py): what a resolved name becomes,
 and followers that come and go with the addresses."""
 
 from __future__ import annotations
 
 import pytest
 
-from unicache.errors import UsageError
-from unicache.router.cluster import ClusterView
-from unicache.router.index import LocalityIndex
+from unicache.plumbing.errors import UsageError
+from unicache.router.cluster.view import ClusterView
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.registry import make_routing_policy
-from unicache.router.vllm_fleet.fleet import DnsDiscovery, VllmFleet
-from unicache.router.vllm_fleet.http_stream import VllmClients
-from unicache.router.vllm_fleet.spec import BackendSpec, parse_backend
+from unicache.router.upstream.vllm_fleet.fleet import DnsDiscovery, VllmFleet
+from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
+from unicache.router.upstream.vllm_fleet.spec import BackendSpec, parse_backend
 
 
 def test_discovery_names_each_address_a_backend():

@@ -22,21 +22,21 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 import pytest_asyncio
 
-from unicache.block_hash import hash_token_blocks
-from unicache.redis_server import free_port
-from unicache.request_class import RequestClass, Task
+from unicache.contract.block_hash import hash_token_blocks
+from unicache.plumbing.redis_server import free_port
+from unicache.contract.request_class import RequestClass, Task
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.router.vllm_fleet.follower import BackendFollower
-from unicache.router.vllm_fleet.http_stream import VllmClients
-from unicache.router.vllm_fleet.spec import parse_backend
+from unicache.router.upstream.vllm_fleet.follower import BackendFollower
+from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
+from unicache.router.upstream.vllm_fleet.spec import parse_backend
 from unicache.testing.polling import eventually
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from unicache.testing.vllm_servers import VllmServer, start_servers
-from unicache.tokenizer import load_tokenizer
-from unicache.vllm_events import class_to_vllm, salt_to_vllm
+from unicache.contract.tokenizer import load_tokenizer
+from unicache.contract.vllm_events import class_to_vllm, salt_to_vllm
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
-from unicache.wire import request_class_to_proto
+from unicache.contract.wire import request_class_to_proto
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 
@@ -232,7 +232,7 @@ async def test_a_second_router_routes_a_prefix_and_a_session_alike(router, model
     prompt = text(17, 230, 19)
     home, _, _, _ = await complete(client, prompt, {**A, "x-session-id": "two-routers"})
     port = free_port()
-    cmd = [sys.executable, "-m", "unicache.cli", "router", "--grpc-port", "0", "--http-port", str(port), "--block-size", str(BS),
+    cmd = [sys.executable, "-m", "unicache.cli.main", "router", "--grpc-port", "0", "--http-port", str(port), "--block-size", str(BS),
            "--tokenizer", f"{model_dir}/tokenizer.json", "--served-model-name", "tiny", "--use-redis", "false",
            "--backend", servers["uc"].backend + ",id=uc", "--backend", servers["native"].backend + ",id=native"]
     proc = subprocess.Popen(cmd, env={**os.environ, **KEYS}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -296,7 +296,7 @@ async def test_a_backend_that_is_not_vllm_is_one_clear_line(router, caplog):
     not_vllm = parse_backend(f"http://127.0.0.1:{app.http_port},id=router")  # our own router: /health 200, no vLLM metrics
     clients = VllmClients()
     try:
-        caplog.set_level(logging.WARNING, logger="unicache.router.vllm_fleet.follower")
+        caplog.set_level(logging.WARNING, logger="unicache.router.upstream.vllm_fleet.follower")
         for spec, words in [(dead, "unreachable (ConnectError)"), (not_vllm, "not a vLLM")]:
             f = BackendFollower(spec, app.cluster, clients, BS)
             for _ in range(3):

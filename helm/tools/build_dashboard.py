@@ -2,8 +2,8 @@
 
 Run ``python helm/tools/build_dashboard.py`` after editing; tests/test_helm_chart.py fails
 when the committed JSON drifts from this script's output. The router panels read the
-router's /metrics (router/metrics.py; ``METRICS`` lists them), the replica panels every
-replica's (replica/metrics.py; ``REPLICA_METRICS``).
+router's /metrics (router/observability/metrics.py; ``METRICS`` lists them), the replica panels every
+replica's (replica/publishing/metrics.py; ``REPLICA_METRICS``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ METRICS = (
     "unicache_router_routing_decisions_total",
 )
 
-# The replica metrics the replica panels query (replica/metrics.py; scraped by the
+# The replica metrics the replica panels query (replica/publishing/metrics.py; scraped by the
 # PodMonitor). The vllm:* names are vLLM's, so vLLM's own dashboards read them too.
 REPLICA_METRICS = (
     "unicache_replica_info",

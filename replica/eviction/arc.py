@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from unicache.block_hash import BlockHash
-from unicache.request_class import RequestClass
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
 from unicache.replica.eviction.registry import register_policy
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from unicache.block_hash import BlockHash
-from unicache.request_class import RequestClass
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.request_class import RequestClass
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import itertools
 
-from unicache.block_hash import BlockHash
-from unicache.request_class import RequestClass
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
 from unicache.replica.eviction.candidates import KeyedCandidates
 from unicache.replica.eviction.registry import register_policy

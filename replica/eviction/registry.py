@@ -1,14 +1,14 @@
 """Registry of eviction policies: name -> class. Add one with ``@register_policy``.
 
 The built-in policies' modules are imported on the first lookup; a missing one fails
-the lookup loudly (see ``unicache.registry``).
+the lookup loudly (see ``unicache.plumbing.registry``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from unicache.registry import Registry
+from unicache.plumbing.registry import Registry
 from unicache.replica.eviction.base import EvictionPolicy
 
 EVICTION_POLICIES: Registry[EvictionPolicy] = Registry(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unicache.block_hash import BlockHash
+from unicache.contract.block_hash import BlockHash
 from unicache.replica.eviction.base import ReleaseInfo
 
 

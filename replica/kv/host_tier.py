@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unicache.block_hash import BlockHash
+from unicache.contract.block_hash import BlockHash
 from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
-from unicache.request_class import RequestClass
+from unicache.contract.request_class import RequestClass
 
 
 @dataclass(slots=True, eq=False)

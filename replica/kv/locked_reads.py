@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 
-from unicache.block_hash import BlockHash
-from unicache.kv_events import KVEvent
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.kv_events import KVEvent
 from unicache.replica.kv.store import KVStore
 
 

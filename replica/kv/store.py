@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from unicache.block_hash import BlockHash
-from unicache.kv_tier import Tier, tier_run
-from unicache.request_class import RequestClass
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.kv_tier import Tier, tier_run
+from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
 from unicache.replica.kv.block import FreeBlockQueue, KVBlock
 from unicache.replica.kv.host_tier import HostTier
-from unicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from unicache.replica.kv.storage import KVStorage, MetadataOnlyStorage
 from unicache.replica.kv.transfers import Transfer, transfer_runs
 
@@ -170,7 +170,7 @@ class KVStore:
         return gpu + len(on_gpu), run - len(on_gpu)
 
     def _tier_run(self, block_hashes: list[BlockHash], start: int, stop: int) -> tuple[int, list[int]]:
-        """``unicache.kv_tier.tier_run`` through this store's host tier and GPU cache."""
+        """``unicache.contract.kv_tier.tier_run`` through this store's host tier and GPU cache."""
         assert self.host is not None
         return tier_run(block_hashes, start, stop, self.host, self._cached)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from unicache.kv_tier import Tier
+from unicache.contract.kv_tier import Tier
 from unicache.replica.kv.transfers import TransferRun
 
 

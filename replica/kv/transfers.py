@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unicache.kv_tier import Tier
+from unicache.contract.kv_tier import Tier
 
 
 @dataclass(slots=True, frozen=True)

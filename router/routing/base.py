@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from unicache.block_hash import BlockHash
-from unicache.request_class import RequestClass
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.request_class import RequestClass
 
 
 @dataclass(slots=True)
@@ -103,7 +103,7 @@ class RouteDecision:
 @dataclass(slots=True)
 class SessionRecord:
     """A session's latest turn as a policy remembers it, in the form routers share
-    (``unicache.router.session_store``): where the turn went, its prompt's chained
+    (``unicache.router.cluster.session_store``): where the turn went, its prompt's chained
     hashes, and whether the index had confirmed the session's prefix there."""
 
     replica_id: str
@@ -114,7 +114,7 @@ class SessionRecord:
 
 class RoutedEvent(NamedTuple):
     """What one routing decision did to a policy's traffic-derived state, in the form
-    routers exchange it (``unicache.router.terms_exchange``): every router applies every
+    routers exchange it (``unicache.router.cluster.terms_exchange``): every router applies every
     router's events, so each holds the terms one router routing all the traffic would.
 
     ``new_tokens``: the request's uncached prompt tokens sent to ``replica_id`` (churn's
@@ -133,7 +133,7 @@ class RoutedEvent(NamedTuple):
 
 
 class LocalityView(ABC):
-    """Read-only view of which prefix blocks each replica holds (``unicache.router.index``)."""
+    """Read-only view of which prefix blocks each replica holds (``unicache.router.cluster.index``)."""
 
     @abstractmethod
     def match(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> int:
@@ -222,8 +222,8 @@ class SharesRouterState(Protocol):
     (several processes or pods): its session memory and its traffic-derived terms.
 
     Checked with ``isinstance(policy, SharesRouterState)`` where the router wires the
-    session store (``unicache.router.session_store``) and the terms exchange
-    (``unicache.router.terms_exchange``); a policy without it shares nothing (the router
+    session store (``unicache.router.cluster.session_store``) and the terms exchange
+    (``unicache.router.cluster.terms_exchange``); a policy without it shares nothing (the router
     then makes no Redis calls for it), and its choices do not depend on what another
     router saw.
     """

@@ -1,7 +1,7 @@
 """Registry of routing policies: name -> class. Add one with ``@register_routing_policy``.
 
 The built-in policies' modules are imported on the first lookup; a missing one fails
-the lookup loudly (see ``unicache.registry``). A policy that takes one config object
+the lookup loudly (see ``unicache.plumbing.registry``). A policy that takes one config object
 names its class in ``config_class`` (a dataclass, e.g. ``CacheAwareConfig``):
 ``make_routing_policy(name, **kwargs)`` then builds the config from the keywords and the
 policy from the config.
@@ -13,17 +13,17 @@ import dataclasses
 import inspect
 from typing import Any
 
-from unicache.registry import Registry
+from unicache.plumbing.registry import Registry
 from unicache.router.routing.base import RoutingPolicy
 
 ROUTING_POLICIES: Registry[RoutingPolicy] = Registry(
     "routing policy",
     [
-        "unicache.router.routing.round_robin",
-        "unicache.router.routing.least_loaded",
-        "unicache.router.routing.session_affinity",
-        "unicache.router.routing.sglang",
-        "unicache.router.routing.cache_aware",
+        "unicache.router.routing.baselines.round_robin",
+        "unicache.router.routing.baselines.least_loaded",
+        "unicache.router.routing.baselines.session_affinity",
+        "unicache.router.routing.baselines.sglang",
+        "unicache.router.routing.cache_aware.policy",
     ],
 )
 

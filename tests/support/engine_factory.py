@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from unicache.replica.engine.api import EngineOutput, EngineRequest, SamplingParams
-from unicache.replica.engine.config import EngineConfig
-from unicache.replica.engine.engine import LLMEngine
-from unicache.replica.engine.model import ModelConfig
+from unicache.replica.engines.builtin.api import EngineOutput, EngineRequest, SamplingParams
+from unicache.replica.engines.builtin.config import EngineConfig
+from unicache.replica.engines.builtin.engine import LLMEngine
+from unicache.replica.engines.builtin.model import ModelConfig
 
 TINY_MODEL = dict(
     vocab_size=259, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=512

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from unicache.replica.engine.async_engine import AsyncEngine
-from unicache.replica.engine.config import EngineConfig
-from unicache.replica.engine.model import ModelConfig
-from unicache.replica.server import ReplicaServer, ReplicaServicer
+from unicache.replica.engines.builtin.async_engine import AsyncEngine
+from unicache.replica.engines.builtin.config import EngineConfig
+from unicache.replica.engines.builtin.model import ModelConfig
+from unicache.replica.serving.server import ReplicaServer, ReplicaServicer
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.v1 import router_pb2_grpc

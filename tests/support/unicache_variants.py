@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 
-from unicache.request_class import RequestClass
+from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.lognormal import OnlineLogNormal
 from unicache.replica.eviction.unicache.gaps import CHAT_PRIOR, SessionGaps
 from unicache.replica.eviction.unicache.lanes import (

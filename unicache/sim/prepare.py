@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from unicache.block_hash import BlockHash, hash_id_blocks, reusable_prompt_blocks
-from unicache.classifier import Labels, RequestClassifier
+from unicache.contract.block_hash import BlockHash, hash_id_blocks, reusable_prompt_blocks
+from unicache.router.request_path.classifier import Labels, RequestClassifier
 from unicache.replica.eviction.opt import FutureAccesses
-from unicache.request_class import DEFAULT_TENANT, RequestClass, Task
-from unicache.trace import TraceRequest
+from unicache.contract.request_class import DEFAULT_TENANT, RequestClass, Task
+from unicache.sim.trace import TraceRequest
 
 
 @dataclass(slots=True)

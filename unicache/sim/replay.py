@@ -39,11 +39,11 @@ from tqdm import tqdm
 
 from unicache.replica.eviction.opt import FutureAccesses
 from unicache.replica.eviction.registry import make_host_policy, make_policy
-from unicache.kv_tier import Tier
-from unicache.kv_events import BlockRemoved, BlockStored
+from unicache.contract.kv_tier import Tier
+from unicache.contract.kv_events import BlockRemoved, BlockStored
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore, OutOfBlocks
-from unicache.router.index import LocalityIndex
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
 from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import ReplayCounters, result_record

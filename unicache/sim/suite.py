@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from unicache.sim.workload import WorkloadConfig
-from unicache.trace import TraceRequest
+from unicache.sim.trace import TraceRequest
 
 GENERATED_FAMILIES = ("chat", "agent", "template", "plain", "balanced", "long")
 MOONCAKE = "mooncake"
@@ -206,7 +206,7 @@ def load_suite_trace(st: SuiteTrace, block_size: int = 16, mooncake_path: str | 
 
     from unicache.sim.prepare import prepare
     from unicache.sim.workload import generate
-    from unicache.trace import read_trace, write_trace
+    from unicache.sim.trace import read_trace, write_trace
 
     if st.family == MOONCAKE:
         if mooncake_path is None:

@@ -70,7 +70,7 @@ async def screenshot(url: str, path: str, width: int = 1400, height: int = 1300,
 
 class ChartParser(HTMLParser):
     """Collects the dashboard's charts from a DOM dump: ``charts[name]`` is a list of
-    ``(series label, points drawn)`` in document order (router/dashboard.py's contract),
+    ``(series label, points drawn)`` in document order (router/observability/dashboard.py's contract),
     ``legends[name]`` the legend's text."""
 
     def __init__(self):

@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from unicache.router.replica_client import PROBE_REQUEST_ID
+from unicache.router.upstream.replica_client import PROBE_REQUEST_ID
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY
@@ -65,7 +65,7 @@ FAST_SUBSCRIBER = dict(
 def start_ray(num_cpus: int) -> str:
     """``ray.init`` in-process on loopback with a short private temp dir (AF_UNIX paths are
     capped at 107 bytes). Returns the temp dir; ``stop_ray`` removes it."""
-    from unicache.replica.engine.cpu_env import prefer_passive_omp_wait
+    from unicache.replica.engines.builtin.cpu_env import prefer_passive_omp_wait
 
     prefer_passive_omp_wait()  # inherited by the replica workers
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
@@ -319,13 +319,13 @@ def prompt_text(tag: str, n: int) -> str:
 def locality_first():
     """cache_aware without its churn term, for scenarios that need a request to land where
     its prefix is cached (the fault handling under test does not depend on the policy)."""
-    from unicache.router.routing.cache_aware import CacheAwareConfig, CacheAwarePolicy
+    from unicache.router.routing.cache_aware.policy import CacheAwareConfig, CacheAwarePolicy
 
     return CacheAwarePolicy(CacheAwareConfig(churn_weight=0.0))
 
 
 def prompt_hashes(router: "RouterHandle", prompt: str) -> list:
-    from unicache.block_hash import hash_token_blocks
+    from unicache.contract.block_hash import hash_token_blocks
 
     return hash_token_blocks(list(prompt.encode()), router.cfg.block_size, cache_salt=router.app.auth.cache_salt(TENANT))
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from unicache.redis_server import EmbeddedRedis
+from unicache.plumbing.redis_server import EmbeddedRedis
 from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.settings import ReplicaSettings
 from unicache.router.app import RouterApp

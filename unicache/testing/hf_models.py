@@ -137,7 +137,7 @@ def paged_logits(model, chunks: list[tuple[list[int], int, int]], block_size: in
 
     One sequence over scattered KV blocks: a later chunk reads the K/V the earlier ones wrote.
     """
-    from unicache.replica.engine.attention import build_metadata
+    from unicache.replica.engines.builtin.attention import build_metadata
     from unicache.replica.kv.torch_storage import TorchKVStorage
 
     c = model.config

@@ -24,9 +24,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from unicache.redis_keys import RedisKeys
-from unicache.replica.engine.api import EngineLoad
-from unicache.replica.publisher import CachePublisher
+from unicache.contract.redis_keys import RedisKeys
+from unicache.replica.engines.builtin.api import EngineLoad
+from unicache.replica.publishing.publisher import CachePublisher
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
 from unicache.sim.prepare import PreparedTrace
 from unicache.sim.replay import Replay, ReplayConfig

@@ -1,12 +1,12 @@
 """Sealing replica state as a replica would, for tests that write Redis directly or stand
-in for a replica's ``GetCacheSummary`` (unicache/state_auth.py)."""
+in for a replica's ``GetCacheSummary`` (unicache/contract/state_auth.py)."""
 
 from __future__ import annotations
 
 import time
 
-from unicache.block_hash import BlockHash
-from unicache.state_auth import StateSigner, parse_cluster_key
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.state_auth import StateSigner, parse_cluster_key
 from unicache.v1 import cache_pb2
 
 # A fixed test cluster key (hex, 32 bytes); settings take it as text.
@@ -55,6 +55,6 @@ class ReplicaTruth:
 
 def call_metadata() -> tuple[tuple[str, str], ...]:
     """The cluster credential a router's call to a replica carries (test key)."""
-    from unicache.state_auth import CallCredential
+    from unicache.contract.state_auth import CallCredential
 
     return CallCredential(parse_cluster_key(CLUSTER_KEY)).metadata()

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from unicache.redis_server import free_port
+from unicache.plumbing.redis_server import free_port
 
-SCHEDULER_CLS = "unicache.replica.vllm_engine.scheduler.UniCacheScheduler"
+SCHEDULER_CLS = "unicache.replica.engines.vllm.scheduler.UniCacheScheduler"
 
 
 def vllm_server_args(

@@ -4,7 +4,7 @@ UniCache replicas (launcher, Redis-announced); `vllm` is a StatefulSet of stock 
 pods this chart runs; `external` is a vLLM fleet the user already runs. The router reaches
 vLLM backends by the `backends` setting (UNICACHE_BACKENDS: `;`-separated
 `URL,kv-events=tcp://HOST:PORT,replay=tcp://HOST:PORT,id=NAME` entries,
-router/vllm_fleet/spec.py) and indexes their own KV events, so it needs no Redis for them.
+router/upstream/vllm_fleet/spec.py) and indexes their own KV events, so it needs no Redis for them.
 */}}
 
 {{/* "true" when the chart runs the RayCluster, the launcher and their policies. */}}
@@ -110,7 +110,7 @@ and the block size the router hashes with.
 - {{ .Values.settings.blockSize | quote }}
 - --enable-prefix-caching
 - --scheduler-cls
-- unicache.replica.vllm_engine.scheduler.UniCacheScheduler
+- unicache.replica.engines.vllm.scheduler.UniCacheScheduler
 - --additional-config
 - {{ toJson $unicache | quote }}
 - --kv-events-config

@@ -161,7 +161,7 @@ expansion: the replicas take their Redis credentials from the URL only.
 {{- end }}
 
 {{/* The model name served: replicas.servedModelName, else the checkpoint directory's name
-(as unicache/model_name.py names it for the replicas), else settings.modelName. */}}
+(as unicache/contract/model_name.py names it for the replicas), else settings.modelName. */}}
 {{- define "unicache.servedModelName" -}}
 {{- $checkpoint := include "unicache.checkpointPath" . }}
 {{- if .Values.replicas.servedModelName }}{{ .Values.replicas.servedModelName }}
@@ -302,7 +302,7 @@ on
 {{/*
 The replicaTls volume of the router ("router") or of the replicas' worker pods
 ("replicas"): a projected volume with ca.pem and, per identity, <name>.pem and
-<name>-key.pem (the file names unicache/tls.py's settings use). Mounted whole (never
+<name>-key.pem (the file names unicache/plumbing/tls.py's settings use). Mounted whole (never
 subPath), so renewed Secrets reach the files and the processes pick them up.
 */}}
 {{- define "unicache.replicaTlsVolume" -}}

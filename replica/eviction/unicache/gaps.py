@@ -20,7 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
-from unicache.request_class import RequestClass
+from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.lognormal import OnlineLogNormal
 from unicache.replica.eviction.unicache.lanes import AGENT, CHAT, EVICT_FIRST
 

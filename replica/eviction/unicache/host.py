@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from unicache.block_hash import BlockHash
-from unicache.request_class import RequestClass
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, QueueCounters, ReleaseInfo
 from unicache.replica.eviction.unicache.lanes import NUM_QUEUES, QUEUE_NAMES, LanePlacement
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
 
-from unicache.request_class import RequestClass
+from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import ReleaseInfo
 
 EVICT_FIRST, CHAT, AGENT, STRUCTURAL = 0, 1, 2, 3

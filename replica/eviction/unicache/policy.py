@@ -34,8 +34,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from unicache.block_hash import BlockHash
-from unicache.request_class import RequestClass
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, QueueCounters, ReleaseInfo
 from unicache.replica.eviction.registry import register_policy
 from unicache.replica.eviction.unicache.gaps import SessionGaps

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from unicache.block_hash import BlockHash
+from unicache.contract.block_hash import BlockHash
 
 
 class ReuseWeights:

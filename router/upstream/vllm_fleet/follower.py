@@ -1,0 +1,275 @@
+"""Following one stock vLLM server: its KV events into the locality index, its ``/health``
+and ``/v1/models`` into membership, its ``/metrics`` into the load policies see.
+
+Membership. A backend joins the cluster (``ClusterView.upsert``, static: no heartbeat
+expires it) once ``/health`` answers 200, ``/v1/models`` names its model, its block size
+(``vllm:cache_config_info``) equals the router's, and its events stream is connected and
+caught up from the server's replay buffer (a
+backend given without ``kv-events`` joins without, and the router logs once that it cannot
+route by prefix to it). After that the request path quarantines it when it refuses or
+stalls and ``unicache.router.cluster.prober`` re-probes it through ``/health``, as for replicas.
+
+Invariants:
+    * The index holds, for this backend, exactly the blocks its translated events stored
+      and did not remove since the stream's last break; a break (reconnect, a gap replay
+      cannot fill) drops them all and starts over from what follows; an impossible claim
+      (more blocks than the server's pool) drops them and resyncs from its replay buffer.
+    * A backend whose events stream is disconnected for ``stale_after_s`` has its blocks
+      aged out of the index (it may have restarted empty); they come back with its events.
+    * ``/metrics`` is scraped at most once per ``metrics_interval_s``; the load it gives
+      (running, waiting, free and total blocks) is written in place into the backend's
+      ``ReplicaLoad``, the router's own in-flight count stays the router's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from unicache.contract.kv_tier import Tier
+from unicache.router.cluster.view import ClusterView
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
+from unicache.router.upstream.vllm_fleet.spec import BackendSpec
+from unicache.contract.vllm_events import EventTranslator, KVEventSubscriber
+
+log = logging.getLogger(__name__)
+
+
+def apply_events(index: LocalityIndex, backend_id: str, events: list[KVEvent]) -> None:
+    """Apply translated events to the index in order (runs of one kind per call)."""
+    stored: list = []
+    parents: list = []
+    removed: list = []
+    host_stored: list = []
+    host_removed: list = []
+
+    runs = (stored, parents, removed, host_stored, host_removed)
+
+    def flush(cleared: bool = False) -> None:
+        if stored or removed or host_stored or host_removed or cleared:
+            index.apply_events_unchecked(
+                backend_id, list(stored), list(removed), list(parents), cleared=cleared,
+                host_stored=list(host_stored), host_removed=list(host_removed),
+            )
+            for run in runs:
+                run.clear()
+
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            if removed or host_removed:
+                flush()
+            if ev.tier == Tier.HOST:
+                host_stored.append(ev.block_hash)
+            else:
+                stored.append(ev.block_hash)
+                parents.append(ev.parent_hash)
+        elif isinstance(ev, BlockRemoved):
+            if stored or host_stored:
+                flush()
+            (host_removed if ev.tier == Tier.HOST else removed).append(ev.block_hash)
+        elif isinstance(ev, AllBlocksCleared):
+            for run in runs:  # what came before the clear in this batch is gone with it
+                run.clear()
+            flush(cleared=True)
+    flush()
+
+
+_SERIES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "usage",
+    "vllm:prefix_cache_hits": "prefix_hits",
+    "vllm:prefix_cache_queries": "prefix_queries",
+}
+_PREFIXES = (*(f"{name}{{" for name in _SERIES), *(f"{name}_total{{" for name in _SERIES), "vllm:cache_config_info{")
+_TYPE_PREFIXES = tuple(f"# TYPE {p[:-1]} " for p in _PREFIXES)
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """The series the router reads from a vLLM ``/metrics`` page (summed over engines):
+    ``running``, ``waiting``, ``usage`` (0..1), ``gpu_blocks``, ``cpu_blocks``,
+    ``block_size``, ``prefix_hits``, ``prefix_queries``; absent ones are left out."""
+    out: dict[str, float] = {}
+    names = _SERIES
+    # NOTE: only the lines of these series reach the parser: a vLLM page has ~650 lines and
+    # parsing all of it cost 12 ms per scrape, every second, per backend.
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_PREFIXES) or line.startswith(_TYPE_PREFIXES))
+    for family in text_string_to_metric_families(wanted + "\n"):
+        if family.name in names:
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                key = names[family.name]
+                out[key] = out.get(key, 0.0) + sample.value
+        elif family.name == "vllm:cache_config_info":
+            for sample in family.samples:
+                for label, key in (("num_gpu_blocks", "gpu_blocks"), ("num_cpu_blocks", "cpu_blocks"), ("block_size", "block_size")):
+                    value = sample.labels.get(label, "")
+                    if value.isdigit():
+                        out[key] = out.get(key, 0.0) + int(value) if key != "block_size" else int(value)
+    return out
+
+
+class BackendFollower:
+    """See the module docstring.
+
+    Args:
+        spec: the backend.
+        cluster: where it joins, and whose index its events fill.
+        clients: the HTTP clients (its served model name is recorded there).
+        block_size: the router's block size; a backend with another one never joins.
+        health_interval_s: ``/health`` and ``/metrics`` polling interval (default 1 s).
+        stale_after_s: events disconnected this long age its blocks out (default 10 s).
+    """
+
+    def __init__(
+        self, spec: BackendSpec, cluster: ClusterView, clients: VllmClients, block_size: int,
+        health_interval_s: float = 1.0, stale_after_s: float = 10.0,
+    ):
+        self.spec = spec
+        self.cluster = cluster
+        self.clients = clients
+        self.block_size = block_size
+        self.health_interval_s = health_interval_s
+        self.stale_after_s = stale_after_s
+        self.translator = EventTranslator()
+        self.subscriber = KVEventSubscriber(spec.events, spec.replay) if spec.events else None
+        self.joined = False
+        self.caught_up = False  # its events are connected and the replay buffer is applied
+        self.problem = ""  # why it has not joined (logged once per distinct reason)
+        self.capacity_blocks = 0
+        self.batches = 0  # event batches applied
+        self.breaks = 0  # stream breaks (each dropped its blocks)
+        self.last_event_at = 0.0  # time.monotonic() of its last batch
+        self._disconnected_since: float | None = None
+        self._stop = False
+        if self.subscriber is None:
+            log.warning("backend %s (%s) has no kv-events address: the router cannot route by prefix to it", spec.backend_id, spec.url)
+
+    @property
+    def backend_id(self) -> str:
+        return self.spec.backend_id
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(self._poll_loop(), name=f"backend-poll-{self.backend_id}")]
+        if self.subscriber is not None:
+            tasks.append(asyncio.create_task(self._events_loop(), name=f"backend-events-{self.backend_id}"))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            self._stop = True
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.subscriber is not None:
+                self.subscriber.close()
+
+    # --- events -------------------------------------------------------------------------
+    async def _events_loop(self) -> None:
+        sub = self.subscriber
+        while not self._stop:
+            # NOTE: a blocking poll in a worker thread: the loop is never blocked and an idle
+            # stream costs one wake-up per 200 ms.
+            batches = await asyncio.to_thread(sub.take, 200)
+            self.apply(batches, sub.broken)
+            # NOTE: the take that saw the connection also replayed the server's buffer, so
+            # once its batches are applied the index knows what the server cached before.
+            self.caught_up = sub.connected
+            if sub.connected:
+                self._disconnected_since = None
+            elif self._disconnected_since is None:
+                self._disconnected_since = time.monotonic()
+            elif time.monotonic() - self._disconnected_since > self.stale_after_s and len(self.translator):
+                log.warning("backend %s: events disconnected for %.0fs, its blocks leave the index", self.backend_id, self.stale_after_s)
+                self._drop_blocks()
+
+    def apply(self, batches: list, broken: bool = False) -> None:
+        """Translate and index ``batches`` (``broken``: the stream broke before them)."""
+        if broken:
+            self.breaks += 1
+            self._drop_blocks()
+        events: list[KVEvent] = []
+        for batch in batches:
+            events.extend(self.translator.translate(batch))
+        if batches:
+            self.batches += len(batches)
+            self.last_event_at = time.monotonic()
+        if events:
+            index = self.cluster.index
+            apply_events(index, self.backend_id, events)
+            if index.needs_resync(self.backend_id):  # an impossible claim: resync from the replay buffer
+                self.breaks += 1
+                self._drop_blocks()
+                if self.subscriber is not None:
+                    self.subscriber.request_catch_up()
+
+    def _drop_blocks(self) -> None:
+        self.translator.reset()
+        self.cluster.index.drop_replica(self.backend_id)
+        if self.capacity_blocks:
+            self.cluster.index.set_capacity(self.backend_id, self.capacity_blocks)
+
+    # --- health, model, load ----------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        while not self._stop:
+            try:
+                await self.poll_once()
+            except httpx.HTTPError as exc:
+                self._not_joined(f"unreachable ({type(exc).__name__})")
+            await asyncio.sleep(self.health_interval_s)
+
+    async def poll_once(self) -> None:
+        client = self.clients.client(self.spec.url)
+        timeout = max(self.health_interval_s, 2.0)
+        if not self.joined:
+            r = await client.get("/health", timeout=timeout)
+            if r.status_code != 200:
+                self._not_joined(f"/health answered {r.status_code}")
+                return
+            r = await client.get("/v1/models", timeout=timeout)
+            models = r.json().get("data") if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json") else None
+            if not models:
+                self._not_joined("/v1/models lists no model: not a vLLM OpenAI server")
+                return
+            self.clients.models[self.spec.url] = models[0]["id"]
+        r = await client.get("/metrics", timeout=timeout)
+        if r.status_code != 200:
+            self._not_joined(f"/metrics answered {r.status_code}")
+            return
+        stats = parse_vllm_metrics(r.text)
+        if "block_size" not in stats:
+            self._not_joined("/metrics has no vllm:cache_config_info: not a vLLM server")
+            return
+        if int(stats["block_size"]) != self.block_size:
+            self._not_joined(f"its block size is {int(stats['block_size'])}, the router's {self.block_size}: start both with one")
+            return
+        self._set_load(stats)
+        if not self.joined:
+            if self.subscriber is not None and not self.caught_up:
+                self._not_joined(f"its KV events at {self.spec.events} are not connected yet")
+                return
+            self.joined = True
+            self.cluster.upsert(self.backend_id, self.spec.url, static=True)
+            self.cluster.backend_events += 1 if self.subscriber is not None else 0
+            self._set_load(stats)
+            log.info("backend %s (%s, model %s) joined", self.backend_id, self.spec.url, self.clients.models[self.spec.url])
+
+    def _set_load(self, stats: dict[str, float]) -> None:
+        self.cluster.backend_stats[self.backend_id] = stats
+        gpu = int(stats.get("gpu_blocks", 0))
+        self.capacity_blocks = gpu
+        self.translator.max_entries = gpu + int(stats.get("cpu_blocks", 0))
+        self.cluster.index.set_capacity(self.backend_id, gpu)
+        free = max(0, round(gpu * (1.0 - stats.get("usage", 0.0))))
+        self.cluster.set_external_load(self.backend_id, int(stats.get("running", 0)), int(stats.get("waiting", 0)), free, gpu)
+
+    def _not_joined(self, why: str) -> None:
+        if why != self.problem:
+            log.warning("backend %s (%s) not routable: %s", self.backend_id, self.spec.url, why)
+            self.problem = why

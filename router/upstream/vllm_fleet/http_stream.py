@@ -1,0 +1,260 @@
+"""A forwarded ``Generate`` to a stock vLLM OpenAI server: ``/v1/completions`` over HTTP.
+
+The request path (router/request_path/core.py) sees one kind of stream whatever serves: this one reads
+vLLM's server-sent events and hands on ``RouterGenerateResponse`` messages, and raises
+``grpc.aio.AioRpcError`` with the codes a replica's gRPC call would end with, so retries,
+quarantine, deadlines and error mapping are the request path's, unchanged.
+
+What vLLM receives (``completion_body``): the prompt as the token ids the router hashed
+(so what vLLM caches is exactly what the router indexed), the sampling parameters, the
+tenant salt as ``cache_salt`` (hex) and the request class as ``vllm_xargs`` (UniCache's
+scheduler reads it from ``SamplingParams.extra_args``), ``return_token_ids`` and
+``stream_options.include_usage``.
+
+Invariants:
+    * Error codes: no connection, or 502/503/504 -> UNAVAILABLE (a refusal: retried
+      elsewhere, the backend quarantined); 400/404/422 -> INVALID_ARGUMENT with vLLM's own
+      message (the request's fault); 429 -> RESOURCE_EXHAUSTED; any other status or a
+      malformed stream -> INTERNAL; the deadline -> DEADLINE_EXCEEDED.
+    * ``close`` before the end closes the HTTP connection, so vLLM aborts the request and
+      frees its blocks (as a cancelled gRPC call does).
+    * Usage arrives on the last message (index 0), ``cached_tokens`` from vLLM's
+      ``prompt_tokens_details`` (vLLM reports it with ``--enable-prompt-tokens-details``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import httpx
+
+from unicache.router.upstream.replica_stream import ReplicaStream, rpc_error
+from unicache.v1 import common_pb2, replica_pb2, router_pb2
+from unicache.contract.vllm_events import EXTRA_ARGS_KEY, class_to_vllm, salt_to_vllm
+
+
+_FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+_REFUSED = frozenset({502, 503, 504})
+_CALLERS_FAULT = frozenset({400, 404, 422})
+
+
+def completion_body(model: str, request: replica_pb2.GenerateRequest) -> dict:
+    """vLLM's ``/v1/completions`` body for ``request`` (see the module docstring)."""
+    s = request.sampling
+    body: dict = {
+        "model": model,
+        "prompt": list(request.token_ids.ids),
+        "temperature": s.temperature,
+        "top_p": s.top_p or 1.0,
+        "n": s.n or 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "vllm_xargs": {EXTRA_ARGS_KEY: class_to_vllm(request.request_class)},
+    }
+    # NOTE: max_tokens 0 means "the server's default"; vLLM's (None) runs to the context.
+    if s.max_tokens:
+        body["max_tokens"] = s.max_tokens
+    elif not s.fill_context:
+        body["max_tokens"] = 16
+    if s.HasField("seed"):
+        body["seed"] = s.seed
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if s.HasField("logprobs"):
+        body["logprobs"] = s.logprobs
+        body["return_tokens_as_token_ids"] = True
+    salt = salt_to_vllm(request.cache_salt)
+    if salt:
+        body["cache_salt"] = salt
+    if request.adapter_id:
+        body["model"] = request.adapter_id  # vLLM serves a LoRA adapter under its own name
+    return body
+
+
+def _error_message(raw: bytes, status: int) -> str:
+    """vLLM's OpenAI-shaped error message, else the status."""
+    try:
+        err = json.loads(raw)
+        msg = err.get("error", {}).get("message") if isinstance(err.get("error"), dict) else err.get("message")
+        if msg:
+            return str(msg)[:500]
+    except (ValueError, AttributeError):
+        pass
+    return f"HTTP {status}"
+
+
+def _status_error(status: int, raw: bytes) -> grpc.aio.AioRpcError:
+    message = _error_message(raw, status)
+    if status in _REFUSED:
+        return rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend answered {status}: {message}")
+    if status in _CALLERS_FAULT:
+        return rpc_error(grpc.StatusCode.INVALID_ARGUMENT, message)
+    if status == 429:
+        return rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+    return rpc_error(grpc.StatusCode.INTERNAL, f"backend answered {status}: {message}")
+
+
+def _logprobs(lp: dict, msg: router_pb2.RouterGenerateResponse) -> None:
+    """vLLM's completion logprobs (tokens as ``token_id:N``) as ``TokenLogprobs``."""
+    tops = lp.get("top_logprobs") or []
+    for i, value in enumerate(lp.get("token_logprobs") or []):
+        entry = msg.logprobs.add(logprob=float(value if value is not None else 0.0))
+        top = tops[i] if i < len(tops) and tops[i] else {}
+        for key, top_lp in sorted(top.items(), key=lambda kv: -kv[1]):
+            _, _, tid = str(key).rpartition(":")
+            if tid.isdigit():
+                entry.top.add(token_id=int(tid), logprob=float(top_lp))
+
+
+def parse_chunk(data: dict) -> list[router_pb2.RouterGenerateResponse]:
+    """One streamed vLLM completion chunk as our messages (one per choice, plus one for a
+    usage-only chunk)."""
+    out = []
+    for choice in data.get("choices") or ():
+        msg = router_pb2.RouterGenerateResponse(index=int(choice.get("index", 0)), text=choice.get("text") or "")
+        msg.token_ids.extend(choice.get("token_ids") or ())
+        finish = choice.get("finish_reason")
+        if finish:
+            msg.finish_reason = _FINISH.get(finish, common_pb2.FINISH_REASON_STOP)
+        if choice.get("logprobs"):
+            _logprobs(choice["logprobs"], msg)
+        out.append(msg)
+    usage = data.get("usage")
+    if usage:
+        details = usage.get("prompt_tokens_details") or {}
+        msg = router_pb2.RouterGenerateResponse(index=0)
+        msg.usage.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        msg.usage.completion_tokens = int(usage.get("completion_tokens") or 0)
+        msg.usage.cached_tokens = int(details.get("cached_tokens") or 0)
+        out.append(msg)
+    return out
+
+
+class VllmHttpStream(ReplicaStream):
+    """One ``/v1/completions`` call (see the module docstring)."""
+
+    __slots__ = ("_client", "_body", "_deadline", "_response", "_lines", "_pending", "_done")
+
+    def __init__(self, client: httpx.AsyncClient, body: dict, timeout_s: float):
+        super().__init__()
+        self._client = client
+        self._body = body
+        self._deadline = time.monotonic() + timeout_s
+        self._response: httpx.Response | None = None
+        self._lines = None
+        self._pending: list[router_pb2.RouterGenerateResponse] = []
+        self._done = False
+
+    async def _open(self) -> None:
+        request = self._client.build_request("POST", "/v1/completions", json=self._body)
+        try:
+            self._response = await self._client.send(request, stream=True)
+        except httpx.TimeoutException:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "backend did not answer in time") from None
+        except httpx.HTTPError as exc:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend unreachable: {type(exc).__name__}") from None
+        if self._response.status_code != 200:
+            raw = await self._response.aread()
+            self.close()
+            raise _status_error(self._response.status_code, raw)
+        self._lines = self._response.aiter_lines()
+
+    async def _read(self) -> router_pb2.RouterGenerateResponse | None:
+        if self._pending:
+            return self._pending.pop(0)
+        if self._done:
+            return None
+        try:
+            async with asyncio.timeout_at(self._deadline - time.monotonic() + asyncio.get_running_loop().time()):
+                if self._response is None:
+                    await self._open()
+                while True:
+                    try:
+                        line = await anext(self._lines)
+                    except StopAsyncIteration:
+                        self._done = True
+                        return None
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        self._done = True
+                        await self._response.aclose()
+                        return None
+                    chunk = json.loads(data)
+                    if "error" in chunk and not chunk.get("choices"):
+                        err = chunk["error"]
+                        raise rpc_error(grpc.StatusCode.INTERNAL, f"backend failed mid-stream: {err.get('message') if isinstance(err, dict) else err}")
+                    msgs = parse_chunk(chunk)
+                    if msgs:
+                        self._pending.extend(msgs[1:])
+                        return msgs[0]
+        except TimeoutError:
+            self.close()
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "backend did not finish within the deadline") from None
+        except (httpx.TimeoutException, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            self.close()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend connection lost: {type(exc).__name__}") from None
+        except ValueError:
+            self.close()
+            raise rpc_error(grpc.StatusCode.INTERNAL, "backend sent a malformed event stream") from None
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._response is not None:
+                # NOTE: closing the unfinished response closes its connection, which vLLM sees
+                # as the client going away: it aborts the request and frees its blocks.
+                asyncio.ensure_future(self._response.aclose())
+
+
+class VllmClients:
+    """HTTP clients of the vLLM backends, by base URL, with each one's served model name.
+
+    Args:
+        max_connections: connections kept per backend (default 256).
+    """
+
+    def __init__(self, max_connections: int = 256):
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self.models: dict[str, str] = {}  # base URL -> the model name it serves
+
+    def client(self, url: str) -> httpx.AsyncClient:
+        c = self._clients.get(url)
+        if c is None:
+            # NOTE: no overall timeout here: each stream enforces the request's deadline.
+            c = self._clients[url] = httpx.AsyncClient(base_url=url, limits=self._limits, timeout=httpx.Timeout(None, connect=5.0))
+        return c
+
+    def generate(self, url: str, request: replica_pb2.GenerateRequest, timeout_s: float) -> VllmHttpStream:
+        model = self.models.get(url, "")
+        return VllmHttpStream(self.client(url), completion_body(model, request), timeout_s)
+
+    async def probe(self, url: str, timeout_s: float) -> None:
+        """vLLM's ``/health``; raises ``AioRpcError(UNAVAILABLE)`` unless it answers 200."""
+        try:
+            r = await self.client(url).get("/health", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend health check failed: {type(exc).__name__}") from None
+        if r.status_code != 200:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend health check answered {r.status_code}")
+
+    async def close(self) -> None:
+        clients = list(self._clients.values())
+        self._clients.clear()
+        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
