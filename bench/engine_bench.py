@@ -32,7 +32,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.engine import LLMEngine
 

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from unicache.contract.redis_keys import EVENT_FLUSH_INTERVAL_S, RedisKeys
 from unicache.plumbing.redis_server import EmbeddedRedis
 from unicache.v1 import cache_pb2
-from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.contract.kv_events import BlockStored

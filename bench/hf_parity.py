@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from bench.paths import RESULTS  # noqa: E402
 from bench.report_files import write_report  # noqa: E402
-from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams  # noqa: E402
+from unicache.replica.engines.api import EngineRequest, SamplingParams  # noqa: E402
 from unicache.replica.engines.builtin.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from unicache.replica.engines.builtin.config import EngineConfig  # noqa: E402
 from unicache.replica.engines.builtin.engine import LLMEngine  # noqa: E402

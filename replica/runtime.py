@@ -14,7 +14,7 @@ import logging
 from unicache.plumbing.aio import cancel_and_wait
 from unicache.plumbing.errors import UsageError
 from unicache.contract.redis_keys import RedisKeys
-from unicache.replica.engines.builtin.api import ServingEngine
+from unicache.replica.engines.api import ServingEngine
 from unicache.replica.engines.registry import make_engine
 from unicache.replica.publishing.publisher import CachePublisher
 from unicache.replica.publishing.metrics import ReplicaMetrics

@@ -41,3 +41,18 @@ async def one_replica_stack():
         yield st
     finally:
         await st.close()
+
+
+# Folders whose tests carry a marker, so `pytest -m "not e2e and not deploy"` is the quick
+# loop: e2e starts real processes across components, deploy renders and lints the chart
+# and images. The folder decides, so a test cannot sit there without the marker.
+FOLDER_MARKERS = {"e2e": ("e2e", "slow"), "deploy": ("deploy",)}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.parts
+        for folder, markers in FOLDER_MARKERS.items():
+            if "tests" in parts and parts[parts.index("tests") + 1 : parts.index("tests") + 2] == (folder,):
+                for name in markers:
+                    item.add_marker(name)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from unicache.replica.engines.builtin.api import EngineInputError, EngineRequest, SamplingParams
+from unicache.replica.engines.api import EngineInputError, EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.replica.engines.builtin.scheduler import ScheduledChunk

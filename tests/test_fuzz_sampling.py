@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from unicache.replica.engines.builtin.api import SamplingParams
+from unicache.replica.engines.api import SamplingParams
 from unicache.replica.engines.builtin.sampling import make_generator, sample
 
 logit_rows = st.lists(st.floats(-1e4, 1e4, width=32), min_size=2, max_size=64).map(lambda xs: torch.tensor(xs, dtype=torch.float32))

@@ -569,7 +569,7 @@ def test_router_exports_every_metric_the_dashboard_queries():
 def test_replicas_export_every_metric_the_dashboard_queries():
     """The replica panels' contract with replica/publishing/metrics.py (the torch engine's registry,
     after one request so every labelled series exists)."""
-    from unicache.replica.engines.builtin.api import CacheStateInfo, EngineLoad, EngineOutput, Usage
+    from unicache.replica.engines.api import CacheStateInfo, EngineLoad, EngineOutput, Usage
     from unicache.replica.publishing.metrics import ReplicaMetrics
 
     class Engine:

@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.engine import LLMEngine
 from tests.support.load_stack import LoadStack, fast_engine_config
 from unicache.v1 import common_pb2, router_pb2

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.load_stack import fast_engine_config
-from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.contract.tokenizer import load_tokenizer
 

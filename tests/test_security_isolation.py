@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.store import KVStore
 from unicache.router.app import RouterApp

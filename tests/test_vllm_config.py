@@ -11,7 +11,7 @@ import re
 import pytest
 
 from unicache.cli.local_cluster import ClusterSettings, served_model_name
-from unicache.replica.engines.builtin.api import ServingEngine
+from unicache.replica.engines.api import ServingEngine
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.registry import make_engine
 from unicache.replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
@@ -134,7 +134,7 @@ def test_unicache_up_gives_the_router_the_served_model_name(settings, expected):
 def test_vllm_logprobs_become_ours_top_k_by_rank_with_the_sampled_token_only_if_ranked():
     from types import SimpleNamespace as LP
 
-    from unicache.replica.engines.builtin.api import TokenLogprob
+    from unicache.replica.engines.api import TokenLogprob
     from unicache.replica.engines.vllm.outputs import token_logprobs
 
     per_token = [

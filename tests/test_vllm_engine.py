@@ -20,7 +20,7 @@ from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from unicache.contract.block_hash import hash_token_blocks
 from unicache.contract.redis_keys import RedisKeys
 from unicache.plumbing.redis_server import EmbeddedRedis
-from unicache.replica.engines.builtin.api import EngineRequest, SamplingParams
+from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.model import ModelConfig

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from unicache.replica.engines.builtin.api import ServingEngine
+    from unicache.replica.engines.api import ServingEngine
     from unicache.replica.settings import ReplicaSettings
 
 

@@ -52,7 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from unicache.replica.engines.builtin.api import EngineOutput, ServingEngine
+    from unicache.replica.engines.api import EngineOutput, ServingEngine
     from unicache.replica.serving.server import ReplicaServer
 
 # Bucket boundaries of vLLM 0.32 (vllm/v1/metrics/buckets.py), so histograms aggregate

@@ -56,7 +56,7 @@ from unicache.contract.redis_keys import (
 )
 from unicache.v1 import cache_pb2
 from unicache.replica.serving.convert import cache_state_to_proto
-from unicache.replica.engines.builtin.api import CacheStateInfo, EngineLoad
+from unicache.replica.engines.api import CacheStateInfo, EngineLoad
 from unicache.replica.publishing.event_batch import PendingBatch
 from unicache.contract.kv_events import KVEvent
 

@@ -13,7 +13,7 @@ import contextlib
 
 import grpc
 
-from unicache.replica.engines.builtin.api import EngineInputError
+from unicache.replica.engines.api import EngineInputError
 from unicache.contract.wire import REFUSAL_METADATA
 
 STATUS_CODES: dict[str, grpc.StatusCode] = {

@@ -1,6 +1,6 @@
 """Protobuf <-> engine-type conversions for the replica service (pure functions, no I/O).
 
-The servicer uses only these and ``replica/engines/builtin/api.py`` types, so the wire format and
+The servicer uses only these and ``replica/engines/api.py`` types, so the wire format and
 the engine can change independently.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from unicache.contract import wire
 from unicache.contract.request_class import RequestClass
 from unicache.v1 import common_pb2, replica_pb2
-from unicache.replica.engines.builtin.api import CacheStateInfo, EngineInputError, EngineOutput, SamplingParams, Usage
+from unicache.replica.engines.api import CacheStateInfo, EngineInputError, EngineOutput, SamplingParams, Usage
 
 FINISH_REASONS: dict[str | None, int] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

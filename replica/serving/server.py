@@ -2,7 +2,7 @@
 
 ``ReplicaServicer`` maps protobuf requests to ``EngineRequest`` and engine outputs back to
 protobuf; it only uses the engine's public surface (``ServingEngine`` and the types of
-replica/engines/builtin/api.py), whichever engine runs. ``ReplicaServer`` serves it with ``grpc.aio`` on one host/port.
+replica/engines/api.py), whichever engine runs. ``ReplicaServer`` serves it with ``grpc.aio`` on one host/port.
 
 Invariants:
     * Every ``Generate`` call closes its engine stream before returning, whether it ends
@@ -34,7 +34,7 @@ from unicache.plumbing.grpc_server import pending_call_options
 from unicache.contract.state_auth import CallCredential, StateSigner
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.serving.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
-from unicache.replica.engines.builtin.api import EngineInputError, EngineRequest
+from unicache.replica.engines.api import EngineInputError, EngineRequest
 from unicache.replica.serving.call_auth import ClusterAuthInterceptor
 from unicache.replica.serving.call_error import GrpcGenerate, ReplicaCallError
 from unicache.replica.serving.hop_server import HopServer
@@ -42,7 +42,7 @@ from unicache.plumbing.tls import TlsFiles, grpc_server_credentials, hop_server_
 from unicache.replica.serving.faults import FaultInjection
 
 if TYPE_CHECKING:
-    from unicache.replica.engines.builtin.api import ServingEngine
+    from unicache.replica.engines.api import ServingEngine
     from unicache.replica.publishing.metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)

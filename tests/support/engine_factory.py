@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from unicache.replica.engines.builtin.api import EngineOutput, EngineRequest, SamplingParams
+from unicache.replica.engines.api import EngineOutput, EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.replica.engines.builtin.model import ModelConfig

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from unicache.contract.redis_keys import RedisKeys
-from unicache.replica.engines.builtin.api import EngineLoad
+from unicache.replica.engines.api import EngineLoad
 from unicache.replica.publishing.publisher import CachePublisher
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
 from unicache.sim.prepare import PreparedTrace

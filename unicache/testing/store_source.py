@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from unicache.replica.engines.builtin.api import CacheStateInfo, EngineLoad
+from unicache.replica.engines.api import CacheStateInfo, EngineLoad
 from unicache.replica.kv.locked_reads import LockedStoreReads
 from unicache.replica.kv.store import KVStore
 

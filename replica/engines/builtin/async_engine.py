@@ -21,7 +21,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from unicache.replica.engines.builtin.api import CacheStateInfo, EngineInputError, EngineLoad, EngineOutput, EngineRequest
+from unicache.replica.engines.api import CacheStateInfo, EngineInputError, EngineLoad, EngineOutput, EngineRequest
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.engine import LLMEngine, resolve_device
 from unicache.contract.tokenizer import load_tokenizer

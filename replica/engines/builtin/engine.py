@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from unicache.replica.engines.builtin.api import (
+from unicache.replica.engines.api import (
     CacheStateInfo,
     EngineInputError,
     EngineLoad,

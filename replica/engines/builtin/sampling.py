@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from unicache.replica.engines.builtin.api import SamplingParams, TokenLogprob
+from unicache.replica.engines.api import SamplingParams, TokenLogprob
 
 
 

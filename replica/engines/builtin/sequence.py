@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from unicache.contract.block_hash import ROOT_HASH, BlockHash, hash_token_blocks
-from unicache.replica.engines.builtin.api import EngineOutput, EngineRequest, TokenLogprob, Usage
+from unicache.replica.engines.api import EngineOutput, EngineRequest, TokenLogprob, Usage
 from unicache.contract.tokenizer import IncrementalDetokenizer
 
 

@@ -8,7 +8,7 @@ already in flight, an option it lacks). No torch import: the vLLM engine uses it
 
 from __future__ import annotations
 
-from unicache.replica.engines.builtin.api import EngineInputError, EngineRequest
+from unicache.replica.engines.api import EngineInputError, EngineRequest
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit; vLLM's max_logprobs)
 MAX_SALT_BYTES = 64

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from unicache.contract.block_hash import BlockHash
-from unicache.replica.engines.builtin.api import (
+from unicache.replica.engines.api import (
     CacheStateInfo,
     EngineInputError,
     EngineLoad,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from unicache.replica.engines.builtin.api import TokenLogprob
+from unicache.replica.engines.api import TokenLogprob
 
 
 def token_logprobs(token_ids: Sequence[int], per_token: Sequence[Mapping[int, Any]] | None, k: int | None) -> list[TokenLogprob] | None:

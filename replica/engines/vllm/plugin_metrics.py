@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from unicache.replica.engines.builtin.api import CacheStateInfo
+from unicache.replica.engines.api import CacheStateInfo
 from unicache.replica.publishing.metrics import ReplicaCollector
 from unicache.replica.engines.vllm.status import PoolStatus
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from unicache.replica.engines.builtin.api import CacheStateInfo
+from unicache.replica.engines.api import CacheStateInfo
 
 
 @dataclass(slots=True, frozen=True)
