@@ -42,7 +42,7 @@ def test_the_router_caps_its_tables_from_its_budget():
     caps = TableCaps.for_budget(128)
     c = app.core.classifier
     assert (c.max_blocks, c.max_prompts, c.max_sessions) == (caps.classifier_blocks, caps.classifier_prompts, caps.classifier_sessions)
-    assert (app.policy.max_session_blocks, app.policy.max_sessions) == (caps.policy_session_blocks, caps.classifier_sessions)
+    assert (app.policy.config.max_session_blocks, app.policy.config.max_sessions) == (caps.policy_session_blocks, caps.classifier_sessions)
     with pytest.raises(UsageError, match="memory_budget_mib must be >= 64"):
         build_config(env={}, overrides={"memory_budget_mib": 16})
 

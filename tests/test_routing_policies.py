@@ -63,7 +63,7 @@ def test_cache_aware_config_is_frozen_validated_and_built_by_the_registry():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.fit_first = True  # type: ignore[misc]
     p = CacheAwarePolicy(cfg)
-    assert (p.config, p.fit_first, p.max_sessions) == (cfg, False, 7)
+    assert (p.config, p.config.fit_first, p.config.max_sessions) == (cfg, False, 7)
     assert CacheAwarePolicy().config == CacheAwareConfig()
     for bad, field in ((dict(churn_window=0), "churn_window"), (dict(host_cost=1.5), "host_cost"),
                        (dict(session_hold_frac=-0.1), "session_hold_frac"),

@@ -249,7 +249,7 @@ def test_router_kwargs_build_the_routing_policy():
     prepared = prepare([req(0, [1])], BS)
     sim = Replay(prepared, ReplayConfig("lru", 4, replicas=2, router="cache_aware",
                                         router_kwargs={"footprint_weight": 0.0, "churn_window": 64}))
-    assert (sim.router.footprint_weight, sim.router._decay) == (0.0, 1 - 1 / 64)
+    assert (sim.router.config.footprint_weight, sim.router._decay) == (0.0, 1 - 1 / 64)
     assert sim.router.ring.members == {"r0", "r1"}
     with pytest.raises(ValueError, match="does not take no_such_knob"):
         Replay(prepared, ReplayConfig("lru", 4, replicas=2, router="cache_aware", router_kwargs={"no_such_knob": 1}))

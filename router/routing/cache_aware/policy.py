@@ -345,31 +345,11 @@ class CacheAwarePolicy(RoutingPolicy):
         elif not isinstance(config, CacheAwareConfig):
             raise TypeError(f"CacheAwarePolicy takes a CacheAwareConfig, got {type(config).__name__}")
         self.config = config
-        self.session_sticky = config.session_sticky
-        self.session_hold_frac = config.session_hold_frac
-        self.fit_first = config.fit_first
-        self.queue_share = config.queue_share
-        self.queue_per_lane = config.queue_per_lane
-        self.load_weight = config.load_weight
-        self.request_cost_tokens = config.request_cost_tokens
-        self.evict_weight = config.evict_weight
-        self.host_cost = config.host_cost
-        self.sticky_trust = config.sticky_trust
-        self.template_trust = config.template_trust
-        self.churn_weight = config.churn_weight
-        self.track_inflight = config.track_inflight
         self.admission = TTFTAdmission(config.admission_factor, config.prefill_lanes, config.request_cost_tokens)
-        self.max_sessions = config.max_sessions
-        self.max_inflight = config.max_inflight
-        self.max_session_blocks = config.max_session_blocks
         self.session_blocks = 0  # hashes held by the remembered sessions
         self.ring = HashRing(config.virtual_nodes)
-        self.template_key_blocks = config.template_key_blocks
-        self.churn_window = config.churn_window
         self._decay = 1.0 - 1.0 / config.churn_window
         self._inflow = DecayingTotals()
-        self.footprint_weight = config.footprint_weight
-        self.footprint_window = config.footprint_window
         self._foot_decay = 1.0 - 1.0 / config.footprint_window
         self._footprint = DecayingTotals()
         self._routed = 0  # requests routed so far (by every router, when sharing terms): the decays' clock
@@ -389,11 +369,11 @@ class CacheAwarePolicy(RoutingPolicy):
         admissible = cand.admissible
         if admissible is None:
             admissible = self._admission(cand.replicas, request.num_prompt_tokens, request.block_size, cand.matches)
-        if prev is not None and self.session_sticky:
+        if prev is not None and self.config.session_sticky:
             kept = self._session_home(prev, request.block_hashes, admissible, index, cand.matches)
             if kept is not None:
                 return kept
-        if self.fit_first:
+        if self.config.fit_first:
             admissible = self._fit(admissible, request.num_prompt_tokens, request.block_size)
         return self._score(request, replicas, admissible, index, cand, prev)
 
@@ -425,7 +405,7 @@ class CacheAwarePolicy(RoutingPolicy):
         keep: list[str | None] = [*matches, template_home[0], prev.replica_id if prev is not None else None]
         # host-tier runs start past each replica's GPU match (a grouped replica's: its
         # group's length); a replica with one is kept
-        runs = index.tier_runs(hashes, matches, groups) if self.host_cost < 1.0 else None
+        runs = index.tier_runs(hashes, matches, groups) if self.config.host_cost < 1.0 else None
         if runs:
             keep.extend(runs)
         if self._pending and hashes:
@@ -452,7 +432,7 @@ class CacheAwarePolicy(RoutingPolicy):
         the blocks credited there; (None, 0.0) without a template."""
         cls = request.cls
         tb = cls.template_blocks
-        if not (cls.template and self.template_trust and 0 < tb <= len(request.block_hashes)):
+        if not (cls.template and self.config.template_trust and 0 < tb <= len(request.block_hashes)):
             return None, 0.0
         ring = self.ring
         live: set[str] | None = None
@@ -464,8 +444,8 @@ class CacheAwarePolicy(RoutingPolicy):
                 ring.add(rid)
         # else every live replica is offered (``replicas`` is a subset of the ring's
         # members): any member may own, without two sets built per request
-        k = min(tb, self.template_key_blocks) if self.template_key_blocks else tb
-        return ring.owner(request.block_hashes[k - 1].hex(), live), self.template_trust * tb
+        k = min(tb, self.config.template_key_blocks) if self.config.template_key_blocks else tb
+        return ring.owner(request.block_hashes[k - 1].hex(), live), self.config.template_trust * tb
 
     def _score(self, request: RoutingRequest, fleet: Sequence[ReplicaLoad], admissible: list[ReplicaLoad],
                index: LocalityView, cand: _Candidates, prev: _Session | None) -> RouteDecision:
@@ -477,15 +457,15 @@ class CacheAwarePolicy(RoutingPolicy):
         n_tokens = request.num_prompt_tokens
         matches = cand.matches
         sticky_id, sticky_blocks = None, 0.0
-        if prev is not None and self.sticky_trust:
+        if prev is not None and self.config.sticky_trust:
             sticky_id = prev.replica_id
-            sticky_blocks = self.sticky_trust * common_prefix_blocks(hashes, prev.hashes)
-        foot_scale = self.footprint_weight * n_tokens if self._footprint else 0.0
+            sticky_blocks = self.config.sticky_trust * common_prefix_blocks(hashes, prev.hashes)
+        foot_scale = self.config.footprint_weight * n_tokens if self._footprint else 0.0
         own_id, own_share = (prev.replica_id, self._session_share(prev)) if prev is not None else (None, 0.0)
         template_home = cand.template_home
         home_id, home_blocks = template_home if template_home is not None else self._template_home(request, fleet)
         churn_scale, mean_inflow = 0.0, 0.0
-        if self.churn_weight and self._inflow:
+        if self.config.churn_weight and self._inflow:
             # in the totals' raw units: the term reads only inflow / mean
             if len(fleet) == len(self.ring):
                 # every live replica (``fleet`` is a subset of them, and only they have
@@ -494,7 +474,7 @@ class CacheAwarePolicy(RoutingPolicy):
             else:  # NOTE: map over C callables: the same sum, in the same order, at C speed
                 mean_inflow = sum(map(self._inflow.raw.get, map(replica_id_of, fleet), repeat(0.0))) / len(fleet)
             if mean_inflow > 0:
-                churn_scale = self.churn_weight * n_tokens
+                churn_scale = self.config.churn_weight * n_tokens
 
         # NOTE: one pass over the admissible replicas, written for speed (a 1,024-replica
         # fleet runs it per request): locals instead of attributes, ``outstanding`` and
@@ -504,14 +484,14 @@ class CacheAwarePolicy(RoutingPolicy):
         # as ``DecayingTotals`` holds them).
         pending, share = self._pending, self._queues.share
         inflow, footprint, foot_unit = self._inflow.raw, self._footprint.raw, self._footprint.unit
-        evict_weight, rct, load_weight = self.evict_weight, self.request_cost_tokens, self.load_weight
-        per_lane = 1.0 / self.admission.prefill_lanes if self.queue_per_lane else 0.0
-        host_weight = 1.0 - self.host_cost
+        evict_weight, rct, load_weight = self.config.evict_weight, self.config.request_cost_tokens, self.config.load_weight
+        per_lane = 1.0 / self.admission.prefill_lanes if self.config.queue_per_lane else 0.0
+        host_weight = 1.0 - self.config.host_cost
         # runs through both tiers past each replica's GPU match, for the replicas that have one
         if cand.runs_known:
             runs = cand.runs
         else:
-            runs = index.tier_runs(hashes, matches) if self.host_cost < 1.0 else None
+            runs = index.tier_runs(hashes, matches) if self.config.host_cost < 1.0 else None
         best_r: ReplicaLoad | None = None
         best_cost, best_m, best_reason = _INF, 0.0, ""
         n_hashes = len(hashes)
@@ -596,9 +576,9 @@ class CacheAwarePolicy(RoutingPolicy):
         if index.is_stale(rid):
             # NOTE: the reason and the credited blocks are the cost path's for a stale view
             # (``sticky_trust`` of the shared prefix), so metrics read the same either way.
-            return RouteDecision(rid, "session_sticky", matched_blocks=int(self.sticky_trust * shared))
+            return RouteDecision(rid, "session_sticky", matched_blocks=int(self.config.sticky_trust * shared))
         m = matches.get(rid, 0)
-        if m >= max(1.0, self.session_hold_frac * shared):
+        if m >= max(1.0, self.config.session_hold_frac * shared):
             prev.confirmed = True
         elif prev.confirmed:
             return None  # the index showed the session here and no longer does: evicted
@@ -639,16 +619,16 @@ class CacheAwarePolicy(RoutingPolicy):
         inflow.add(rid, new_tokens)
         if self._outbox is not None:
             self._outbox.append(RoutedEvent(rid, new_tokens, blocks, prev_rid, prev_share))
-        if self.queue_share:
+        if self.config.queue_share:
             self._queues.add(request.request_id, rid, new_tokens, request.num_prompt_tokens)
-        if not self.track_inflight:
+        if not self.config.track_inflight:
             return
         self._release(request.request_id)
         self._inflight[request.request_id] = _InFlight(rid, request.block_hashes)
         pend = self._pending.setdefault(rid, {})
         for bh in request.block_hashes:
             pend[bh] = pend.get(bh, 0) + 1
-        while len(self._inflight) > self.max_inflight:
+        while len(self._inflight) > self.config.max_inflight:
             self._release(next(iter(self._inflight)))
 
     def on_first_token(self, request: RoutingRequest, replica_id: str) -> None:
@@ -733,7 +713,7 @@ class CacheAwarePolicy(RoutingPolicy):
         if footprint:
             self._footprint.add(s.replica_id, len(s.hashes))
         alone = self._outbox is None
-        while len(sessions) > self.max_sessions or (self.session_blocks > self.max_session_blocks and len(sessions) > 1):
+        while len(sessions) > self.config.max_sessions or (self.session_blocks > self.config.max_session_blocks and len(sessions) > 1):
             self._forget_session(sessions.popitem(last=False)[1], footprint=alone)
 
     def _forget_session(self, s: _Session, footprint: bool = True) -> float:
@@ -750,10 +730,10 @@ class CacheAwarePolicy(RoutingPolicy):
         return self._queues.take_changes()
 
     def queue_shares(self) -> dict[str, float] | None:
-        return dict(self._queues.share) if self.queue_share else None
+        return dict(self._queues.share) if self.config.queue_share else None
 
     def set_peer_queued(self, totals: dict[str, tuple[int, int]]) -> None:
-        if self.queue_share:
+        if self.config.queue_share:
             self._queues.set_peer(totals)
 
     def _release(self, request_id: str) -> None:
@@ -775,7 +755,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # NOTE: the churn term compares each replica's inflow with the mean; a window of
         # fewer requests than several per replica leaves most replicas at 0 and makes
         # any recent one look many times the mean (see CHURN_WINDOW_PER_REPLICA).
-        self._decay = 1.0 - 1.0 / max(self.churn_window, CHURN_WINDOW_PER_REPLICA * len(live))
+        self._decay = 1.0 - 1.0 / max(self.config.churn_window, CHURN_WINDOW_PER_REPLICA * len(live))
         known = set(self._pending) | set(self._inflow) | set(self._footprint) | set(self.ring.members)
         known |= self._queues.replicas()
         known |= {f.replica_id for f in self._inflight.values()}
