@@ -1,6 +1,6 @@
 """The fuzz tests' stack: two replicas behind a router (``LoadStack``), checked after each test.
 
-``tests/test_fuzz_grpc.py`` and ``tests/test_fuzz_http.py`` fuzz the two client APIs of the
+``tests/router/test_fuzz_grpc.py`` and ``tests/router/test_fuzz_http.py`` fuzz the two client APIs of the
 same stack and end with the same check: no KV block is referenced on any replica, every
 replica still serves (one request per replica through the API under test: the router
 routes round robin) and nothing is in flight at the router.

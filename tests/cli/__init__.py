@@ -1,0 +1,1 @@
+"""Tests of the unicache command (unicache.cli) and the bench client."""

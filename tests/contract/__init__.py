@@ -1,0 +1,1 @@
+"""Tests of unicache.contract: what router and replica share."""

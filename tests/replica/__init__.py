@@ -1,0 +1,1 @@
+"""Tests of unicache.replica (folder replica/): engines, KV store, eviction, serving, publishing."""

@@ -1,0 +1,1 @@
+"""Repository checks: the layers, docs drift, pinned versions, generated stubs."""

@@ -1,0 +1,1 @@
+"""Tests of unicache.router (folder router/), in process."""

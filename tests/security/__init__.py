@@ -1,0 +1,1 @@
+"""Security tests across components: API keys, tenant isolation, limits, signed Redis state, secrets."""

@@ -1,0 +1,1 @@
+"""Tests of the simulator and the trace reader (unicache.sim)."""
