@@ -243,7 +243,7 @@ def render_md(r: dict) -> str:
               f"Overload phase: a second router with max_in_flight {c['shed_max_in_flight']}, max_tokens {c['shed_max_tokens']}; "
               f"served {r['overload']['ok']}, refused {r['overload']['errors']} (nothing else may appear). How many are "
               "refused varies from run to run (one client process opens the streams, and the replicas drain them "
-              "meanwhile); the exact shedding counts are asserted in tests/test_load_shedding.py.", "",
+              "meanwhile); the exact shedding counts are asserted in tests/e2e/test_load_shedding.py.", "",
               "| process | RSS before MiB | after burst 1 | after burst 2 | after overload | peak (VmHWM) MiB |", "|---|---|---|---|---|---|"]
     rss = r["rss_kib"]
     for name in rss["before"]:

@@ -6,7 +6,7 @@ docstring, so the table cannot drift from the code. Run from anywhere:
     python docs/gen_module_table.py            # rewrite the table in docs/router.md
     python docs/gen_module_table.py --check    # exit 1 if the committed table is stale
 
-``tests/test_router_module_table.py`` runs the check.
+``tests/router/test_router_module_table.py`` runs the check.
 """
 
 from __future__ import annotations

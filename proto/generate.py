@@ -1,6 +1,6 @@
 """Generate the Python protobuf and gRPC stubs (with .pyi) into unicache/v1/.
 
-Run: python proto/generate.py   (tests/test_proto_drift.py regenerates into a temp dir
+Run: python proto/generate.py   (tests/repo/test_proto_drift.py regenerates into a temp dir
 and fails when the committed stubs differ).
 """
 

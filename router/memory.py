@@ -29,7 +29,7 @@ announce, and ``max_index_blocks`` per replica); it is sized with the fleet, not
 
 Bytes per entry (``BYTES_PER_ENTRY``) are CPython 3.11 64-bit sizes of one entry of each
 table with its key and value objects, measured by ``measure_bytes_per_entry`` on a filled
-router (``bench.router_soak`` reports both; ``tests/test_router_memory.py`` fails if a
+router (``bench.router_soak`` reports both; ``tests/router/test_router_memory.py`` fails if a
 measured size exceeds its constant). A block hash shared by several tables is counted
 in each, so the caps are conservative.
 """

@@ -8,5 +8,5 @@
 - the top layer, ``unicache.cli``, ``unicache.bench_client``, ``unicache.sim`` and
   ``unicache.testing``: may import anything; the layers below never import it.
 
-tests/test_layers.py checks these rules from the folders.
+tests/repo/test_layers.py checks these rules from the folders.
 """

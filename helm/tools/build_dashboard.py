@@ -1,6 +1,6 @@
 """Generate helm/unicache/dashboards/unicache.json, the Grafana dashboard the chart ships.
 
-Run ``python helm/tools/build_dashboard.py`` after editing; tests/test_helm_chart.py fails
+Run ``python helm/tools/build_dashboard.py`` after editing; tests/deploy/test_helm_chart.py fails
 when the committed JSON drifts from this script's output. The router panels read the
 router's /metrics (router/observability/metrics.py; ``METRICS`` lists them), the replica panels every
 replica's (replica/publishing/metrics.py; ``REPLICA_METRICS``).

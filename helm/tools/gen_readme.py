@@ -1,8 +1,8 @@
 """Generate helm/unicache/README.md from the `# --` comments of values.yaml.
 
-Every key of values.yaml carries a `# --` comment (tests/test_helm_chart.py checks);
+Every key of values.yaml carries a `# --` comment (tests/deploy/test_helm_chart.py checks);
 this script turns them into the chart README's values table (key, default, description),
-so the README never drifts from the values. tests/test_helm_readme.py fails when the
+so the README never drifts from the values. tests/deploy/test_helm_readme.py fails when the
 committed README differs from what this script writes.
 
     python helm/tools/gen_readme.py          # rewrite helm/unicache/README.md

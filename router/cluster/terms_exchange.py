@@ -10,7 +10,7 @@ each router's policy records what its decisions did (``SharesRouterState.take_ro
 ``RoutedBatch`` and appends it to the stream ``P:routed``, and applies what the other
 routers appended (``SharesRouterState.apply_routed``). Every router then holds the terms one
 router routing all the traffic would hold, up to the exchange's lag (exact when each batch
-is applied before the next decision: ``tests/test_terms_sharing.py``). Sessions' records
+is applied before the next decision: ``tests/router/test_terms_sharing.py``). Sessions' records
 travel through the session store (``unicache.router.cluster.session_store``), which the exchange
 always runs beside.
 

@@ -125,7 +125,7 @@ class StreamChunks:
 
     Each event is byte for byte ``b"data: " + json.dumps(chunk, separators=(",", ":"))
     + b"\\n\\n"`` of the chunk object ``base(...)`` plus ``choices`` (and ``usage``) would
-    make (tests/test_openai_stream_chunks.py compares them), without building the dicts
+    make (tests/router/test_openai_stream_chunks.py compares them), without building the dicts
     and walking them per token: only the text, the finish reason and the logprobs are
     encoded per event.
     """

@@ -13,7 +13,7 @@ replica's own (cached blocks / prompt blocks looked up, since the replica starte
 chart's *prompt-token hit ratio* is the router's (cached / prompt tokens of the requests
 that finished in each interval). The panels fill the page's width (a flexible grid).
 
-DOM contract (tests/test_dashboard_browser.py checks it in headless Chromium): every chart
+DOM contract (tests/e2e/test_dashboard_browser.py checks it in headless Chromium): every chart
 is ``<svg class="chart" data-chart=NAME>`` holding one ``<path class="series"
 data-series=LABEL data-points=N>`` per series, N the points drawn; its legend is the
 ``.legend`` element after it. A null value (no request in the interval, a static replica

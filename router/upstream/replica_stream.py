@@ -7,7 +7,7 @@ Invariants:
       call would end with, so the request path has one error table.
     * A replica's ``GenerateResponse`` is read as the router's ``RouterGenerateResponse``
       (``parse_replica_message``): fields 1-5 and 7 are the same numbers, names and types
-      (``tests/test_router_units.py`` checks it), so every field arrives and the gRPC
+      (``tests/router/test_router_units.py`` checks it), so every field arrives and the gRPC
       front door passes the message on as its own (``route`` set on the first) without
       copying it per token.
     * ``take_queued`` hands on, as one message, the messages of one sample that arrived

@@ -96,7 +96,7 @@ def hash_token_blocks(
         return []
     # NOTE: hash_block block by block, in one pass: the token ids are encoded once and
     # each block's bytes (parent + tokens + extra keys) hashed in one call; the same bytes,
-    # so the same hashes (tests/test_block_hash.py), at a fraction of the per-block cost
+    # so the same hashes (tests/contract/test_block_hash.py), at a fraction of the per-block cost
     # (the router hashes every prompt on the request path).
     raw = array("I", token_ids[: n_full * block_size]).tobytes()
     step = 4 * block_size

@@ -2,7 +2,7 @@
 
 One decoder for both consumers: the in-process vLLM replica (replica/engines/vllm) and the
 router following stock ``vllm serve`` backends (router/upstream/vllm_fleet). Neither the router nor
-this module imports vLLM (the router image has no torch); ``tests/test_vllm_events.py``
+this module imports vLLM (the router image has no torch); ``tests/contract/test_vllm_events.py``
 checks these structs against batches a real vLLM 0.32 server published.
 
 Wire (vLLM ``KVEventsConfig(publisher="zmq")``): a PUB socket sends multipart

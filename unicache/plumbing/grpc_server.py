@@ -5,7 +5,7 @@ as *pending*. Beyond ``grpc.server.max_pending_requests`` (core's default: 1000)
 cancels pending calls that have waited too long, and beyond the hard limit it refuses new
 ones. A burst larger than that into one server therefore ended some streams CANCELLED
 before the application saw them: 230 of 2,000 concurrent streams into one fake replica,
-4 of 1,100, none of 1,000 (``tests/test_grpc_pending.py``).
+4 of 1,100, none of 1,000 (``tests/router/test_grpc_pending.py``).
 The router admits up to ``max_in_flight`` requests and answers the rest with
 RESOURCE_EXHAUSTED itself; a replica admits ``max_num_seqs + max_waiting``. Invariant: a
 server's soft pending limit is at least what its application admits, so core never

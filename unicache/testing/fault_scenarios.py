@@ -1,6 +1,6 @@
 """The four fault scenarios, driven once against a live cluster, each returning a record.
 
-``tests/test_fault_cluster.py`` asserts exact outcomes on these records and
+``tests/e2e/test_fault_cluster.py`` asserts exact outcomes on these records and
 ``bench/faults.py`` computes its figures from them, so the test and the benchmark
 exercise the very same sequence of requests and faults. The cluster pieces come from
 ``unicache/testing/cluster_harness.py``.

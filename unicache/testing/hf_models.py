@@ -6,7 +6,7 @@ matters to the logits), and ``save_pretrained`` writes config.json + model.safet
 ``hf_logits``/``hf_greedy`` are the reference: transformers' own forward, full recompute;
 ``paged_logits`` runs our model through its serving path (paged KV, prefix then suffix
 then decode). ``REFUSED`` lists config.json edits the engine must refuse at load, with the
-start of the one-line message it must give. Used by tests/test_engine_hf_parity.py and
+start of the one-line message it must give. Used by tests/replica/test_engine_hf_parity.py and
 bench/hf_parity.py; needs transformers (the ``dev`` extra).
 """
 

@@ -5,7 +5,7 @@
 tokenizer_config.json), the files a local model directory has. Nothing is downloaded.
 
 The shape suits vLLM's CPU backend (head size 64) and stays small enough that an engine
-step costs milliseconds. Used by tests/test_vllm_engine.py and bench/vllm_engine.py (the
+step costs milliseconds. Used by tests/replica/test_vllm_engine.py and bench/vllm_engine.py (the
 transformers-parity checkpoints of the built-in engine are tests/support/hf_models.py:
 no tokenizer, head sizes vLLM's CPU kernels lack).
 """

@@ -81,7 +81,7 @@ class UniCachePolicy(EvictionPolicy):
         evict_first_prior: reuse probability of an evict-first block before any is
             measured (every other lane: 0.5). Below the sessions' prior, so from a cold
             start one-off requests leave before a live session of the same age (a labelled
-            session survived six one-off prompts only with it: tests/test_engine_live_session.py).
+            session survived six one-off prompts only with it: tests/replica/test_engine_live_session.py).
     """
 
     host_tier_policy = HostUniCachePolicy
