@@ -193,7 +193,11 @@ class VllmHttpStream(ReplicaStream):
                     data = line[5:].strip()
                     if data == "[DONE]":
                         self._done = True
-                        await self._response.aclose()
+                        # NOTE: read the body to its end (nothing follows [DONE]) instead of
+                        # closing it: a response closed before its last chunk closes the
+                        # connection too, and every request paid a new TCP connection to vLLM.
+                        async for _ in self._lines:
+                            pass
                         return None
                     chunk = json.loads(data)
                     if "error" in chunk and not chunk.get("choices"):
