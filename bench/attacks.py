@@ -53,6 +53,7 @@ from unicache.router.upstream.replica_client import ReplicaClients
 from unicache.plumbing.tls import ClientTls, ClusterCA, make_cluster_pki, write_tls_files
 from unicache.contract.state_auth import CALL_METADATA, CallCredential, StateAuthError, StateSigner, new_cluster_key, parse_cluster_key
 from unicache.testing.fake_replica import FakeReplica
+from unicache.testing.tcp_relay import RecordingRelay
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 
 PREFIX = "atk"
@@ -371,26 +372,9 @@ async def replays(stack: Stack, impostor: FakeReplica) -> bool:
 async def relay(stack: Stack) -> Outcome:
     """A relay between a router and the genuine r1's hop forwards every byte both ways
     (the issue's handshake relay); counts the requests whose prompt it saw in clear."""
-    seen = bytearray()
     r1 = stack.replicas["r1"]
-
-    async def pipe(reader, writer):
-        try:
-            while data := await reader.read(65536):
-                seen.extend(data)
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def forward(cr, cw):
-        ur, uw = await asyncio.open_connection("127.0.0.1", r1.server.hop_port)
-        await asyncio.gather(pipe(cr, uw), pipe(ur, cw))
-
-    server = await asyncio.start_server(forward, "127.0.0.1", 0)
-    relay_addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    relay_tap = await RecordingRelay(r1.server.hop_port).start()
+    seen, relay_addr = relay_tap.seen, relay_tap.address
     app = RouterApp(stack.router_config("auto", use_redis=False, routing_policy="round_robin",
                                         replicas=f"r1={r1.address}@{relay_addr}"))
     await app.start()
@@ -407,7 +391,7 @@ async def relay(stack: Stack) -> Outcome:
                     failures += 1
     finally:
         await app.stop()
-        server.close()
+        await relay_tap.close()
     read = sum(1 for p in prompts if p.encode() in seen)
     salt = stack.app.auth.cache_salt(TENANT)
     return Outcome("relay between router and the genuine replica (hop)", stack.n, 0, int(salt in seen) * read, failures, 0.0,

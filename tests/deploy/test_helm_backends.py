@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.test_helm_chart import CHART, KUBE_VERSION, NAMESPACE, REPO, container_env, documents, find, one, pod_specs, render
+from tests.deploy.test_helm_chart import CHART, KUBE_VERSION, NAMESPACE, REPO, container_env, documents, find, one, pod_specs, render, run_checkov
 
 MODEL = {"model": {"source": "pvc", "pvc": {"claimName": "weights"}, "subPath": "Qwen2.5-7B-Instruct"}}
 VLLM = {
@@ -404,19 +402,7 @@ def test_external_selector_renders_read_only_rbac_and_the_selector(rendered):
 
 @pytest.fixture(scope="module")
 def checkov_report(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("rendered-modes")
-    for set_name, values in MODE_SETS.items():
-        for path, text in render(values).items():
-            if path.endswith(".yaml") and text.strip():
-                (out / f"{set_name}__{path.replace('/', '__')}").write_text(text)
-    proc = subprocess.run(
-        [str(Path(sys.executable).with_name("checkov")), "-d", str(out), "--framework", "kubernetes",
-         "--output", "json", "--skip-download"],
-        capture_output=True, text=True, timeout=240,
-    )
-    assert proc.stdout.strip(), proc.stderr[-2000:]
-    report = json.loads(proc.stdout)
-    return report if isinstance(report, list) else [report]
+    return run_checkov(MODE_SETS, tmp_path_factory.mktemp("rendered-modes"))
 
 
 def test_checkov_is_clean_in_every_mode(checkov_report):

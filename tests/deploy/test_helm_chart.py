@@ -598,10 +598,10 @@ def test_notes_render_the_quickstart():
 # --- checkov (one run per session: it is slow) ---------------------------------------
 
 
-@pytest.fixture(scope="session")
-def checkov_report(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("rendered")
-    for set_name, values in VALUE_SETS.items():
+def run_checkov(value_sets: dict[str, dict], out: Path) -> list[dict]:
+    """checkov's Kubernetes report on the chart rendered with each of ``value_sets``
+    (written to ``out``, one file per set and template)."""
+    for set_name, values in value_sets.items():
         for path, text in render(values).items():
             if path.endswith(".yaml") and text.strip():
                 (out / f"{set_name}__{path.replace('/', '__')}").write_text(text)
@@ -613,6 +613,11 @@ def checkov_report(tmp_path_factory) -> list[dict]:
     assert proc.stdout.strip(), proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     return report if isinstance(report, list) else [report]
+
+
+@pytest.fixture(scope="session")
+def checkov_report(tmp_path_factory) -> list[dict]:
+    return run_checkov(VALUE_SETS, tmp_path_factory.mktemp("rendered"))
 
 
 def test_checkov_finds_no_failed_checks(checkov_report):

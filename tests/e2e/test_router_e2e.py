@@ -11,23 +11,14 @@ import httpx
 import pytest
 
 from unicache.router.app import RouterApp
-from unicache.router.config import build_config
 from unicache.router.routing.registry import make_routing_policy
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
 from unicache.contract.block_hash import hash_token_blocks
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.support.router_stack import config, single_replica_router
 
-KEYS = "key-a:tenantA,key-b:tenantB"
 PROMPT = "The quick brown fox jumps over the lazy dog, twice."  # 51 bytes = 3 full blocks
-
-
-def config(replicas: list[FakeReplica], **overrides):
-    spec = ",".join(f"{r.replica_id}={r.address}" for r in replicas)
-    env = {"UNICACHE_API_KEYS": KEYS, "UNICACHE_SALT_SECRET": "s3cret", "UNICACHE_USE_REDIS": "false"}
-    base = {"grpc_port": 0, "http_port": 0, "replicas": spec, "routing_policy": "round_robin"}
-    base.update(overrides)
-    return build_config(env=env, overrides=base)
 
 
 @contextlib.asynccontextmanager
@@ -239,17 +230,8 @@ async def test_grpc_cluster_state_and_list_replicas(cluster2):
 
 @pytest.fixture
 async def single():
-    rep = FakeReplica("solo")
-    await rep.start()
-    app = RouterApp(config([rep], routing_policy="cache_aware"))
-    await app.start()
-    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10)
-    try:
-        yield app, rep, client
-    finally:
-        await client.aclose()
-        await app.stop()
-        await rep.stop()
+    async with single_replica_router(routing_policy="cache_aware") as stack:
+        yield stack
 
 
 async def test_http_completion_reports_cached_tokens_and_route_headers(single):

@@ -22,6 +22,7 @@ from unicache.router.upstream.replica_client import PROBE_REQUEST_ID, ReplicaCli
 from unicache.contract.state_auth import CALL_METADATA, CallCredential
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
+from unicache.testing.tcp_relay import RecordingRelay
 from unicache.testing.signed_state import CLUSTER_KEY, parse_cluster_key
 from unicache.plumbing.tls import ClientTls, ClusterCA, TlsFiles, replica_dns_name, write_tls_files
 from unicache.v1 import common_pb2, replica_pb2
@@ -127,36 +128,19 @@ async def test_a_relay_to_the_genuine_replica_reads_no_request(pki):
     r0, r1 = FakeReplica("r0"), FakeReplica("r1")
     await r0.start(hop=True, cluster_key=KEY, tls=pki["r0"])
     await r1.start(hop=True, cluster_key=KEY, tls=pki["r1"])
-    seen = bytearray()
-
-    async def pipe(reader, writer):
-        try:
-            while data := await reader.read(65536):
-                seen.extend(data)
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def relay(client_reader, client_writer):
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", r1.hop.port)
-        await asyncio.gather(pipe(client_reader, up_writer), pipe(up_reader, client_writer))
-
-    relay_server = await asyncio.start_server(relay, "127.0.0.1", 0)
-    app = await start_router(r0, r1, pki, "auto", r1_hop=f"127.0.0.1:{relay_server.sockets[0].getsockname()[1]}")
+    relay = await RecordingRelay(r1.hop.port).start()
+    app = await start_router(r0, r1, pki, "auto", r1_hop=relay.address)
     try:
         assert await ask(app) == [(200, "r0"), (200, "r1")] * (REQUESTS // 2)
-        assert len(r1.served) == REQUESTS // 2 and len(seen) > 0
-        assert PROMPT.encode() not in seen
+        assert len(r1.served) == REQUESTS // 2 and len(relay.seen) > 0
+        assert PROMPT.encode() not in relay.seen
         salts = {r.cache_salt for r in r1.served if r.cache_salt}
-        assert all(salt not in seen for salt in salts)
+        assert all(salt not in relay.seen for salt in salts)
     finally:
         await app.stop()
         await r0.stop()
         await r1.stop()
-        relay_server.close()
+        await relay.close()
 
 
 @pytest.mark.parametrize("transport", ["auto", "grpc"])

@@ -4,36 +4,24 @@ smallest context the replicas announce in their heartbeats (replica/publishing/p
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.store import KVStore
 from unicache.replica.publishing.publisher import CachePublisher
-from unicache.router.app import RouterApp
-from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.signed_state import SIGNER
 from unicache.testing.store_source import StoreCacheSource
 from unicache.v1 import cache_pb2
 
 from tests.support.engine_factory import tiny_config
-from tests.e2e.test_router_e2e import config
+from tests.support.router_stack import config, single_replica_router
 
 
 @pytest.fixture
 async def single():
-    rep = FakeReplica("solo")
-    await rep.start()
-    app = RouterApp(config([rep]))
-    await app.start()
-    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10)
-    try:
-        yield app, rep, client
-    finally:
-        await client.aclose()
-        await app.stop()
-        await rep.stop()
+    async with single_replica_router() as stack:
+        yield stack
 
 
 async def test_health_is_200_while_routable_and_503_without_a_replica(single):
