@@ -42,19 +42,19 @@ from dataclasses import asdict, dataclass
 import grpc
 import redis.asyncio as aioredis
 
-from bench.paths import RESULTS
 from unicache.contract.redis_keys import RedisKeys
+from unicache.contract.state_auth import CALL_METADATA, CallCredential, StateAuthError, StateSigner, new_cluster_key, parse_cluster_key
 from unicache.plumbing.redis_server import EmbeddedRedis, free_port
+from unicache.plumbing.tls import ClientTls, ClusterCA, make_cluster_pki, write_tls_files
 from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.settings import ReplicaSettings
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.upstream.replica_client import ReplicaClients
-from unicache.plumbing.tls import ClientTls, ClusterCA, make_cluster_pki, write_tls_files
-from unicache.contract.state_auth import CALL_METADATA, CallCredential, StateAuthError, StateSigner, new_cluster_key, parse_cluster_key
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.tcp_relay import RecordingRelay
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
+from bench.paths import RESULTS
 
 PREFIX = "atk"
 KEYS = RedisKeys(PREFIX)

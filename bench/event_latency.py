@@ -23,16 +23,16 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from unicache.contract.kv_events import BlockStored
 from unicache.contract.redis_keys import EVENT_FLUSH_INTERVAL_S, RedisKeys
+from unicache.contract.state_auth import StateSigner, new_cluster_key, parse_cluster_key
 from unicache.plumbing.redis_server import EmbeddedRedis
-from unicache.v1 import cache_pb2
 from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.builtin.config import EngineConfig
-from unicache.contract.kv_events import BlockStored
 from unicache.replica.publishing.publisher import CachePublisher
-from unicache.contract.state_auth import StateSigner, new_cluster_key, parse_cluster_key
 from unicache.sim.metrics import percentile
+from unicache.v1 import cache_pb2
 
 KEYS = RedisKeys("bench")
 SIGNER = StateSigner(parse_cluster_key(new_cluster_key()))

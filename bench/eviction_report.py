@@ -31,8 +31,8 @@ from unicache.sim.plot import plot_hit_ratio
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.runner import capacities_from_fracs, run_grid
-from unicache.sim.workload import WorkloadConfig, generate
 from unicache.sim.trace import read_trace, write_trace
+from unicache.sim.workload import WorkloadConfig, generate
 from bench.paths import RESULTS, mooncake_trace
 from bench.report_files import write_report
 

@@ -46,9 +46,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from unicache.plumbing.redis_server import EmbeddedRedis
 from unicache.testing import fault_scenarios as fs
 from unicache.testing.cluster_harness import ReplicaSet, RouterHandle, locality_first, prompt_text, start_ray, stop_ray
-from unicache.plumbing.redis_server import EmbeddedRedis
 from bench.paths import REPO, RESULTS
 
 PREFIX = "faultbench"

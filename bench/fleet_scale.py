@@ -57,8 +57,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.paths import RESULTS, mooncake_trace
-from bench.report_files import git_commit, save_figure, write_report
 from unicache.contract.block_hash import BlockHash
 from unicache.contract.redis_keys import EVENT_FLUSH_INTERVAL_S
 from unicache.contract.request_class import RequestClass
@@ -67,6 +65,8 @@ from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequ
 from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
 from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import percentile
+from bench.paths import RESULTS, mooncake_trace
+from bench.report_files import git_commit, save_figure, write_report
 
 PROMPT_BLOCKS = 500
 HOLDERS = 8

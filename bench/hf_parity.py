@@ -26,13 +26,13 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.paths import RESULTS  # noqa: E402
-from bench.report_files import write_report  # noqa: E402
 from unicache.replica.engines.api import EngineRequest, SamplingParams  # noqa: E402
 from unicache.replica.engines.builtin.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from unicache.replica.engines.builtin.config import EngineConfig  # noqa: E402
 from unicache.replica.engines.builtin.engine import LLMEngine  # noqa: E402
 from unicache.replica.engines.builtin.model import Rotary  # noqa: E402
+from bench.paths import RESULTS  # noqa: E402
+from bench.report_files import write_report  # noqa: E402
 from unicache.testing.hf_models import (  # noqa: E402
     CASES, REFUSED, edit_config, hf_greedy, hf_logits, load_hf, paged_logits, prompt, write_case,
 )

@@ -36,8 +36,8 @@ from unicache.sim.prepare import prepare
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.runner import run_grid
 from unicache.sim.suite import mooncake_window
-from unicache.sim.workload import WorkloadConfig, generate
 from unicache.sim.trace import read_trace, write_trace
+from unicache.sim.workload import WorkloadConfig, generate
 from bench.paths import RESULTS, mooncake_trace
 from bench.report_files import git_commit, save_figure, write_report
 

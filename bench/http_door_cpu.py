@@ -30,10 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from unicache.testing.procfs import cpu_s
+from bench.bare_http import h2load
 from bench.http_cpu import router_main
 from bench.router_profile import replica_spec, replicas_main
-from bench.bare_http import h2load
-from unicache.testing.procfs import cpu_s
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import httpx
 
+from unicache.sim.timing import TimingModel
 from bench.live_ab_arms import ARMS, PEER_VENV, PEERS, Router, install_peers, missing_peers, peer_version
 from bench.live_ab_client import fleet_counters, replay, send, tree_cpu_s
 from bench.live_ab_report import arm_fields, markdown, plot, rate_fields, sim_prediction
@@ -55,7 +56,6 @@ from bench.live_ab_workload import LiveRequest, api_keys, build_requests, unique
 from bench.paths import REPO
 from bench.report_files import git_commit
 from bench.rounds import round_order
-from unicache.sim.timing import TimingModel
 
 SERVED = "live-ab"
 IDLE_WINDOW_S = 2.0

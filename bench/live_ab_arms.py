@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.paths import REPO
 from unicache.plumbing.redis_server import free_port
+from bench.paths import REPO
 
 PEER_VENV = REPO / ".peer-venv"  # NOTE: not under bench/, whose every .py file the suite test indexes
 SALT_SECRET = "live-ab"

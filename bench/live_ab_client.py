@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import httpx
 import psutil
 
-from bench.live_ab_workload import LiveRequest
 from unicache.bench_client.client import sse_events
+from bench.live_ab_workload import LiveRequest
 
 _COUNTER = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)_total)(?:\{[^}]*\})?\s+(\S+)", re.M)
 

@@ -17,10 +17,10 @@ import os
 import random
 import time
 
+from unicache.contract.block_hash import BlockHash, hash_token_blocks
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.request_path.core import Labelled
-from unicache.contract.block_hash import BlockHash, hash_token_blocks
 from unicache.sim.metrics import percentile
 
 

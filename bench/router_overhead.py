@@ -41,15 +41,15 @@ import time
 import grpc
 import httpx
 
+from unicache.contract.state_auth import CallCredential, new_cluster_key, parse_cluster_key
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.model import ModelConfig
 from unicache.replica.serving.server import ReplicaServer
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.contract.state_auth import CallCredential, new_cluster_key, parse_cluster_key
-from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 from unicache.sim.metrics import percentile
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 
 
 # Paths whose last hop is the replica's framed hop (with --replica-transport hop): their

@@ -35,9 +35,9 @@ import statistics
 import subprocess
 import tempfile
 from pathlib import Path
+from unicache.testing.procfs import cpu_s
 from bench.load_test import burst, join_children
 from bench.rounds import round_order
-from unicache.testing.procfs import cpu_s
 
 
 # (front door, reference): per-round CPU ratios reported for each pair present.

@@ -60,16 +60,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+from unicache.contract.model_name import DEFAULT_MODEL_NAME
+from unicache.sim.metrics import percentile
+from unicache.testing.procfs import cpu_s
+from bench.bare_http import TOKENS, bare_app, bare_main, h2load
 from bench.http_cpu import read_asgi_body, router_main, serve_uvicorn
 from bench.paths import REPO, RESULTS
 from bench.report_files import git_commit, save_figure, write_report
 from bench.rounds import round_order
 from bench.router_profile import free_port, replica_spec, replicas_main, start_bare_proxy
 from bench.router_workers import grpc_frame, h2load_burst
-from bench.bare_http import TOKENS, bare_app, bare_main, h2load
-from unicache.contract.model_name import DEFAULT_MODEL_NAME
-from unicache.sim.metrics import percentile
-from unicache.testing.procfs import cpu_s
 
 WORKERS = 4
 MODEL = DEFAULT_MODEL_NAME

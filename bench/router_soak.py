@@ -32,9 +32,9 @@ from pathlib import Path
 import random
 import time
 
+from unicache.testing.procfs import rss_kib
 from bench.paths import RESULTS
 from bench.report_files import save_figure, write_report
-from unicache.testing.procfs import rss_kib
 
 BS = 16
 TENANTS = [f"tenant{i}" for i in range(8)]

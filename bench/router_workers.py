@@ -50,10 +50,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from unicache.testing.procfs import child_pids, cpu_s
 from bench.load_test import burst, prompt
 from bench.rounds import round_order
 from bench.router_profile import free_port, replica_spec, replicas_main
-from unicache.testing.procfs import child_pids, cpu_s
 
 
 def grpc_frame(max_tokens: int) -> bytes:

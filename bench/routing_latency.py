@@ -17,11 +17,11 @@ import json
 import os
 import time
 
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.request_class import RequestClass
 from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RoutingRequest
 from unicache.router.routing.registry import make_routing_policy, routing_policy_names
-from unicache.contract.block_hash import BlockHash
-from unicache.contract.request_class import RequestClass
 from unicache.sim.metrics import percentile
 
 

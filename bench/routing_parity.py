@@ -21,12 +21,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.paths import RESULTS, mooncake_trace
-from bench.report_files import write_report
 from unicache.plumbing.redis_server import EmbeddedRedis
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.suite import SuiteTrace, load_suite_trace
 from unicache.testing.routing_parity import run_parity
+from bench.paths import RESULTS, mooncake_trace
+from bench.report_files import write_report
 
 SLICES = [SuiteTrace("balanced", "report", 0, 11), SuiteTrace("agent", "report", 1, 11),
           SuiteTrace("template", "report", 1, 11), SuiteTrace("mooncake", "report", 1, 0)]

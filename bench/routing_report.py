@@ -51,9 +51,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from bench.paths import REPO, RESULTS, mooncake_trace
-from bench.report_files import git_commit, save_figure, write_report
-from bench.workers import map_in_workers
 from unicache.router.routing.cache_aware.policy import CacheAwareConfig
 from unicache.sim.goodput import default_slo_s, goodput, lanes_unloaded_ttft_s
 from unicache.sim.metrics import percentile
@@ -61,6 +58,9 @@ from unicache.sim.prepare import PreparedTrace
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.suite import FAMILIES, MOONCAKE, SuiteTrace, load_suite_trace, offered_prefill_s_per_s, suite_traces
 from unicache.sim.timing import TimingModel
+from bench.paths import REPO, RESULTS, mooncake_trace
+from bench.report_files import git_commit, save_figure, write_report
+from bench.workers import map_in_workers
 
 OURS = ("cache_aware", "unicache")
 BASELINES = (("sglang", "unicache"), ("sglang", "lru"))

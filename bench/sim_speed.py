@@ -28,8 +28,8 @@ from pathlib import Path
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import ReplayConfig
 from unicache.sim.runner import capacities_from_fracs, run_grid
-from unicache.sim.workload import WorkloadConfig, generate
 from unicache.sim.trace import read_trace, write_trace
+from unicache.sim.workload import WorkloadConfig, generate
 from bench.paths import mooncake_trace
 
 FRACS = [0.02, 0.05, 0.10, 0.25]

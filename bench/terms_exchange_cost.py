@@ -47,13 +47,13 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.rounds import round_order
 from unicache.contract.block_hash import hash_id_blocks
 from unicache.contract.request_class import RequestClass, Task
+from unicache.router.cluster.terms_exchange import TermsExchange
 from unicache.router.routing.base import RouteDecision, RoutingRequest
 from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
-from unicache.router.cluster.terms_exchange import TermsExchange
 from unicache.v1 import router_pb2
+from bench.rounds import round_order
 
 BS = 16
 

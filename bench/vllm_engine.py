@@ -37,12 +37,12 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench.paths import RESULTS, mooncake_trace  # noqa: E402
+from unicache.contract.request_class import RequestClass  # noqa: E402
 from unicache.replica.engines.api import EngineRequest, SamplingParams  # noqa: E402
 from unicache.replica.engines.vllm.config import VLLMEngineConfig  # noqa: E402
 from unicache.replica.engines.vllm.engine import VLLMEngine  # noqa: E402
-from unicache.contract.request_class import RequestClass  # noqa: E402
 from unicache.testing.tiny_hf_model import VOCAB_SIZE, write_tiny_llama  # noqa: E402
+from bench.paths import RESULTS, mooncake_trace  # noqa: E402
 
 BS = 32
 

@@ -28,13 +28,13 @@ import httpx
 from tqdm import tqdm
 
 from unicache.contract.block_hash import hash_token_blocks
+from unicache.contract.tokenizer import load_tokenizer
+from unicache.contract.vllm_events import EventTranslator, KVEventSubscriber
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.testing.polling import eventually
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from unicache.testing.vllm_servers import VllmServer, start_servers
-from unicache.contract.tokenizer import load_tokenizer
-from unicache.contract.vllm_events import EventTranslator, KVEventSubscriber
 
 BS = 32
 

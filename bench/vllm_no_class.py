@@ -22,11 +22,11 @@ import time
 import httpx
 from tqdm import tqdm
 
-from bench.live_ab_client import prefix_counters
-from bench.live_ab_workload import build_requests, unique_blocks
+from unicache.sim.trace import read_trace
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from unicache.testing.vllm_servers import VllmServer, spread_cpus, start_servers
-from unicache.sim.trace import read_trace
+from bench.live_ab_client import prefix_counters
+from bench.live_ab_workload import build_requests, unique_blocks
 
 BS = 32
 KV_BYTES_PER_TOKEN = 512  # the tiny test Llama

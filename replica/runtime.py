@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from unicache.contract.redis_keys import RedisKeys
 from unicache.plumbing.aio import cancel_and_wait
 from unicache.plumbing.errors import UsageError
-from unicache.contract.redis_keys import RedisKeys
 from unicache.replica.engines.api import ServingEngine
 from unicache.replica.engines.registry import make_engine
-from unicache.replica.publishing.publisher import CachePublisher
 from unicache.replica.publishing.metrics import ReplicaMetrics
 from unicache.replica.publishing.metrics_server import MetricsServer
+from unicache.replica.publishing.publisher import CachePublisher
 from unicache.replica.serving.server import ReplicaServer
 from unicache.replica.settings import ReplicaSettings
 

@@ -13,11 +13,11 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from unicache.contract.model_name import served_model_name
+from unicache.contract.redis_keys import DEFAULT_PREFIX
+from unicache.contract.state_auth import parse_cluster_key
 from unicache.plumbing import settings
 from unicache.plumbing.errors import UsageError
-from unicache.contract.model_name import served_model_name
-from unicache.contract.state_auth import parse_cluster_key
-from unicache.contract.redis_keys import DEFAULT_PREFIX
 from unicache.plumbing.settings import env_name  # noqa: F401 - re-exported for replica/cli.py
 from unicache.replica.engines.builtin.config import EngineConfig
 

@@ -17,36 +17,36 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from unicache.contract.tokenizer import load_tokenizer
-from unicache.router.request_path.auth import Authenticator, load_api_keys_file, parse_api_keys
-from unicache.router.cluster.view import ClusterView
-from unicache.plumbing.grpc_server import pending_call_options
-from unicache.router.config import RouterConfig, resolve_tokenizer_path, shares_sessions
-from unicache.router.request_path.core import RouterCore
-from unicache.router.request_path.first_token import FirstTokenTimeout
-from unicache.router.observability.history import ClusterHistory
-from unicache.router.frontends.http_api import HttpFrontDoor
-from unicache.router.frontends.http_server import HttpLimits, parser_protocol, uvicorn_config
-from unicache.router.cluster.index import LocalityIndex
-from unicache.router.request_path.limits import limiter_from_config
-from unicache.router.observability.metrics import RouterMetrics
-from unicache.router.cluster.prober import QuarantineProber
-from unicache.router.upstream.replica_client import ReplicaClients
-from unicache.router.routing.base import RoutingPolicy, SharesRouterState
-from unicache.router.memory import TableCaps
-from unicache.router.routing.registry import make_routing_policy, routing_policy_parameters
-from unicache.router.frontends.grpc_service import RouterServicer
-from unicache.router.cluster.session_store import SessionStore
-from unicache.router.cluster.terms_exchange import TermsExchange
-from unicache.router.cluster.rejections import StateRejections
-from unicache.router.cluster.subscriber import RedisSubscriber
-from unicache.router.upstream.vllm_fleet.fleet import VllmFleet
 from unicache.contract.state_auth import CallCredential, StateSigner
-from unicache.plumbing.tls import client_tls
-from unicache.router.request_path.classifier import RequestClassifier
+from unicache.contract.tokenizer import load_tokenizer
 from unicache.plumbing.aio import cancel_and_wait
 from unicache.plumbing.errors import UsageError
 from unicache.plumbing.grpc_decode import add_servicer
+from unicache.plumbing.grpc_server import pending_call_options
+from unicache.plumbing.tls import client_tls
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.prober import QuarantineProber
+from unicache.router.cluster.rejections import StateRejections
+from unicache.router.cluster.session_store import SessionStore
+from unicache.router.cluster.subscriber import RedisSubscriber
+from unicache.router.cluster.terms_exchange import TermsExchange
+from unicache.router.cluster.view import ClusterView
+from unicache.router.config import RouterConfig, resolve_tokenizer_path, shares_sessions
+from unicache.router.frontends.grpc_service import RouterServicer
+from unicache.router.frontends.http_api import HttpFrontDoor
+from unicache.router.frontends.http_server import HttpLimits, parser_protocol, uvicorn_config
+from unicache.router.memory import TableCaps
+from unicache.router.observability.history import ClusterHistory
+from unicache.router.observability.metrics import RouterMetrics
+from unicache.router.request_path.auth import Authenticator, load_api_keys_file, parse_api_keys
+from unicache.router.request_path.classifier import RequestClassifier
+from unicache.router.request_path.core import RouterCore
+from unicache.router.request_path.first_token import FirstTokenTimeout
+from unicache.router.request_path.limits import limiter_from_config
+from unicache.router.routing.base import RoutingPolicy, SharesRouterState
+from unicache.router.routing.registry import make_routing_policy, routing_policy_parameters
+from unicache.router.upstream.replica_client import ReplicaClients
+from unicache.router.upstream.vllm_fleet.fleet import VllmFleet
 from unicache.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from unicache.router.config import add_config_arguments, build_config
 from unicache.contract.endpoints import LOCAL_ROUTER, ROUTER_ENV, default_router
 from unicache.plumbing.errors import UsageError
+from unicache.router.config import add_config_arguments, build_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -24,15 +24,15 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from unicache.plumbing import settings
 from unicache.contract.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
-from unicache.plumbing.errors import UsageError
 from unicache.contract.redis_keys import DEFAULT_PREFIX
-from unicache.router.upstream.replica_client import TRANSPORTS
+from unicache.contract.state_auth import parse_cluster_key
+from unicache.plumbing import settings
+from unicache.plumbing.errors import UsageError
 from unicache.router.routing.registry import ROUTING_POLICIES
+from unicache.router.upstream.replica_client import TRANSPORTS
 from unicache.router.upstream.vllm_fleet.fleet import DnsDiscovery
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec, backend_entries, parse_backends
-from unicache.contract.state_auth import parse_cluster_key
 
 log = logging.getLogger(__name__)
 SECRET_FIELDS = frozenset({"salt_secret", "redis_password", "api_keys", "cluster_key", "admin_key"})

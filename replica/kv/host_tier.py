@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unicache.contract.block_hash import BlockHash
-from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
 from unicache.contract.request_class import RequestClass
+from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
 
 
 @dataclass(slots=True, eq=False)

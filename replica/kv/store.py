@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unicache.contract.block_hash import BlockHash
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from unicache.contract.kv_tier import Tier, tier_run
 from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, ReleaseInfo
 from unicache.replica.kv.block import FreeBlockQueue, KVBlock
 from unicache.replica.kv.host_tier import HostTier
-from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from unicache.replica.kv.storage import KVStorage, MetadataOnlyStorage
 from unicache.replica.kv.transfers import Transfer, transfer_runs
 

@@ -24,9 +24,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from unicache.contract.block_hash import BlockHash
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from unicache.contract.kv_tier import Tier
 from unicache.v1 import cache_pb2
-from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True)

@@ -44,8 +44,8 @@ from redis.exceptions import RedisError
 from redis.asyncio.retry import Retry  # NOTE: the asyncio client awaits its retry: the sync Retry warns at every start
 
 from unicache.contract.block_hash import BlockHash
-from unicache.plumbing.aio import cancel_and_wait, with_deadline
 from unicache.contract.state_auth import StateSigner
+from unicache.plumbing.aio import cancel_and_wait, with_deadline
 from unicache.contract.redis_keys import (
     EVENT_FLUSH_INTERVAL_S,
     EVENT_STREAM_MAXLEN,
@@ -54,11 +54,11 @@ from unicache.contract.redis_keys import (
     SUMMARY_INTERVAL_S,
     RedisKeys,
 )
-from unicache.v1 import cache_pb2
-from unicache.replica.serving.convert import cache_state_to_proto
+from unicache.contract.kv_events import KVEvent
 from unicache.replica.engines.api import CacheStateInfo, EngineLoad
 from unicache.replica.publishing.event_batch import PendingBatch
-from unicache.contract.kv_events import KVEvent
+from unicache.replica.serving.convert import cache_state_to_proto
+from unicache.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,8 +13,8 @@ import contextlib
 
 import grpc
 
-from unicache.replica.engines.api import EngineInputError
 from unicache.contract.wire import REFUSAL_METADATA
+from unicache.replica.engines.api import EngineInputError
 
 STATUS_CODES: dict[str, grpc.StatusCode] = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from unicache.contract import wire
 from unicache.contract.request_class import RequestClass
-from unicache.v1 import common_pb2, replica_pb2
 from unicache.replica.engines.api import CacheStateInfo, EngineInputError, EngineOutput, SamplingParams, Usage
+from unicache.v1 import common_pb2, replica_pb2
 
 FINISH_REASONS: dict[str | None, int] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

@@ -32,10 +32,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from unicache.contract import hop
+from unicache.contract.state_auth import StateAuthError
 from unicache.plumbing.coalesce import CoalescingWriter
 from unicache.replica.serving.call_auth import Refusals
 from unicache.replica.serving.call_error import ReplicaCallError
-from unicache.contract.state_auth import StateAuthError
 from unicache.v1 import replica_pb2
 
 if TYPE_CHECKING:

@@ -29,17 +29,17 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from unicache.contract.state_auth import CallCredential, StateSigner
 from unicache.plumbing.grpc_decode import add_servicer
 from unicache.plumbing.grpc_server import pending_call_options
-from unicache.contract.state_auth import CallCredential, StateSigner
-from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
-from unicache.replica.serving.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
+from unicache.plumbing.tls import TlsFiles, grpc_server_credentials, hop_server_context
 from unicache.replica.engines.api import EngineInputError, EngineRequest
 from unicache.replica.serving.call_auth import ClusterAuthInterceptor
 from unicache.replica.serving.call_error import GrpcGenerate, ReplicaCallError
-from unicache.replica.serving.hop_server import HopServer
-from unicache.plumbing.tls import TlsFiles, grpc_server_credentials, hop_server_context
+from unicache.replica.serving.convert import cache_state_to_proto, output_to_proto, request_class_from_proto, sampling_from_proto
 from unicache.replica.serving.faults import FaultInjection
+from unicache.replica.serving.hop_server import HopServer
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
 if TYPE_CHECKING:
     from unicache.replica.engines.api import ServingEngine

@@ -35,8 +35,8 @@ import time
 
 from unicache.contract.block_hash import BlockHash
 from unicache.contract.redis_keys import RedisKeys
-from unicache.router.routing.base import SessionRecord
 from unicache.contract.state_auth import StateAuthError, StateSigner, derive
+from unicache.router.routing.base import SessionRecord
 from unicache.v1 import router_pb2
 
 log = logging.getLogger(__name__)

@@ -53,12 +53,12 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from unicache.plumbing.aio import with_deadline
-from unicache.router.cluster.view import ClusterView
-from unicache.router.cluster.rejections import StateRejections
 from unicache.contract.block_hash import BlockHash
 from unicache.contract.redis_keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, RedisKeys
 from unicache.contract.state_auth import StateAuthError, StateSigner
+from unicache.plumbing.aio import with_deadline
+from unicache.router.cluster.rejections import StateRejections
+from unicache.router.cluster.view import ClusterView
 from unicache.v1 import cache_pb2
 
 log = logging.getLogger(__name__)

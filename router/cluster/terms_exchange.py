@@ -77,9 +77,9 @@ import time
 from collections.abc import Callable
 
 from unicache.contract.redis_keys import ROUTED_STREAM_MAXLEN, RedisKeys
+from unicache.contract.state_auth import StateAuthError, StateSigner
 from unicache.router.cluster.view import ClusterView
 from unicache.router.routing.base import RoutedEvent, RoutingPolicy, SharesRouterState
-from unicache.contract.state_auth import StateAuthError, StateSigner
 from unicache.v1 import router_pb2
 
 log = logging.getLogger(__name__)

@@ -21,11 +21,11 @@ import logging
 
 import grpc
 
-from unicache.router.frontends.admin import presents_admin_key
-from unicache.router.request_path.auth import AuthError, api_key_from_headers
 from unicache.contract.chat_template import ChatFormatError
+from unicache.router.frontends.admin import presents_admin_key
 from unicache.router.frontends.chat_template import render_chat_json
 from unicache.router.observability.cluster_state import cluster_state, replica_info
+from unicache.router.request_path.auth import AuthError, api_key_from_headers
 from unicache.router.request_path.core import Labelled, RouterCore, RouterError
 from unicache.v1 import router_pb2, router_pb2_grpc
 

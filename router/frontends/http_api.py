@@ -39,13 +39,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from unicache.router.request_path.auth import api_key_from_headers
 from unicache.contract.chat_template import render_chat
 from unicache.router.frontends.admin import require_admin
 from unicache.router.observability.cluster_state import cluster_state
-from unicache.router.request_path.core import RouterCore
 from unicache.router.observability.dashboard import DASHBOARD_HTML
 from unicache.router.observability.history import ClusterHistory
+from unicache.router.request_path.auth import api_key_from_headers
+from unicache.router.request_path.core import RouterCore
 from unicache.router.frontends.openai_errors import (
     CLIENT_CLOSED,
     MAPPED,
@@ -65,8 +65,8 @@ from unicache.router.frontends.openai_request import (
     unimplemented_fields,
 )
 from unicache.router.frontends.http_server import TIMED_OUT_SCOPE_KEY  # set when the guard closed for a body timeout (and logged it)
-from unicache.router.upstream.vllm_fleet.passthrough import Passthrough
 from unicache.router.frontends.openai_response import FINISH, CompletionLogprobs, StreamChunks, TokenText, UsageTally, base, chat_logprobs
+from unicache.router.upstream.vllm_fleet.passthrough import Passthrough
 from unicache.v1 import replica_pb2
 
 log = logging.getLogger(__name__)

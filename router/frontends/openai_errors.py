@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
-from unicache.router.request_path.auth import AuthError
 from unicache.contract.chat_template import ChatFormatError
+from unicache.router.request_path.auth import AuthError
 from unicache.router.request_path.core import RouterError
 
 ERROR_TYPES = {

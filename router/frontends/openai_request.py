@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from unicache.router.request_path.core import Labelled
 from unicache.router.frontends.json_input import MAX_JSON_DEPTH as DEFAULT_MAX_JSON_DEPTH, JsonInputError, loads_bounded
 from unicache.router.frontends.openai_errors import ApiError, bad_request, unsupported
+from unicache.router.request_path.core import Labelled
 from unicache.v1 import common_pb2
 
 DEFAULT_MAX_BATCH_PROMPTS = 64

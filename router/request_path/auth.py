@@ -17,8 +17,8 @@ import hmac
 import json
 from pathlib import Path
 
-from unicache.plumbing.errors import UsageError
 from unicache.contract.request_class import DEFAULT_TENANT
+from unicache.plumbing.errors import UsageError
 
 SALT_BYTES = 16
 

@@ -42,19 +42,19 @@ from dataclasses import dataclass
 
 import grpc
 
-from unicache.router.request_path.auth import Authenticator
-from unicache.router.cluster.view import ClusterView, ReplicaRecord
-from unicache.router.request_path.first_token import FirstTokenTimeout
-from unicache.router.request_path.limits import LimitExceeded, TenantLimiter
-from unicache.router.observability.metrics import RouterMetrics
-from unicache.router.upstream.replica_client import RETRYABLE, ReplicaClients, ReplicaStream
-from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState
-from unicache.router.routing.keys import session_key
-from unicache.router.cluster.session_store import SessionStore
 from unicache.contract.block_hash import hash_token_blocks
-from unicache.router.request_path.classifier import Labels, RequestClassifier
 from unicache.contract.request_class import RequestClass, Task
 from unicache.contract.wire import REFUSAL_METADATA, request_class_to_proto
+from unicache.router.cluster.session_store import SessionStore
+from unicache.router.cluster.view import ClusterView, ReplicaRecord
+from unicache.router.observability.metrics import RouterMetrics
+from unicache.router.request_path.auth import Authenticator
+from unicache.router.request_path.classifier import Labels, RequestClassifier
+from unicache.router.request_path.first_token import FirstTokenTimeout
+from unicache.router.request_path.limits import LimitExceeded, TenantLimiter
+from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState
+from unicache.router.routing.keys import session_key
+from unicache.router.upstream.replica_client import RETRYABLE, ReplicaClients, ReplicaStream
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ import logging
 import grpc
 
 from unicache.contract import hop
-from unicache.plumbing.coalesce import CoalescingWriter
 from unicache.contract.state_auth import StateAuthError
+from unicache.plumbing.coalesce import CoalescingWriter
 from unicache.plumbing.tls import replica_dns_name
 from unicache.v1 import replica_pb2, router_pb2
 

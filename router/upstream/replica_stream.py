@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import grpc
 
-from unicache.v1 import router_pb2
 from unicache.contract.wire import REFUSAL_METADATA
+from unicache.v1 import router_pb2
 
 # The silence check runs this long before the first-token deadline it may push back.
 _CHECK_AHEAD_S = 0.01

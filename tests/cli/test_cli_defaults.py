@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from unicache.cli.local_cluster import ClusterSettings, Endpoints, print_ready
 from unicache.cli.main import build_parser
 from unicache.contract.endpoints import LOCAL_ROUTER, default_router
-from unicache.cli.local_cluster import ClusterSettings, Endpoints, print_ready
 from unicache.router.config import RouterConfig
 
 

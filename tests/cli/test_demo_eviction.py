@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from unicache.cli.main import main
 from unicache.cli.demo import build_workload, returning_requests
 from unicache.cli.demo_eviction import FillReport, ReplicaFill, flood_text
+from unicache.cli.main import main
 from tests.support.load_stack import LoadStack
 
 DEMO = ["--sessions", "2", "--turns", "2", "--templated", "4", "--single", "2", "--max-tokens", "2",

@@ -15,8 +15,8 @@ from unicache.cli.main import main
 from unicache.plumbing.errors import UsageError
 from unicache.replica.eviction.registry import policy_names
 from unicache.replica.settings import ReplicaSettings, replica_eviction_policies
-from unicache.router.routing.registry import routing_policy_names
 from unicache.router.config import build_config
+from unicache.router.routing.registry import routing_policy_names
 
 ROUTING = "cache_aware, least_loaded, round_robin, session_affinity, sglang"
 EVICTION = "arc, fifo, lecar, lfu, lru, opt, radix-lru, s3fifo, unicache"

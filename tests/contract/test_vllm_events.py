@@ -12,9 +12,9 @@ import msgspec
 import pytest
 
 from unicache.contract.block_hash import hash_token_blocks
-from unicache.plumbing.errors import UsageError
 from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.contract.kv_tier import Tier
+from unicache.plumbing.errors import UsageError
 from unicache.router.cluster.index import LocalityIndex
 from unicache.router.upstream.vllm_fleet.follower import apply_events, parse_vllm_metrics
 from unicache.router.upstream.vllm_fleet.http_stream import _status_error, completion_body, parse_chunk

@@ -1,8 +1,8 @@
 import pytest
 
 from unicache.contract.request_class import RequestClass, Task
-from unicache.v1 import common_pb2
 from unicache.contract.wire import request_class_from_proto, request_class_to_proto
+from unicache.v1 import common_pb2
 
 
 def test_request_class_round_trips_through_protobuf():

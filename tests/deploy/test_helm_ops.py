@@ -15,9 +15,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.test_helm_chart import CHART, KUBE_VERSION, documents, find, one, raycluster_schema, render  # noqa: F401 - a fixture
 from unicache.replica.settings import replica_eviction_policies
 from unicache.router.routing.registry import routing_policy_names
+from tests.deploy.test_helm_chart import CHART, KUBE_VERSION, documents, find, one, raycluster_schema, render  # noqa: F401 - a fixture
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import yaml
 
-from tests.support.source_tree import REPO
 from tests.deploy.test_helm_chart import load_tool
+from tests.support.source_tree import REPO
 
 CHART = REPO / "helm" / "unicache"
 

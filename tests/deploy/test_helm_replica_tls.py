@@ -9,8 +9,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from tests.deploy.test_helm_chart import KUBE_VERSION, RELEASE, RAYCLUSTER_SCHEMA, _strict_crd_schema, documents, find, one, render
 from unicache.plumbing.tls import ANY_REPLICA_NAME, ROUTER_NAME, replica_dns_name
+from tests.deploy.test_helm_chart import KUBE_VERSION, RELEASE, RAYCLUSTER_SCHEMA, _strict_crd_schema, documents, find, one, render
 
 REPLICA_IDS = [f"{RELEASE}-replica-{i}" for i in range(3)]
 BASE = {"replicas": {"count": 3}}

@@ -13,9 +13,9 @@ import math
 
 import pytest
 
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.cluster.view import ClusterView
 from unicache.router.observability.history import ClusterHistory, bucket_quantile
-from unicache.router.cluster.index import LocalityIndex
 from unicache.router.observability.metrics import RouterMetrics
 from unicache.router.routing.registry import make_routing_policy
 from unicache.testing.browser import dump_dom, find_chromium, parse_charts

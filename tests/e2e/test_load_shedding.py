@@ -14,9 +14,9 @@ import grpc
 import httpx
 import pytest
 
-from tests.support.load_stack import LoadStack, start_replica
-from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2
 from unicache.testing.polling import eventually
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2
+from tests.support.load_stack import LoadStack, start_replica
 
 AUTH = [("authorization", "Bearer key-acme")]
 

@@ -14,10 +14,10 @@ import openai
 import pytest
 import torch
 
-from tests.support.load_stack import fast_engine_config
+from unicache.contract.tokenizer import load_tokenizer
 from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.engine import LLMEngine
-from unicache.contract.tokenizer import load_tokenizer
+from tests.support.load_stack import fast_engine_config
 
 MODEL = "unicache-default"
 TOKENIZER = load_tokenizer(fast_engine_config().tokenizer_path())

@@ -10,11 +10,11 @@ import grpc
 import httpx
 import pytest
 
+from unicache.contract.block_hash import hash_token_blocks
 from unicache.router.app import RouterApp
 from unicache.router.routing.registry import make_routing_policy
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
-from unicache.contract.block_hash import hash_token_blocks
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.support.router_stack import config, single_replica_router
 

@@ -14,10 +14,10 @@ import pytest
 
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.support.real_stack import RealReplica
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY
+from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.support.real_stack import RealReplica
 
 BS = 16
 PREFIX = "e2e"

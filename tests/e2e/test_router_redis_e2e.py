@@ -9,14 +9,14 @@ import time
 import httpx
 import redis
 
+from unicache.contract.block_hash import hash_token_blocks
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.testing.fake_replica import FakeReplica
-from tests.router.test_router_subscriber import KEYS
-from unicache.contract.block_hash import hash_token_blocks
-from unicache.v1 import cache_pb2
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY, sealed
+from unicache.v1 import cache_pb2
+from tests.router.test_router_subscriber import KEYS
 
 PROMPT = "A shared system prompt that is long enough for three blocks."
 

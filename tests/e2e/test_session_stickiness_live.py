@@ -14,11 +14,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY
 from tests.support.real_stack import RealReplica
-from unicache.router.app import RouterApp
-from unicache.router.config import build_config
 
 BS = 16
 PREFIX = "sticky"

@@ -23,8 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 import pytest_asyncio
 
 from unicache.contract.block_hash import hash_token_blocks
-from unicache.plumbing.redis_server import free_port
 from unicache.contract.request_class import RequestClass, Task
+from unicache.contract.tokenizer import load_tokenizer
+from unicache.contract.vllm_events import class_to_vllm, salt_to_vllm
+from unicache.contract.wire import request_class_to_proto
+from unicache.plumbing.redis_server import free_port
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.upstream.vllm_fleet.follower import BackendFollower
@@ -33,10 +36,7 @@ from unicache.router.upstream.vllm_fleet.spec import parse_backend
 from unicache.testing.polling import eventually
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from unicache.testing.vllm_servers import VllmServer, spread_cpus, start_servers
-from unicache.contract.tokenizer import load_tokenizer
-from unicache.contract.vllm_events import class_to_vllm, salt_to_vllm
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
-from unicache.contract.wire import request_class_to_proto
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 

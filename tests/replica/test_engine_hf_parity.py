@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support.engine_factory import make_request, run_one, tiny_config
 from unicache.replica.engines.builtin.checkpoint import CheckpointError, load_checkpoint
 from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.replica.engines.builtin.model import Rotary
+from tests.support.engine_factory import make_request, run_one, tiny_config
 from unicache.testing.hf_models import (
     CASES, REFUSED, edit_config, hf_greedy, hf_logits, load_hf, paged_logits, prompt, write_case,
 )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unicache.replica.serving.convert import cache_state_to_proto
 from unicache.replica.engines.builtin.engine import LLMEngine
+from unicache.replica.serving.convert import cache_state_to_proto
 from tests.support.engine_factory import make_request, run_one, tiny_config
 
 

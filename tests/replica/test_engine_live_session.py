@@ -16,9 +16,9 @@ import random
 import pytest
 
 from unicache.contract.block_hash import hash_token_blocks
-from unicache.router.request_path.classifier import Labels, RequestClassifier
 from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.replica.engines.builtin.model import ModelConfig
+from unicache.router.request_path.classifier import Labels, RequestClassifier
 from tests.support.engine_factory import TINY_MODEL, drain, make_request, tiny_config
 
 BS = 32

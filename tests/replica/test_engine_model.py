@@ -9,10 +9,10 @@ import torch
 
 from unicache.replica.engines.builtin.attention import build_metadata
 from unicache.replica.engines.builtin.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.replica.engines.builtin.model import LlamaForCausalLM, ModelConfig
 from unicache.replica.kv.torch_storage import TorchKVStorage
 from tests.support.engine_factory import TINY_MODEL, make_request, run_one, tiny_config
-from unicache.replica.engines.builtin.engine import LLMEngine
 
 BS = 4
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from unicache.contract.request_class import SINGLE_TURN, RequestClass, Task
 from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.replica.eviction.registry import policy_names
-from unicache.contract.request_class import SINGLE_TURN, RequestClass, Task
 from tests.support.engine_factory import make_request, run_one, tiny_config
 
 CLASSES = [

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.engine_factory import drain, make_request, run_one, tiny_config
 from unicache.replica.engines.api import EngineInputError, SamplingParams
 from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.replica.engines.builtin.sampling import apply_penalties, token_logprob
+from tests.support.engine_factory import drain, make_request, run_one, tiny_config
 
 PROMPT = [10, 20, 30, 40, 50, 60]
 

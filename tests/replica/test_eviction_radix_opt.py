@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from unicache.contract.block_hash import BlockHash, hash_id_blocks
+from unicache.contract.request_class import SINGLE_TURN
 from unicache.replica.eviction.base import ReleaseInfo
 from unicache.replica.eviction.opt import NEVER, FutureAccesses, OptPolicy
 from unicache.replica.eviction.radix_lru import RadixLRUPolicy
 from unicache.replica.eviction.registry import make_policy, policy_names
 from unicache.replica.kv.store import KVStore
-from unicache.contract.block_hash import BlockHash, hash_id_blocks
-from unicache.contract.request_class import SINGLE_TURN
 
 
 def H(i: int) -> BlockHash:

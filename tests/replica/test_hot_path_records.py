@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from unicache.router.request_path.classifier import Labels, _BlockUse, _Session
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import ReleaseInfo
 from unicache.replica.eviction.lognormal import OnlineLogNormal
 from unicache.replica.kv.block import KVBlock
-from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.store import Allocation, CacheStats, RequestBlocks
+from unicache.router.request_path.classifier import Labels, _BlockUse, _Session
 
 RECORDS = [
     KVBlock, ReleaseInfo, RequestBlocks, Allocation, CacheStats, BlockStored, BlockRemoved,

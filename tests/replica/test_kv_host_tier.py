@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from unicache.contract.block_hash import hash_token_blocks
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.contract.kv_tier import Tier
 from unicache.contract.request_class import SINGLE_TURN, RequestClass, Task
 from unicache.replica.eviction.base import ReleaseInfo
 from unicache.replica.eviction.registry import make_host_policy, make_policy
 from unicache.replica.eviction.unicache.host import HostUniCachePolicy
-from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import Allocation, KVStore
 from unicache.replica.kv.transfers import Transfer, TransferRun, transfer_runs

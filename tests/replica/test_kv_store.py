@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from unicache.contract.block_hash import hash_token_blocks
+from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.contract.request_class import SINGLE_TURN
 from unicache.replica.eviction.registry import make_policy
-from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.replica.kv.store import Allocation, KVStore, OutOfBlocks
 
 BS = 4

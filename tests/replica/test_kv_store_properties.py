@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unicache.contract.block_hash import hash_token_blocks
+from unicache.contract.kv_tier import Tier
 from unicache.contract.request_class import RequestClass, Task
 from unicache.replica.eviction.opt import FutureAccesses
 from unicache.replica.eviction.registry import make_host_policy, make_policy, policy_names
-from unicache.contract.kv_tier import Tier
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 

@@ -16,8 +16,8 @@ import pytest
 
 from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.engine import LLMEngine
-from tests.support.load_stack import LoadStack, fast_engine_config
 from unicache.v1 import common_pb2, router_pb2
+from tests.support.load_stack import LoadStack, fast_engine_config
 
 N_GRPC, N_HTTP = 800, 200
 MAX_TOKENS = 4

@@ -13,8 +13,8 @@ from unicache.contract.request_class import SINGLE_TURN, RequestClass, Task
 from unicache.replica.eviction.base import EvictionPolicy
 from unicache.replica.eviction.lru import LRUPolicy
 from unicache.replica.eviction.registry import make_policy
-from tests.support.unicache_variants import AblationUniCache
 from unicache.replica.kv.store import KVStore, OutOfBlocks
+from tests.support.unicache_variants import AblationUniCache
 
 BS = 4
 

@@ -14,11 +14,11 @@ import ray
 import redis
 
 from unicache.contract.redis_keys import RedisKeys
-from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.actor import ACTOR_NAMESPACE, actor_name, actor_options
 from unicache.replica.launcher import ReplicaLauncher, wait_healthy
 from unicache.replica.settings import ReplicaSettings
 from unicache.testing.signed_state import CLUSTER_KEY, SIGNER, call_metadata
+from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 
 pytestmark = pytest.mark.slow
 KEYS = RedisKeys("actortest")

@@ -17,8 +17,8 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from unicache.plumbing.errors import UsageError
 from unicache.contract.redis_keys import RedisKeys
+from unicache.plumbing.errors import UsageError
 from unicache.replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
 from unicache.testing.signed_state import CLUSTER_KEY
 

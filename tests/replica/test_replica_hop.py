@@ -16,13 +16,13 @@ import grpc
 import pytest
 
 from unicache.contract import hop
+from unicache.contract.state_auth import CallCredential
+from unicache.contract.wire import REFUSAL_METADATA
 from unicache.replica.serving.faults import FaultInjection
 from unicache.replica.serving.server import ReplicaServer
 from unicache.router.upstream.hop_client import HopClient, HopStream
 from unicache.router.upstream.replica_client import GrpcReplicaStream, ReplicaClients
-from unicache.contract.state_auth import CallCredential
 from unicache.testing.polling import eventually
-from unicache.contract.wire import REFUSAL_METADATA
 
 from tests.replica.test_replica_server import PROMPT, direct, engine, make_request, no_blocks_referenced  # noqa: F401 - engine: a fixture
 

@@ -14,20 +14,20 @@ import pytest
 import redis.asyncio as aioredis
 
 from unicache.contract.block_hash import hash_token_blocks
-from unicache.contract.redis_keys import RedisKeys
-from unicache.contract.request_class import SINGLE_TURN
-from unicache.v1 import cache_pb2
-from unicache.replica.eviction.registry import make_host_policy, make_policy
-from unicache.replica.publishing.event_batch import PendingBatch
 from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.contract.kv_tier import Tier
+from unicache.contract.redis_keys import RedisKeys
+from unicache.contract.request_class import SINGLE_TURN
+from unicache.replica.eviction.registry import make_host_policy, make_policy
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore
-from unicache.testing.signed_state import SIGNER
+from unicache.replica.publishing.event_batch import PendingBatch
 from unicache.replica.publishing.publisher import CachePublisher
-from unicache.testing.store_source import StoreCacheSource
 from unicache.router.cluster.index import LocalityIndex
 from unicache.testing.polling import eventually
+from unicache.testing.signed_state import SIGNER
+from unicache.testing.store_source import StoreCacheSource
+from unicache.v1 import cache_pb2
 
 BS = 4
 KEYS = RedisKeys("t")

@@ -11,11 +11,11 @@ import redis.asyncio as aioredis
 
 from unicache.contract.block_hash import hash_token_blocks
 from unicache.contract.redis_keys import RedisKeys
-from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.settings import ReplicaSettings
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY, SIGNER, call_metadata
+from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 
 BS = 8
 KEYS = RedisKeys("rt")

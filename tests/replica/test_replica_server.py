@@ -13,12 +13,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.model import ModelConfig
 from unicache.replica.serving.server import SERVICE_NAME, ReplicaServer, ReplicaServicer
+from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
 BS = 4
 NUM_BLOCKS = 32

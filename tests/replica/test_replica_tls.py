@@ -16,15 +16,15 @@ import grpc
 import httpx
 import pytest
 
+from unicache.contract.state_auth import CALL_METADATA, CallCredential
+from unicache.plumbing.tls import ClientTls, ClusterCA, TlsFiles, replica_dns_name, write_tls_files
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.upstream.replica_client import PROBE_REQUEST_ID, ReplicaClients
-from unicache.contract.state_auth import CALL_METADATA, CallCredential
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
-from unicache.testing.tcp_relay import RecordingRelay
 from unicache.testing.signed_state import CLUSTER_KEY, parse_cluster_key
-from unicache.plumbing.tls import ClientTls, ClusterCA, TlsFiles, replica_dns_name, write_tls_files
+from unicache.testing.tcp_relay import RecordingRelay
 from unicache.v1 import common_pb2, replica_pb2
 
 KEY = parse_cluster_key(CLUSTER_KEY)

@@ -11,14 +11,14 @@ import re
 import pytest
 
 from unicache.cli.local_cluster import ClusterSettings, served_model_name
+from unicache.contract.request_class import SINGLE_TURN, RequestClass, Task
 from unicache.replica.engines.api import ServingEngine
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.registry import make_engine
-from unicache.replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
 from unicache.replica.engines.vllm.config import SCHEDULER_CLS, VLLMEngineConfig
 from unicache.replica.engines.vllm.engine import VLLMEngine
 from unicache.replica.engines.vllm.request_meta import class_from_extra_args, class_to_extra_args, salt_from_vllm, salt_to_vllm
-from unicache.contract.request_class import SINGLE_TURN, RequestClass, Task
+from unicache.replica.settings import ReplicaSettings, add_settings_arguments, settings_from_args
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

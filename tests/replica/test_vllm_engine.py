@@ -16,26 +16,26 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from unicache.contract.block_hash import hash_token_blocks
 from unicache.contract.redis_keys import RedisKeys
+from unicache.contract.request_class import RequestClass, Task
+from unicache.contract.state_auth import parse_cluster_key
 from unicache.plumbing.redis_server import EmbeddedRedis
 from unicache.replica.engines.api import EngineRequest, SamplingParams
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.model import ModelConfig
+from unicache.replica.engines.vllm.config import VLLMEngineConfig
+from unicache.replica.engines.vllm.engine import VLLMEngine
 from unicache.replica.publishing.publisher import CachePublisher
 from unicache.replica.runtime import ReplicaRuntime
 from unicache.replica.serving.server import ReplicaServer
 from unicache.replica.settings import ReplicaSettings
-from unicache.replica.engines.vllm.config import VLLMEngineConfig
-from unicache.replica.engines.vllm.engine import VLLMEngine
-from unicache.contract.request_class import RequestClass, Task
 from unicache.router.app import RouterApp
-from unicache.contract.state_auth import parse_cluster_key
-from unicache.testing.signed_state import CLUSTER_KEY, SIGNER, call_metadata
 from unicache.router.config import build_config
 from unicache.testing.polling import eventually
+from unicache.testing.signed_state import CLUSTER_KEY, SIGNER, call_metadata
+from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]

@@ -7,10 +7,10 @@ import pytest
 from vllm.v1.core.kv_cache_utils import BlockHash as VBlockHash
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 
-from unicache.replica.eviction.lru import LRUPolicy
+from unicache.contract.request_class import RequestClass, Task
 from unicache.replica.engines.vllm import version
 from unicache.replica.engines.vllm.free_queue import PolicyFreeQueue
-from unicache.contract.request_class import RequestClass, Task
+from unicache.replica.eviction.lru import LRUPolicy
 
 CHAT = RequestClass(tenant="t", session_id="s1", turn=0, task=Task.CHAT)
 

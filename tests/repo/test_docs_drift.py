@@ -8,9 +8,9 @@ import dataclasses
 import re
 import subprocess
 
-from tests.support.source_tree import REPO
 from unicache.replica.eviction.registry import policy_names
 from unicache.replica.settings import ReplicaSettings
+from tests.support.source_tree import REPO
 
 
 def test_the_eviction_policy_help_names_every_registered_policy():

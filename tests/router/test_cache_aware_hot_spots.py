@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unicache.contract.block_hash import hash_id_blocks
-from unicache.router.cluster.index import LocalityIndex
-from unicache.router.routing.cache_aware.admission import TTFTAdmission
-from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
-from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
 from unicache.contract.request_class import RequestClass, Task
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
+from unicache.router.routing.cache_aware.admission import TTFTAdmission
+from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
 
 BS = 16
 

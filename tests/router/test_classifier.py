@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from unicache.contract.block_hash import hash_id_blocks
-from unicache.router.request_path.classifier import Labels, RequestClassifier
 from unicache.contract.request_class import RequestClass, Task
+from unicache.router.request_path.classifier import Labels, RequestClassifier
 
 
 def H(*ids: int, salt: bytes | None = None):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicache.router.cluster.view import ClusterView
 from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.view import ClusterView
 from unicache.router.routing.registry import make_routing_policy
 from unicache.v1 import cache_pb2, common_pb2
 

@@ -15,14 +15,14 @@ import time
 import httpx
 import redis
 
-from tests.e2e.test_router_redis_e2e import shut_down
-from tests.router.test_router_subscriber import KEYS
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY, sealed
 from unicache.v1 import cache_pb2
+from tests.e2e.test_router_redis_e2e import shut_down
+from tests.router.test_router_subscriber import KEYS
 
 ATTACK_S = 6.0
 DELETE_EVERY_S = 0.05  # 20 Hz

@@ -14,19 +14,19 @@ import grpc
 import httpx
 import pytest
 
-from unicache.router.app import RouterApp
-from unicache.router.request_path.auth import AuthError
 from unicache.contract.chat_template import ChatFormatError
+from unicache.router.app import RouterApp
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.prober import QuarantineProber
 from unicache.router.cluster.view import ClusterView
 from unicache.router.config import build_config
+from unicache.router.frontends.grpc_service import grpc_status
+from unicache.router.frontends.json_input import JsonInputError, json_depth_exceeds, loads_bounded
+from unicache.router.request_path.auth import AuthError
 from unicache.router.request_path.core import RouterError
 from unicache.router.request_path.first_token import FirstTokenTimeout
-from unicache.router.cluster.index import LocalityIndex
-from unicache.router.frontends.json_input import JsonInputError, json_depth_exceeds, loads_bounded
-from unicache.router.cluster.prober import QuarantineProber
-from unicache.router.upstream.replica_client import GrpcReplicaStream
 from unicache.router.routing.baselines.round_robin import RoundRobinPolicy
-from unicache.router.frontends.grpc_service import grpc_status
+from unicache.router.upstream.replica_client import GrpcReplicaStream
 from unicache.testing.fake_replica import FakeReplica
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 

@@ -13,22 +13,22 @@ import grpc
 import httpx
 import pytest
 
+from unicache.contract.block_hash import hash_token_blocks
+from unicache.contract.request_class import RequestClass, Task
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.builtin.model_config import model_preset
 from unicache.replica.serving.faults import FaultInjection
 from unicache.replica.serving.server import ReplicaServer
 from unicache.replica.settings import ReplicaSettings
 from unicache.router.app import RouterApp
+from unicache.router.cluster.index import LocalityIndex
 from unicache.router.cluster.view import ClusterView, EmptyView
 from unicache.router.config import build_config
-from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import RoutingRequest
 from unicache.router.routing.cache_aware.policy import CacheAwareConfig, CacheAwarePolicy
-from tests.support.engine_factory import tiny_config
 from unicache.testing.fake_replica import FakeReplica
-from unicache.contract.block_hash import hash_token_blocks
-from unicache.contract.request_class import RequestClass, Task
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.support.engine_factory import tiny_config
 
 PROMPT = "A prompt of exactly forty-eight bytes, 3 blocks."
 

@@ -13,9 +13,9 @@ import asyncio
 import grpc
 import pytest
 
-from tests.router.test_http_hardening import READ_TIMEOUT_S, connect, read_until_closed, start_router, status_and_json
 from unicache.testing.fake_replica import FakeReplica
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.router.test_http_hardening import READ_TIMEOUT_S, connect, read_until_closed, start_router, status_and_json
 
 MAX_HEADER_BYTES = 8 << 10
 MAX_HEADERS = 50

@@ -21,8 +21,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.support.fuzz_stack import serves_over_grpc, stack_fixture
 from unicache.v1 import common_pb2, router_pb2
+from tests.support.fuzz_stack import serves_over_grpc, stack_fixture
 
 EXAMPLES = int(os.environ.get("UNICACHE_FUZZ_EXAMPLES", "150"))
 MAX_MODEL_LEN = 512  # FAST_MODEL.max_position

@@ -14,9 +14,9 @@ import logging
 
 import pytest
 
-from unicache.testing.fake_replica import FakeReplica
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
+from unicache.testing.fake_replica import FakeReplica
 
 HEADER_S = BODY_S = KEEPALIVE_S = 0.5
 READ_TIMEOUT_S = 20.0  # generous: the server must close long before this

@@ -8,13 +8,13 @@ import pytest
 
 from unicache.contract.block_hash import hash_id_blocks
 from unicache.contract.request_class import RequestClass
+from unicache.plumbing.errors import UsageError
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.router.request_path.core import Labelled
 from unicache.router.memory import BYTES_PER_ENTRY, MIB, SHARES, TableCaps, measure_bytes_per_entry, table_entries
+from unicache.router.request_path.core import Labelled
 from unicache.router.routing.base import RouteDecision, RoutingRequest
 from unicache.router.routing.cache_aware.policy import CacheAwareConfig, CacheAwarePolicy
-from unicache.plumbing.errors import UsageError
 
 
 def test_caps_follow_the_budget():

@@ -18,12 +18,12 @@ import random
 import httpx
 import pytest
 
+from unicache.contract.state_auth import parse_cluster_key
 from unicache.plumbing.errors import UsageError
 from unicache.router.app import RouterApp
+from unicache.router.cluster.session_store import SessionStore
 from unicache.router.config import build_config
 from unicache.router.routing.base import SessionRecord
-from unicache.router.cluster.session_store import SessionStore
-from unicache.contract.state_auth import parse_cluster_key
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY

@@ -12,14 +12,14 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unicache.router.cluster.view import ClusterView, EmptyView
-from unicache.router.cluster.index import LocalityIndex
-from unicache.router.routing.base import RoutingPolicy
-from unicache.router.cluster.subscriber import REDIS_ERRORS, RedisSubscriber
 from unicache.contract.block_hash import BlockHash
 from unicache.contract.redis_keys import RedisKeys
-from unicache.v1 import cache_pb2, common_pb2
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.subscriber import REDIS_ERRORS, RedisSubscriber
+from unicache.router.cluster.view import ClusterView, EmptyView
+from unicache.router.routing.base import RoutingPolicy
 from unicache.testing.signed_state import SIGNER, ReplicaTruth, sealed
+from unicache.v1 import cache_pb2, common_pb2
 
 KEYS = RedisKeys("t1")
 

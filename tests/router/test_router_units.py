@@ -11,15 +11,15 @@ import json
 
 import pytest
 
-from unicache.router.request_path.auth import AuthError, Authenticator, api_key_from_headers, load_api_keys_file, parse_api_keys
+from unicache.cli.main import main
 from unicache.contract.chat_template import BYTE_CHAT_TEMPLATE, ChatFormatError, render_chat
-from unicache.router.frontends.chat_template import render_chat_json
+from unicache.plumbing.errors import UsageError
 from unicache.router.cluster.view import ReplicaRecord
 from unicache.router.config import RouterConfig, add_config_arguments, build_config
-from unicache.router.request_path.core import Labelled, Prepared
+from unicache.router.frontends.chat_template import render_chat_json
 from unicache.router.observability.status import format_table
-from unicache.cli.main import main
-from unicache.plumbing.errors import UsageError
+from unicache.router.request_path.auth import AuthError, Authenticator, api_key_from_headers, load_api_keys_file, parse_api_keys
+from unicache.router.request_path.core import Labelled, Prepared
 from unicache.router.upstream.replica_client import parse_replica_message
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicache.router.routing.cache_aware.admission import MATCHES_FIRST_MIN_REPLICAS, TTFTAdmission
 from unicache.router.routing.base import ReplicaLoad
+from unicache.router.routing.cache_aware.admission import MATCHES_FIRST_MIN_REPLICAS, TTFTAdmission
 
 
 def test_estimate_is_uncached_tokens_plus_queue_over_lanes():

@@ -13,8 +13,8 @@ from unicache.contract.block_hash import hash_id_blocks
 from unicache.contract.request_class import RequestClass
 from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RoutingRequest
-from unicache.router.routing.cache_aware.policy import CacheAwareConfig, CacheAwarePolicy
 from unicache.router.routing.cache_aware.candidates import CandidateWindow
+from unicache.router.routing.cache_aware.policy import CacheAwareConfig, CacheAwarePolicy
 
 BS = 16
 

@@ -6,15 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import RequestClass, Task
 from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest, SharesRouterState
+from unicache.router.routing.baselines.session_affinity import SessionAffinityPolicy
+from unicache.router.routing.baselines.sglang import SGLangPolicy
 from unicache.router.routing.cache_aware.policy import CacheAwareConfig, CacheAwarePolicy, common_prefix_blocks
 from unicache.router.routing.keys import HashRing, ring_hash, session_key
 from unicache.router.routing.registry import make_routing_policy, routing_policy_names
-from unicache.router.routing.baselines.session_affinity import SessionAffinityPolicy
-from unicache.router.routing.baselines.sglang import SGLangPolicy
-from unicache.contract.block_hash import hash_id_blocks
-from unicache.contract.request_class import RequestClass, Task
 
 BS = 16
 

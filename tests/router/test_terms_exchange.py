@@ -9,10 +9,10 @@ import redis.asyncio as aioredis
 
 from unicache.contract.block_hash import hash_id_blocks
 from unicache.contract.request_class import RequestClass, Task
+from unicache.contract.state_auth import StateSigner, parse_cluster_key
+from unicache.router.cluster.terms_exchange import TermsExchange
 from unicache.router.routing.base import RouteDecision, RoutedEvent, RoutingRequest
 from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
-from unicache.router.cluster.terms_exchange import TermsExchange
-from unicache.contract.state_auth import StateSigner, parse_cluster_key
 from unicache.testing.signed_state import CLUSTER_KEY
 from unicache.v1 import router_pb2
 

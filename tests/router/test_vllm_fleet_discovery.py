@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from unicache.plumbing.errors import UsageError
-from unicache.router.cluster.view import ClusterView
 from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.view import ClusterView
 from unicache.router.routing.registry import make_routing_policy
 from unicache.router.upstream.vllm_fleet.fleet import DnsDiscovery, VllmFleet
 from unicache.router.upstream.vllm_fleet.http_stream import VllmClients

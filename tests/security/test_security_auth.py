@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from unicache.router.config import RouterConfig
-from unicache.cli.main import main
 from unicache.cli.local_cluster import ClusterSettings, LocalCluster
+from unicache.cli.main import main
+from unicache.router.config import RouterConfig
 
 
 @pytest.fixture

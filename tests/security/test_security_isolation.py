@@ -21,15 +21,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from unicache.contract.block_hash import hash_token_blocks
 from unicache.replica.engines.api import EngineRequest, SamplingParams
+from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.replica.eviction.registry import make_policy
 from unicache.replica.kv.store import KVStore
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.request_path.core import Labelled
 from tests.support.engine_factory import drain, tiny_config
-from unicache.contract.block_hash import hash_token_blocks
-from unicache.replica.engines.builtin.engine import LLMEngine
 
 BS = 4
 TENANTS = ("acme", "globex", "initech")

@@ -11,13 +11,13 @@ import grpc
 import httpx
 import pytest
 
+from unicache.plumbing.errors import UsageError
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.request_path.limits import LimitExceeded, TenantLimiter, TenantLimits, parse_tenant_limits
 from unicache.testing.fake_replica import FakeReplica
-from unicache.plumbing.errors import UsageError
-from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from unicache.testing.polling import eventually
+from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 KEYS = "key-a:tenantA,key-b:tenantB"
 PROMPT = "The quick brown fox jumps."  # 26 bytes: under tenantA's 40-token limit

@@ -14,13 +14,13 @@ import redis
 
 from unicache.contract.redis_keys import RedisKeys
 from unicache.plumbing.redis_server import EmbeddedRedis, RedisTls, write_private
-from unicache.replica.kv.store import KVStore
 from unicache.replica.eviction.registry import make_policy
+from unicache.replica.kv.store import KVStore
 from unicache.replica.publishing.publisher import CachePublisher
-from unicache.router.cluster.view import ClusterView
 from unicache.router.cluster.index import LocalityIndex
-from unicache.router.routing.baselines.round_robin import RoundRobinPolicy
 from unicache.router.cluster.subscriber import RedisSubscriber
+from unicache.router.cluster.view import ClusterView
+from unicache.router.routing.baselines.round_robin import RoundRobinPolicy
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import SIGNER
 from unicache.testing.store_source import StoreCacheSource

@@ -13,20 +13,20 @@ import grpc
 import httpx
 import pytest
 
-from unicache.replica.eviction.registry import make_policy
-from unicache.replica.kv.store import KVStore
-from unicache.testing.signed_state import CLUSTER_KEY, SIGNER
-from unicache.replica.publishing.publisher import CachePublisher
-from unicache.replica.settings import ReplicaSettings, add_settings_arguments
-from unicache.testing.store_source import StoreCacheSource
-from unicache.router.app import RouterApp
-from unicache.router.config import build_config
-from unicache.plumbing.redis_server import EmbeddedRedis
 from unicache.cli.main import main
 from unicache.contract.redis_keys import RedisKeys
+from unicache.plumbing.redis_server import EmbeddedRedis
 from unicache.plumbing.redis_server import free_port
-from unicache.v1 import router_pb2, router_pb2_grpc
+from unicache.replica.eviction.registry import make_policy
+from unicache.replica.kv.store import KVStore
+from unicache.replica.publishing.publisher import CachePublisher
+from unicache.replica.settings import ReplicaSettings, add_settings_arguments
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
 from unicache.testing.polling import eventually
+from unicache.testing.signed_state import CLUSTER_KEY, SIGNER
+from unicache.testing.store_source import StoreCacheSource
+from unicache.v1 import router_pb2, router_pb2_grpc
 
 API_KEY = "sk-live-KEY-4f1c9e"
 SALT = "salt-SECRET-77b2"

@@ -16,10 +16,10 @@ import redis
 
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.serving.server import ReplicaServer
-from unicache.router.cluster.view import ClusterView
 from unicache.router.cluster.index import LocalityIndex
-from unicache.router.routing.baselines.round_robin import RoundRobinPolicy
 from unicache.router.cluster.subscriber import RedisSubscriber
+from unicache.router.cluster.view import ClusterView
+from unicache.router.routing.baselines.round_robin import RoundRobinPolicy
 from unicache.contract.state_auth import (
     CALL_METADATA,
     CallCredential,
@@ -30,8 +30,8 @@ from unicache.contract.state_auth import (
 )
 from unicache.testing.signed_state import CLUSTER_KEY, SIGNER, ReplicaTruth, call_metadata, sealed
 from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
-from tests.support.engine_factory import tiny_config
 from tests.router.test_router_subscriber import KEYS, FakeClock, add_events, h, heartbeat, held, put_heartbeat, replica_has
+from tests.support.engine_factory import tiny_config
 
 FORGER = "127.0.0.1:6666"
 OTHER_KEY = StateSigner(parse_cluster_key(new_cluster_key()))  # what a forger can sign with

@@ -13,8 +13,8 @@ from unicache.contract.block_hash import reusable_prompt_blocks
 from unicache.replica.engines.builtin.engine import LLMEngine
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig
-from unicache.testing.fake_replica import FakeReplica
 from unicache.sim.trace import TraceRequest
+from unicache.testing.fake_replica import FakeReplica
 from unicache.v1 import common_pb2, replica_pb2
 from tests.support.engine_factory import make_request, run_one, tiny_config
 

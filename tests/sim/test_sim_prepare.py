@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from unicache.router.routing.registry import routing_policy_names
 from unicache.contract.block_hash import hash_id_blocks
 from unicache.contract.request_class import Task
+from unicache.router.routing.registry import routing_policy_names
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig, _pump
-from unicache.sim.workload import WorkloadConfig, generate
 from unicache.sim.trace import TraceRequest, parse_trace_line
+from unicache.sim.workload import WorkloadConfig, generate
 
 
 def tr(ts, ids, out_ids=(), input_length=None, output_length=0, **labels) -> TraceRequest:

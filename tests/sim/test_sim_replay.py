@@ -6,11 +6,11 @@ import math
 
 import pytest
 
+from unicache.contract.request_class import Task
 from unicache.sim.metrics import percentile
 from unicache.sim.prepare import future_accesses, prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.timing import TimingModel
-from unicache.contract.request_class import Task
 from unicache.sim.trace import TraceRequest
 
 BS = 4

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 import shlex
 
-from unicache.contract.block_hash import reusable_prompt_blocks
 from unicache.cli.main import build_parser
+from unicache.contract.block_hash import reusable_prompt_blocks
 from unicache.sim.trace import parse_trace_line
 from tests.support.source_tree import REPO
 

@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from tests.support.load_stack import LoadStack
 from unicache.v1 import common_pb2, router_pb2
+from tests.support.load_stack import LoadStack
 
 NUM_REPLICAS = 2
 

@@ -7,12 +7,12 @@ cluster key (unicache/testing/signed_state.py) as ``ReplicaRuntime`` does."""
 from __future__ import annotations
 
 from unicache.contract.redis_keys import RedisKeys
+from unicache.contract.state_auth import parse_cluster_key
 from unicache.replica.engines.builtin.async_engine import AsyncEngine
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.model import ModelConfig
 from unicache.replica.publishing.publisher import CachePublisher
 from unicache.replica.serving.server import ReplicaServer
-from unicache.contract.state_auth import parse_cluster_key
 from unicache.testing.signed_state import CLUSTER_KEY
 
 

@@ -30,8 +30,8 @@ import httpx
 from unicache.bench_client.prompts import fit_request, prompt_text
 from unicache.bench_client.stats import RequestRecord, format_table, plot_ttft_cdf, summarize
 from unicache.plumbing.errors import UsageError
-from unicache.sim.workload import WorkloadConfig, generate
 from unicache.sim.trace import TraceError, TraceRequest, parse_trace_line, read_trace
+from unicache.sim.workload import WorkloadConfig, generate
 
 API_KEY_ENV = "UNICACHE_API_KEY"
 

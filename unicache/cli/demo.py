@@ -24,8 +24,8 @@ import grpc
 from tqdm import tqdm
 
 from unicache.contract.endpoints import LOCAL_ROUTER, ROUTER_ENV, default_router
-from unicache.plumbing.errors import UsageError
 from unicache.contract.redis_keys import HEARTBEAT_INTERVAL_S
+from unicache.plumbing.errors import UsageError
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 TEMPLATES = [

@@ -28,13 +28,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from unicache.plumbing import settings as settings_mod
 from unicache.contract.endpoints import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, LOCAL_ROUTER
-from unicache.plumbing.errors import UsageError
 from unicache.contract.redis_keys import DEFAULT_PREFIX
-from unicache.plumbing.redis_server import write_private
-from unicache.plumbing.process_tree import descendants, reap
 from unicache.contract.state_auth import new_cluster_key
+from unicache.plumbing import settings as settings_mod
+from unicache.plumbing.errors import UsageError
+from unicache.plumbing.process_tree import descendants, reap
+from unicache.plumbing.redis_server import write_private
 from unicache.plumbing.tls import make_cluster_pki
 
 log = logging.getLogger("unicache.up")

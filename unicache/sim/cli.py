@@ -8,17 +8,17 @@ import json
 import math
 from dataclasses import asdict, fields
 
+from unicache.plumbing.errors import UsageError
 from unicache.replica.eviction.registry import policy_names
 from unicache.router.routing.registry import routing_policy_names
-from unicache.plumbing.errors import UsageError
 from unicache.sim.goodput import add_goodput, default_slo_s, lanes_unloaded_ttft_s, unloaded_median_ttft_s
 from unicache.sim.prepare import prepare
 from unicache.sim.replay import Replay, ReplayConfig
 from unicache.sim.runner import capacities_from_fracs, run_grid
 from unicache.sim.steps import DEFAULT_STEP_TOKEN_BUDGET, StepReplay, unloaded_ttft_s
 from unicache.sim.timing import DEFAULT_H2D_BYTES_PER_S, DEFAULT_MODEL_PRESET, KV_BYTES_PER_TOKEN, TimingModel, kv_bytes_per_token
-from unicache.sim.workload import WorkloadConfig, generate
 from unicache.sim.trace import TraceError, read_trace, write_trace
+from unicache.sim.workload import WorkloadConfig, generate
 
 DEFAULT_POLICIES = "lru,radix-lru,unicache,opt"
 DEFAULT_FRACS = "0.02,0.05,0.1,0.25"

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from unicache.contract.block_hash import BlockHash, hash_id_blocks, reusable_prompt_blocks
-from unicache.router.request_path.classifier import Labels, RequestClassifier
-from unicache.replica.eviction.opt import FutureAccesses
 from unicache.contract.request_class import DEFAULT_TENANT, RequestClass, Task
+from unicache.replica.eviction.opt import FutureAccesses
+from unicache.router.request_path.classifier import Labels, RequestClassifier
 from unicache.sim.trace import TraceRequest
 
 

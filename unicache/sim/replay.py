@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from unicache.contract.kv_events import BlockRemoved, BlockStored
+from unicache.contract.kv_tier import Tier
 from unicache.replica.eviction.opt import FutureAccesses
 from unicache.replica.eviction.registry import make_host_policy, make_policy
-from unicache.contract.kv_tier import Tier
-from unicache.contract.kv_events import BlockRemoved, BlockStored
 from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 from unicache.router.cluster.index import LocalityIndex

@@ -36,8 +36,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from unicache.sim.workload import WorkloadConfig
 from unicache.sim.trace import TraceRequest
+from unicache.sim.workload import WorkloadConfig
 
 GENERATED_FAMILIES = ("chat", "agent", "template", "plain", "balanced", "long")
 MOONCAKE = "mooncake"

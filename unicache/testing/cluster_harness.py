@@ -33,9 +33,9 @@ from typing import Any
 import grpc
 
 from unicache.router.upstream.replica_client import PROBE_REQUEST_ID
-from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 from unicache.testing.polling import eventually
 from unicache.testing.signed_state import CLUSTER_KEY
+from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 

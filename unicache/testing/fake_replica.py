@@ -18,13 +18,13 @@ import asyncio
 import grpc
 
 from unicache.contract.block_hash import hash_token_blocks, reusable_prompt_blocks
-from unicache.replica.serving.call_error import GrpcGenerate, ReplicaCallError
-from unicache.replica.serving.hop_server import HopServer
 from unicache.contract.state_auth import CALL_METADATA
 from unicache.plumbing.tls import TlsFiles, grpc_server_credentials, hop_server_context
+from unicache.replica.serving.call_error import GrpcGenerate, ReplicaCallError
+from unicache.replica.serving.hop_server import HopServer
 from unicache.router.upstream.replica_client import PROBE_REQUEST_ID
-from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from unicache.testing.signed_state import SIGNER, sealed
+from unicache.v1 import cache_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 
 
 class _MetadataRecorder(grpc.aio.ServerInterceptor):

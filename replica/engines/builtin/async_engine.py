@@ -21,12 +21,12 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from unicache.contract.block_hash import BlockHash
+from unicache.contract.kv_events import KVEvent
+from unicache.contract.tokenizer import load_tokenizer
 from unicache.replica.engines.api import CacheStateInfo, EngineInputError, EngineLoad, EngineOutput, EngineRequest
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.engine import LLMEngine, resolve_device
-from unicache.contract.tokenizer import load_tokenizer
-from unicache.contract.kv_events import KVEvent
-from unicache.contract.block_hash import BlockHash
 
 
 @dataclass(slots=True)

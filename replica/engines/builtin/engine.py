@@ -24,17 +24,17 @@ from unicache.replica.engines.api import (
     EngineOutput,
     EngineRequest,
 )
+from unicache.contract.tokenizer import load_tokenizer
 from unicache.replica.engines.builtin.attention import build_metadata
 from unicache.replica.engines.builtin.config import EngineConfig
 from unicache.replica.engines.builtin.model import LlamaForCausalLM, ModelConfig
 from unicache.replica.engines.builtin.sampling import apply_penalties, make_generator, sample, token_logprob
-from unicache.replica.engines.builtin.validation import check_request
 from unicache.replica.engines.builtin.scheduler import ScheduledChunk, Scheduler
 from unicache.replica.engines.builtin.sequence import RequestGroup, Sequence
-from unicache.contract.tokenizer import load_tokenizer
+from unicache.replica.engines.builtin.validation import check_request
 from unicache.replica.eviction.registry import make_host_policy, make_policy
-from unicache.replica.kv.locked_reads import LockedStoreReads
 from unicache.replica.kv.host_tier import HostTier
+from unicache.replica.kv.locked_reads import LockedStoreReads
 from unicache.replica.kv.store import KVStore
 from unicache.replica.kv.torch_storage import TorchKVStorage
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from unicache.contract.block_hash import ROOT_HASH, BlockHash, hash_token_blocks
-from unicache.replica.engines.api import EngineOutput, EngineRequest, TokenLogprob, Usage
 from unicache.contract.tokenizer import IncrementalDetokenizer
+from unicache.replica.engines.api import EngineOutput, EngineRequest, TokenLogprob, Usage
 
 
 class SeqStatus(enum.Enum):

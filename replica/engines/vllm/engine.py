@@ -35,12 +35,12 @@ from unicache.replica.engines.api import (
     Usage,
 )
 from unicache.contract.kv_events import AllBlocksCleared, KVEvent
+from unicache.contract.tokenizer import load_tokenizer
 from unicache.replica.engines.builtin.validation import check_request
 from unicache.replica.engines.vllm.config import VLLMEngineConfig, check_vllm_args
 from unicache.replica.engines.vllm.outputs import token_logprobs
 from unicache.replica.engines.vllm.request_meta import class_to_extra_args, salt_to_vllm
 from unicache.replica.engines.vllm.version import check_vllm_version
-from unicache.contract.tokenizer import load_tokenizer
 
 MAX_N = 16
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, get_block_hash
 
 from unicache.contract.block_hash import BlockHash
-from unicache.replica.eviction.base import EvictionPolicy
 from unicache.contract.request_class import SINGLE_TURN, RequestClass
+from unicache.replica.eviction.base import EvictionPolicy
 
 
 @dataclass(slots=True, frozen=True)

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, start_http_server
 
 from unicache.replica.engines.api import CacheStateInfo
-from unicache.replica.publishing.metrics import ReplicaCollector
 from unicache.replica.engines.vllm.status import PoolStatus
+from unicache.replica.publishing.metrics import ReplicaCollector
 
 
 class _Snapshot:

@@ -31,13 +31,13 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from unicache.replica.eviction.base import QueueCounters
-from unicache.replica.eviction.registry import make_policy
+from unicache.contract.request_class import RequestClass
 from unicache.replica.engines.vllm.config import NATIVE_POLICY
 from unicache.replica.engines.vllm.free_queue import PolicyFreeQueue
 from unicache.replica.engines.vllm.request_meta import class_from_request
 from unicache.replica.engines.vllm.status import PoolStatus, StatusPublisher
-from unicache.contract.request_class import RequestClass
+from unicache.replica.eviction.base import QueueCounters
+from unicache.replica.eviction.registry import make_policy
 
 log = logging.getLogger(__name__)
 

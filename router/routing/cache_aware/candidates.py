@@ -44,8 +44,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import attrgetter
 
-from unicache.router.routing.cache_aware.admission import ReplicaPositions
 from unicache.router.routing.base import ReplicaLoad
+from unicache.router.routing.cache_aware.admission import ReplicaPositions
 
 _QUEUED = attrgetter("queued_prefill_tokens")
 

@@ -124,8 +124,8 @@ from unicache.router.routing.base import (
 )
 from unicache.router.routing.cache_aware.candidates import CandidateWindow
 from unicache.router.routing.cache_aware.decaying import DecayingTotals
-from unicache.router.routing.keys import HashRing, load_key, session_key
 from unicache.router.routing.cache_aware.queue_share import QueueShares
+from unicache.router.routing.keys import HashRing, load_key, session_key
 from unicache.router.routing.registry import register_routing_policy
 
 

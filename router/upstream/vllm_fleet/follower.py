@@ -32,11 +32,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from unicache.contract.kv_tier import Tier
-from unicache.router.cluster.view import ClusterView
+from unicache.contract.vllm_events import EventTranslator, KVEventSubscriber
 from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.view import ClusterView
 from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec
-from unicache.contract.vllm_events import EventTranslator, KVEventSubscriber
 
 log = logging.getLogger(__name__)
 

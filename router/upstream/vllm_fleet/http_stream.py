@@ -31,9 +31,9 @@ import time
 import grpc
 import httpx
 
+from unicache.contract.vllm_events import EXTRA_ARGS_KEY, class_to_vllm, salt_to_vllm
 from unicache.router.upstream.replica_stream import ReplicaStream, rpc_error
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
-from unicache.contract.vllm_events import EXTRA_ARGS_KEY, class_to_vllm, salt_to_vllm
 
 
 _FINISH = {

@@ -28,10 +28,10 @@ from collections.abc import AsyncIterator
 import httpx
 from starlette.responses import Response, StreamingResponse
 
-from unicache.router.request_path.core import Prepared, RouterCore
-from unicache.router.routing.base import RouteDecision
 from unicache.contract.vllm_events import EXTRA_ARGS_KEY, class_to_vllm, salt_to_vllm
 from unicache.contract.wire import request_class_to_proto
+from unicache.router.request_path.core import Prepared, RouterCore
+from unicache.router.routing.base import RouteDecision
 
 log = logging.getLogger(__name__)
 
