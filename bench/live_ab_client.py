@@ -44,6 +44,14 @@ async def send(client: httpx.AsyncClient, url: str, model: str, req: LiveRequest
     headers = {"authorization": f"Bearer {key}"}
     if req.session_id is not None:
         headers["x-session-id"] = req.session_id
+    # NOTE: the trace's task and template labels go with it, as they go to the simulator's
+    # copy of the workload: inferred from arrival gaps instead, a replay at rate scale 4-16
+    # made chat sessions look like agents (our router infers agent below a 15 s gap), and
+    # UniCache inside vLLM then filed them in the agent lane. The peers ignore the headers.
+    if req.source.task is not None:
+        headers["x-unicache-task"] = getattr(req.source.task, "value", req.source.task)
+    if req.source.template is not None:
+        headers["x-unicache-template"] = "true" if req.source.template else "false"
     out = Outcome(req.index)
     t0 = time.perf_counter()
     try:

@@ -75,3 +75,31 @@ def test_every_peer_arm_sees_vllms_own_order_and_has_no_sim_twin():
     assert {a.name for a in ARMS.values() if a.peer} == {"vllm-router", "sglang-router", "smg"}
     assert all(a.eviction is None and a.sim is None for a in ARMS.values() if a.peer)
     assert [a.name for a in ARMS.values() if a.eviction == "unicache"] == ["ours"]
+
+
+async def test_the_client_sends_the_traces_labels_as_the_simulator_gets_them(tmp_path):
+    """Session, task and template go as headers (what the simulator's copy of the trace
+    keeps), so our router need not infer a task from replayed, time-compressed gaps."""
+    import httpx
+
+    from bench.live_ab_client import send
+    from bench.live_ab_workload import build_requests
+    from unicache.sim.trace import read_trace
+
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 32, "output_length": 4, "hash_ids": [1, 2], "session_id": "s-1", "turn": 0,
+             "task": "chat", "tenant": "t1"},
+            {"timestamp": 5, "input_length": 32, "output_length": 4, "hash_ids": [3, 4], "template": True},
+            {"timestamp": 9, "input_length": 32, "output_length": 4, "hash_ids": [5, 6]}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append({k: v for k, v in request.headers.items() if k.startswith("x-")})
+        return httpx.Response(200, text='data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n')
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        for req in build_requests(read_trace(str(trace)), ["w"], 16, 4):
+            out = await send(client, "http://router", "m", req, "k", 5.0)
+            assert out.error is None and out.tokens == 1
+    assert seen == [{"x-session-id": "s-1", "x-unicache-task": "chat"}, {"x-unicache-template": "true"}, {}]
