@@ -12,17 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 import time
 from dataclasses import dataclass
 
 import httpx
 import psutil
 
-from unicache.bench_client.client import sse_events
 from bench.live_ab_workload import LiveRequest
+from unicache.plumbing.sse import sse_events
+from unicache.router.upstream.vllm_fleet.follower import parse_vllm_metrics
 
-_COUNTER = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)_total)(?:\{[^}]*\})?\s+(\S+)", re.M)
 
 
 @dataclass(slots=True)
@@ -106,11 +105,8 @@ async def replay(url: str, model: str, requests: list[LiveRequest], keys: dict[s
 def prefix_counters(url: str, timeout_s: float = 10.0) -> tuple[float, float]:
     """(hits, queries) of a vLLM server's ``vllm:prefix_cache_{hits,queries}_total``
     (prompt tokens, summed over label sets)."""
-    text = httpx.get(f"{url}/metrics", timeout=timeout_s).text
-    sums = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
-    for name, value in _COUNTER.findall(text):
-        sums[name] += float(value)
-    return sums["vllm:prefix_cache_hits_total"], sums["vllm:prefix_cache_queries_total"]
+    stats = parse_vllm_metrics(httpx.get(f"{url}/metrics", timeout=timeout_s).text)
+    return stats.get("prefix_hits", 0.0), stats.get("prefix_queries", 0.0)
 
 
 def fleet_counters(urls: list[str]) -> tuple[float, float]:

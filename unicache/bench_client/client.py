@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -30,6 +29,7 @@ import httpx
 from unicache.bench_client.prompts import fit_request, prompt_text
 from unicache.bench_client.stats import RequestRecord, format_table, plot_ttft_cdf, summarize
 from unicache.plumbing.errors import UsageError
+from unicache.plumbing.sse import sse_events
 from unicache.sim.trace import TraceError, TraceRequest, parse_trace_line, read_trace
 from unicache.sim.workload import WorkloadConfig, generate
 
@@ -125,17 +125,6 @@ def synthetic_requests(n: int, seed: int, block_size: int) -> list[TraceRequest]
         raise UsageError(f"--synthetic must be in [1, {len(records)}], got {n}")
     return [parse_trace_line(json.dumps(r), "<synthetic>", i + 1, i) for i, r in enumerate(records[:n])]
 
-
-
-async def sse_events(resp) -> AsyncIterator[dict]:
-    """The JSON events of an OpenAI server-sent-event stream (``data:`` lines), up to ``[DONE]``."""
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
 
 async def _one(client: httpx.AsyncClient, cfg: BenchConfig, req: TraceRequest, t0: float) -> RequestRecord:
     body = {

@@ -32,6 +32,7 @@ import grpc
 import httpx
 
 from unicache.contract.vllm_events import EXTRA_ARGS_KEY, class_to_vllm, salt_to_vllm
+from unicache.plumbing.sse import sse_events
 from unicache.router.upstream.replica_stream import ReplicaStream, rpc_error
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
@@ -147,7 +148,7 @@ def parse_chunk(data: dict) -> list[router_pb2.RouterGenerateResponse]:
 class VllmHttpStream(ReplicaStream):
     """One ``/v1/completions`` call (see the module docstring)."""
 
-    __slots__ = ("_client", "_body", "_deadline", "_response", "_lines", "_pending", "_done")
+    __slots__ = ("_client", "_body", "_deadline", "_response", "_events", "_pending", "_done")
 
     def __init__(self, client: httpx.AsyncClient, body: dict, timeout_s: float):
         super().__init__()
@@ -155,7 +156,7 @@ class VllmHttpStream(ReplicaStream):
         self._body = body
         self._deadline = time.monotonic() + timeout_s
         self._response: httpx.Response | None = None
-        self._lines = None
+        self._events = None
         self._pending: list[router_pb2.RouterGenerateResponse] = []
         self._done = False
 
@@ -171,7 +172,7 @@ class VllmHttpStream(ReplicaStream):
             raw = await self._response.aread()
             self.close()
             raise _status_error(self._response.status_code, raw)
-        self._lines = self._response.aiter_lines()
+        self._events = sse_events(self._response)
 
     async def _read(self) -> router_pb2.RouterGenerateResponse | None:
         if self._pending:
@@ -184,22 +185,10 @@ class VllmHttpStream(ReplicaStream):
                     await self._open()
                 while True:
                     try:
-                        line = await anext(self._lines)
-                    except StopAsyncIteration:
+                        chunk = await anext(self._events)
+                    except StopAsyncIteration:  # [DONE], the body read to its end, or the stream ended
                         self._done = True
                         return None
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        self._done = True
-                        # NOTE: read the body to its end (nothing follows [DONE]) instead of
-                        # closing it: a response closed before its last chunk closes the
-                        # connection too, and every request paid a new TCP connection to vLLM.
-                        async for _ in self._lines:
-                            pass
-                        return None
-                    chunk = json.loads(data)
                     if "error" in chunk and not chunk.get("choices"):
                         err = chunk["error"]
                         raise rpc_error(grpc.StatusCode.INTERNAL, f"backend failed mid-stream: {err.get('message') if isinstance(err, dict) else err}")
