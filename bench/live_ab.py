@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tqdm import tqdm
 
-    from unicache.testing.vllm_servers import VllmServer, spread_cpus, start_servers
+    from unicache.testing.vllm_servers import VllmServer, start_servers
     from unicache.sim.trace import read_trace
 
     t_start = time.perf_counter()
@@ -247,11 +247,9 @@ def main(argv: list[str] | None = None) -> int:
 
             model_dir = write_tiny_llama(f"{tmp}/tiny-llama", max_position=max(4096, max_len), chat_template=True)
         kv_bytes = (pool_blocks + 1) * bs * kv_bytes_per_token(model_dir)  # NOTE: vLLM keeps one block aside (the null block)
-        # One core per server of a fleet (only one fleet serves at a time): see spread_cpus.
-        cpus = spread_cpus(args.servers)
         for kind in dict.fromkeys(ARMS[a].eviction for a in arms):
             fleets[kind] = [VllmServer(model_dir, block_size=bs, max_model_len=max_len, kv_cache_bytes=kv_bytes, eviction_policy=kind,
-                                       device=args.device, extra=("--served-model-name", SERVED), cpus=cpus[i],
+                                       device=args.device, extra=("--served-model-name", SERVED),
                                        log_path=f"{tmp}/vllm-{kind}-{i}.log") for i in range(args.servers)]
         everyone = [s for f in fleets.values() for s in f]
         all_urls = [s.url for s in everyone]

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from unicache.sim.trace import read_trace
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
-from unicache.testing.vllm_servers import VllmServer, spread_cpus, start_servers
+from unicache.testing.vllm_servers import VllmServer, start_servers
 from bench.live_ab_client import prefix_counters
 from bench.live_ab_workload import build_requests, unique_blocks
 
@@ -49,12 +49,9 @@ def main() -> None:
     rows = []
     for frac in args.pool_fraction:
         pool = max(longest, math.ceil(frac * unique))
-        cpus = spread_cpus(2)
         servers = {
-            "unicache": VllmServer(model, max_model_len=longest * BS, kv_cache_bytes=(pool + 1) * BS * KV_BYTES_PER_TOKEN, eviction_policy="unicache",
-                                   cpus=cpus[0]),
-            "vllm": VllmServer(model, max_model_len=longest * BS, kv_cache_bytes=(pool + 1) * BS * KV_BYTES_PER_TOKEN, eviction_policy=None,
-                               cpus=cpus[1]),
+            "unicache": VllmServer(model, max_model_len=longest * BS, kv_cache_bytes=(pool + 1) * BS * KV_BYTES_PER_TOKEN, eviction_policy="unicache"),
+            "vllm": VllmServer(model, max_model_len=longest * BS, kv_cache_bytes=(pool + 1) * BS * KV_BYTES_PER_TOKEN, eviction_policy=None),
         }
         start_servers(list(servers.values()))
         try:

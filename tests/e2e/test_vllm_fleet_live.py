@@ -35,7 +35,7 @@ from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
 from unicache.router.upstream.vllm_fleet.spec import parse_backend
 from unicache.testing.polling import eventually
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
-from unicache.testing.vllm_servers import VllmServer, spread_cpus, start_servers
+from unicache.testing.vllm_servers import VllmServer, start_servers
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
@@ -59,9 +59,8 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def servers(model_dir):
-    cpus = spread_cpus(2)
-    uc = VllmServer(model_dir, kv_cache_bytes=POOL_BYTES, eviction_policy="unicache", cpus=cpus[0])
-    native = VllmServer(model_dir, kv_cache_bytes=POOL_BYTES, eviction_policy=None, cpus=cpus[1])
+    uc = VllmServer(model_dir, kv_cache_bytes=POOL_BYTES, eviction_policy="unicache")
+    native = VllmServer(model_dir, kv_cache_bytes=POOL_BYTES, eviction_policy=None)
     start_servers([uc, native])
     try:
         yield {"uc": uc, "native": native}

@@ -162,9 +162,13 @@ PORT_RETRIES = 3
 def start_servers(servers: list[VllmServer], timeout_s: float = 300.0) -> list[VllmServer]:
     """Start all, then wait for all (they load side by side); stop all if one fails.
 
+    CPU servers without ``cpus`` get one core each, round robin (``spread_cpus``).
     A server whose port was taken between ``free_port`` choosing it and vLLM binding it
     (vLLM's own processes pick free ports too, during the minute a start takes) is started
     again on fresh ports, up to ``PORT_RETRIES`` times."""
+    for s, cpu in zip(servers, spread_cpus(len(servers))):
+        if s.cpus is None and s.device == "cpu":
+            s.cpus = cpu
     try:
         for s in servers:
             s.start()
