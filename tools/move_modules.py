@@ -64,8 +64,7 @@ def tracked_text_files() -> list[Path]:
         path = REPO / name
         if name.startswith("tools/moves/"):
             continue  # the record of past moves keeps their old names
-        if name and path.is_file() and (path.suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES
-                                        or name.startswith("docker/")):
+        if name and path.is_file() and (path.suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES):
             files.append(path)
     return files
 
@@ -75,9 +74,7 @@ class Rewriter:
 
     def __init__(self, moves: list[tuple[str, str]]):
         self.modules = {module_of(old): module_of(new) for old, new in moves}
-        self.paths = {}
-        for old, new in moves:
-            self.paths[old] = new
+        self.paths = dict(moves)
         by_length = sorted(self.modules, key=len, reverse=True)
         self._module_re = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, by_length)) + r")(?!\w)")
         by_length = sorted(self.paths, key=len, reverse=True)
