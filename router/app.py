@@ -41,6 +41,7 @@ from unicache.router.observability.metrics import RouterMetrics
 from unicache.router.request_path.auth import Authenticator, load_api_keys_file, parse_api_keys
 from unicache.router.request_path.classifier import RequestClassifier
 from unicache.router.request_path.core import RouterCore
+from unicache.router.request_path.cost_observer import CostObserver
 from unicache.router.request_path.first_token import FirstTokenTimeout
 from unicache.router.request_path.limits import limiter_from_config
 from unicache.router.routing.base import RoutingPolicy, SharesRouterState
@@ -53,6 +54,17 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "unicache.v1.Router"
 FALLBACK_POLICY = "round_robin"
+
+
+def cost_observer(cluster: ClusterView, policy: RoutingPolicy, metrics: RouterMetrics) -> CostObserver:
+    """The observer that feeds ``cluster.cost_model`` from every request (and the TTFT
+    prediction error metric); a policy that prices in seconds (``set_cost_model``) reads
+    that model."""
+    if hasattr(policy, "set_cost_model"):
+        policy.set_cost_model(cluster.cost_model)
+    config = getattr(policy, "config", None)
+    shares = policy.queue_shares if isinstance(policy, SharesRouterState) else None
+    return CostObserver(cluster.cost_model, getattr(config, "prefill_lanes", 4), shares, metrics.observe_prediction)
 
 
 def build_policy(name: str, caps: TableCaps | None = None) -> RoutingPolicy:
@@ -175,6 +187,7 @@ class RouterApp:
             first_token_timeout=first_token,
             retry_replicas=config.retry_replicas,
             sessions=self.sessions,
+            costs=cost_observer(self.cluster, self.policy, self.metrics),
             limits=limiter_from_config(
                 config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits
             ),

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import LocalityView, ReplicaLoad, RoutingPolicy
+from unicache.router.routing.cost_model import CostModel
 from unicache.v1 import cache_pb2
 
 
@@ -121,6 +122,9 @@ class ClusterView:
         self.redis_connected = False
         self.backend_events = 0  # vLLM backends whose own KV events feed the index
         self.backend_stats: dict[str, dict[str, float]] = {}  # a vLLM backend's last /metrics figures
+        # each backend's costs in seconds, learned from its requests and /metrics
+        # (``unicache.router.routing.cost_model``): what ``cache_aware`` prices decisions in
+        self.cost_model = CostModel()
         self._on_change = on_change
         self._empty = EmptyView()
         self.removal_hooks: list[Callable[[str], None]] = []

@@ -19,7 +19,8 @@ def replica_info(cluster, rid: str, transport: str = "auto") -> router_pb2.Repli
     hb = rec.heartbeat
     if rec.kind == "vllm":  # a stock vLLM server: its own metrics page
         return router_pb2.ReplicaInfo(replica_id=rid, address=rec.address, healthy=cluster.healthy(rid), device="vllm",
-                                      metrics_url=f"{rec.address}/metrics")
+                                      metrics_url=f"{rec.address}/metrics",
+                                      kv_events_schema=cluster.backend_schema.get(rid, ""))
     return router_pb2.ReplicaInfo(
         replica_id=rid, address=rec.address, healthy=cluster.healthy(rid),
         device=hb.device if hb else "", metrics_url=hb.metrics_url if hb else "",
@@ -53,6 +54,7 @@ async def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.Cluste
     )
     fetched = {rid: a for rid, a in zip(static, answers) if isinstance(a, common_pb2.CacheState)}
     out = router_pb2.ClusterState(redis_connected=cluster.redis_connected, routing_policy=policy_name)
+    costs = cluster.cost_model.snapshot()
     for rid in sorted(cluster.replicas):
         rec = cluster.replicas[rid]
         hb = rec.heartbeat
@@ -68,5 +70,7 @@ async def cluster_state(core: RouterCore, policy_name: str) -> router_pb2.Cluste
             state.cache.CopyFrom(hb.cache)
         else:
             state.cache.CopyFrom(fetched.get(rid, common_pb2.CacheState(replica_id=rid)))
+        if rid in costs:
+            state.costs.CopyFrom(router_pb2.BackendCosts(**costs[rid]))
         out.replicas.append(state)
     return out

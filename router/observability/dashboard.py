@@ -1,6 +1,7 @@
 """The ``/dashboard`` page: one static HTML document, no external assets (works offline).
 
-It polls ``/v1/cluster/state`` (the table: each replica's health, load and cache now) and
+It polls ``/v1/cluster/state`` (the tables: each replica's health, load and cache now, and
+its costs as the router's cost model has them) and
 ``/dashboard/history`` (router/observability/history.py: the bounded history) every ``REFRESH_MS`` and
 draws the history as inline SVG line charts, each with a legend:
 
@@ -65,6 +66,12 @@ DASHBOARD_HTML = """<!doctype html>
  (hold a reusable prefix)<span class="box" style="background:#e6e6e6"></span>rest free &middot; <b>block hit ratio</b>: the replica's cached
  blocks / prompt blocks looked up, since it started &middot; <b>prompt-token hit ratio</b> (chart below): the router's cached / prompt
  tokens of the requests finished in each interval</div>
+<h2>Costs <small style="font-weight:normal;color:#666">(learned per backend: TTFT = base + per token &times; (uncached + queued tokens) + per request &times; outstanding)</small></h2>
+<table id="costs">
+ <thead><tr><th>replica</th><th>fitted</th><th>prefill base ms</th><th>prefill &mu;s / token</th><th>ms / outstanding request</th>
+ <th>decode ms / step (base + per seq)</th><th>TTFT error (mean, relative)</th><th>predictions</th></tr></thead>
+ <tbody id="cost-rows"></tbody>
+</table>
 <h2>Cluster <span id="span" style="font-weight:normal;color:#666"></span></h2>
 <div class="grid" id="cluster-charts"></div>
 <h2>Per replica</h2>
@@ -174,6 +181,14 @@ function drawState(s) {
            `<td>${x.running}</td><td>${x.waiting}</td><td>${bar(c)}</td><td>${c.capacity_blocks || 0}</td>` +
            `<td>${((c.hit_ratio || 0) * 100).toFixed(1)}%</td><td>${c.evictions || 0}</td><td>${host(c.host)}</td><td>${x.indexed_blocks}</td>` +
            `<td class="queues">${q}</td></tr>`;
+  }).join('');
+  document.getElementById('cost-rows').innerHTML = s.replicas.map(x => {
+    const k = x.costs || {};
+    const ms = v => ((v || 0) * 1e3).toFixed(2);
+    return `<tr><td>${esc(x.info.replica_id)}</td><td>${k.fitted ? 'yes' : 'prior'}</td><td>${ms(k.prefill_base_s)}</td>` +
+           `<td>${((k.prefill_per_token_s || 0) * 1e6).toFixed(1)}</td><td>${ms(k.per_outstanding_s)}</td>` +
+           `<td>${ms(k.decode_base_s)} + ${ms(k.decode_per_seq_s)}</td>` +
+           `<td>${ms(k.ttft_abs_error_s)} ms, ${((k.ttft_rel_error || 0) * 100).toFixed(0)}%</td><td>${k.predictions || 0}</td></tr>`;
   }).join('');
 }
 async function refresh() {

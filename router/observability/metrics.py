@@ -118,11 +118,33 @@ class RouterMetrics:
         )
         self.replicas = Gauge("unicache_router_replicas", "Live replicas", registry=r)
         self.redis_connected = Gauge("unicache_router_redis_connected", "1 when the Redis subscriber is connected", registry=r)
+        # the cost model (router/routing/cost_model.py): each backend's fitted costs and
+        # how far its TTFT prediction at dispatch was from the measured TTFT
+        self.backend_cost = Gauge(
+            "unicache_router_backend_cost_seconds",
+            "A backend's fitted costs in seconds by term: prefill_base (a), prefill_per_token (b), per_outstanding (s, "
+            "per request outstanding at dispatch), decode_base and decode_per_seq (inter-token time at a batch)",
+            ["replica", "term"], registry=r,
+        )
+        self.backend_cost_fitted = Gauge(
+            "unicache_router_backend_cost_fitted", "1 when the backend's costs are fitted from its requests, 0 while a prior",
+            ["replica"], registry=r,
+        )
+        self.ttft_prediction_error = Histogram(
+            "unicache_router_ttft_prediction_error_seconds",
+            "|predicted - measured| time to first token per request, the prediction made at dispatch by the cost model",
+            ["replica"], buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.ttft_prediction_rel_error = Gauge(
+            "unicache_router_ttft_prediction_relative_error",
+            "Mean |predicted - measured| / measured TTFT per backend (exponential average over about 16 requests)",
+            ["replica"], registry=r,
+        )
         self._children: dict[tuple, object] = {}
         # Position of the ``replica`` label in each counter that has one.
         self._replica_label_at = {
             self.decisions: 1, self.cached_tokens: 0, self.computed_tokens: 0, self.first_token_timeouts: 0, self.quarantines: 0,
-            self.replica_ttft: 0,
+            self.replica_ttft: 0, self.ttft_prediction_error: 0,
         }
 
     def labelled(self, metric, *values: str):
@@ -136,6 +158,10 @@ class RouterMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*values)
         return child
+
+    def observe_prediction(self, replica_id: str, predicted_s: float, measured_s: float) -> None:
+        """One TTFT the cost model predicted at dispatch against the measured one."""
+        self.labelled(self.ttft_prediction_error, replica_id).observe(abs(predicted_s - measured_s))
 
     def forget_replica(self, replica_id: str) -> None:
         """Remove every counter series labelled with ``replica_id`` (it left the cluster);
@@ -152,10 +178,17 @@ class RouterMetrics:
         per_replica = (
             self.replica_hit_ratio, self.replica_used_blocks, self.replica_free_blocks,
             self.replica_load, self.replica_in_flight, self.indexed_blocks, self.replica_quarantined,
-            self.replica_queue_share,
+            self.replica_queue_share, self.backend_cost, self.backend_cost_fitted, self.ttft_prediction_rel_error,
         )
         for g in per_replica:
             g.clear()
+        for rid, row in cluster.cost_model.snapshot().items():
+            if rid not in cluster.replicas:
+                continue
+            for term in ("prefill_base", "prefill_per_token", "per_outstanding", "decode_base", "decode_per_seq"):
+                self.backend_cost.labels(rid, term).set(row[term + "_s"])
+            self.backend_cost_fitted.labels(rid).set(1 if row["fitted"] else 0)
+            self.ttft_prediction_rel_error.labels(rid).set(row["ttft_rel_error"])
         policy = cluster.policy
         shares = policy.queue_shares() if isinstance(policy, SharesRouterState) else None
         for load in cluster.all_loads():

@@ -50,6 +50,7 @@ from unicache.router.cluster.view import ClusterView, ReplicaRecord
 from unicache.router.observability.metrics import RouterMetrics
 from unicache.router.request_path.auth import Authenticator
 from unicache.router.request_path.classifier import Labels, RequestClassifier
+from unicache.router.request_path.cost_observer import CostObserver
 from unicache.router.request_path.first_token import FirstTokenTimeout
 from unicache.router.request_path.limits import LimitExceeded, TenantLimiter
 from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState
@@ -208,6 +209,9 @@ class RouterCore:
         sessions: the session placement shared with the cluster's other routers (None:
             this router's policy memory only); needs a policy that implements
             ``SharesRouterState`` (its ``import_session`` / ``export_session``).
+        costs: feeds the backends' cost model from every request
+            (``unicache.router.request_path.cost_observer``; default: one that feeds
+            ``cluster.cost_model`` without a queue share or metric).
     """
 
     def __init__(
@@ -226,6 +230,7 @@ class RouterCore:
         first_token_timeout: FirstTokenTimeout | None = None,
         retry_replicas: int = 2,
         sessions: SessionStore | None = None,
+        costs: CostObserver | None = None,
     ):
         if retry_replicas < 0:
             raise ValueError("retry_replicas must be >= 0")
@@ -245,12 +250,14 @@ class RouterCore:
         self.first_token_timeout = first_token_timeout
         self.retry_replicas = retry_replicas
         self.sessions = sessions
+        self.costs = costs if costs is not None else CostObserver(cluster.cost_model)
         cluster.removal_hooks.append(self._forget_replica)
 
     def _forget_replica(self, replica_id: str) -> None:
         """The replica left the cluster: its metric series and estimates go with it."""
         self.metrics.forget_replica(replica_id)
         self.clients.forget_replica(replica_id)
+        self.costs.model.forget(replica_id)
         if self.first_token_timeout is not None:
             self.first_token_timeout.forget(replica_id)
 
@@ -351,11 +358,13 @@ class RouterCore:
                     return
                 yield self.route_info(prep, attempt.decision, request_class), attempt.first
                 self._count_usage(rid, attempt.first)
+                self.costs.message(prep.request_id, attempt.first)
                 stream, rec = attempt.stream, attempt.replica
                 try:
                     while (msg := await stream.next()) is not None:
                         rec.last_message = _monotonic()  # progress: this replica is not stalled
                         self._count_usage(rid, msg)
+                        self.costs.message(prep.request_id, msg)
                         yield None, msg
                 except grpc.aio.AioRpcError as exc:
                     raise self._broken_stream(rid, exc) from None
@@ -430,6 +439,7 @@ class RouterCore:
         """
         rid = decision.replica_id
         rec = self.cluster.replicas[rid]
+        self.costs.dispatched(prep.routing, decision, rec.load)  # the load before this request
         self.cluster.started(rid)
         self.policy.on_request_routed(prep.routing, decision)
         saving = None
@@ -461,6 +471,7 @@ class RouterCore:
         now = time.perf_counter()
         rec.last_message = time.monotonic()
         self.policy.on_first_token(prep.routing, rid)
+        self.costs.first_token(prep.request_id)
         if ftt is not None:
             ftt.observe(rid, now - t0)
         self.metrics.ttft.observe(now - prep.arrival)
@@ -493,6 +504,7 @@ class RouterCore:
         stream.close()
         self.cluster.finished(rid)
         self.policy.on_request_finished(prep.routing, rid)
+        self.costs.finished(prep.request_id)
 
     def _broken_stream(self, rid: str, exc: grpc.aio.AioRpcError) -> RouterError:
         """The client's error for a replica stream that broke after its first message."""

@@ -183,6 +183,39 @@ def test_vllm_metrics_page_gives_load_and_pool():
     assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 1.0, "usage": 0.25, "prefix_hits": 64.0, "gpu_blocks": 2048, "block_size": 32}
 
 
+def test_vllm_histograms_feed_the_cost_model_between_scrapes():
+    from unicache.router.routing.cost_model import CostModel
+    from unicache.router.upstream.vllm_fleet.follower import observe_histograms
+
+    def page(prefill_sum, prefill_n, prompt, cached, tpot_sum, tpot_n):
+        return "\n".join([
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0",model_name="m"} 4.0',
+            "# TYPE vllm:prompt_tokens_total counter",
+            f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {prompt}',
+            "# TYPE vllm:prompt_tokens_cached_total counter",
+            f'vllm:prompt_tokens_cached_total{{engine="0",model_name="m"}} {cached}',
+            "# TYPE vllm:request_prefill_time_seconds histogram",
+            f'vllm:request_prefill_time_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {prefill_n}',
+            f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="m"}} {prefill_sum}',
+            f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="m"}} {prefill_n}',
+            "# TYPE vllm:request_time_per_output_token_seconds histogram",
+            f'vllm:request_time_per_output_token_seconds_sum{{engine="0",model_name="m"}} {tpot_sum}',
+            f'vllm:request_time_per_output_token_seconds_count{{engine="0",model_name="m"}} {tpot_n}',
+        ])
+
+    before = parse_vllm_metrics(page(1.0, 10, 5000, 1000, 2.0, 100))
+    after = parse_vllm_metrics(page(1.5, 14, 6000, 1400, 2.6, 120))
+    assert (after["prefill_time_sum"], after["prefill_time_count"], after["prompt_tokens"], after["prompt_tokens_cached"],
+            after["tpot_sum"], after["tpot_count"], after["running"]) == (1.5, 14.0, 6000.0, 1400.0, 2.6, 120.0, 4.0)
+    model = CostModel()
+    observe_histograms(model, "b", before, after)
+    b = model._backends["b"]
+    # 4 requests prefilled in 0.5 s over 600 uncached tokens: 0.125 s at 150 tokens, nothing ahead
+    assert b.ttft._xs == [(150.0, 0.0)] and b.ttft._ys == [pytest.approx(0.125)]
+    assert b.itl._xs == [(4.0,)] and b.itl._ys == [pytest.approx(0.03)]
+
+
 def test_an_impossible_claim_drops_the_backends_blocks():
     from unicache.router.cluster.view import ClusterView
     from unicache.router.routing.registry import make_routing_policy

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from unicache.v1 import common_pb2 as unicache_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18unicache/v1/router.proto\x12\x0bunicache.v1\x1a\x18unicache/v1/common.proto\"\xca\x01\n\x15RouterGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\tchat_json\x18\x02 \x01(\tH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.unicache.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0c\n\x04task\x18\x05 \x01(\t\x12\x15\n\x08template\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05model\x18\x07 \x01(\tB\x08\n\x06promptB\x0b\n\t_template\"\x88\x01\n\tRouteInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x30\n\rrequest_class\x18\x05 \x01(\x0b\x32\x19.unicache.v1.RequestClass\"\xf2\x01\n\x16RouterGenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.unicache.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.unicache.v1.Usage\x12%\n\x05route\x18\x06 \x01(\x0b\x32\x16.unicache.v1.RouteInfo\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.unicache.v1.TokenLogprobs\"\x15\n\x13ListReplicasRequest\"}\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x05 \x01(\t\x12\x13\n\x0bhop_address\x18\x06 \x01(\t\"B\n\x14ListReplicasResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.unicache.v1.ReplicaInfo\"\x18\n\x16GetClusterStateRequest\"\x98\x01\n\x0cReplicaState\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.unicache.v1.ReplicaInfo\x12&\n\x05\x63\x61\x63he\x18\x02 \x01(\x0b\x32\x17.unicache.v1.CacheState\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0eindexed_blocks\x18\x05 \x01(\x04\"l\n\x0c\x43lusterState\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.unicache.v1.ReplicaState\x12\x17\n\x0fredis_connected\x18\x02 \x01(\x08\x12\x16\n\x0erouting_policy\x18\x03 \x01(\t\"\x94\x01\n\x10SessionPlacement\x12\x0f\n\x07session\x18\x01 \x01(\x0c\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06hashes\x18\x03 \x01(\x0c\x12\x11\n\tconfirmed\x18\x04 \x01(\x08\x12\x12\n\nupdated_ms\x18\x05 \x01(\x04\x12\x16\n\trouted_at\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x0c\n\n_routed_at\"z\n\x0bRoutedEvent\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x01(\x04\x12\x16\n\x0esession_blocks\x18\x03 \x01(\r\x12\x17\n\x0fprev_replica_id\x18\x04 \x01(\t\x12\x12\n\nprev_share\x18\x05 \x01(\x01\"\xff\x03\n\x0bRoutedBatch\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12(\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x18.unicache.v1.RoutedEvent\x12\x39\n\tin_flight\x18\x04 \x03(\x0b\x32&.unicache.v1.RoutedBatch.InFlightEntry\x12\x0f\n\x07sent_ms\x18\x05 \x01(\x04\x12R\n\x16queued_uncached_tokens\x18\x06 \x03(\x0b\x32\x32.unicache.v1.RoutedBatch.QueuedUncachedTokensEntry\x12N\n\x14queued_prompt_tokens\x18\x07 \x03(\x0b\x32\x30.unicache.v1.RoutedBatch.QueuedPromptTokensEntry\x12\r\n\x05\x64\x65lta\x18\x08 \x01(\x08\x1a/\n\rInFlightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a;\n\x19QueuedUncachedTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17QueuedPromptTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x87\x02\n\x06Router\x12U\n\x08Generate\x12\".unicache.v1.RouterGenerateRequest\x1a#.unicache.v1.RouterGenerateResponse0\x01\x12S\n\x0cListReplicas\x12 .unicache.v1.ListReplicasRequest\x1a!.unicache.v1.ListReplicasResponse\x12Q\n\x0fGetClusterState\x12#.unicache.v1.GetClusterStateRequest\x1a\x19.unicache.v1.ClusterStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18unicache/v1/router.proto\x12\x0bunicache.v1\x1a\x18unicache/v1/common.proto\"\xca\x01\n\x15RouterGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\tchat_json\x18\x02 \x01(\tH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.unicache.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0c\n\x04task\x18\x05 \x01(\t\x12\x15\n\x08template\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05model\x18\x07 \x01(\tB\x08\n\x06promptB\x0b\n\t_template\"\x88\x01\n\tRouteInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x30\n\rrequest_class\x18\x05 \x01(\x0b\x32\x19.unicache.v1.RequestClass\"\xf2\x01\n\x16RouterGenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.unicache.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.unicache.v1.Usage\x12%\n\x05route\x18\x06 \x01(\x0b\x32\x16.unicache.v1.RouteInfo\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.unicache.v1.TokenLogprobs\"\x15\n\x13ListReplicasRequest\"\x97\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x05 \x01(\t\x12\x13\n\x0bhop_address\x18\x06 \x01(\t\x12\x18\n\x10kv_events_schema\x18\x07 \x01(\t\"B\n\x14ListReplicasResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.unicache.v1.ReplicaInfo\"\x18\n\x16GetClusterStateRequest\"\xc2\x01\n\x0cReplicaState\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.unicache.v1.ReplicaInfo\x12&\n\x05\x63\x61\x63he\x18\x02 \x01(\x0b\x32\x17.unicache.v1.CacheState\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0eindexed_blocks\x18\x05 \x01(\x04\x12(\n\x05\x63osts\x18\x06 \x01(\x0b\x32\x19.unicache.v1.BackendCosts\"\xfc\x01\n\x0c\x42\x61\x63kendCosts\x12\x16\n\x0eprefill_base_s\x18\x01 \x01(\x01\x12\x1b\n\x13prefill_per_token_s\x18\x02 \x01(\x01\x12\x19\n\x11per_outstanding_s\x18\x03 \x01(\x01\x12\x15\n\rdecode_base_s\x18\x04 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_per_seq_s\x18\x05 \x01(\x01\x12\x0e\n\x06\x66itted\x18\x06 \x01(\x08\x12\x14\n\x0cobservations\x18\x07 \x01(\r\x12\x18\n\x10ttft_abs_error_s\x18\x08 \x01(\x01\x12\x16\n\x0ettft_rel_error\x18\t \x01(\x01\x12\x13\n\x0bpredictions\x18\n \x01(\x04\"l\n\x0c\x43lusterState\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.unicache.v1.ReplicaState\x12\x17\n\x0fredis_connected\x18\x02 \x01(\x08\x12\x16\n\x0erouting_policy\x18\x03 \x01(\t\"\x94\x01\n\x10SessionPlacement\x12\x0f\n\x07session\x18\x01 \x01(\x0c\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0e\n\x06hashes\x18\x03 \x01(\x0c\x12\x11\n\tconfirmed\x18\x04 \x01(\x08\x12\x12\n\nupdated_ms\x18\x05 \x01(\x04\x12\x16\n\trouted_at\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x0c\n\n_routed_at\"z\n\x0bRoutedEvent\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x01(\x04\x12\x16\n\x0esession_blocks\x18\x03 \x01(\r\x12\x17\n\x0fprev_replica_id\x18\x04 \x01(\t\x12\x12\n\nprev_share\x18\x05 \x01(\x01\"\xff\x03\n\x0bRoutedBatch\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12(\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x18.unicache.v1.RoutedEvent\x12\x39\n\tin_flight\x18\x04 \x03(\x0b\x32&.unicache.v1.RoutedBatch.InFlightEntry\x12\x0f\n\x07sent_ms\x18\x05 \x01(\x04\x12R\n\x16queued_uncached_tokens\x18\x06 \x03(\x0b\x32\x32.unicache.v1.RoutedBatch.QueuedUncachedTokensEntry\x12N\n\x14queued_prompt_tokens\x18\x07 \x03(\x0b\x32\x30.unicache.v1.RoutedBatch.QueuedPromptTokensEntry\x12\r\n\x05\x64\x65lta\x18\x08 \x01(\x08\x1a/\n\rInFlightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a;\n\x19QueuedUncachedTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17QueuedPromptTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x87\x02\n\x06Router\x12U\n\x08Generate\x12\".unicache.v1.RouterGenerateRequest\x1a#.unicache.v1.RouterGenerateResponse0\x01\x12S\n\x0cListReplicas\x12 .unicache.v1.ListReplicasRequest\x1a!.unicache.v1.ListReplicasResponse\x12Q\n\x0fGetClusterState\x12#.unicache.v1.GetClusterStateRequest\x1a\x19.unicache.v1.ClusterStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,28 +47,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTERGENERATERESPONSE']._serialized_end=654
   _globals['_LISTREPLICASREQUEST']._serialized_start=656
   _globals['_LISTREPLICASREQUEST']._serialized_end=677
-  _globals['_REPLICAINFO']._serialized_start=679
-  _globals['_REPLICAINFO']._serialized_end=804
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=806
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=872
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=874
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=898
-  _globals['_REPLICASTATE']._serialized_start=901
-  _globals['_REPLICASTATE']._serialized_end=1053
-  _globals['_CLUSTERSTATE']._serialized_start=1055
-  _globals['_CLUSTERSTATE']._serialized_end=1163
-  _globals['_SESSIONPLACEMENT']._serialized_start=1166
-  _globals['_SESSIONPLACEMENT']._serialized_end=1314
-  _globals['_ROUTEDEVENT']._serialized_start=1316
-  _globals['_ROUTEDEVENT']._serialized_end=1438
-  _globals['_ROUTEDBATCH']._serialized_start=1441
-  _globals['_ROUTEDBATCH']._serialized_end=1952
-  _globals['_ROUTEDBATCH_INFLIGHTENTRY']._serialized_start=1785
-  _globals['_ROUTEDBATCH_INFLIGHTENTRY']._serialized_end=1832
-  _globals['_ROUTEDBATCH_QUEUEDUNCACHEDTOKENSENTRY']._serialized_start=1834
-  _globals['_ROUTEDBATCH_QUEUEDUNCACHEDTOKENSENTRY']._serialized_end=1893
-  _globals['_ROUTEDBATCH_QUEUEDPROMPTTOKENSENTRY']._serialized_start=1895
-  _globals['_ROUTEDBATCH_QUEUEDPROMPTTOKENSENTRY']._serialized_end=1952
-  _globals['_ROUTER']._serialized_start=1955
-  _globals['_ROUTER']._serialized_end=2218
+  _globals['_REPLICAINFO']._serialized_start=680
+  _globals['_REPLICAINFO']._serialized_end=831
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=833
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=899
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=901
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=925
+  _globals['_REPLICASTATE']._serialized_start=928
+  _globals['_REPLICASTATE']._serialized_end=1122
+  _globals['_BACKENDCOSTS']._serialized_start=1125
+  _globals['_BACKENDCOSTS']._serialized_end=1377
+  _globals['_CLUSTERSTATE']._serialized_start=1379
+  _globals['_CLUSTERSTATE']._serialized_end=1487
+  _globals['_SESSIONPLACEMENT']._serialized_start=1490
+  _globals['_SESSIONPLACEMENT']._serialized_end=1638
+  _globals['_ROUTEDEVENT']._serialized_start=1640
+  _globals['_ROUTEDEVENT']._serialized_end=1762
+  _globals['_ROUTEDBATCH']._serialized_start=1765
+  _globals['_ROUTEDBATCH']._serialized_end=2276
+  _globals['_ROUTEDBATCH_INFLIGHTENTRY']._serialized_start=2109
+  _globals['_ROUTEDBATCH_INFLIGHTENTRY']._serialized_end=2156
+  _globals['_ROUTEDBATCH_QUEUEDUNCACHEDTOKENSENTRY']._serialized_start=2158
+  _globals['_ROUTEDBATCH_QUEUEDUNCACHEDTOKENSENTRY']._serialized_end=2217
+  _globals['_ROUTEDBATCH_QUEUEDPROMPTTOKENSENTRY']._serialized_start=2219
+  _globals['_ROUTEDBATCH_QUEUEDPROMPTTOKENSENTRY']._serialized_end=2276
+  _globals['_ROUTER']._serialized_start=2279
+  _globals['_ROUTER']._serialized_end=2542
 # @@protoc_insertion_point(module_scope)

@@ -63,20 +63,22 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "address", "healthy", "device", "metrics_url", "hop_address")
+    __slots__ = ("replica_id", "address", "healthy", "device", "metrics_url", "hop_address", "kv_events_schema")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     HOP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     healthy: bool
     device: str
     metrics_url: str
     hop_address: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., device: _Optional[str] = ..., metrics_url: _Optional[str] = ..., hop_address: _Optional[str] = ...) -> None: ...
+    kv_events_schema: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., device: _Optional[str] = ..., metrics_url: _Optional[str] = ..., hop_address: _Optional[str] = ..., kv_events_schema: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas",)
@@ -89,18 +91,44 @@ class GetClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("info", "cache", "running", "waiting", "indexed_blocks")
+    __slots__ = ("info", "cache", "running", "waiting", "indexed_blocks", "costs")
     INFO_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     info: ReplicaInfo
     cache: _common_pb2.CacheState
     running: int
     waiting: int
     indexed_blocks: int
-    def __init__(self, info: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+    costs: BackendCosts
+    def __init__(self, info: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., costs: _Optional[_Union[BackendCosts, _Mapping]] = ...) -> None: ...
+
+class BackendCosts(_message.Message):
+    __slots__ = ("prefill_base_s", "prefill_per_token_s", "per_outstanding_s", "decode_base_s", "decode_per_seq_s", "fitted", "observations", "ttft_abs_error_s", "ttft_rel_error", "predictions")
+    PREFILL_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    PER_OUTSTANDING_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PER_SEQ_S_FIELD_NUMBER: _ClassVar[int]
+    FITTED_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_ABS_ERROR_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    prefill_base_s: float
+    prefill_per_token_s: float
+    per_outstanding_s: float
+    decode_base_s: float
+    decode_per_seq_s: float
+    fitted: bool
+    observations: int
+    ttft_abs_error_s: float
+    ttft_rel_error: float
+    predictions: int
+    def __init__(self, prefill_base_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., per_outstanding_s: _Optional[float] = ..., decode_base_s: _Optional[float] = ..., decode_per_seq_s: _Optional[float] = ..., fitted: _Optional[bool] = ..., observations: _Optional[int] = ..., ttft_abs_error_s: _Optional[float] = ..., ttft_rel_error: _Optional[float] = ..., predictions: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
     __slots__ = ("replicas", "redis_connected", "routing_policy")

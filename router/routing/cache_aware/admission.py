@@ -57,10 +57,11 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from unicache.router.routing.base import ReplicaLoad, replica_id_of
+from unicache.router.routing.cost_model import Costs
 
 
 # The matching replicas are tried first in fleets of at least this many replicas, when at
@@ -188,6 +189,30 @@ class TTFTAdmission:
                         or [r for r, x in zip(replicas, sat) if x <= sat_cap])
         if max(est) <= cap:
             return list(replicas)  # every one (a quiet fleet): no filtering pass
+        return [r for r, e in zip(replicas, est) if e <= cap]
+
+    def admissible_timed(self, replicas: Sequence[ReplicaLoad], num_prompt_tokens: int, block_size: int,
+                         matches: Mapping[str, int], queue_share: Mapping[str, float] | None,
+                         costs: Callable[[str], Costs]) -> list[ReplicaLoad]:
+        """``admissible`` priced in each replica's own seconds (``costs(r)``: its fitted
+        ``Costs``, ``unicache.router.routing.cost_model``): the replicas whose predicted TTFT
+
+            est_r = a_r + b_r * (uncached_r + queue_r / lanes) + s_r * outstanding_r
+
+        is within ``factor`` of the least, in their order. The measured wait per
+        outstanding request s_r takes the saturation rule's place: it prices running and
+        unstarted requests alike, as the backend was seen to."""
+        lanes, get, n, bs = self.prefill_lanes, matches.get, num_prompt_tokens, block_size
+        share = queue_share.get if queue_share else None
+        est = []
+        for r in replicas:
+            rid = r.replica_id
+            c = costs(rid)
+            u = n - bs * get(rid, 0)
+            q = r.queued_prefill_tokens * (share(rid, 1.0) if share is not None else 1.0) / lanes
+            out = r.in_flight if r.in_flight > r.running + r.waiting else r.running + r.waiting
+            est.append(c.prefill_base_s + c.prefill_per_token_s * ((u if u > 0 else 0) + q) + c.per_outstanding_s * out)
+        cap = self.factor * min(est)
         return [r for r, e in zip(replicas, est) if e <= cap]
 
     def _among_matches(self, replicas: Sequence[ReplicaLoad], num_prompt_tokens: int, block_size: int,

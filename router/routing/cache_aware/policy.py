@@ -82,6 +82,22 @@ Names the cost uses, per replica r:
     cost_r   = (N - hit_r) + load_weight * load_r + churn_weight * churn_r
                + footprint_weight * foot_r
 
+Priced in seconds: with a cost model (``unicache.router.routing.cost_model``) that has
+fitted some backend, each replica's terms are priced in its own seconds, a_r, b_r, s_r
+its fitted prefill base, seconds per prefill token and seconds per outstanding request:
+
+    cost_r   = a_r + b_r * (N - hit_r) + load_weight * (b_r * q_r * queued_prefill_tokens_r / lanes
+               + s_r * outstanding_r) + b_r * (churn_weight * churn_r + footprint_weight * foot_r)
+
+the expected TTFT there (the drain of what runs and waits, then the request's uncached
+prefill), with eviction pressure (in hit_r), churn and the session footprint priced as
+the prefill they would cost on r. TTFT admission estimates in the same seconds
+(``TTFTAdmission.admissible_timed``), so a session's home is bounded by the same price.
+Where a cached block saves little against what a request waits behind another (b_r small
+beside s_r) the choice is the least loaded one; where it saves much it follows the cache.
+Until a backend is fitted the prices are token units (a = 0, b = 1, s =
+``request_cost_tokens``), the formula above.
+
 Why the terms: churn is a flow (new blocks per request: what evicts cached blocks and
 the prefill work a replica computes), a live session's context is a stock that stays
 cached between its turns (the footprint); without the footprint term unrelated work
@@ -125,6 +141,7 @@ from unicache.router.routing.base import (
 from unicache.router.routing.cache_aware.candidates import CandidateWindow
 from unicache.router.routing.cache_aware.decaying import DecayingTotals
 from unicache.router.routing.cache_aware.queue_share import QueueShares
+from unicache.router.routing.cost_model import CostModel
 from unicache.router.routing.keys import HashRing, load_key, session_key
 from unicache.router.routing.registry import register_routing_policy
 
@@ -335,11 +352,14 @@ class CacheAwarePolicy(RoutingPolicy):
     Args:
         config: the tunables (default ``CacheAwareConfig()``). The policy's attributes of
             the same names hold them, as the decision reads them per request.
+        cost_model: the backends' costs in seconds (``unicache.router.routing.cost_model``;
+            ``set_cost_model``). While it has fitted no backend, or without one, the
+            decision is priced in prefill tokens (module docstring, "Priced in seconds").
     """
 
     config_class = CacheAwareConfig
 
-    def __init__(self, config: CacheAwareConfig | None = None):
+    def __init__(self, config: CacheAwareConfig | None = None, cost_model: CostModel | None = None):
         if config is None:
             config = CacheAwareConfig()
         elif not isinstance(config, CacheAwareConfig):
@@ -359,26 +379,41 @@ class CacheAwarePolicy(RoutingPolicy):
         self._pending: dict[str, dict[BlockHash, int]] = {}
         self._queues = QueueShares(config.max_inflight)
         self._window = CandidateWindow(config.candidate_window)
+        self.cost_model = cost_model
+
+    def set_cost_model(self, model: CostModel | None) -> None:
+        """Price decisions with ``model`` (the router's live one, or a calibration)."""
+        self.cost_model = model
+
+    def _timed(self) -> CostModel | None:
+        """The cost model when it prices backends apart (some backend is fitted), else None."""
+        model = self.cost_model
+        return model if model is not None and not model.uniform else None
 
     # -- decision: the stages the module docstring names, in order ----------------------
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: LocalityView) -> RouteDecision:
         cls = request.cls
         prev = self._sessions.get(session_key(cls.tenant, cls.session_id)) if cls.session_id is not None else None
-        cand = self._candidates(request, replicas, index, prev)
+        timed = self._timed()
+        cand = self._candidates(request, replicas, index, prev, timed)
         admissible = cand.admissible
         if admissible is None:
-            admissible = self._admission(cand.replicas, request.num_prompt_tokens, request.block_size, cand.matches)
+            if timed is not None:
+                admissible = self.admission.admissible_timed(cand.replicas, request.num_prompt_tokens, request.block_size,
+                                                             cand.matches, self._queues.share, timed.costs)
+            else:
+                admissible = self._admission(cand.replicas, request.num_prompt_tokens, request.block_size, cand.matches)
         if prev is not None and self.config.session_sticky:
             kept = self._session_home(prev, request.block_hashes, admissible, index, cand.matches)
             if kept is not None:
                 return kept
         if self.config.fit_first:
             admissible = self._fit(admissible, request.num_prompt_tokens, request.block_size)
-        return self._score(request, replicas, admissible, index, cand, prev)
+        return self._score(request, replicas, admissible, index, cand, prev, timed)
 
     def _candidates(self, request: RoutingRequest, fleet: Sequence[ReplicaLoad], index: LocalityView,
-                    prev: _Session | None) -> _Candidates:
+                    prev: _Session | None, timed: CostModel | None = None) -> _Candidates:
         """Stage 1: the replicas a decision weighs and their index matches. The whole fleet
         up to ``candidate_window`` replicas; beyond it, the holders alone when TTFT
         admission can decide among them (then the admissible set comes with them), else
@@ -392,7 +427,7 @@ class CacheAwarePolicy(RoutingPolicy):
         # everywhere) sets no replica apart: its holders come grouped by length, and
         # count only where the window below or another reason brings them in
         matches, groups = index.prefix_match_groups(hashes, len(fleet) // 2)
-        if not groups:
+        if not groups and timed is None:
             # the holders clearly fastest: TTFT admission decides among them alone,
             # exactly as over the whole fleet, and no window is needed
             admissible = self.admission.decided_by_matches(fleet, request.num_prompt_tokens, request.block_size,
@@ -448,7 +483,8 @@ class CacheAwarePolicy(RoutingPolicy):
         return ring.owner(request.block_hashes[k - 1].hex(), live), self.config.template_trust * tb
 
     def _score(self, request: RoutingRequest, fleet: Sequence[ReplicaLoad], admissible: list[ReplicaLoad],
-               index: LocalityView, cand: _Candidates, prev: _Session | None) -> RouteDecision:
+               index: LocalityView, cand: _Candidates, prev: _Session | None,
+               timed: CostModel | None = None) -> RouteDecision:
         """Stage 5: argmin cost_r over ``admissible`` (the module docstring's formula), ties
         to the less loaded (``load_key``). ``fleet``: every live replica offered (the churn
         term's mean and the template home are the fleet's)."""
@@ -486,6 +522,8 @@ class CacheAwarePolicy(RoutingPolicy):
         inflow, footprint, foot_unit = self._inflow.raw, self._footprint.raw, self._footprint.unit
         evict_weight, rct, load_weight = self.config.evict_weight, self.config.request_cost_tokens, self.config.load_weight
         per_lane = 1.0 / self.admission.prefill_lanes if self.config.queue_per_lane else 0.0
+        costs_of = timed.costs if timed is not None else None
+        sec = 1.0  # seconds per prefill token on r (priced in tokens: 1)
         host_weight = 1.0 - self.config.host_cost
         # runs through both tiers past each replica's GPU match, for the replicas that have one
         if cand.runs_known:
@@ -545,21 +583,26 @@ class CacheAwarePolicy(RoutingPolicy):
                 if qpt and r.capacity_blocks:
                     pressure = min(1.0, (qpt / bs) / max(1, r.free_blocks))
                 hit = bs * (m + host_weight * host) * (1.0 - evict_weight * pressure)
-                cost = (n_tokens - hit) + load_weight * (q + rct * out)
             else:
-                cost = n_tokens + load_weight * (q + rct * out)
+                hit = 0.0
+            if costs_of is None:
+                cost = (n_tokens - hit) + load_weight * (q + rct * out)
+            else:  # seconds: this backend's prefill of the uncached part, then its drain
+                co = costs_of(rid)
+                sec = co.prefill_per_token_s
+                cost = co.prefill_base_s + sec * (n_tokens - hit) + load_weight * (sec * q + co.per_outstanding_s * out)
             if cost > best_cost:
                 continue  # the churn and footprint terms only add: this replica cannot win
             if churn_scale:
                 iv = inflow.get(rid)
                 if iv is not None and iv > mean_inflow:  # then iv / mean >= 1.0: max(0, .) is a no-op
-                    cost += churn_scale * (iv / mean_inflow - 1.0)
+                    cost += sec * churn_scale * (iv / mean_inflow - 1.0)
             if foot_scale and r.capacity_blocks:
                 fv = footprint.get(rid)
                 if fv is not None or rid == own_id:
                     foot = (fv * foot_unit if fv is not None else 0.0) - (own_share if rid == own_id else 0.0)
                     if foot > 0.0:  # max(0, foot): a term of 0.0 leaves the cost as it is
-                        cost += foot_scale * foot / r.capacity_blocks
+                        cost += sec * foot_scale * foot / r.capacity_blocks
             if cost < best_cost or (cost == best_cost and (out, qpt, rid) < load_key(best_r)):
                 best_r, best_cost, best_m, best_reason = r, cost, m + host, reason
         assert best_r is not None  # the least-estimate replica is always admissible

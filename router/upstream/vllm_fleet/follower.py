@@ -86,15 +86,27 @@ _SERIES = {
     "vllm:kv_cache_usage_perc": "usage",
     "vllm:prefix_cache_hits": "prefix_hits",
     "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:prompt_tokens_cached": "prompt_tokens_cached",
 }
-_PREFIXES = (*(f"{name}{{" for name in _SERIES), *(f"{name}_total{{" for name in _SERIES), "vllm:cache_config_info{")
+# histograms whose _sum and _count feed the cost model (router/routing/cost_model.py)
+_HISTOGRAMS = {
+    "vllm:request_prefill_time_seconds": "prefill_time",
+    "vllm:request_time_per_output_token_seconds": "tpot",
+    "vllm:time_per_output_token_seconds": "tpot",  # its name before vLLM 0.11
+    "vllm:request_queue_time_seconds": "queue_time",
+}
+_PREFIXES = (*(f"{name}{{" for name in _SERIES), *(f"{name}_total{{" for name in _SERIES), "vllm:cache_config_info{",
+             *(f"{name}_{part}{{" for name in _HISTOGRAMS for part in ("sum", "count")))
 _WANTED = (*_PREFIXES, *(f"# TYPE {p[:-1]} " for p in _PREFIXES))  # the series' samples and their TYPE lines
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """The series the router reads from a vLLM ``/metrics`` page (summed over engines):
     ``running``, ``waiting``, ``usage`` (0..1), ``gpu_blocks``, ``cpu_blocks``,
-    ``block_size``, ``prefix_hits``, ``prefix_queries``; absent ones are left out."""
+    ``block_size``, ``prefix_hits``, ``prefix_queries``, ``prompt_tokens``,
+    ``prompt_tokens_cached`` and the histograms' ``prefill_time_sum`` / ``_count``,
+    ``tpot_sum`` / ``_count``, ``queue_time_sum`` / ``_count``; absent ones are left out."""
     out: dict[str, float] = {}
     # NOTE: only the lines of these series reach the parser: a vLLM page has ~650 lines and
     # parsing all of it cost 12 ms per scrape, every second, per backend.
@@ -106,6 +118,13 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
                     continue
                 key = _SERIES[family.name]
                 out[key] = out.get(key, 0.0) + sample.value
+        elif family.name.endswith(("_sum", "_count")) and family.name.rpartition("_")[0] in _HISTOGRAMS:
+            # NOTE: only a histogram's _sum and _count lines reach the parser, without its
+            # TYPE line: each is read as an untyped family of that name
+            base, _, part = family.name.rpartition("_")
+            key = f"{_HISTOGRAMS[base]}_{part}"
+            for sample in family.samples:
+                out[key] = out.get(key, 0.0) + sample.value
         elif family.name == "vllm:cache_config_info":
             for sample in family.samples:
                 for label, key in (("num_gpu_blocks", "gpu_blocks"), ("num_cpu_blocks", "cpu_blocks"), ("block_size", "block_size")):
@@ -113,6 +132,23 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
                     if value.isdigit():
                         out[key] = out.get(key, 0.0) + int(value) if key != "block_size" else int(value)
     return out
+
+
+def observe_histograms(model, backend_id: str, prev: dict[str, float], now: dict[str, float]) -> None:
+    """Feed ``model`` (a ``CostModel``) what a vLLM server's histograms say between two
+    scrapes: the mean prefill time of the requests prefilled in between against their
+    mean uncached prompt tokens (prompt less cached tokens), and their mean time per
+    output token against the requests running now."""
+    def delta(key: str) -> float:
+        return now.get(key, 0.0) - prev.get(key, 0.0)
+
+    n = delta("prefill_time_count")
+    if n > 0 and "prompt_tokens" in now:
+        uncached = max(0.0, delta("prompt_tokens") - delta("prompt_tokens_cached")) / n
+        model.observe_prefill(backend_id, delta("prefill_time_sum") / n, uncached)
+    n = delta("tpot_count")
+    if n > 0:
+        model.observe_itl(backend_id, delta("tpot_sum") / n, max(1.0, now.get("running", 0.0)))
 
 
 class BackendFollower:
@@ -260,6 +296,9 @@ class BackendFollower:
             log.info("backend %s (%s, model %s) joined", self.backend_id, self.spec.url, self.clients.models[self.spec.url])
 
     def _set_load(self, stats: dict[str, float]) -> None:
+        prev = self.cluster.backend_stats.get(self.backend_id)
+        if prev is not None:
+            observe_histograms(self.cluster.cost_model, self.backend_id, prev, stats)
         self.cluster.backend_stats[self.backend_id] = stats
         gpu = int(stats.get("gpu_blocks", 0))
         self.capacity_blocks = gpu

@@ -1,0 +1,396 @@
+"""Each backend's costs in seconds, learned live: prefill time against uncached tokens,
+the wait per request outstanding ahead, and decode step time against batch size.
+
+The router prices a routing decision in the fleet's own time (docs/routing.md, "cost
+model"). Per backend r it keeps a robust windowed fit of
+
+    ttft_r(u, q, o) = a_r + b_r * (u + q) + s_r * o       (seconds)
+    itl_r(n)        = c_r + d_r * n                       (seconds per output token)
+
+    u: the request's uncached prompt tokens (usage: prompt less cached tokens)
+    q: the uncached prompt tokens queued ahead of it there, per prefill lane
+    o: the requests outstanding there at dispatch (running, waiting and in transit)
+    n: the batch a token was decoded in (requests running there)
+
+from what the router sees on every request (its TTFT and usage, the load at dispatch,
+the times between streamed messages) and, for stock vLLM servers, from their histograms
+(``vllm:request_prefill_time_seconds``: pure prefill, o = q = 0;
+``vllm:time_per_output_token_seconds``). ``a_r + b_r * u`` is the prefill of the uncached
+part, ``b_r * q + s_r * o`` the time to drain what is running and queued there.
+
+The fit (``RobustFit``) is Huber-weighted least squares over the last ``window``
+observations (a ring buffer, so it follows change: after ``window`` observations of a
+new regime the old one is gone), refit every ``refit_every`` observations with a fixed
+number of reweighting rounds: O(window / refit_every) = O(1) work per observation,
+amortised. A residual beyond ``HUBER_K`` robust standard deviations (from the median
+absolute deviation) weighs 1/|r|, so a stall or a cold start moves a coefficient little.
+A feature that does not vary in the window is not fitted: its coefficient stays at the
+prior and its part is taken out of y first. Coefficients are never negative (a negative
+slope is set to 0 and the rest refit). Until ``min_observations`` arrive a backend's
+costs are the prior: the mean of the fitted backends' costs when some are fitted, else
+``PRIOR``.
+
+Invariants:
+    * A backend's state is bounded: two ring buffers of ``window`` observations.
+    * ``costs(r)`` never raises and never returns a negative coefficient.
+    * ``uniform`` is True while no backend is fitted: every backend is priced alike, and
+      ``cache_aware`` decides exactly as with prefill-token units (docs/routing.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+HUBER_K = 1.5  # residuals beyond this many robust standard deviations are down-weighted
+_IRLS_ROUNDS = 4
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """A backend's costs in seconds (module docstring's names).
+
+    Attributes:
+        prefill_base_s: a, the time to first token of a cached prompt on an idle backend.
+        prefill_per_token_s: b, per uncached prompt token (its own and the queue's).
+        per_outstanding_s: s, per request outstanding there at dispatch.
+        decode_base_s / decode_per_seq_s: c and d of the inter-token time at batch n.
+        fitted: False while these are a prior.
+        observations: TTFT observations in the window.
+    """
+
+    prefill_base_s: float
+    prefill_per_token_s: float
+    per_outstanding_s: float
+    decode_base_s: float = 0.02
+    decode_per_seq_s: float = 0.001
+    fitted: bool = False
+    observations: int = 0
+
+    def ttft_s(self, uncached: float, queued: float = 0.0, outstanding: float = 0.0) -> float:
+        """Predicted time to first token (seconds)."""
+        return self.prefill_base_s + self.prefill_per_token_s * (uncached + queued) + self.per_outstanding_s * outstanding
+
+    def itl_s(self, batch: float) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch
+
+
+# 2**-13 s per token (0.12 ms): a power of two, so pricing in it or in tokens orders and
+# ties replicas alike, bit for bit. An outstanding request stands for 128 tokens
+# (``CacheAwareConfig.request_cost_tokens``' default).
+PRIOR = Costs(prefill_base_s=0.0, prefill_per_token_s=2.0 ** -13, per_outstanding_s=128 * 2.0 ** -13)
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solve m x = v (k <= 3) by Gaussian elimination with partial pivoting; None when singular."""
+    k = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(k):
+        piv = max(range(col, k), key=lambda i: abs(a[i][col]))
+        if abs(a[piv][col]) < 1e-12 * max(1.0, max(abs(x) for row in a for x in row[:k])):
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for i in range(k):
+            if i != col and a[i][col]:
+                f = a[i][col] / a[col][col]
+                for j in range(col, k + 1):
+                    a[i][j] -= f * a[col][j]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+class RobustFit:
+    """y = c[0] + sum_j c[j+1] * x[j], Huber-weighted least squares over a ring buffer
+    (module docstring). ``prior``: the coefficients before data and for features that
+    do not vary in the window.
+
+    Invariant: ``coef`` holds len(prior) non-negative floats; the buffer holds at most
+    ``window`` observations, oldest overwritten first."""
+
+    __slots__ = ("prior", "coef", "window", "refit_every", "_xs", "_ys", "_next", "_since", "count")
+
+    def __init__(self, prior: Sequence[float], window: int = 128, refit_every: int = 8):
+        if window < 4 or refit_every < 1:
+            raise ValueError("window must be >= 4 and refit_every >= 1")
+        self.prior = tuple(float(p) for p in prior)
+        self.coef = list(self.prior)
+        self.window = window
+        self.refit_every = refit_every
+        self._xs: list[tuple[float, ...]] = []
+        self._ys: list[float] = []
+        self._next = 0
+        self._since = 0
+        self.count = 0  # observations ever
+
+    def __len__(self) -> int:
+        return len(self._ys)
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        if not (math.isfinite(y) and all(math.isfinite(v) for v in x)):
+            return
+        row = tuple(float(v) for v in x)
+        if len(self._ys) < self.window:
+            self._xs.append(row)
+            self._ys.append(float(y))
+        else:
+            self._xs[self._next] = row
+            self._ys[self._next] = float(y)
+            self._next = (self._next + 1) % self.window
+        self.count += 1
+        self._since += 1
+        if self._since >= self.refit_every:
+            self.refit()
+
+    def refit(self) -> None:
+        self._since = 0
+        xs, ys = self._xs, self._ys
+        if len(ys) < 3:
+            return
+        k = len(self.prior) - 1
+        # features that vary in the window are fitted; the others keep their prior
+        active = []
+        for j in range(k):
+            col = [x[j] for x in xs]
+            lo, hi = min(col), max(col)
+            if hi - lo > 1e-9 * max(1.0, abs(hi)):
+                active.append(j)
+        zeroed: list[int] = []
+        while True:
+            coef = self._irls(active, zeroed)
+            if coef is None:
+                return
+            neg = [j for j in active if coef[j + 1] < 0.0]
+            if not neg:
+                break
+            active = [j for j in active if j not in neg]
+            zeroed.extend(neg)
+        coef[0] = max(0.0, coef[0])
+        self.coef = coef
+
+    def _irls(self, active: list[int], zeroed: list[int]) -> list[float] | None:
+        xs, ys = self._xs, self._ys
+        prior = [0.0 if j - 1 in zeroed else p for j, p in enumerate(self.prior)]
+        fixed = [j for j in range(len(prior) - 1) if j not in active]
+        # y less the prior's share of the features not fitted
+        yy = [y - sum(prior[j + 1] * x[j] for j in fixed) for x, y in zip(xs, ys)]
+        rows = [(1.0, *(x[j] for j in active)) for x in xs]
+        p = len(active) + 1
+        w = [1.0] * len(yy)
+        beta = None
+        for _ in range(_IRLS_ROUNDS):
+            m = [[0.0] * p for _ in range(p)]
+            v = [0.0] * p
+            for row, y, wi in zip(rows, yy, w):
+                for i in range(p):
+                    wri = wi * row[i]
+                    v[i] += wri * y
+                    mi = m[i]
+                    for j in range(i, p):
+                        mi[j] += wri * row[j]
+            for i in range(p):
+                for j in range(i):
+                    m[i][j] = m[j][i]
+            sol = _solve(m, v)
+            if sol is None:
+                break
+            beta = sol
+            res = [y - sum(b * r for b, r in zip(beta, row)) for row, y in zip(rows, yy)]
+            scale = 1.4826 * _median([abs(r) for r in res])
+            if scale <= 0.0:
+                break
+            cut = HUBER_K * scale
+            w = [1.0 if abs(r) <= cut else cut / abs(r) for r in res]
+        if beta is None:
+            return None
+        coef = list(prior)
+        coef[0] = beta[0]
+        for b, j in zip(beta[1:], active):
+            coef[j + 1] = b
+        return coef
+
+
+@dataclass(slots=True)
+class _Backend:
+    ttft: RobustFit
+    itl: RobustFit
+    abs_error_s: float = 0.0  # EMA of |predicted - measured TTFT|
+    rel_error: float = 0.0  # EMA of |predicted - measured| / measured
+    errors: int = 0
+
+
+class CostModel:
+    """Per-backend ``Costs``, learned from observations (module docstring).
+
+    Args:
+        window: observations each fit keeps (default 128).
+        refit_every: observations between refits (default 8).
+        min_observations: TTFT observations before a backend's fit replaces the prior
+            (default 16).
+        prior: the costs of a backend before it is fitted while no other is (``PRIOR``).
+        frozen: observations are ignored (a calibration: ``from_calibration``).
+    """
+
+    def __init__(self, window: int = 128, refit_every: int = 8, min_observations: int = 16,
+                 prior: Costs = PRIOR, frozen: bool = False):
+        if min_observations < 1:
+            raise ValueError("min_observations must be >= 1")
+        self.window = window
+        self.refit_every = refit_every
+        self.min_observations = min_observations
+        self.prior = prior
+        self.frozen = frozen
+        self._backends: dict[str, _Backend] = {}
+        self._fixed: dict[str, Costs] = {}  # a calibration's costs
+        self._cache: dict[str, Costs] | None = None
+        self._fleet: Costs | None = None
+
+    # -- observations --------------------------------------------------------------------
+    def _backend(self, rid: str) -> _Backend:
+        b = self._backends.get(rid)
+        if b is None:
+            p = self.prior
+            b = self._backends[rid] = _Backend(
+                RobustFit((p.prefill_base_s, p.prefill_per_token_s, p.per_outstanding_s), self.window, self.refit_every),
+                RobustFit((p.decode_base_s, p.decode_per_seq_s), self.window, self.refit_every))
+        return b
+
+    def observe_ttft(self, rid: str, ttft_s: float, uncached: float, queued: float = 0.0, outstanding: float = 0.0) -> None:
+        """A request's measured TTFT on ``rid`` with its uncached prompt tokens, the
+        uncached tokens queued ahead per lane and the requests outstanding at dispatch."""
+        if self.frozen or ttft_s < 0:
+            return
+        fit = self._backend(rid).ttft
+        fit.add((uncached + queued, outstanding), ttft_s)
+        if fit.count == self.min_observations and fit._since:
+            fit.refit()  # the fit replaces the prior from now on
+        if fit._since == 0:
+            self._invalidate()
+
+    def observe_prefill(self, rid: str, prefill_s: float, uncached: float) -> None:
+        """A pure prefill time (no queue, nothing outstanding ahead): vLLM's
+        ``request_prefill_time_seconds`` mean over a poll against its mean uncached tokens."""
+        self.observe_ttft(rid, prefill_s, uncached, 0.0, 0.0)
+
+    def observe_itl(self, rid: str, itl_s: float, batch: float) -> None:
+        """A mean time per output token, decoded in batches of about ``batch``."""
+        if self.frozen or itl_s < 0:
+            return
+        fit = self._backend(rid).itl
+        fit.add((batch,), itl_s)
+        if fit._since == 0:
+            self._invalidate()
+
+    def observe_error(self, rid: str, predicted_s: float, measured_s: float) -> None:
+        """Record the prediction error of one TTFT (exponential average, weight 1/16)."""
+        b = self._backends.get(rid)
+        if b is None or measured_s <= 0:
+            return
+        err = abs(predicted_s - measured_s)
+        w = 1.0 / 16 if b.errors >= 16 else 1.0 / (b.errors + 1)
+        b.abs_error_s += w * (err - b.abs_error_s)
+        b.rel_error += w * (err / measured_s - b.rel_error)
+        b.errors += 1
+
+    def forget(self, rid: str) -> None:
+        if self._backends.pop(rid, None) is not None or self._fixed.pop(rid, None) is not None:
+            self._invalidate()
+
+    # -- reading -------------------------------------------------------------------------
+    def _invalidate(self) -> None:
+        self._cache = None
+
+    def _fitted(self) -> dict[str, Costs]:
+        if self._cache is None:
+            out = dict(self._fixed)
+            for rid, b in self._backends.items():
+                if rid in out or b.ttft.count < self.min_observations:
+                    continue
+                (a, pb, s), (c, d) = b.ttft.coef, b.itl.coef
+                out[rid] = Costs(a, pb, s, c, d, True, len(b.ttft))
+            self._cache = out
+            if out:
+                n = len(out)
+                vals = list(out.values())
+                self._fleet = Costs(sum(c.prefill_base_s for c in vals) / n, sum(c.prefill_per_token_s for c in vals) / n,
+                                    sum(c.per_outstanding_s for c in vals) / n, sum(c.decode_base_s for c in vals) / n,
+                                    sum(c.decode_per_seq_s for c in vals) / n, False, 0)
+            else:
+                self._fleet = None
+        return self._cache
+
+    @property
+    def uniform(self) -> bool:
+        """No backend is fitted: every backend is priced with one prior."""
+        return not self._fitted()
+
+    def costs(self, rid: str) -> Costs:
+        """``rid``'s fitted costs, else the fleet's mean, else the prior."""
+        c = self._fitted().get(rid)
+        if c is not None:
+            return c
+        return self._fleet if self._fleet is not None else self.prior
+
+    def backends(self) -> list[str]:
+        return sorted(set(self._backends) | set(self._fixed))
+
+    def error(self, rid: str) -> tuple[float, float, int]:
+        """(mean absolute error s, mean relative error, predictions scored) of ``rid``."""
+        b = self._backends.get(rid)
+        return (b.abs_error_s, b.rel_error, b.errors) if b is not None else (0.0, 0.0, 0)
+
+    def snapshot(self) -> dict[str, dict]:
+        """Per backend: its costs, whether fitted, and its prediction error (for
+        ``/v1/cluster/state``, the dashboard and the calibration file)."""
+        out = {}
+        for rid in self.backends():
+            c = self.costs(rid)
+            row = asdict(c)
+            row["fitted"] = rid in self._fitted()
+            ae, re_, n = self.error(rid)
+            row.update(ttft_abs_error_s=ae, ttft_rel_error=re_, predictions=n)
+            out[rid] = row
+        return out
+
+    # -- calibration files ------------------------------------------------------------------
+    def to_calibration(self) -> dict:
+        """A calibration: the fitted backends' costs (``from_calibration`` reads it)."""
+        return {"version": CALIBRATION_VERSION,
+                "backends": {rid: asdict(c) for rid, c in sorted(self._fitted().items())}}
+
+    @classmethod
+    def from_calibration(cls, data: Mapping | str, frozen: bool = True) -> CostModel:
+        """A model whose backends have the calibration's costs (``data``: the dict or a
+        JSON file's path). Raises ValueError naming what is wrong."""
+        if isinstance(data, str):
+            try:
+                with open(data, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"cannot read calibration {data}: {exc}") from None
+        if not isinstance(data, Mapping) or data.get("version") != CALIBRATION_VERSION:
+            raise ValueError(f"a calibration is a JSON object with \"version\": {CALIBRATION_VERSION} and \"backends\"")
+        backends = data.get("backends")
+        if not isinstance(backends, Mapping):
+            raise ValueError("calibration: \"backends\" must map backend ids to costs")
+        model = cls(frozen=frozen)
+        names = ("prefill_base_s", "prefill_per_token_s", "per_outstanding_s", "decode_base_s", "decode_per_seq_s")
+        for rid, row in backends.items():
+            if not isinstance(row, Mapping):
+                raise ValueError(f"calibration: backend {rid!r} is not an object")
+            vals = {}
+            for name in names:
+                v = row.get(name, getattr(PRIOR, name))
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"calibration: backend {rid!r}: {name} must be a non-negative number, got {v!r}")
+                vals[name] = float(v)
+            model._fixed[str(rid)] = Costs(**vals, fitted=True, observations=int(row.get("observations", 0) or 0))
+        model._invalidate()
+        return model

@@ -1,0 +1,185 @@
+"""The live cost model: the fit recovers known costs and follows a change, the observer
+feeds it from the request path, and cache_aware prices decisions in its seconds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from unicache.contract.block_hash import hash_id_blocks
+from unicache.contract.request_class import RequestClass, Task
+from unicache.router.cluster.index import LocalityIndex
+from unicache.router.request_path.cost_observer import CostObserver
+from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
+from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
+from unicache.router.routing.cost_model import PRIOR, CostModel, Costs, RobustFit
+from unicache.v1 import common_pb2, replica_pb2
+
+BS = 16
+
+
+def feed(model: CostModel, rid: str, n: int, a: float, b: float, s: float, rng: random.Random, outliers: int = 0) -> None:
+    """``n`` TTFT observations of a + b * tokens + s * outstanding with 1 ms noise; every
+    ``outliers``-th one 2 s late (a stall)."""
+    for i in range(n):
+        u, q, o = rng.randint(0, 2000), rng.randint(0, 300), rng.randint(0, 6)
+        y = a + b * (u + q) + s * o + rng.gauss(0.0, 0.001)
+        if outliers and i % outliers == 0:
+            y += 2.0
+        model.observe_ttft(rid, y, u, q, o)
+
+
+def test_fit_recovers_known_costs_despite_stalls():
+    model = CostModel()
+    feed(model, "r1", 200, 0.010, 2e-4, 0.030, random.Random(1), outliers=17)
+    c = model.costs("r1")
+    assert c.fitted and c.observations == 128
+    assert c.prefill_base_s == pytest.approx(0.010, abs=1e-3)
+    assert c.prefill_per_token_s == pytest.approx(2e-4, rel=0.02)
+    assert c.per_outstanding_s == pytest.approx(0.030, rel=0.05)
+
+
+def test_fit_follows_a_change_within_its_window():
+    model = CostModel(window=64)
+    rng = random.Random(2)
+    feed(model, "r1", 100, 0.010, 2e-4, 0.030, rng)
+    feed(model, "r1", 64, 0.050, 1e-3, 0.010, rng)  # the backend got slower per token
+    c = model.costs("r1")
+    assert c.prefill_base_s == pytest.approx(0.050, abs=2e-3)
+    assert c.prefill_per_token_s == pytest.approx(1e-3, rel=0.02)
+    assert c.per_outstanding_s == pytest.approx(0.010, rel=0.2)
+
+
+def test_prior_until_enough_observations_then_the_fleet_mean_for_the_others():
+    model = CostModel(min_observations=16)
+    assert model.uniform and model.costs("r1") == PRIOR
+    feed(model, "r1", 15, 0.010, 2e-4, 0.030, random.Random(3))
+    assert model.uniform and model.costs("r1") == PRIOR
+    feed(model, "r1", 1, 0.010, 2e-4, 0.030, random.Random(4))
+    assert not model.uniform and model.costs("r1").fitted
+    other = model.costs("r2")  # no observation of its own: priced as the fleet's mean
+    assert not other.fitted and other.prefill_per_token_s == model.costs("r1").prefill_per_token_s
+
+
+def test_a_feature_that_does_not_vary_keeps_its_prior_and_slopes_never_go_negative():
+    fit = RobustFit((0.0, 1e-4, 0.02), window=16, refit_every=4)
+    for u in range(16):
+        fit.add((100.0 * u, 0.0), 0.005 + 3e-4 * 100.0 * u)  # outstanding always 0
+    assert fit.coef[0] == pytest.approx(0.005) and fit.coef[1] == pytest.approx(3e-4) and fit.coef[2] == 0.02
+    fit = RobustFit((0.0, 1e-4, 0.02), window=16, refit_every=4)
+    for u in range(16):
+        fit.add((100.0 * u, float(u % 4)), 0.5 - 1e-4 * 100.0 * u)  # faster with more tokens: impossible
+    assert fit.coef[1] == 0.0 and all(c >= 0.0 for c in fit.coef)
+
+
+def test_calibration_round_trip_and_refusals(tmp_path):
+    model = CostModel()
+    feed(model, "r1", 32, 0.010, 2e-4, 0.030, random.Random(5))
+    cal = model.to_calibration()
+    assert sorted(cal["backends"]) == ["r1"]
+    path = tmp_path / "cal.json"
+    import json
+    path.write_text(json.dumps(cal))
+    loaded = CostModel.from_calibration(str(path))
+    assert loaded.frozen and loaded.costs("r1") == Costs(**{**cal["backends"]["r1"]})
+    loaded.observe_ttft("r1", 9.0, 10, 0, 0)  # frozen: ignored
+    assert loaded.costs("r1") == Costs(**cal["backends"]["r1"])
+    with pytest.raises(ValueError, match="version"):
+        CostModel.from_calibration({"backends": {}})
+    with pytest.raises(ValueError, match="prefill_per_token_s must be a non-negative number"):
+        CostModel.from_calibration({"version": 1, "backends": {"r1": {"prefill_per_token_s": -1}}})
+    with pytest.raises(ValueError, match="cannot read calibration"):
+        CostModel.from_calibration(str(tmp_path / "missing.json"))
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _request(rid: str, n_blocks: int) -> RoutingRequest:
+    hs = hash_id_blocks(list(range(n_blocks)))
+    return RoutingRequest(rid, RequestClass(tenant="t", task=Task.OTHER), hs, n_blocks * BS, BS)
+
+
+def test_observer_feeds_ttft_with_usage_itl_and_the_prediction_error():
+    model = CostModel(min_observations=1, refit_every=1)
+    clock = Clock()
+    errors = []
+    obs = CostObserver(model, prefill_lanes=4, on_error=lambda *a: errors.append(a), clock=clock)
+    req = _request("q1", 10)
+    load = ReplicaLoad("r1", running=2, waiting=1, queued_prefill_tokens=400, in_flight=2)
+    obs.dispatched(req, RouteDecision("r1", "index_prefix", matched_blocks=4), load)
+    predicted = PRIOR.ttft_s(160 - 64, 100.0, 3)
+    clock.t += 0.25
+    obs.first_token("q1")
+    assert errors == [("r1", predicted, pytest.approx(0.25))]
+    obs.message("q1", replica_pb2.GenerateResponse(token_ids=[1]))  # the first message: part of the TTFT
+    for _ in range(4):
+        clock.t += 0.05
+        obs.message("q1", replica_pb2.GenerateResponse(token_ids=[2]))
+    last = replica_pb2.GenerateResponse(usage=common_pb2.Usage(prompt_tokens=160, cached_tokens=48))
+    obs.message("q1", last)
+    obs.finished("q1")
+    b = model._backends["r1"]
+    assert b.ttft._xs == [(112.0 + 100.0, 3.0)] and b.ttft._ys == [pytest.approx(0.25)]
+    assert b.itl._xs == [(3.0,)] and b.itl._ys == [pytest.approx(0.05)]
+    assert len(obs) == 0
+    # a request that never had its first token feeds nothing
+    obs.dispatched(_request("q2", 2), RouteDecision("r1", "load"), load)
+    obs.finished("q2")
+    assert len(b.ttft._ys) == 1 and len(obs) == 0
+
+
+def _index(holdings: dict[str, int]) -> LocalityIndex:
+    idx = LocalityIndex()
+    for rid, n in holdings.items():
+        idx.apply_events_unchecked(rid, hash_id_blocks(list(range(n))), [])
+    return idx
+
+
+def _fitted(a: float, b: float, s: float) -> CostModel:
+    return CostModel.from_calibration({"version": 1, "backends": {
+        "r0": {"prefill_base_s": a, "prefill_per_token_s": b, "per_outstanding_s": s},
+        "r1": {"prefill_base_s": a, "prefill_per_token_s": b, "per_outstanding_s": s}}})
+
+
+def _busy_holder_vs_idle():
+    """r0 holds 19 of the prompt's 20 blocks and decodes one request; r1 holds nothing and is idle."""
+    loads = [ReplicaLoad("r0", running=1, free_blocks=1000, capacity_blocks=1000, in_flight=1),
+             ReplicaLoad("r1", free_blocks=1000, capacity_blocks=1000)]
+    return _request("q", 20), loads, _index({"r0": 19})
+
+
+def test_priced_in_tokens_the_holder_wins():
+    req, loads, idx = _busy_holder_vs_idle()
+    d = CacheAwarePolicy().choose(req, loads, idx)
+    # (320 - 19 * 16) + 128 * 1 = 144 against 320
+    assert (d.replica_id, d.reason, d.score) == ("r0", "index_prefix", 144.0)
+    d = CacheAwarePolicy(cost_model=CostModel()).choose(req, loads, idx)  # a model with nothing fitted: the same
+    assert (d.replica_id, d.reason, d.score) == ("r0", "index_prefix", 144.0)
+
+
+def test_where_a_hit_saves_little_the_policy_balances_and_where_it_saves_much_it_follows_the_cache():
+    req, loads, idx = _busy_holder_vs_idle()
+    # decode-heavy: a token costs 30 us, a request ahead 30 ms: r0 0.01 + 16 * 3e-5 + 0.03
+    # against r1 0.01 + 320 * 3e-5
+    d = CacheAwarePolicy(cost_model=_fitted(0.01, 3e-5, 0.03)).choose(req, loads, idx)
+    assert (d.replica_id, d.reason) == ("r1", "load") and d.score == pytest.approx(0.01 + 320 * 3e-5)
+    # prefill-heavy: a token costs 1 ms: r0 0.01 + 0.016 + 0.03 against r1 0.01 + 0.32
+    d = CacheAwarePolicy(cost_model=_fitted(0.01, 1e-3, 0.03)).choose(req, loads, idx)
+    assert (d.replica_id, d.reason) == ("r0", "index_prefix") and d.score == pytest.approx(0.056)
+
+
+def test_a_slower_backend_draws_less():
+    """Two idle backends, nothing cached: the one whose tokens cost twice as much loses."""
+    model = CostModel.from_calibration({"version": 1, "backends": {
+        "r0": {"prefill_base_s": 0.01, "prefill_per_token_s": 2e-4, "per_outstanding_s": 0.03},
+        "r1": {"prefill_base_s": 0.01, "prefill_per_token_s": 1e-4, "per_outstanding_s": 0.03}}})
+    loads = [ReplicaLoad("r0", free_blocks=1000, capacity_blocks=1000), ReplicaLoad("r1", free_blocks=1000, capacity_blocks=1000)]
+    d = CacheAwarePolicy(cost_model=model).choose(_request("q", 20), loads, LocalityIndex())
+    assert (d.replica_id, d.reason) == ("r1", "load")
