@@ -73,6 +73,11 @@ class RouterConfig:
         metadata={"help": "vLLM backends found by DNS (a Kubernetes headless Service): "
                           "'dns://NAME:HTTP_PORT?kv-events=PORT&replay=PORT&interval=S'; docs/vllm-backends.md"},
     )
+    backend_models_interval_s: float = field(
+        default=5.0,
+        metadata={"help": "how often each vLLM backend's /v1/models is read again: the models and LoRA adapters it lists "
+                          "(adapters loaded at run time too) are where requests naming them go"},
+    )
     routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
     workers: int = field(
         default=1, metadata={"help": "router processes sharing the listening ports (SO_REUSEPORT) and, through Redis, session placement; >1 needs fixed ports"}
@@ -201,6 +206,8 @@ class RouterConfig:
             DnsDiscovery(self.backend_discovery)
         if self.block_size <= 0:
             raise UsageError("block_size must be positive")
+        if self.backend_models_interval_s <= 0:
+            raise UsageError(f"backend_models_interval_s must be positive, got {self.backend_models_interval_s}")
         if self.memory_budget_mib < 64:
             raise UsageError(f"memory_budget_mib must be >= 64, got {self.memory_budget_mib}")
         if self.workers < 1:

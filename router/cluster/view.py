@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.models import ServedModels
 from unicache.router.routing.base import LocalityView, ReplicaLoad, RoutingPolicy
 from unicache.router.routing.cost_model import CostModel
 from unicache.v1 import cache_pb2
@@ -122,6 +123,7 @@ class ClusterView:
         self.redis_connected = False
         self.backend_events = 0  # vLLM backends whose own KV events feed the index
         self.backend_stats: dict[str, dict[str, float]] = {}  # a vLLM backend's last /metrics figures
+        self.models = ServedModels()  # which vLLM backend serves which model and adapter
         # each backend's costs in seconds, learned from its requests and /metrics
         # (``unicache.router.routing.cost_model``): what ``cache_aware`` prices decisions in
         self.cost_model = CostModel()
@@ -167,6 +169,7 @@ class ClusterView:
     def remove(self, replica_id: str) -> None:
         """The replica died (heartbeat expired): forget it everywhere."""
         rec = self.replicas.pop(replica_id, None)
+        self.models.drop_backend(replica_id)
         if rec is None:
             return
         self._in_flight_total -= rec.in_flight  # its requests' ends will find no record

@@ -66,6 +66,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.policy_name = policy_name
         self.admin_key = admin_key
         self.served_model_name = served_model_name
+        core.cluster.models.alias = served_model_name
 
     async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
         if not presents_admin_key(self.admin_key, api_key_from_headers(_metadata_getter(context))):
@@ -77,8 +78,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             try:
                 tenant = core.auth.authenticate(api_key_from_headers(_metadata_getter(context)))
-                if request.model and request.model != self.served_model_name:  # empty: the served one
-                    raise ModelNotFound(f"The model {request.model!r} does not exist; this server serves {self.served_model_name!r}")
+                models = core.cluster.models
+                if request.model and not models.knows(request.model):  # empty: the router's own
+                    names = ", ".join(repr(card.name) for card in models.cards())
+                    raise ModelNotFound(f"The model {request.model!r} does not exist; this server serves {names}")
                 which = request.WhichOneof("prompt")
                 if which is None:
                     raise RouterError("invalid", "missing prompt: set text or chat_json")
@@ -88,7 +91,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     task=request.task or None,
                     template=request.template if request.HasField("template") else None,
                 )
-                prep = core.prepare(tenant, core.encode(text, add_special_tokens=which == "text"), labels)
+                prep = core.prepare(tenant, core.encode(text, add_special_tokens=which == "text"), labels, request.model)
                 # NOTE: the replica's messages arrive as RouterGenerateResponse
                 # (router/upstream/replica_client.py), so each is passed on as it came.
                 async for route, msg in core.forward(prep, request.sampling, context.time_remaining()):

@@ -215,8 +215,10 @@ class HttpFrontDoor:
 
     Args:
         core: the request path.
-        served_model_name: the one model name served (``/v1/models``); a request naming
-            another gets 404 ``model_not_found`` (default "unicache-default").
+        served_model_name: the router's own model name (its replicas'; default
+            "unicache-default"); vLLM backends add the models and adapters they list
+            (router/cluster/models.py). ``/v1/models`` lists them all; a request naming
+            another gets 404 ``model_not_found``.
         policy_name: shown in ``/v1/cluster/state``.
         max_body_bytes: larger request bodies get 413 without being read whole (8 MiB).
         max_json_depth: deeper JSON nesting is a 400 (64).
@@ -243,6 +245,7 @@ class HttpFrontDoor:
         self.max_json_depth = max_json_depth
         self.max_batch_prompts = max_batch_prompts
         self.model_name = served_model_name
+        core.cluster.models.alias = served_model_name
         self.policy_name = policy_name
         self.token_text = TokenText(core.tokenizer)
 
@@ -306,9 +309,12 @@ class HttpFrontDoor:
         self.core.metrics.requests.labels(api, outcome).inc()
 
     # --- plain endpoints --------------------------------------------------------------
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "unicache", "root": self.model_name,
-                "parent": None, "max_model_len": self.max_model_len()}
+    def _model_cards(self) -> list[dict[str, Any]]:
+        """vLLM's model cards of every model served: the router's own name first, then each
+        backend's base models and LoRA adapters (``parent``: the adapter's base model)."""
+        return [{"id": c.name, "object": "model", "created": 0, "owned_by": "unicache", "root": c.parent or c.name,
+                 "parent": c.parent, "max_model_len": c.max_model_len}
+                for c in self.core.cluster.models.cards(self.max_model_len())]
 
     def max_model_len(self) -> int | None:
         """The context every replica serves, as vLLM's model card reports it: the smallest
@@ -323,15 +329,15 @@ class HttpFrontDoor:
             self.core.auth.authenticate(api_key_from_headers(request.headers.get))
         except MAPPED as exc:
             return error_response(to_api_error(exc))
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": self._model_cards()})
 
     async def model(self, request: Request) -> Response:
         try:
             self.core.auth.authenticate(api_key_from_headers(request.headers.get))
-            check_model({"model": request.path_params["model"]}, self.model_name)
+            name = check_model({"model": request.path_params["model"]}, self.core.cluster.models)
         except MAPPED as exc:
             return error_response(to_api_error(exc))
-        return JSONResponse(self._model_card())
+        return JSONResponse(next(card for card in self._model_cards() if card["id"] == name))
 
     async def healthz(self, request: Request) -> Response:
         c = self.core.cluster
@@ -372,13 +378,14 @@ class HttpFrontDoor:
         """The request, and whether it goes to a vLLM backend untouched: it has parameters
         this door does not implement and the fleet has vLLM backends to take them
         (router/upstream/vllm_fleet/passthrough.py); else such a parameter is refused by name."""
-        check_model(body, self.model_name)
+        model = check_model(body, self.core.cluster.models)
         extra = unimplemented_fields(body, chat)
         if extra and not self.passthrough.available():
             raise unsupported(extra[0])
         vocab = getattr(self.core.tokenizer, "vocab_size", None)
         parsed = {k: v for k, v in body.items() if k not in extra} if extra else body
         req = parse_request(parsed, chat, request.headers.get, vocab, self.max_batch_prompts)
+        req.model = model
         if chat:
             req.prompts = [render_chat(body.get("messages"), self.core.tokenizer.chat_template)]
         if extra and len(req.prompts) != 1:
@@ -397,7 +404,7 @@ class HttpFrontDoor:
             # NOTE: vLLM's rule: a completion prompt gets the tokenizer's special tokens (BOS),
             # a rendered chat template already carries them.
             token_ids = [core.encode(p, add_special_tokens=not chat) if isinstance(p, str) else p for p in req.prompts]
-            preps = [core.prepare(tenant, ids, req.labels) for ids in token_ids]
+            preps = [core.prepare(tenant, ids, req.labels, req.model) for ids in token_ids]
             if passed:
                 response = await self.passthrough.forward(request.url.path, body, preps[0])
                 self._count(api, "ok")
@@ -466,9 +473,9 @@ class HttpFrontDoor:
         rid, created = "cmpl-" + request_id, int(time.time())
         self._count(api, "ok")
         if not req.stream:
-            return JSONResponse({**base(rid, created, self.model_name, chat=False, chunk=False), "choices": choices,
+            return JSONResponse({**base(rid, created, req.model or self.model_name, chat=False, chunk=False), "choices": choices,
                                  "usage": usage.as_dict()})
-        chunks = StreamChunks(rid, created, self.model_name, False, req.include_usage)
+        chunks = StreamChunks(rid, created, req.model or self.model_name, False, req.include_usage)
         events = [chunks.choice(c["index"], c["text"], c["finish_reason"]) for c in choices]
         if req.include_usage:
             events.append(chunks.usage(usage.as_dict()))
@@ -514,7 +521,7 @@ class HttpFrontDoor:
             else:
                 lp = logprobs[c].as_dict() if want_logprobs else None
                 choices.append({"index": c, "text": text, "finish_reason": finish.get(c), "logprobs": lp})
-        out = base(rid, created, self.model_name, req.chat, chunk=False)
+        out = base(rid, created, req.model or self.model_name, req.chat, chunk=False)
         out["choices"] = choices
         out["usage"] = usage.as_dict()
         self._count(api, "ok")
@@ -529,7 +536,7 @@ class HttpFrontDoor:
         # Ends that reach no outcome below are the client going away (Starlette cancels
         # the response, or closes this generator): "cancelled", not an error.
         outcome = "cancelled"
-        events = StreamChunks(rid, created, self.model_name, req.chat, req.include_usage)
+        events = StreamChunks(rid, created, req.model or self.model_name, req.chat, req.include_usage)
         try:
             try:
                 async for i, msg in messages:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from unicache.router.cluster.models import ServedModels
 from unicache.router.frontends.json_input import MAX_JSON_DEPTH as DEFAULT_MAX_JSON_DEPTH, JsonInputError, loads_bounded
 from unicache.router.frontends.openai_errors import ApiError, bad_request, unsupported
 from unicache.router.request_path.core import Labelled
@@ -77,6 +78,7 @@ class OpenAIRequest:
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
     generate: bool = True  # False: echo with max_tokens 0 (no replica call)
     batched: bool = False  # the prompt was a list of prompts
+    model: str = ""  # the model it names ("": none, the router's own)
     extra: dict = field(default_factory=dict)
 
 
@@ -171,15 +173,18 @@ def check_fields(body: dict, chat: bool) -> None:
         raise unsupported(names[0])
 
 
-def check_model(body: dict, served: str) -> None:
-    """A request naming another model than the served one is 404 ``model_not_found``."""
+def check_model(body: dict, served: ServedModels) -> str:
+    """The model ``body`` names ("" when it names none: the router's own); a model no
+    backend serves is 404 ``model_not_found`` (router/cluster/models.py)."""
     model = body.get("model")
     if model is None:
-        return
+        return ""
     if not isinstance(model, str):
         raise bad_request("model must be a string", "model")
-    if model != served:
-        raise ApiError(404, f"The model {model!r} does not exist; this server serves {served!r}", "model_not_found", "model")
+    if not served.knows(model):
+        names = ", ".join(repr(card.name) for card in served.cards())
+        raise ApiError(404, f"The model {model!r} does not exist; this server serves {names}", "model_not_found", "model")
+    return model
 
 
 MAX_LABEL_CHARS = 256  # as RouterCore's max_session_id_chars

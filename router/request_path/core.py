@@ -152,6 +152,8 @@ class Prepared:
     prepare_s: float = 0.0  # time spent hashing and classifying
     arrival: float = 0.0  # perf_counter when preparation began (TTFT origin)
     shared_session: str | None = None  # session key shared with other routers (explicit ids)
+    model: str = ""  # the model the request names ("": the router's served_model_name); router/cluster/models.py
+    adapter: str = ""  # the LoRA adapter it names ("": none): an extra key of every block hash, the model vLLM gets
 
 
 @dataclass(slots=True)
@@ -270,8 +272,10 @@ class RouterCore:
         tokenizer's BOS, as vLLM), False for a rendered chat template (unicache/contract/tokenizer.py)."""
         return list(self.tokenizer.encode(text, add_special_tokens))
 
-    def prepare(self, tenant: str, token_ids: list[int], labels: Labelled) -> Prepared:
-        """Classify and hash; raises RouterError("invalid") for empty prompts or bad labels."""
+    def prepare(self, tenant: str, token_ids: list[int], labels: Labelled, model: str = "") -> Prepared:
+        """Classify and hash; raises RouterError("invalid") for empty prompts or bad labels.
+        ``model``: the model the request names, already known to ``cluster.models`` ("":
+        the router's own); a LoRA adapter is hashed into every block, as vLLM does."""
         if not token_ids:
             raise RouterError("invalid", "empty prompt: the prompt must contain at least one token")
         try:
@@ -287,7 +291,8 @@ class RouterCore:
             raise RouterError("invalid", str(exc)) from None
         t0 = time.perf_counter()
         salt = self.auth.cache_salt(tenant)
-        hashes = hash_token_blocks(token_ids, self.block_size, cache_salt=salt)
+        adapter = self.cluster.models.adapter(model) if model else ""
+        hashes = hash_token_blocks(token_ids, self.block_size, cache_salt=salt, adapter_id=adapter or None)
         cls = self.classifier.classify(
             hashes,
             Labels(tenant=tenant, session_id=labels.session_id or None, task=task, template=labels.template),
@@ -296,7 +301,7 @@ class RouterCore:
         request_id = uuid.uuid4().hex
         routing = RoutingRequest(request_id, cls, hashes, len(token_ids), self.block_size)
         shared = session_key(tenant, labels.session_id) if labels.session_id and self.sessions is not None else None
-        return Prepared(request_id, tenant, token_ids, salt, cls, routing, time.perf_counter() - t0, t0, shared)
+        return Prepared(request_id, tenant, token_ids, salt, cls, routing, time.perf_counter() - t0, t0, shared, model, adapter)
 
     def choose(self, routing: RoutingRequest, exclude: set[str], extra_s: float = 0.0) -> RouteDecision:
         """The policy's choice among live replicas not in ``exclude``; the routing-latency
@@ -349,6 +354,7 @@ class RouterCore:
                 sampling=sampling,
                 request_class=request_class,
                 cache_salt=prep.salt,
+                adapter_id=prep.adapter,
             )
             deadline = prep.arrival + min(self.clients.forward_deadline_s, timeout_s if timeout_s is not None else float("inf"))
             attempt = await self._first_message(prep, request, deadline)
@@ -394,6 +400,9 @@ class RouterCore:
         was available at all, and RouterError("deadline") when the deadline passed first.
         """
         tried: set[str] = set()
+        # NOTE: the one place a request's model narrows its candidates: replicas outside
+        # the model's group are never offered to the policy (router/cluster/models.py).
+        outside = self.cluster.models.outside(prep.model, self.cluster.replicas)
         worked = 0  # failed attempts at replicas that may have worked on the request
         last_error: RouterError | None = None
         if prep.shared_session is not None and self.cluster.redis_connected:
@@ -405,7 +414,7 @@ class RouterCore:
             if remaining <= 0:
                 raise RouterError("deadline", f"no replica answered within the request's deadline ({len(tried)} tried)")
             try:
-                decision = self.choose(prep.routing, tried, 0.0 if tried else prep.prepare_s)
+                decision = self.choose(prep.routing, tried | outside if outside else tried, 0.0 if tried else prep.prepare_s)
             except RouterError:
                 if last_error is not None:
                     raise last_error from None  # no other replica to retry on

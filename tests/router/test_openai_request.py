@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unicache.router.frontends.openai_errors import ApiError
+from unicache.router.cluster.models import ModelCard, ServedModels
 from unicache.router.frontends.openai_request import check_fields, check_model, check_unicode, parse_body, parse_request
 
 
@@ -83,11 +84,14 @@ def test_echo_with_zero_tokens_generates_nothing():
 
 
 def test_model_check():
-    check_model({"model": "m"}, "m")
-    check_model({}, "m")
-    err = refused(check_model, {"model": "other"}, "m")
+    served = ServedModels("m")
+    assert (check_model({"model": "m"}, served), check_model({}, served)) == ("m", "")
+    err = refused(check_model, {"model": "other"}, served)
     assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
-    assert refused(check_model, {"model": 3}, "m").status == 400
+    assert err.message == "The model 'other' does not exist; this server serves 'm'"
+    served.set_backend("b", [ModelCard("other")])
+    assert check_model({"model": "other"}, served) == "other"
+    assert refused(check_model, {"model": 3}, served).status == 400
 
 
 def test_body_check_bounds_depth_and_unicode():

@@ -19,6 +19,9 @@ Invariants:
     * ``/metrics`` is scraped at most once per ``metrics_interval_s``; the load it gives
       (running, waiting, free and total blocks) is written in place into the backend's
       ``ReplicaLoad``, the router's own in-flight count stays the router's.
+    * ``/v1/models`` is read again every ``models_interval_s``: the base models and LoRA
+      adapters it lists (adapters loaded at run time too) are what requests naming them
+      may be routed to (``cluster.models``, router/cluster/models.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockSto
 from unicache.contract.kv_tier import Tier
 from unicache.contract.vllm_events import EventTranslator, KVEventSubscriber
 from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.models import cards_from_models_list
 from unicache.router.cluster.view import ClusterView
 from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec
@@ -165,7 +169,7 @@ class BackendFollower:
 
     def __init__(
         self, spec: BackendSpec, cluster: ClusterView, clients: VllmClients, block_size: int,
-        health_interval_s: float = 1.0, stale_after_s: float = 10.0,
+        health_interval_s: float = 1.0, stale_after_s: float = 10.0, models_interval_s: float = 5.0,
     ):
         self.spec = spec
         self.cluster = cluster
@@ -173,6 +177,8 @@ class BackendFollower:
         self.block_size = block_size
         self.health_interval_s = health_interval_s
         self.stale_after_s = stale_after_s
+        self.models_interval_s = models_interval_s
+        self._models_at = -float("inf")  # time.monotonic() of its last /v1/models answer
         self.translator = EventTranslator()
         self.subscriber = KVEventSubscriber(spec.events, spec.replay) if spec.events else None
         self.joined = False
@@ -267,12 +273,9 @@ class BackendFollower:
             if r.status_code != 200:
                 self._not_joined(f"/health answered {r.status_code}")
                 return
-            r = await client.get("/v1/models", timeout=timeout)
-            models = r.json().get("data") if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json") else None
-            if not models:
-                self._not_joined("/v1/models lists no model: not a vLLM OpenAI server")
+        if not self.joined or time.monotonic() - self._models_at >= self.models_interval_s:
+            if not await self._read_models(client, timeout) and not self.joined:
                 return
-            self.clients.models[self.spec.url] = models[0]["id"]
         r = await client.get("/metrics", timeout=timeout)
         if r.status_code != 200:
             self._not_joined(f"/metrics answered {r.status_code}")
@@ -293,7 +296,25 @@ class BackendFollower:
             self.cluster.upsert(self.backend_id, self.spec.url, static=True)
             self.cluster.backend_events += 1 if self.subscriber is not None else 0
             self._set_load(stats)
-            log.info("backend %s (%s, model %s) joined", self.backend_id, self.spec.url, self.clients.models[self.spec.url])
+            log.info("backend %s (%s, serving %s) joined", self.backend_id, self.spec.url, ", ".join(self.cluster.models.backend(self.backend_id)))
+
+    async def _read_models(self, client: httpx.AsyncClient, timeout: float) -> bool:
+        """Record the base models and LoRA adapters ``/v1/models`` lists (adapters loaded
+        or unloaded at run time show up here); False when it lists none (a joined backend
+        keeps what it listed before)."""
+        r = await client.get("/v1/models", timeout=timeout)
+        data = r.json().get("data") if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json") else None
+        cards = cards_from_models_list(data) if isinstance(data, list) else []
+        bases = [card.name for card in cards if not card.is_adapter]
+        if not bases:
+            if not self.joined:
+                self._not_joined("/v1/models lists no model: not a vLLM OpenAI server")
+            return False
+        self._models_at = time.monotonic()
+        self.clients.models[self.spec.url] = bases[0]
+        if self.cluster.models.set_backend(self.backend_id, cards) and self.joined:
+            log.info("backend %s now serves %s", self.backend_id, ", ".join(card.name for card in cards))
+        return True
 
     def _set_load(self, stats: dict[str, float]) -> None:
         prev = self.cluster.backend_stats.get(self.backend_id)

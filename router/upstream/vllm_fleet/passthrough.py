@@ -5,9 +5,10 @@ guided decoding, ``logit_bias``, vLLM's own extras such as ``min_tokens``) is re
 name when only our replicas serve; with vLLM backends in the fleet it goes to one of them
 as it came: the router still authenticates, tokenizes (the chat rendered with the model's
 own template), classifies, hashes and chooses by prefix and load among the vLLM backends,
-then forwards the client's own body (the model renamed to the backend's, the tenant salt
-as ``cache_salt``, the class in ``vllm_xargs``) to the same endpoint and relays vLLM's
-answer, status and body, streaming or not. So the fleet keeps every vLLM feature.
+then forwards the client's own body (the model renamed to the backend's, or to the LoRA
+adapter it names, the tenant salt as ``cache_salt``, the class in ``vllm_xargs``) to the
+same endpoint and relays vLLM's answer, status and body, streaming or not. So the fleet
+keeps every vLLM feature.
 
 Invariants:
     * Only vLLM backends are chosen; a backend that refuses the connection or answers
@@ -66,6 +67,7 @@ class Passthrough:
         cluster = core.cluster
         lease = core.admit(prep)
         tried = {rid for rid, rec in cluster.replicas.items() if rec.kind != "vllm"}
+        tried |= cluster.models.outside(prep.model, cluster.replicas)
         try:
             while True:
                 decision = core.choose(prep.routing, tried, prep.prepare_s)
@@ -74,7 +76,8 @@ class Passthrough:
                 cluster.started(rid)
                 core.policy.on_request_routed(prep.routing, decision)
                 client = core.clients.vllm.client(rec.address)
-                request = client.build_request("POST", path, json=backend_body(body, core.clients.vllm.models.get(rec.address, ""), prep),
+                model = prep.adapter or core.clients.vllm.models.get(rec.address, "")
+                request = client.build_request("POST", path, json=backend_body(body, model, prep),
                                                timeout=httpx.Timeout(core.clients.forward_deadline_s, connect=5.0))
                 try:
                     upstream = await client.send(request, stream=True)

@@ -1,0 +1,126 @@
+"""Which backend serves which model: the base models and LoRA adapters each vLLM backend
+lists in its ``/v1/models``, and the group of backends a request naming a model may go to.
+
+The router's own replicas serve one model, the router's ``served_model_name`` (its
+*alias*). A vLLM backend serves the names its ``/v1/models`` lists: base models (``parent``
+null) and adapters (``parent`` names the base). A request naming
+
+* an adapter or a base model some backend lists goes only to the backends listing it;
+* the alias goes to the router's replicas, to backends listing the alias itself, and, while
+  every vLLM backend lists the same base models (one fleet of one model, the common case),
+  to all of them: a fleet of one model keeps answering to the router's name;
+* anything else is unknown (the front doors answer 404 ``model_not_found``).
+
+Invariants:
+    * A backend's names are replaced whole by each ``set_backend`` (adapters loaded or
+      unloaded at run time come and go with the next poll) and leave with ``drop_backend``.
+    * ``outside`` answers the replica ids a request may not go to, from the replica ids it
+      is given: a backend that joins later is outside every name it does not list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """One name a backend serves, as its ``/v1/models`` lists it."""
+
+    name: str
+    parent: str | None = None  # the base model of a LoRA adapter; None for a base model
+    max_model_len: int | None = None
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.parent is not None
+
+
+def cards_from_models_list(data: list) -> list[ModelCard]:
+    """The cards of a vLLM ``/v1/models`` answer's ``data``; entries without a string
+    ``id`` are skipped."""
+    out = []
+    for item in data:
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str) or not item["id"]:
+            continue
+        parent = item.get("parent")
+        max_len = item.get("max_model_len")
+        out.append(ModelCard(item["id"], parent if isinstance(parent, str) and parent else None,
+                             max_len if isinstance(max_len, int) and max_len > 0 else None))
+    return out
+
+
+class ServedModels:
+    """The names every vLLM backend serves (see the module docstring).
+
+    Args:
+        alias: the router's ``served_model_name``.
+    """
+
+    def __init__(self, alias: str = "unicache-default"):
+        self.alias = alias
+        self._backends: dict[str, dict[str, ModelCard]] = {}
+        self._single: bool | None = None  # _one_model()'s answer, None: to compute
+
+    def set_backend(self, backend_id: str, cards: Iterable[ModelCard]) -> bool:
+        """Record what ``backend_id`` serves now; True when that changed."""
+        new = {card.name: card for card in cards}
+        if self._backends.get(backend_id) == new:
+            return False
+        self._backends[backend_id] = new
+        self._single = None
+        return True
+
+    def drop_backend(self, backend_id: str) -> None:
+        if self._backends.pop(backend_id, None) is not None:
+            self._single = None
+
+    def backend(self, backend_id: str) -> dict[str, ModelCard]:
+        """The names ``backend_id`` serves ({} when none are known)."""
+        return self._backends.get(backend_id, {})
+
+    def _one_model(self) -> bool:
+        """Whether every backend lists the same base models (or there is none)."""
+        if self._single is None:
+            bases = {frozenset(n for n, c in cards.items() if not c.is_adapter) for cards in self._backends.values()}
+            self._single = len(bases) <= 1
+        return self._single
+
+    def knows(self, name: str) -> bool:
+        return name == self.alias or any(name in cards for cards in self._backends.values())
+
+    def adapter(self, name: str) -> str:
+        """``name`` when it is a LoRA adapter some backend serves, else "" (a base model)."""
+        for cards in self._backends.values():
+            card = cards.get(name)
+            if card is not None:
+                return name if card.is_adapter else ""
+        return ""
+
+    def outside(self, name: str, replica_ids: Iterable[str]) -> frozenset[str]:
+        """The ids among ``replica_ids`` a request naming ``name`` may not go to."""
+        backends = self._backends
+        if name == self.alias or not name:
+            if self._one_model():
+                return frozenset()
+            return frozenset(rid for rid in replica_ids if rid in backends and name not in backends[rid])
+        return frozenset(rid for rid in replica_ids if rid not in backends or name not in backends[rid])
+
+    def cards(self, alias_max_model_len: int | None = None) -> list[ModelCard]:
+        """One card per name served, the alias first (its ``max_model_len`` given: the
+        replicas'), then every backend's names sorted; a name several backends serve gets
+        the smallest ``max_model_len`` among them."""
+        merged: dict[str, ModelCard] = {}
+        for cards in self._backends.values():
+            for card in cards.values():
+                seen = merged.get(card.name)
+                if seen is None or (card.max_model_len and card.max_model_len < (seen.max_model_len or card.max_model_len + 1)):
+                    merged[card.name] = card
+        alias = merged.pop(self.alias, None)
+        lens = [n for n in (alias_max_model_len, alias.max_model_len if alias else None) if n]
+        if not lens and self._backends and self._one_model():
+            bases = [c.max_model_len for cards in self._backends.values() for c in cards.values() if not c.is_adapter and c.max_model_len]
+            lens = bases
+        head = ModelCard(self.alias, None, min(lens) if lens else None)
+        return [head, *(merged[n] for n in sorted(merged))]
