@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from unicache.contract.kv_tier import Tier
-from unicache.contract.vllm_events import EventTranslator, KVEventSubscriber
+from unicache.contract.vllm_events import SCHEMAS, EventTranslator, KVEventSubscriber
 from unicache.router.cluster.index import LocalityIndex
 from unicache.router.cluster.models import cards_from_models_list
 from unicache.router.cluster.view import ClusterView
@@ -215,9 +215,14 @@ class BackendFollower:
     async def _events_loop(self) -> None:
         sub = self.subscriber
         while not self._stop:
-            # NOTE: a blocking poll in a worker thread: the loop is never blocked and an idle
-            # stream costs one wake-up per 200 ms.
-            batches = await asyncio.to_thread(sub.take, 200)
+            # NOTE: the wait is on the event loop itself (no thread, no polling timeout): an
+            # idle stream costs nothing. Only a disconnected stream whose blocks are still
+            # indexed sets a deadline: when its blocks age out.
+            timeout = None
+            if not sub.connected and len(self.translator):
+                since = self._disconnected_since
+                timeout = self.stale_after_s if since is None else max(0.001, since + self.stale_after_s - time.monotonic())
+            batches = await sub.take_async(timeout)
             self.apply(batches, sub.broken)
             # NOTE: the take that saw the connection also replayed the server's buffer, so
             # once its batches are applied the index knows what the server cached before.
@@ -226,7 +231,7 @@ class BackendFollower:
                 self._disconnected_since = None
             elif self._disconnected_since is None:
                 self._disconnected_since = time.monotonic()
-            elif time.monotonic() - self._disconnected_since > self.stale_after_s and len(self.translator):
+            elif time.monotonic() - self._disconnected_since >= self.stale_after_s and len(self.translator):
                 log.warning("backend %s: events disconnected for %.0fs, its blocks leave the index", self.backend_id, self.stale_after_s)
                 self._drop_blocks()
 
@@ -241,14 +246,24 @@ class BackendFollower:
         if batches:
             self.batches += len(batches)
             self.last_event_at = time.monotonic()
+            if self.translator.schema != self.cluster.backend_schema.get(self.backend_id):
+                self._schema_seen(self.translator.schema)
         if events:
             index = self.cluster.index
             apply_events(index, self.backend_id, events)
+            if self.translator.windows:  # a hybrid model: prefix hits bounded by its window groups
+                index.set_windows(self.backend_id, self.translator.window_constraints())
             if index.needs_resync(self.backend_id):  # an impossible claim: resync from the replay buffer
                 self.breaks += 1
                 self._drop_blocks()
                 if self.subscriber is not None:
                     self.subscriber.request_catch_up()
+
+    def _schema_seen(self, schema: str | None) -> None:
+        if schema is None:
+            return
+        self.cluster.backend_schema[self.backend_id] = schema
+        log.info("backend %s publishes KV events in the %s form: %s", self.backend_id, schema, SCHEMAS[schema])
 
     def _drop_blocks(self) -> None:
         self.translator.reset()
