@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from unicache.contract.block_hash import BlockHash
@@ -113,6 +113,10 @@ class LocalityIndex(LocalityView):
         self._host_holders: dict[BlockHash, set[str]] = {}  # host-tier hash -> replicas
         self._tick = 0
         self._order = 0
+        # called with (replica id, hashes) for the blocks each batch or summary stores and
+        # removes (the router's pending blocks: router/cluster/pending.py); None: nobody
+        self.on_stored: Callable[[str, Sequence[BlockHash]], None] | None = None
+        self.on_removed: Callable[[str, Sequence[BlockHash]], None] | None = None
 
     # ------------------------------------------------------------------ reading
     def replicas(self) -> list[str]:
@@ -396,6 +400,9 @@ class LocalityIndex(LocalityView):
             del host_holders[bh]
 
     def _remove(self, rid: str, h: ReplicaHoldings, removed: Iterable[BlockHash]) -> None:
+        if self.on_removed is not None:
+            removed = removed if isinstance(removed, Sequence) else list(removed)
+            self.on_removed(rid, removed)
         blocks = h.blocks
         for bh in removed:
             e = blocks.get(bh)
@@ -434,6 +441,8 @@ class LocalityIndex(LocalityView):
         stored = stored if isinstance(stored, Sequence) else list(stored)
         if parents is not None and len(parents) != len(stored):
             raise ValueError(f"{len(parents)} parents for {len(stored)} stored blocks")
+        if self.on_stored is not None and stored:
+            self.on_stored(rid, stored)
         if not stored:
             return
         self._tick += 1

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.pending import PendingBlocks, PendingView
 from unicache.router.cluster.models import ServedModels
 from unicache.router.routing.base import LocalityView, ReplicaLoad, RoutingPolicy
 from unicache.router.routing.cost_model import CostModel
@@ -129,6 +130,10 @@ class ClusterView:
         self.cost_model = CostModel()
         self._on_change = on_change
         self._empty = EmptyView()
+        # what this router just sent, until the backends' events confirm it (router/cluster/pending.py)
+        self.pending = PendingBlocks()
+        self._pending_views = (PendingView(index, self.pending), PendingView(self._empty, self.pending))
+        index.on_stored = index.on_removed = self.pending.confirm
         self.removal_hooks: list[Callable[[str], None]] = []
         self._order: list[str] = []
         self._healthy: list[ReplicaLoad] | None = None  # loads() of the healthy replicas, nothing excluded
@@ -169,6 +174,7 @@ class ClusterView:
     def remove(self, replica_id: str) -> None:
         """The replica died (heartbeat expired): forget it everywhere."""
         rec = self.replicas.pop(replica_id, None)
+        self.pending.drop_replica(replica_id)
         self.models.drop_backend(replica_id)
         if rec is None:
             return
@@ -186,8 +192,13 @@ class ClusterView:
     # --- what the service reads -------------------------------------------------------
     def locality(self) -> LocalityView:
         """The index, or an empty view when nothing feeds it: Redis is unreachable and no
-        vLLM backend sends its own events (session + load routing)."""
-        return self.index if self.redis_connected or self.backend_events else self._empty
+        vLLM backend sends its own events (session + load routing); either with the blocks
+        this router routed and no event confirmed yet counted past each replica's match
+        (``unicache.router.cluster.pending``)."""
+        fed = self.redis_connected or self.backend_events
+        if self.pending:  # blocks routed and not confirmed yet count too, Redis or not
+            return self._pending_views[0 if fed else 1]
+        return self.index if fed else self._empty
 
     def loads(self, exclude: set[str] | frozenset[str] = frozenset(), quarantined: bool = False) -> list[ReplicaLoad]:
         """Loads of the healthy replicas not in ``exclude``, by id; ``quarantined``: of

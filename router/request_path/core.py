@@ -449,6 +449,7 @@ class RouterCore:
         rid = decision.replica_id
         rec = self.cluster.replicas[rid]
         self.costs.dispatched(prep.routing, decision, rec.load)  # the load before this request
+        self.cluster.pending.add(rid, prep.routing.block_hashes)  # known at once, before any event
         self.cluster.started(rid)
         self.policy.on_request_routed(prep.routing, decision)
         saving = None

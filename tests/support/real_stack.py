@@ -22,15 +22,17 @@ class RealReplica:
     Args:
         num_blocks / block_size / max_position: engine and model sizes (tiny by default).
         eviction_policy: the replica's eviction policy (default lru).
+        flush_interval_s: how often its publisher writes its events (default 20 ms).
     """
 
     def __init__(self, rid: str, redis_url: str, prefix: str, *, block_size: int = 16, num_blocks: int = 64,
-                 max_position: int = 512, eviction_policy: str = "lru"):
+                 max_position: int = 512, eviction_policy: str = "lru", flush_interval_s: float = 0.02):
         model = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                             max_position=max_position)
         self.engine = AsyncEngine(EngineConfig(model=model, num_blocks=num_blocks, block_size=block_size,
                                                eviction_policy=eviction_policy, device="cpu"))
         self.rid, self.redis_url, self.prefix = rid, redis_url, prefix
+        self.flush_interval_s = flush_interval_s
 
     async def start(self) -> None:
         await self.engine.start()
@@ -38,7 +40,7 @@ class RealReplica:
         port = await self.server.start()
         self.publisher = CachePublisher(
             self.engine, self.rid, self.redis_url, f"127.0.0.1:{port}", RedisKeys(self.prefix),
-            flush_interval_s=0.02, heartbeat_interval_s=0.1, signer=self.server.signer,
+            flush_interval_s=self.flush_interval_s, heartbeat_interval_s=0.1, signer=self.server.signer,
         )
         self.server.servicer.summary_source = self.publisher.signed_summary
         await self.publisher.start()
