@@ -33,6 +33,7 @@ SCHEDULER_CLS = "unicache.replica.engines.vllm.scheduler.UniCacheScheduler"
 def vllm_server_args(
     model: str, port: int, events_port: int, replay_port: int, block_size: int, max_model_len: int,
     kv_cache_bytes: int, eviction_policy: str | None, device: str = "cpu", extra: tuple[str, ...] = (), metrics_port: int = 0,
+    plugin_options: dict | None = None,
 ) -> list[str]:
     """The command line of one server (see the module docstring)."""
     events = (
@@ -52,7 +53,8 @@ def vllm_server_args(
     else:
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if eviction_policy is not None:
-        opts = {"eviction_policy": eviction_policy, **({"metrics_port": metrics_port, "metrics_host": "127.0.0.1"} if metrics_port else {})}
+        opts = {"eviction_policy": eviction_policy, **({"metrics_port": metrics_port, "metrics_host": "127.0.0.1"} if metrics_port else {}),
+                **(plugin_options or {})}
         args += ["--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps({"unicache": opts})]
     return [*args, *extra]
 
@@ -72,6 +74,7 @@ class VllmServer:
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)  # the UniCache plug-in's own series (with eviction_policy)
+    plugin_options: dict = field(default_factory=dict)  # more of the plug-in's options (e.g. step_clock_s)
     cpus: str | None = None  # CPU ids for the engine's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); None: vLLM's "auto"
     log_path: str = ""
     proc: subprocess.Popen | None = None
@@ -90,7 +93,7 @@ class VllmServer:
             self.log_path = tempfile.mktemp(prefix=f"vllm-{self.port}-", suffix=".log")
         args = vllm_server_args(
             self.model, self.port, self.events_port, self.replay_port, self.block_size, self.max_model_len,
-            self.kv_cache_bytes, self.eviction_policy, self.device, self.extra, self.metrics_port,
+            self.kv_cache_bytes, self.eviction_policy, self.device, self.extra, self.metrics_port, self.plugin_options,
         )
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}  # dev mode: POST /reset_prefix_cache
         env.pop("VLLM_RPC_BASE_PATH", None)  # an in-process engine's private folder is not the server's

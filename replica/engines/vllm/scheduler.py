@@ -47,8 +47,11 @@ CONFIG_KEY = "unicache"
 class UniCacheScheduler(Scheduler):
     """See the module docstring. Options come from ``additional_config["unicache"]``:
     ``eviction_policy`` (registry name, required), ``status_endpoint`` (ipc:// address;
-    empty: no snapshots) and ``metrics_port`` / ``metrics_host`` (the plug-in's own
-    Prometheus endpoint; unset: none)."""
+    empty: no snapshots), ``metrics_port`` / ``metrics_host`` (the plug-in's own
+    Prometheus endpoint; unset: none) and ``step_clock_s`` (the policy's clock counts the
+    steps that scheduled work, this many seconds each, instead of wall time: a replay
+    then makes the same decisions on any machine, as ``unicache.sim.vllm_replay`` does;
+    unset: wall time)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -62,9 +65,16 @@ class UniCacheScheduler(Scheduler):
         pool = km.block_pool
         self.policy_name = policy_name
         self.free_queue: PolicyFreeQueue | None = None
+        self._steps = 0  # steps that scheduled work
+        self._in_schedule = False
+        step_clock_s = opts.get("step_clock_s")
+        if step_clock_s is not None and not float(step_clock_s) > 0:
+            raise ValueError(f"additional_config[{CONFIG_KEY!r}]['step_clock_s'] must be positive")
+        self._step_clock_s = float(step_clock_s) if step_clock_s is not None else None
         if policy_name != NATIVE_POLICY:
             self.free_queue = PolicyFreeQueue(
-                pool.free_block_queue.get_all_free_blocks(), pool.num_gpu_blocks, make_policy(policy_name)
+                pool.free_block_queue.get_all_free_blocks(), pool.num_gpu_blocks, make_policy(policy_name),
+                clock=self._step_clock if self._step_clock_s is not None else time.monotonic,
             )
             pool.free_block_queue = self.free_queue
         self._manager = km.coordinator.single_type_managers[0]
@@ -140,13 +150,25 @@ class UniCacheScheduler(Scheduler):
             self._classes.pop(request.request_id, None)
 
     # ------------------------------------------------------------ vLLM's entry points
+    def _step_clock(self) -> float:
+        """The policy's time with ``step_clock_s``: steps run so far (while a step is
+        being scheduled, that step counts) times ``step_clock_s``."""
+        assert self._step_clock_s is not None
+        return (self._steps + self._in_schedule) * self._step_clock_s
+
     def add_request(self, request: Request) -> None:
         if self.free_queue is not None:
-            self.free_queue.policy.on_request(self._class_of(request), time.monotonic())
+            self.free_queue.policy.on_request(self._class_of(request), self.free_queue.clock())
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any):
-        out = super().schedule(*args, **kwargs)
+        self._in_schedule = True
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            self._in_schedule = False
+        if out.total_num_scheduled_tokens > 0:
+            self._steps += 1
         self._publish_status()
         return out
 
