@@ -8,6 +8,7 @@ Ports given as 0 are chosen by the OS and read back (``grpc_port``, ``http_port`
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 
@@ -25,6 +26,7 @@ from unicache.plumbing.grpc_decode import add_servicer
 from unicache.plumbing.grpc_server import pending_call_options
 from unicache.plumbing.tls import client_tls
 from unicache.router.cluster.index import LocalityIndex
+from unicache.router.cluster.models import fleet_context
 from unicache.router.cluster.prober import QuarantineProber
 from unicache.router.cluster.rejections import StateRejections
 from unicache.router.cluster.session_store import SessionStore
@@ -189,7 +191,8 @@ class RouterApp:
             sessions=self.sessions,
             costs=cost_observer(self.cluster, self.policy, self.metrics),
             limits=limiter_from_config(
-                config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits
+                config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits,
+                fleet_context=functools.partial(fleet_context, self.cluster),
             ),
         )
         # NOTE: without a first-token timeout a probe gets the forward deadline's share a

@@ -170,7 +170,9 @@ class RouterConfig:
         metadata={"help": "`unicache router` event loop: auto (uvloop when installed: less CPU per request, bench.router_profile), uvloop, asyncio"},
     )
     tenant_max_concurrent: int = field(default=1024, metadata={"help": "requests one tenant may have in flight (429 beyond; 0: no limit)"})
-    tenant_max_prompt_tokens: int = field(default=32768, metadata={"help": "prompt tokens per request (400 beyond; 0: no limit)"})
+    tenant_max_prompt_tokens: int = field(
+        default=-1, metadata={"help": "prompt tokens per request (400 beyond; -1: the backends' reported context, max_model_len, 32768 until one reports it; 0: no limit)"}
+    )
     tenant_tokens_per_minute: int = field(default=0, metadata={"help": "prompt tokens one tenant may send per minute (429 beyond; 0: no limit)"})
     tenant_limits: str = field(
         default="", metadata={"help": "per-tenant overrides: JSON {tenant: {max_concurrent, max_prompt_tokens, tokens_per_minute}} or 'tenant.limit=N,...'"}

@@ -107,6 +107,11 @@ class ServedModels:
             return frozenset(rid for rid in replica_ids if rid in backends and name not in backends[rid])
         return frozenset(rid for rid in replica_ids if rid not in backends or name not in backends[rid])
 
+    def longest_context(self) -> int | None:
+        """The longest ``max_model_len`` any backend lists for a base model (None: none lists one)."""
+        lens = [c.max_model_len for cards in self._backends.values() for c in cards.values() if not c.is_adapter and c.max_model_len]
+        return max(lens) if lens else None
+
     def cards(self, alias_max_model_len: int | None = None) -> list[ModelCard]:
         """One card per name served, the alias first (its ``max_model_len`` given: the
         replicas'), then every backend's names sorted; a name several backends serve gets
@@ -124,3 +129,15 @@ class ServedModels:
             lens = bases
         head = ModelCard(self.alias, None, min(lens) if lens else None)
         return [head, *(merged[n] for n in sorted(merged))]
+
+
+def fleet_context(cluster) -> int | None:
+    """The longest context the fleet reports: our replicas' heartbeats (``max_model_len``)
+    and the vLLM backends' ``/v1/models``; None while none reports one. A prompt up to it
+    fits at least one backend (``cluster``: a ``ClusterView``)."""
+    lens = [rec.heartbeat.max_model_len for rec in cluster.replicas.values()
+            if rec.heartbeat is not None and rec.heartbeat.max_model_len]
+    vllm = cluster.models.longest_context()
+    if vllm:
+        lens.append(vllm)
+    return max(lens) if lens else None

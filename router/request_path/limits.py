@@ -2,7 +2,10 @@
 (optionally) prompt tokens per minute.
 
 Each tenant gets ``TenantLimits``: the configured default with that tenant's overrides
-applied field by field. ``0`` means "no limit" for every field.
+applied field by field. ``0`` means "no limit" for every field. ``max_prompt_tokens`` may
+also be ``FOLLOW_FLEET`` (-1, the default): the longest context a backend reports
+(``max_model_len``: vLLM servers' ``/v1/models``, our replicas' heartbeats), or
+``FLEET_UNKNOWN_PROMPT_TOKENS`` while none reports one; an explicit number still wins.
 
 Overrides come from one string (``--tenant-limits`` / ``UNICACHE_TENANT_LIMITS`` / the
 config file's ``tenant_limits``), either JSON::
@@ -32,6 +35,9 @@ from dataclasses import dataclass, field, fields, replace
 from unicache.plumbing.errors import UsageError
 
 WINDOW_S = 60.0
+FOLLOW_FLEET = -1  # max_prompt_tokens: the backends' reported context
+FLEET_UNKNOWN_PROMPT_TOKENS = 32768  # FOLLOW_FLEET while no backend reports its context
+FLEET_REFRESH_S = 1.0  # how long one reading of the backends' context is used
 
 
 class LimitExceeded(Exception):
@@ -56,8 +62,10 @@ class TenantLimits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UsageError(f"tenant limit {f.name} must be a non-negative integer, got {value!r}")
+            least = FOLLOW_FLEET if f.name == "max_prompt_tokens" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                follow = " (or -1: the backends' context)" if least else ""
+                raise UsageError(f"tenant limit {f.name} must be a non-negative integer{follow}, got {value!r}")
 
 
 LIMIT_FIELDS = tuple(f.name for f in fields(TenantLimits))
@@ -127,6 +135,8 @@ class TenantLimiter:
         overrides: {tenant: {limit name: value}} applied over ``default``.
         window_s: length of the tokens-per-minute window (default 60 s).
         clock: monotonic seconds (tests pass a fake clock).
+        fleet_context: the longest context (tokens) a backend reports now, None when none
+            does; read at most once per ``FLEET_REFRESH_S`` for ``FOLLOW_FLEET`` limits.
     """
 
     def __init__(
@@ -135,11 +145,14 @@ class TenantLimiter:
         overrides: dict[str, dict[str, int]] | None = None,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        fleet_context: Callable[[], int | None] | None = None,
     ):
         self.default = default
         self._limits = {t: replace(default, **o) for t, o in (overrides or {}).items()}
         self.window_s = window_s
         self.clock = clock
+        self.fleet_context = fleet_context
+        self._fleet: tuple[float, int] | None = None  # (read at, prompt limit)
         self._state: dict[str, _TenantState] = {}
 
     def limits(self, tenant: str) -> TenantLimits:
@@ -149,15 +162,29 @@ class TenantLimiter:
         state = self._state.get(tenant)
         return state.in_flight if state else 0
 
+    def max_prompt_tokens(self, tenant: str) -> int:
+        """The longest prompt ``tenant`` may send now (0: no limit), ``FOLLOW_FLEET``
+        resolved to the backends' context."""
+        limit = self.limits(tenant).max_prompt_tokens
+        if limit != FOLLOW_FLEET:
+            return limit
+        now = self.clock()
+        if self._fleet is None or now - self._fleet[0] >= FLEET_REFRESH_S:
+            context = self.fleet_context() if self.fleet_context is not None else None
+            self._fleet = (now, context or FLEET_UNKNOWN_PROMPT_TOKENS)
+        return self._fleet[1]
+
     def check_prompt(self, tenant: str, num_tokens: int) -> None:
         """Raise LimitExceeded("invalid") when one prompt is longer than the tenant may send."""
         lim = self.limits(tenant)
-        if lim.max_prompt_tokens and num_tokens > lim.max_prompt_tokens:
+        max_prompt = self.max_prompt_tokens(tenant)
+        if max_prompt and num_tokens > max_prompt:
+            source = ": the backends' context" if lim.max_prompt_tokens == FOLLOW_FLEET else ""
             raise LimitExceeded(
                 "invalid",
                 "max_prompt_tokens",
-                f"prompt has {num_tokens} tokens; tenant {tenant!r} may send at most {lim.max_prompt_tokens} "
-                "(limit max_prompt_tokens)",
+                f"prompt has {num_tokens} tokens; tenant {tenant!r} may send at most {max_prompt} "
+                f"(limit max_prompt_tokens{source})",
             )
         if lim.tokens_per_minute and num_tokens > lim.tokens_per_minute:
             raise LimitExceeded(
@@ -213,6 +240,9 @@ class TenantLimiter:
             del self._state[tenant]  # idle tenants cost no memory
 
 
-def limiter_from_config(max_concurrent: int, max_prompt_tokens: int, tokens_per_minute: int, overrides: str) -> TenantLimiter:
-    """Build the limiter from the router's ``tenant_*`` settings."""
-    return TenantLimiter(TenantLimits(max_concurrent, max_prompt_tokens, tokens_per_minute), parse_tenant_limits(overrides))
+def limiter_from_config(max_concurrent: int, max_prompt_tokens: int, tokens_per_minute: int, overrides: str,
+                        fleet_context: Callable[[], int | None] | None = None) -> TenantLimiter:
+    """Build the limiter from the router's ``tenant_*`` settings; ``fleet_context``: the
+    backends' longest reported context (``FOLLOW_FLEET``)."""
+    return TenantLimiter(TenantLimits(max_concurrent, max_prompt_tokens, tokens_per_minute), parse_tenant_limits(overrides),
+                         fleet_context=fleet_context)

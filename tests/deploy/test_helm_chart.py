@@ -401,7 +401,7 @@ def test_router_limits_from_values_reach_the_router_config():
 
     cfg = build_config(env={k: v for k, v in settings.items() if k.startswith("UNICACHE_")})
     assert (cfg.first_token_timeout_s, cfg.tenant_max_concurrent, cfg.tenant_max_prompt_tokens, cfg.tenant_tokens_per_minute) == (
-        20.0, 16, 32768, 0)
+        20.0, 16, -1, 0)
     assert (cfg.retry_replicas, cfg.first_token_timeout_floor_s, cfg.first_token_timeout_multiplier) == (1, 5.0, 3.0)
     assert (cfg.quarantine_initial_s, cfg.quarantine_max_s) == (0.5, 30.0)
     assert cfg.tenant_limits == "acme.max_concurrent=4,beta.tokens_per_minute=900"

@@ -111,7 +111,7 @@ def test_parse_overrides_both_forms_and_errors():
 
 def test_config_defaults_and_yaml_mapping(tmp_path):
     cfg = build_config(env={})
-    assert (cfg.tenant_max_concurrent, cfg.tenant_max_prompt_tokens, cfg.tenant_tokens_per_minute) == (1024, 32768, 0)
+    assert (cfg.tenant_max_concurrent, cfg.tenant_max_prompt_tokens, cfg.tenant_tokens_per_minute) == (1024, -1, 0)
     f = tmp_path / "router.yaml"
     f.write_text("tenant_max_concurrent: 8\ntenant_limits:\n  acme: {max_concurrent: 2, tokens_per_minute: 500}\n")
     cfg = build_config(env={"UNICACHE_CONFIG": str(f)})
