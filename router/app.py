@@ -69,10 +69,11 @@ def cost_observer(cluster: ClusterView, policy: RoutingPolicy, metrics: RouterMe
     return CostObserver(cluster.cost_model, getattr(config, "prefill_lanes", 4), shares, metrics.observe_prediction)
 
 
-def build_policy(name: str, caps: TableCaps | None = None) -> RoutingPolicy:
-    """``make_routing_policy(name)``, its session tables capped by ``caps`` when it has
-    them; the default ``cache_aware`` falls back to round robin while it is not
-    registered. Unknown names are a UsageError."""
+def build_policy(name: str, caps: TableCaps | None = None, options: dict | None = None) -> RoutingPolicy:
+    """``make_routing_policy(name, **options)``, its session tables capped by ``caps`` when
+    it has them (unless ``options``, the operator's ``routing_options``, set them); the
+    default ``cache_aware`` falls back to round robin while it is not registered. Unknown
+    names are a UsageError."""
     try:
         kwargs = {}
         if caps is not None:
@@ -81,7 +82,7 @@ def build_policy(name: str, caps: TableCaps | None = None) -> RoutingPolicy:
                 kwargs["max_session_blocks"] = caps.policy_session_blocks
             if "max_sessions" in params:
                 kwargs["max_sessions"] = caps.classifier_sessions
-        return make_routing_policy(name, **kwargs)
+        return make_routing_policy(name, **{**kwargs, **(options or {})})
     except ValueError as exc:
         if name == "cache_aware":
             log.warning("routing policy cache_aware not available; using %s", FALLBACK_POLICY)
@@ -113,7 +114,7 @@ class RouterApp:
     def __init__(self, config: RouterConfig, policy: RoutingPolicy | None = None, subscriber_kwargs: dict | None = None):
         self.config = config.resolve_secrets()
         self.table_caps = TableCaps.for_budget(config.memory_budget_mib)
-        self.policy = policy or build_policy(config.routing_policy, self.table_caps)
+        self.policy = policy or build_policy(config.routing_policy, self.table_caps, config.policy_options())
         self.index = LocalityIndex(config.max_index_blocks)
         self.cluster = ClusterView(
             self.policy, self.index, quarantine_initial_s=config.quarantine_initial_s, quarantine_max_s=config.quarantine_max_s

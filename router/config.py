@@ -79,6 +79,11 @@ class RouterConfig:
                           "(adapters loaded at run time too) are where requests naming them go"},
     )
     routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
+    routing_options: str = field(
+        default="",
+        metadata={"help": "the routing policy's own settings (cache_aware: its CacheAwareConfig fields, docs/routing.md): "
+                          "JSON {name: value} or 'name=value,...' (a config file takes a mapping; the flag --routing-option repeats)"},
+    )
     workers: int = field(
         default=1, metadata={"help": "router processes sharing the listening ports (SO_REUSEPORT) and, through Redis, session placement; >1 needs fixed ports"}
     )
@@ -220,6 +225,7 @@ class RouterConfig:
         if self.session_ttl_s <= 0 or self.session_timeout_s <= 0 or self.terms_interval_s <= 0:
             raise UsageError("session_ttl_s, session_timeout_s and terms_interval_s must be positive")
         check_routing_policy(self.routing_policy)
+        self.policy_options()  # unknown names and values out of range are a UsageError now
         check_http_settings(self)
         tls = (self.replica_tls_ca, self.replica_tls_cert, self.replica_tls_key)
         if any(tls) and not all(tls):
@@ -263,6 +269,10 @@ class RouterConfig:
             return parse_cluster_key(self.cluster_key)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+
+    def policy_options(self) -> dict[str, Any]:
+        """``routing_options`` parsed and typed for ``routing_policy`` (``parse_routing_options``)."""
+        return parse_routing_options(self.routing_policy, self.routing_options)
 
     def backend_specs(self) -> list[BackendSpec]:
         """``backends`` parsed (``unicache.router.upstream.vllm_fleet.spec``); UsageError if malformed."""
@@ -315,9 +325,14 @@ def mask_url_password(url: str) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config``, one flag per field (unset flags stay ``None``) and the repeatable
-    ``--backend`` (each adds one entry to ``backends``)."""
+    """Add ``--config``, one flag per field (unset flags stay ``None``), the repeatable
+    ``--backend`` (each adds one entry to ``backends``) and the repeatable
+    ``--routing-option NAME=VALUE`` (each sets one of ``routing_options``)."""
     settings.add_arguments(parser, RouterConfig, secrets=SECRET_FIELDS)
+    parser.add_argument(
+        "--routing-option", dest="routing_option_list", action="append", default=None, metavar="NAME=VALUE",
+        help="one setting of the routing policy (repeat for several; adds to --routing-options)",
+    )
     parser.add_argument(
         "--backend", dest="backend_list", action="append", default=None, metavar="URL,kv-events=tcp://HOST:PORT",
         help="a stock vLLM OpenAI server and its KV events address (repeat for several; adds to --backends)",
@@ -334,6 +349,11 @@ def build_config(
     extra = getattr(args, "backend_list", None) or []
     if extra:
         cfg.backends = json.dumps([*backend_entries(cfg.backends), *extra])
+    options = getattr(args, "routing_option_list", None) or []
+    if options:
+        merged = parse_routing_options(cfg.routing_policy, cfg.routing_options)
+        merged.update(parse_routing_options(cfg.routing_policy, ",".join(options)))
+        cfg.routing_options = json.dumps(merged)
     cfg.validate()
     return cfg
 
@@ -372,6 +392,50 @@ def check_http_settings(cfg: RouterConfig) -> None:
         raise UsageError(f"http_max_connections_per_peer must be >= 0, got {cfg.http_max_connections_per_peer}")
     parser_protocol(cfg.http_parser)
     loop_factory(cfg.event_loop)
+
+
+def parse_routing_options(policy: str, text: str) -> dict[str, Any]:
+    """The routing policy's settings from ``text`` (a JSON object, or ``name=value`` items
+    separated by commas), each converted to the type of the policy's config field and the
+    whole checked by building the config. UsageError naming the setting: an unknown name
+    (with the valid ones), a value of the wrong type, or one the config refuses."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"routing_options: not a JSON object ({exc.msg})") from None
+        if not isinstance(raw, dict):
+            raise UsageError("routing_options: not a JSON object")
+    else:
+        raw = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or not name.strip():
+                raise UsageError(f"routing_options: bad entry {item!r}: expected name=value")
+            raw[name.strip()] = value.strip()
+    check_routing_policy(policy)
+    cls = ROUTING_POLICIES.get(policy)
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None:
+        raise UsageError(f"routing_options: routing policy {policy!r} takes no settings")
+    kinds = settings.field_types(config_class)
+    unknown = sorted(set(raw) - set(kinds))
+    if unknown:
+        raise UsageError(f"routing_options: {policy} has no setting {', '.join(unknown)} (its settings: {', '.join(kinds)})")
+    out = {}
+    for name, value in raw.items():
+        kind = kinds[name]
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise UsageError(f"routing_options: {name} must be int, got {value!r}")
+        out[name] = settings.convert(name, kind, value, "routing_options")
+    try:
+        config_class(**out)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"routing_options: {exc}") from None
+    return out
 
 
 def check_routing_policy(name: str) -> None:

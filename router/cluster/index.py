@@ -50,6 +50,13 @@ dropped with them (clear, summary, replica drop), and are bounded by
 ``max_blocks_per_replica`` and by the host capacity its heartbeat announces
 (``set_host_capacity``), oldest first.
 
+Hybrid models. A vLLM backend serving a model with sliding-window (or Mamba) KV cache
+groups indexes as its blocks those every full-attention group holds; each window group
+adds ``(k, held)`` (``set_windows``: its hashes, kept up to date by its translator): a
+prefix of n blocks is a hit on it only if every window holds blocks ``n - k .. n - 1``
+(all of them when n < k), so each match of such a replica is cut back to the longest n
+that passes (``_window_limit``), and ``prefix_match_groups`` walks it on its own.
+
 Without parents (``parents=None``: a batch or summary from a sender older than
 ``KVEventBatch.stored_parents`` / ``CacheSummary.parents``) every block is indexed as a
 root and trimming falls back to the tie rule above: within one batch or summary the block
@@ -94,6 +101,7 @@ class ReplicaHoldings:
     fault: str = ""
     host: dict[BlockHash, None] = field(default_factory=dict)  # host-tier hashes, oldest first
     host_capacity: int = 0
+    windows: tuple[tuple[int, Collection[BlockHash]], ...] = ()  # a hybrid model's window groups
 
 
 class LocalityIndex(LocalityView):
@@ -117,6 +125,7 @@ class LocalityIndex(LocalityView):
         # removes (the router's pending blocks: router/cluster/pending.py); None: nobody
         self.on_stored: Callable[[str, Sequence[BlockHash]], None] | None = None
         self.on_removed: Callable[[str, Sequence[BlockHash]], None] | None = None
+        self._windowed: set[str] = set()  # replicas with window groups (hybrid models)
 
     # ------------------------------------------------------------------ reading
     def replicas(self) -> list[str]:
@@ -160,7 +169,8 @@ class LocalityIndex(LocalityView):
         if h is None:
             return 0
         self._tick += 1
-        return _walk(h.blocks, block_hashes, self._tick)
+        n = _walk(h.blocks, block_hashes, self._tick)
+        return _window_limit(h.windows, block_hashes, n) if h.windows and n else n
 
     def tier_run(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> TierRun:
         """The run of ``block_hashes[start:]`` that the replica's host tier and GPU
@@ -214,7 +224,10 @@ class LocalityIndex(LocalityView):
         self._tick += 1
         tick = self._tick
         replicas = self._replicas
-        return {rid: _walk(replicas[rid].blocks, block_hashes, tick) for rid in level}
+        out = {rid: _walk(replicas[rid].blocks, block_hashes, tick) for rid in level}
+        if self._windowed:
+            self._limit_windowed(out, block_hashes)
+        return out
 
     def prefix_match_groups(self, block_hashes: Sequence[BlockHash],
                             wide: int) -> tuple[dict[str, int], list[tuple[int, set[str]]]]:
@@ -231,8 +244,11 @@ class LocalityIndex(LocalityView):
         self._tick += 1
         tick = self._tick
         replicas = self._replicas
-        if len(level) <= wide:
-            return {rid: _walk(replicas[rid].blocks, block_hashes, tick) for rid in level}, []
+        if len(level) <= wide or (self._windowed and not self._windowed.isdisjoint(level)):
+            out = {rid: _walk(replicas[rid].blocks, block_hashes, tick) for rid in level}
+            if self._windowed:
+                self._limit_windowed(out, block_hashes)
+            return out, []
         n = len(block_hashes)
         groups: list[tuple[int, set[str]]] = []
         current = level.keys()  # the replicas holding blocks [0, i); ``level``: their block i - 1
@@ -258,7 +274,22 @@ class LocalityIndex(LocalityView):
             deep[rid] = k
         return deep, groups
 
+    def _limit_windowed(self, matches: dict[str, int], block_hashes: Sequence[BlockHash]) -> None:
+        replicas = self._replicas
+        for rid in self._windowed.intersection(matches):
+            if matches[rid]:
+                matches[rid] = _window_limit(replicas[rid].windows, block_hashes, matches[rid])
+
     # ------------------------------------------------------------------ writing
+    def set_windows(self, replica_id: str, windows: Sequence[tuple[int, Collection[BlockHash]]]) -> None:
+        """The replica's window groups: ``(k, held)`` each (see the module docstring);
+        ``held`` is read at every match, its owner keeps it current. Empty: none."""
+        self.holdings(replica_id).windows = tuple(windows)
+        if windows:
+            self._windowed.add(replica_id)
+        else:
+            self._windowed.discard(replica_id)
+
     def set_capacity(self, replica_id: str, capacity_blocks: int) -> None:
         """The replica's KV capacity in blocks (from its heartbeat); 0 leaves it unknown."""
         self.holdings(replica_id).capacity = capacity_blocks
@@ -348,6 +379,7 @@ class LocalityIndex(LocalityView):
     def drop_replica(self, replica_id: str) -> None:
         """Forget the replica: it leaves every block's holder set."""
         h = self._replicas.pop(replica_id, None)
+        self._windowed.discard(replica_id)
         if h is not None:
             self._clear(replica_id, h)
 
@@ -526,6 +558,23 @@ def _walk(blocks: dict[BlockHash, IndexEntry], block_hashes: Sequence[BlockHash]
     if n:
         blocks[block_hashes[n - 1]].tick = tick
     return n
+
+
+def _window_limit(windows: Sequence[tuple[int, Collection[BlockHash]]], block_hashes: Sequence[BlockHash], n: int) -> int:
+    """The longest m <= n such that every window ``(k, held)`` holds ``block_hashes[m-k:m]``
+    (``[0:m]`` when m < k): vLLM's sliding-window hit rule over a full-attention match n."""
+    while n > 0:
+        for k, held in windows:
+            lo = n - k if n > k else 0
+            i = n - 1
+            while i >= lo and block_hashes[i] in held:
+                i -= 1
+            if i >= lo:  # block i is missing: no m in (i, i + k] passes, and n <= i + k
+                n = i
+                break
+        else:
+            return n
+    return 0
 
 
 def _tier_walk(h: ReplicaHoldings, block_hashes: Sequence[BlockHash], start: int) -> TierRun:

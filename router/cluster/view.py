@@ -124,6 +124,7 @@ class ClusterView:
         self.redis_connected = False
         self.backend_events = 0  # vLLM backends whose own KV events feed the index
         self.backend_stats: dict[str, dict[str, float]] = {}  # a vLLM backend's last /metrics figures
+        self.backend_schema: dict[str, str] = {}  # a vLLM backend's KV event form (vllm_event_schema.SCHEMAS)
         self.models = ServedModels()  # which vLLM backend serves which model and adapter
         # each backend's costs in seconds, learned from its requests and /metrics
         # (``unicache.router.routing.cost_model``): what ``cache_aware`` prices decisions in

@@ -144,3 +144,4 @@ class VllmFleet:
             self.cluster.remove(rid)
             self.cluster.index.drop_replica(rid)
             self.cluster.backend_stats.pop(rid, None)
+            self.cluster.backend_schema.pop(rid, None)
