@@ -79,7 +79,8 @@ async def run(args) -> dict:
         server.servicer.summary_source = publisher.signed_summary
         await publisher.start()
         overrides.update(use_redis=True, replicas="", redis_url=redis.url)
-    env = {"UNICACHE_API_KEYS": "k:bench", "UNICACHE_SALT_SECRET": "s", "UNICACHE_CLUSTER_KEY": key}
+    # NOTE: the replica here serves without TLS (the router's overhead alone is measured): the named opt-out.
+    env = {"UNICACHE_API_KEYS": "k:bench", "UNICACHE_SALT_SECRET": "s", "UNICACHE_CLUSTER_KEY": key, "UNICACHE_INSECURE_NO_TLS": "1"}
     app = RouterApp(build_config(env=env, overrides=overrides))
     call_auth = CallCredential(parse_cluster_key(key))
     await app.start()
@@ -118,7 +119,7 @@ async def run(args) -> dict:
         from bench.router_profile import start_baseline
 
         tree = shutil.which("unicache", path=os.path.dirname(sys.executable)) or "unicache"
-        env = {"UNICACHE_API_KEYS": "k:bench", "UNICACHE_SALT_SECRET": "s", "UNICACHE_CLUSTER_KEY": key,
+        env = {"UNICACHE_API_KEYS": "k:bench", "UNICACHE_SALT_SECRET": "s", "UNICACHE_CLUSTER_KEY": key, "UNICACHE_INSECURE_NO_TLS": "1",
                "UNICACHE_AUTH_ENABLED": "true", "UNICACHE_ROUTING_POLICY": args.policy, "UNICACHE_EVENT_LOOP": args.event_loop}
         for name, exe in (("tree", tree), ("baseline", args.baseline_unicache)):
             proc, gport, hport = await asyncio.to_thread(start_baseline, exe, spec if name == "tree" else f"r0={addr}", 60.0, env)

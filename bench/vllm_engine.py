@@ -117,10 +117,10 @@ async def ttft_part(model_dir: str, reps: int) -> dict:
     redis = EmbeddedRedis()
     redis.start()
     runtime = ReplicaRuntime(
-        ReplicaSettings(replica_id="v0", engine="vllm", checkpoint=model_dir, block_size=BS, num_blocks=256, device="cpu", dtype="float32", redis_url=redis.url, redis_prefix="bench", cluster_key=key)
+        ReplicaSettings(replica_id="v0", engine="vllm", checkpoint=model_dir, block_size=BS, num_blocks=256, device="cpu", dtype="float32", redis_url=redis.url, redis_prefix="bench", cluster_key=key, insecure_no_tls=True)
     )
     address = await runtime.start()
-    app = RouterApp(build_config(env={}, overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis.url, "redis_prefix": "bench", "block_size": BS, "tokenizer": f"{model_dir}/tokenizer.json", "auth_enabled": False, "cluster_key": key}))
+    app = RouterApp(build_config(env={}, overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis.url, "redis_prefix": "bench", "block_size": BS, "tokenizer": f"{model_dir}/tokenizer.json", "auth_enabled": False, "cluster_key": key, "insecure_no_tls": True}))
     await app.start()
     try:
         await eventually(lambda: "v0" in app.cluster.replicas, "replica seen", timeout_s=60)

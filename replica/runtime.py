@@ -66,12 +66,14 @@ class ReplicaRuntime:
                 "a replica that publishes to Redis needs a cluster key (set UNICACHE_CLUSTER_KEY or cluster_key_file): "
                 "routers trust only state signed with it"
             )
+        insecure = s.check_transport()
         password = s.resolved_redis_password()
         self.engine = make_engine(s)
         await self.engine.start()
         metrics = None
         if s.metrics_port >= 0:
             metrics, registries = replica_metrics(self.engine, s)
+            metrics.insecure_transport.set(1 if insecure else 0)
             self.metrics_server = MetricsServer(
                 registries, s.host, s.metrics_port, advertise_host=s.advertised_host(), port_span=s.metrics_port_span
             )

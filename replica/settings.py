@@ -92,6 +92,12 @@ class ReplicaSettings:
                        "stands for the id (replicas launched from one template); rotated files are picked up"),
     )
     tls_key: str = field(default="", metadata=_help("mutual TLS: the private key of tls_cert (secret file; '{replica_id}' as there)"))
+    insecure_no_tls: bool = field(
+        default=False,
+        metadata=_help("INSECURE opt-out: with a cluster key, serve routers without mutual TLS (a relay reads requests in clear, "
+                       "a router's credential captured by a squatter opens this replica; docs/security.md); logged at every start, "
+                       "unicache_replica_insecure_transport 1"),
+    )
     engine: str = field(default="torch", metadata=_help("serving engine: torch (built-in) or vllm (vLLM V1 in-process, extra [vllm])"))
     eviction_policy: str = field(
         default="unicache",
@@ -184,6 +190,7 @@ class ReplicaSettings:
                                      f"a replica runs one of {', '.join(replica_eviction_policies())}")
         if any((self.tls_ca, self.tls_cert, self.tls_key)) and not all((self.tls_ca, self.tls_cert, self.tls_key)):
             raise UsageError("mutual TLS needs all of tls_ca, tls_cert and tls_key")
+        self.check_transport(warn=False)
         if self.hop_port < -1 or self.hop_port > 65535:
             raise UsageError(f"hop_port must be -1 (none), 0 (a free port) or a port number, got {self.hop_port}")
         if self.metrics_port < -1 or self.metrics_port > 65535:
@@ -266,6 +273,20 @@ class ReplicaSettings:
             return TlsFiles(self.tls_ca, self.tls_cert.replace("{replica_id}", rid), self.tls_key.replace("{replica_id}", rid))
         except OSError as exc:
             raise UsageError(f"tls: cannot read {exc.filename}: {exc.strerror}") from None
+
+    def check_transport(self, warn: bool = True) -> bool:
+        """Whether this replica serves without mutual TLS by the explicit ``insecure_no_tls``
+        opt-out (``warn``: log the warning, as every start does). UsageError naming the
+        fix for a cluster key without tls_cert and without the opt-out
+        (``unicache.plumbing.tls.insecure_transport``)."""
+        from unicache.plumbing.tls import insecure_transport
+
+        if not warn and self.insecure_no_tls and not self.tls_cert:
+            return True
+        return insecure_transport(
+            component=f"replica {self.replica_id}", keyed=bool(self.cluster_key or self.cluster_key_file),
+            has_tls=bool(self.tls_cert), insecure=self.insecure_no_tls, tls_settings="tls_ca, tls_cert and tls_key",
+        )
 
     def resolved_cluster_key(self) -> bytes | None:
         """The cluster key as bytes, or None when none is set. UsageError if unreadable or short."""

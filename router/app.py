@@ -204,7 +204,8 @@ class RouterApp:
         for rid, (addr, hop) in config.static_replicas().items():
             self.cluster.upsert(rid, addr, static=True, hop_address=hop)
         self.fleet = VllmFleet(self.cluster, self.clients.vllm, config.block_size, self.backend_specs, config.backend_discovery,
-                               follower_kwargs={"models_interval_s": config.backend_models_interval_s})
+                               follower_kwargs={"models_interval_s": config.backend_models_interval_s,
+                                                "metrics_interval_s": config.backend_metrics_interval_s})
         self.history = ClusterHistory(self.metrics, self.cluster)
         self.http = HttpFrontDoor(
             self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes,

@@ -74,9 +74,14 @@ class RouterConfig:
                           "'dns://NAME:HTTP_PORT?kv-events=PORT&replay=PORT&interval=S'; docs/vllm-backends.md"},
     )
     backend_models_interval_s: float = field(
-        default=5.0,
+        default=60.0,
         metadata={"help": "how often each vLLM backend's /v1/models is read again: the models and LoRA adapters it lists "
                           "(adapters loaded at run time too) are where requests naming them go"},
+    )
+    backend_metrics_interval_s: float = field(
+        default=5.0,
+        metadata={"help": "how often each vLLM backend's /metrics (its load and pool) is scraped once it joined; its events "
+                          "and requests are its liveness, /health is asked only when a scrape fails (docs/vllm-backends.md)"},
     )
     routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
     routing_options: str = field(
@@ -215,6 +220,8 @@ class RouterConfig:
             raise UsageError("block_size must be positive")
         if self.backend_models_interval_s <= 0:
             raise UsageError(f"backend_models_interval_s must be positive, got {self.backend_models_interval_s}")
+        if self.backend_metrics_interval_s <= 0:
+            raise UsageError(f"backend_metrics_interval_s must be positive, got {self.backend_metrics_interval_s}")
         if self.memory_budget_mib < 64:
             raise UsageError(f"memory_budget_mib must be >= 64, got {self.memory_budget_mib}")
         if self.workers < 1:

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -204,6 +204,10 @@ class ReplicaMetrics:
         self.clock = clock
         self.request_series = request_series
         self.registry.register(ReplicaCollector(engine, model_name, replica_id, engine_name, load_gauges=request_series))
+        self.insecure_transport = Gauge(
+            "unicache_replica_insecure_transport",
+            "1 when this replica serves routers without mutual TLS by the insecure_no_tls opt-out", registry=self.registry,
+        )
         if not request_series:
             return
         r, m = self.registry, model_name

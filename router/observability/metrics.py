@@ -118,6 +118,10 @@ class RouterMetrics:
         )
         self.replicas = Gauge("unicache_router_replicas", "Live replicas", registry=r)
         self.redis_connected = Gauge("unicache_router_redis_connected", "1 when the Redis subscriber is connected", registry=r)
+        self.insecure_transport = Gauge(
+            "unicache_router_insecure_transport",
+            "1 when this router talks to replicas without mutual TLS by the insecure_no_tls opt-out", registry=r,
+        )
         # the cost model (router/routing/cost_model.py): each backend's fitted costs and
         # how far its TTFT prediction at dispatch was from the measured TTFT
         self.backend_cost = Gauge(

@@ -26,7 +26,7 @@ async def test_a_fleet_past_the_window_routes_to_the_holder_and_keeps_sessions_h
     for rep in reps:
         await rep.start()
     cfg = build_config(
-        env={"UNICACHE_API_KEYS": "k:tenantA", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
+        env={"UNICACHE_API_KEYS": "k:tenantA", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1"},
         overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_server.url, "redis_prefix": KEYS.prefix},
     )
     app = RouterApp(cfg, subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20, "resync_retry_s": 0.05,

@@ -30,7 +30,7 @@ async def stack(redis_server):
     for r in reps:
         await r.start()
     cfg = build_config(
-        env={"UNICACHE_API_KEYS": "k:acme", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
+        env={"UNICACHE_API_KEYS": "k:acme", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1"},
         overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_server.url, "redis_prefix": PREFIX, "block_size": BS},
     )
     app = RouterApp(cfg, subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20, "resync_retry_s": 0.05})

@@ -99,7 +99,7 @@ async def test_two_workers_share_both_ports_and_keep_sessions_together(redis_ser
     for f in fakes:
         await f.start()
     gport, hport = free_port(), free_port()
-    env = dict(os.environ, UNICACHE_CLUSTER_KEY=CLUSTER_KEY, UNICACHE_API_KEYS="k:acme", UNICACHE_SALT_SECRET="x")
+    env = dict(os.environ, UNICACHE_CLUSTER_KEY=CLUSTER_KEY, UNICACHE_INSECURE_NO_TLS="1", UNICACHE_API_KEYS="k:acme", UNICACHE_SALT_SECRET="x")
     proc = subprocess.Popen(
         [*UNICACHE, "router", "--workers", "2", "--grpc-port", str(gport), "--http-port", str(hport), "--tokenizer", "byte",
          "--redis-url", redis_server.url, "--redis-prefix", "workers", "--replicas", ",".join(f"{f.replica_id}={f.address}" for f in fakes),

@@ -73,7 +73,7 @@ def test_actor_options_restart_forever_and_pick_gpu_or_cpu():
 def test_launch_generate_kill_restart_stop(ray_local, redis_server):
     r = redis.Redis.from_url(redis_server.url, socket_timeout=5)
     base = ReplicaSettings(redis_url=redis_server.url, redis_prefix=KEYS.prefix, num_blocks=64, block_size=8, eviction_policy="lru",
-                           cluster_key=CLUSTER_KEY)
+                           cluster_key=CLUSTER_KEY, insecure_no_tls=True)
     launcher = ReplicaLauncher(base, num=1, id_prefix="t", use_gpu=False, start_timeout_s=120)
     try:
         [rep] = launcher.start()

@@ -70,7 +70,7 @@ def test_advertised_host():
 def test_unicache_replica_process_serves_and_stops_on_sigterm(redis_server):
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNICACHE_")}
     env.update(UNICACHE_REDIS_URL=redis_server.url, UNICACHE_REDIS_PREFIX="clitest", UNICACHE_NUM_BLOCKS="64",
-               UNICACHE_CLUSTER_KEY=CLUSTER_KEY)
+               UNICACHE_CLUSTER_KEY=CLUSTER_KEY, UNICACHE_INSECURE_NO_TLS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "unicache.cli.main", "replica", "--replica-id", "c0", "--device", "cpu", "--eviction-policy", "lru"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -61,7 +61,7 @@ def families(text: str) -> dict[str, str]:
 async def replica(redis_server):
     settings = ReplicaSettings(
         replica_id="met-0", redis_url=redis_server.url, redis_prefix=KEYS.prefix, block_size=BS, num_blocks=8,
-        eviction_policy="unicache", device="cpu", cluster_key=CLUSTER_KEY, model_preset="tiny",
+        eviction_policy="unicache", device="cpu", cluster_key=CLUSTER_KEY, insecure_no_tls=True, model_preset="tiny",
         served_model_name=MODEL,
     )
     runtime = ReplicaRuntime(settings)
@@ -124,7 +124,7 @@ async def test_replica_metrics_count_a_known_workload_exactly(replica):
 
 async def test_metrics_url_reaches_the_routers_cluster_state(replica, redis_server):
     cfg = build_config(
-        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_API_KEYS": "k:t", "UNICACHE_SALT_SECRET": "s"},
+        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1", "UNICACHE_API_KEYS": "k:t", "UNICACHE_SALT_SECRET": "s"},
         overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_server.url, "redis_prefix": KEYS.prefix, "block_size": BS},
     )
     app = RouterApp(cfg, subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20, "resync_retry_s": 0.05})

@@ -41,7 +41,7 @@ async def summary(r) -> cache_pb2.CacheSummary | None:
 async def test_replica_publishes_exact_events_and_survives_a_redis_outage(redis_server):
     settings = ReplicaSettings(
         replica_id="rt-0", redis_url=redis_server.url, redis_prefix=KEYS.prefix, block_size=BS, num_blocks=64,
-        eviction_policy="lru", device="cpu", cluster_key=CLUSTER_KEY,
+        eviction_policy="lru", device="cpu", cluster_key=CLUSTER_KEY, insecure_no_tls=True,
     )
     runtime = ReplicaRuntime(settings)
     address = await runtime.start()

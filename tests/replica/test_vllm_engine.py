@@ -125,7 +125,7 @@ async def stack(model_dir, reference):
     settings = ReplicaSettings(
         replica_id="v0", engine="vllm", checkpoint=model_dir, block_size=BS, num_blocks=NUM_BLOCKS, eviction_policy="unicache",
         device="cpu", dtype="float32", max_num_seqs=8, redis_url=redis.url, redis_prefix=PREFIX,
-        cluster_key=CLUSTER_KEY,
+        cluster_key=CLUSTER_KEY, insecure_no_tls=True,
     )
     runtime = ReplicaRuntime(settings)
     try:
@@ -152,7 +152,7 @@ async def stack(model_dir, reference):
         env={"UNICACHE_API_KEYS": "ka:acme,kb:beta", "UNICACHE_SALT_SECRET": "s"},
         overrides={
             "grpc_port": 0, "http_port": 0, "redis_url": redis.url, "redis_prefix": PREFIX, "block_size": BS,
-            "tokenizer": f"{model_dir}/tokenizer.json", "cluster_key": CLUSTER_KEY,
+            "tokenizer": f"{model_dir}/tokenizer.json", "cluster_key": CLUSTER_KEY, "insecure_no_tls": True,
         },
     )
     app = RouterApp(cfg, subscriber_kwargs={"heartbeat_interval_s": 0.05, "block_ms": 20, "resync_retry_s": 0.05})

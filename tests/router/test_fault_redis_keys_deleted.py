@@ -57,7 +57,7 @@ async def test_deleting_live_replicas_keys_for_6s_fails_no_request(redis_server)
     for rep in reps:
         await rep.start()
     cfg = build_config(
-        env={"UNICACHE_API_KEYS": "k:tenantA", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
+        env={"UNICACHE_API_KEYS": "k:tenantA", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1"},
         overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_server.url, "redis_prefix": KEYS.prefix,
                    "routing_policy": "round_robin"},
     )

@@ -66,7 +66,7 @@ async def test_a_replica_failing_authentication_is_retried_elsewhere(case):
         r1.fail_next, r1.fail_code = 1000, grpc.StatusCode.UNAUTHENTICATED  # as a replica refusing the credential
     replicas = f"r0={r0.address}@127.0.0.1:{r0.hop.port}," + (f"r1={r1.address}@{r1_hop}" if r1_hop else f"r1={r1.address}")
     cfg = build_config(
-        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
+        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1"},
         overrides={"grpc_port": 0, "http_port": 0, "use_redis": False, "auth_enabled": False, "replicas": replicas,
                    "routing_policy": "round_robin", "replica_transport": transport},
     )

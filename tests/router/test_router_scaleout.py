@@ -35,7 +35,7 @@ TURNS = 4
 
 async def start_router(redis_url: str, spec: str, shared: bool) -> RouterApp:
     cfg = build_config(
-        env={"UNICACHE_API_KEYS": "k:acme", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
+        env={"UNICACHE_API_KEYS": "k:acme", "UNICACHE_SALT_SECRET": "x", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1"},
         overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_url, "redis_prefix": PREFIX, "replicas": spec,
                    "tokenizer": "byte", "shared_sessions": shared,
                    # the default 50 ms deadline guards the request path against a slow Redis
@@ -237,7 +237,7 @@ def test_cache_aware_import_makes_another_router_decide_as_the_first():
 
 async def test_no_store_for_a_policy_without_session_memory(redis_server):
     cfg = build_config(
-        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
+        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1"},
         overrides={"redis_url": redis_server.url, "auth_enabled": False, "routing_policy": "round_robin", "shared_sessions": "on"},
     )
     apps = [RouterApp(cfg)]
@@ -260,7 +260,7 @@ async def test_no_store_for_a_policy_without_session_memory(redis_server):
 )
 async def test_auto_shares_sessions_only_when_routers_share_ports(redis_server, overrides, shared):
     cfg = build_config(
-        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY}, overrides={"redis_url": redis_server.url, "auth_enabled": False, **overrides}
+        env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1"}, overrides={"redis_url": redis_server.url, "auth_enabled": False, **overrides}
     )
     app = RouterApp(cfg)
     assert (app.sessions is not None) is shared

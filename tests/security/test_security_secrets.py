@@ -60,7 +60,7 @@ def clean_env(monkeypatch):
 
 
 def router_config(redis_url: str, **overrides):
-    env = {"UNICACHE_API_KEYS": f"{API_KEY}:acme", "UNICACHE_SALT_SECRET": SALT, "UNICACHE_CLUSTER_KEY": CLUSTER_KEY}
+    env = {"UNICACHE_API_KEYS": f"{API_KEY}:acme", "UNICACHE_SALT_SECRET": SALT, "UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1"}
     base = {"grpc_port": 0, "http_port": 0, "redis_url": redis_url, "redis_prefix": PREFIX}
     base.update(overrides)
     return build_config(env=env, overrides=base)
@@ -269,6 +269,7 @@ def test_replica_cli_redis_errors_carry_no_secret(clean_env, capsys, caplog, mon
     password; the password given as a flag works but is warned about."""
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("UNICACHE_CLUSTER_KEY", CLUSTER_KEY)
+    monkeypatch.setenv("UNICACHE_INSECURE_NO_TLS", "1")
     argv = ["replica", "--model-preset", "tiny", "--num-blocks", "16", "--device", "cpu",
             "--redis-url", f"redis://:{REDIS_PW}@127.0.0.1:1/0", "--redis-password", REDIS_PW, "--redis-tls-ca", "/ca.pem"]
     code, output = run_cli(argv, capsys)

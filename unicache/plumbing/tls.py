@@ -26,12 +26,15 @@ from __future__ import annotations
 import datetime
 import hashlib
 import ipaddress
+import logging
 import os
 import re
 import ssl
 import threading
 import time
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 REPLICA_NAME_SUFFIX = ".replica.unicache"
 ANY_REPLICA_NAME = "replica.unicache"
@@ -100,6 +103,45 @@ class TlsFiles:
                 generation = self._material.generation + 1 if self._material is not None else 1
                 self._material, self._stamp = TlsMaterial(ca, cert, key, generation), stamp
             return self._material
+
+
+# --- mutual TLS by default: the named opt-out ------------------------------------------
+INSECURE_NO_TLS = "insecure_no_tls"
+"""The settings field (router and replica alike; ``--insecure-no-tls true``,
+``UNICACHE_INSECURE_NO_TLS=1``) that lets a process holding a cluster key run without
+mutual TLS between router and replicas."""
+
+INSECURE_GIVES_UP = (
+    "a process bound to a dead replica's ports is sent requests (prompts and tenant salts) and the router's "
+    "bearer credential, which replays on every replica for 60 s, and a relay in front of a live replica reads "
+    "every request in clear (docs/security.md)"
+)
+
+
+def insecure_transport(*, component: str, keyed: bool, has_tls: bool, insecure: bool, tls_settings: str) -> bool:
+    """Whether ``component`` runs without mutual TLS by the explicit opt-out
+    (``INSECURE_NO_TLS``), logging a warning each time it says so (at every start).
+
+    A process holding the cluster key talks to the other side of the cluster; it must do
+    so over mutual TLS (``tls_settings``, the settings that name its files) unless the
+    opt-out is set. UsageError, naming the fix, when neither is given, and when both are
+    (the opt-out would silently mean nothing).
+    """
+    from unicache.plumbing.errors import UsageError
+
+    if has_tls and insecure:
+        raise UsageError(f"{INSECURE_NO_TLS} is set but so are {tls_settings}: drop one (mutual TLS is the default)")
+    if insecure:
+        log.warning("INSECURE: %s runs without mutual TLS (%s is set): %s", component, INSECURE_NO_TLS, INSECURE_GIVES_UP)
+        return True
+    if keyed and not has_tls:
+        raise UsageError(
+            f"{component} has a cluster key but no mutual TLS: set {tls_settings} (files from the cluster CA; "
+            f"`unicache up` and the Helm chart make them), or set {INSECURE_NO_TLS} "
+            f"(--{INSECURE_NO_TLS.replace('_', '-')} true, UNICACHE_{INSECURE_NO_TLS.upper()}=1) to run without it "
+            "(what that gives up: docs/security.md)"
+        )
+    return False
 
 
 # --- the replica's side ---------------------------------------------------------------

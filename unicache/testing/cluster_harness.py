@@ -107,7 +107,8 @@ class ReplicaSet:
         from unicache.replica.settings import ReplicaSettings
 
         settings = ReplicaSettings(
-            redis_url=redis_url, redis_prefix=prefix, cluster_key=CLUSTER_KEY, **{**FAST_REPLICA, **overrides}
+            redis_url=redis_url, redis_prefix=prefix, cluster_key=CLUSTER_KEY, insecure_no_tls=True,  # loopback test cluster
+            **{**FAST_REPLICA, **overrides}
         )
         self.settings = settings
         self.launcher = ReplicaLauncher(settings, num, id_prefix=id_prefix, use_gpu=False, start_timeout_s=180)
@@ -191,7 +192,8 @@ class RouterHandle:
         from unicache.router.config import build_config
 
         self.cfg = build_config(
-            env={"UNICACHE_API_KEYS": f"{API_KEY}:{TENANT}", "UNICACHE_SALT_SECRET": "fault-salt", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY},
+            env={"UNICACHE_API_KEYS": f"{API_KEY}:{TENANT}", "UNICACHE_SALT_SECRET": "fault-salt", "UNICACHE_CLUSTER_KEY": CLUSTER_KEY,
+                 "UNICACHE_INSECURE_NO_TLS": "1"},
             overrides={
                 "grpc_port": 0,
                 "http_port": 0,

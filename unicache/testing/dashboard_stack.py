@@ -44,12 +44,13 @@ class DashboardStack:
                 rt = ReplicaRuntime(ReplicaSettings(
                     replica_id=f"replica-{i}", redis_url=redis.url, redis_prefix=PREFIX, block_size=BLOCK_SIZE,
                     num_blocks=num_blocks, eviction_policy=eviction_policy, device="cpu", cluster_key=CLUSTER_KEY,
-                    model_preset="tiny", default_max_tokens=4,
+                    insecure_no_tls=True, model_preset="tiny", default_max_tokens=4,
                 ))
                 replicas.append(rt)
                 await rt.start()
             cfg = build_config(
-                env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_API_KEYS": f"{API_KEY}:tenant", "UNICACHE_SALT_SECRET": "s"},
+                env={"UNICACHE_CLUSTER_KEY": CLUSTER_KEY, "UNICACHE_INSECURE_NO_TLS": "1", "UNICACHE_API_KEYS": f"{API_KEY}:tenant",
+                     "UNICACHE_SALT_SECRET": "s"},
                 overrides={
                     "grpc_port": 0, "http_port": 0, "redis_url": redis.url, "redis_prefix": PREFIX,
                     "block_size": BLOCK_SIZE, "routing_policy": routing_policy,

@@ -209,7 +209,7 @@ async def run_parity(redis_url: str, prefix: str, trace: PreparedTrace, config: 
     app = RouterApp(
         build_config(env={}, overrides={"grpc_port": 0, "http_port": 0, "redis_url": redis_url, "redis_prefix": prefix,
                                         "block_size": trace.block_size, "auth_enabled": False,
-                                        "cluster_key": CLUSTER_KEY}),
+                                        "cluster_key": CLUSTER_KEY, "insecure_no_tls": True}),
         policy=make_routing_policy(config.router, **config.router_kwargs),
         subscriber_kwargs={**PARITY_SUBSCRIBER, "fetch_summary": fetch_summary},
     )

@@ -9,6 +9,14 @@ backend given without ``kv-events`` joins without, and the router logs once that
 route by prefix to it). After that the request path quarantines it when it refuses or
 stalls and ``unicache.router.cluster.prober`` re-probes it through ``/health``, as for replicas.
 
+Background work, sized as the Rust routers' (they poll every 10-60 s): once joined, a
+backend's liveness is its events stream, the requests it serves and its ``/metrics``
+scrape (every ``metrics_interval_s``, 5 s by default). ``/health`` is asked only of a
+backend in doubt: a scrape failed and neither an event, a request's progress nor a
+``/health`` answer came from it since the previous poll. It is asked ``health_interval_s``
+later; a failure quarantines the backend (the prober then takes over). Log lines say what
+changed (joined, a failure, answering again, quarantined), never that a poll ran.
+
 Invariants:
     * The index holds, for this backend, exactly the blocks its translated events stored
       and did not remove since the stream's last break; a break (reconnect, a gap replay
@@ -16,7 +24,8 @@ Invariants:
       (more blocks than the server's pool) drops them and resyncs from its replay buffer.
     * A backend whose events stream is disconnected for ``stale_after_s`` has its blocks
       aged out of the index (it may have restarted empty); they come back with its events.
-    * ``/metrics`` is scraped at most once per ``metrics_interval_s``; the load it gives
+    * ``/metrics`` is scraped once per ``metrics_interval_s`` once joined (every
+      ``health_interval_s`` while joining or in doubt); the load it gives
       (running, waiting, free and total blocks) is written in place into the backend's
       ``ReplicaLoad``, the router's own in-flight count stays the router's.
     * ``/v1/models`` is read again every ``models_interval_s``: the base models and LoRA
@@ -163,13 +172,16 @@ class BackendFollower:
         cluster: where it joins, and whose index its events fill.
         clients: the HTTP clients (its served model name is recorded there).
         block_size: the router's block size; a backend with another one never joins.
-        health_interval_s: ``/health`` and ``/metrics`` polling interval (default 1 s).
+        health_interval_s: polling interval while it joins or is in doubt (default 1 s).
         stale_after_s: events disconnected this long age its blocks out (default 10 s).
+        models_interval_s: ``/v1/models`` read again this often (default 60 s).
+        metrics_interval_s: ``/metrics`` scraped this often once joined (default 5 s).
     """
 
     def __init__(
         self, spec: BackendSpec, cluster: ClusterView, clients: VllmClients, block_size: int,
-        health_interval_s: float = 1.0, stale_after_s: float = 10.0, models_interval_s: float = 5.0,
+        health_interval_s: float = 1.0, stale_after_s: float = 10.0, models_interval_s: float = 60.0,
+        metrics_interval_s: float = 5.0,
     ):
         self.spec = spec
         self.cluster = cluster
@@ -178,6 +190,12 @@ class BackendFollower:
         self.health_interval_s = health_interval_s
         self.stale_after_s = stale_after_s
         self.models_interval_s = models_interval_s
+        self.metrics_interval_s = metrics_interval_s
+        self.in_doubt = False  # joined, but a poll failed without other signs of life: ask /health
+        self.health_probes = 0  # /health requests sent (joining, or in doubt)
+        self._doubt = ""  # the failure logged since its last good scrape ("": none)
+        self._healthy_at = 0.0  # time.monotonic() of its last /health 200
+        self._polled_at = 0.0  # time.monotonic() at the end of the previous poll
         self._models_at = -float("inf")  # time.monotonic() of its last /v1/models answer
         self.translator = EventTranslator()
         self.subscriber = KVEventSubscriber(spec.events, spec.replay) if spec.events else None
@@ -274,34 +292,73 @@ class BackendFollower:
     # --- health, model, load ----------------------------------------------------------------
     async def _poll_loop(self) -> None:
         while not self._stop:
-            try:
-                await self.poll_once()
-            except httpx.HTTPError as exc:
-                self._not_joined(f"unreachable ({type(exc).__name__})")
-            await asyncio.sleep(self.health_interval_s)
+            await self.poll()
+            # NOTE: a quarantined backend is probed by the prober: its scrapes keep the pace.
+            steady = self.joined and (not self.in_doubt or not self.cluster.healthy(self.backend_id))
+            await asyncio.sleep(self.metrics_interval_s if steady else self.health_interval_s)
+
+    async def poll(self) -> None:
+        """One poll: joining (``/health``, ``/v1/models``, ``/metrics``), ``/health`` when
+        in doubt, else ``/metrics`` (and ``/v1/models`` when due)."""
+        try:
+            await self.poll_once()
+        except httpx.HTTPError as exc:
+            self._failed(f"unreachable ({type(exc).__name__})")
+        self._polled_at = time.monotonic()
+
+    def _alive_since_last_poll(self) -> bool:
+        """Did an event batch, a request's progress (``ReplicaRecord.last_message``) or a
+        /health 200 come from it since the previous poll ended?"""
+        rec = self.cluster.replicas.get(self.backend_id)
+        last = max(self.last_event_at, self._healthy_at, rec.last_message if rec is not None else 0.0)
+        return last > self._polled_at
+
+    def _failed(self, why: str) -> None:
+        """A poll failed: a joining backend is not routable yet; a joined one is in doubt
+        unless it showed signs of life since the previous poll."""
+        if not self.joined:
+            self._not_joined(why)
+            return
+        if why != self._doubt:
+            log.warning("backend %s (%s): %s", self.backend_id, self.spec.url, why)
+            self._doubt = why
+        if not self._alive_since_last_poll():
+            self.in_doubt = True
 
     async def poll_once(self) -> None:
         client = self.clients.client(self.spec.url)
         timeout = max(self.health_interval_s, 2.0)
-        if not self.joined:
-            r = await client.get("/health", timeout=timeout)
-            if r.status_code != 200:
-                self._not_joined(f"/health answered {r.status_code}")
-                return
+        if not self.joined or self.in_doubt:
+            if not (self.joined and not self.cluster.healthy(self.backend_id)):  # the prober probes a quarantined one
+                self.health_probes += 1
+                r = await client.get("/health", timeout=timeout)
+                if r.status_code != 200:
+                    why = f"/health answered {r.status_code}"
+                    if not self.joined:
+                        self._not_joined(why)
+                    elif self.cluster.quarantine(self.backend_id):
+                        log.warning("backend %s quarantined (%s) until it answers a probe", self.backend_id, why)
+                    return
+                self._healthy_at = time.monotonic()
+                self.in_doubt = False
         if not self.joined or time.monotonic() - self._models_at >= self.models_interval_s:
             if not await self._read_models(client, timeout) and not self.joined:
                 return
         r = await client.get("/metrics", timeout=timeout)
         if r.status_code != 200:
-            self._not_joined(f"/metrics answered {r.status_code}")
+            self._failed(f"/metrics answered {r.status_code}")
             return
         stats = parse_vllm_metrics(r.text)
         if "block_size" not in stats:
-            self._not_joined("/metrics has no vllm:cache_config_info: not a vLLM server")
+            self._failed("/metrics has no vllm:cache_config_info: not a vLLM server")
             return
         if int(stats["block_size"]) != self.block_size:
-            self._not_joined(f"its block size is {int(stats['block_size'])}, the router's {self.block_size}: start both with one")
+            self._failed(f"its block size is {int(stats['block_size'])}, the router's {self.block_size}: start both with one")
             return
+        self.in_doubt = False
+        if self._doubt:
+            log.info("backend %s answers /metrics again (after: %s)", self.backend_id, self._doubt)
+            self._doubt = ""
         self._set_load(stats)
         if not self.joined:
             if self.subscriber is not None and not self.caught_up:
