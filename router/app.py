@@ -126,6 +126,7 @@ class RouterApp:
         except Exception as exc:  # noqa: BLE001 - any load failure is a configuration error
             raise UsageError(f"cannot load tokenizer {path}: {exc}") from None
         self.metrics = RouterMetrics()
+        self.metrics.insecure_transport.set(1 if config.insecure_transport() else 0)
         cluster_key = config.cluster_key_bytes()
         self.clients = ReplicaClients(
             config.forward_deadline_s, credential=CallCredential(cluster_key) if cluster_key else None,

@@ -29,6 +29,7 @@ from unicache.contract.redis_keys import DEFAULT_PREFIX
 from unicache.contract.state_auth import parse_cluster_key
 from unicache.plumbing import settings
 from unicache.plumbing.errors import UsageError
+from unicache.plumbing.tls import insecure_transport
 from unicache.router.routing.registry import ROUTING_POLICIES
 from unicache.router.upstream.replica_client import TRANSPORTS
 from unicache.router.upstream.vllm_fleet.fleet import DnsDiscovery
@@ -58,6 +59,12 @@ class RouterConfig:
     replica_tls_ca: str = field(default="", metadata={"help": "mutual TLS with replicas: the cluster CA bundle their certificates must chain to"})
     replica_tls_cert: str = field(default="", metadata={"help": "mutual TLS with replicas: the router's client certificate (rotated files are picked up)"})
     replica_tls_key: str = field(default="", metadata={"help": "mutual TLS with replicas: the private key of replica_tls_cert (secret file)"})
+    insecure_no_tls: bool = field(
+        default=False,
+        metadata={"help": "INSECURE opt-out: with a cluster key, talk to replicas without mutual TLS (a squatter on a dead replica's "
+                          "ports gets requests and a replayable credential, a relay reads requests in clear; docs/security.md); "
+                          "logged at every start, unicache_router_insecure_transport 1"},
+    )
     redis_timeout_s: float = field(default=1.0, metadata={"help": "deadline of each Redis call"})
     use_redis: bool = field(default=True, metadata={"help": "follow replicas through Redis"})
     replicas: str = field(
@@ -267,6 +274,16 @@ class RouterConfig:
         raise UsageError(
             "following replicas through Redis needs the cluster key (set UNICACHE_CLUSTER_KEY or --cluster-key-file): "
             "only state signed with it is trusted"
+        )
+
+    def insecure_transport(self) -> bool:
+        """Whether this router talks to replicas without mutual TLS by the explicit
+        ``insecure_no_tls`` opt-out (a warning logged each call: at every start).
+        UsageError naming the fix for a cluster key without the replica TLS files and
+        without the opt-out (``unicache.plumbing.tls.insecure_transport``)."""
+        return insecure_transport(
+            component="the router", keyed=self.cluster_key_bytes() is not None, has_tls=bool(self.replica_tls_cert),
+            insecure=self.insecure_no_tls, tls_settings="replica_tls_ca, replica_tls_cert and replica_tls_key",
         )
 
     def cluster_key_bytes(self) -> bytes | None:
