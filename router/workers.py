@@ -5,7 +5,9 @@ whole ``RouterApp`` on its own event loop with ``reuse_port`` set: the kernel sp
 connections over the processes that listen on the gRPC and HTTP ports (SO_REUSEPORT), so
 one connection (a gRPC channel, an HTTP keep-alive connection) stays with one process.
 Each worker follows Redis itself (its own subscriber and locality index: one view of the
-cluster, built from the same signed state) and shares session placement through Redis
+cluster, built from the same signed state), follows every vLLM backend itself (its own
+events subscription, a PUB socket serves any number, and its own ``/metrics`` scrapes)
+and shares session placement through Redis
 (``unicache.router.cluster.session_store``), so a session's turns reach the same replica through
 any worker or pod.
 
