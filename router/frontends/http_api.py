@@ -19,6 +19,11 @@ Routing is decided before the response starts, so every generating response (str
 too) carries ``x-unicache-replica`` and ``x-unicache-route-reason`` (comma-separated, one
 per prompt, for a batch of prompts).
 
+A single prompt whose request a vLLM backend takes is relayed: vLLM gets the client's own
+body and the client vLLM's own bytes, with the headers above
+(router/upstream/vllm_fleet/relay.py); a batch of prompts and our replicas' answers are
+read as messages and built here.
+
 Metrics: each HTTP request counts once in ``requests{api, outcome}``; a client that
 goes away (during the upload, before the answer, or mid-stream) counts "cancelled",
 never as an error.
@@ -66,7 +71,7 @@ from unicache.router.frontends.openai_request import (
 )
 from unicache.router.frontends.http_server import TIMED_OUT_SCOPE_KEY  # set when the guard closed for a body timeout (and logged it)
 from unicache.router.frontends.openai_response import FINISH, CompletionLogprobs, StreamChunks, TokenText, UsageTally, base, chat_logprobs
-from unicache.router.upstream.vllm_fleet.passthrough import Passthrough
+from unicache.router.upstream.vllm_fleet.relay import RelayHead, RelayRequest
 from unicache.v1 import replica_pb2
 
 log = logging.getLogger(__name__)
@@ -253,7 +258,6 @@ class HttpFrontDoor:
             return require_admin(admin_key, endpoint, lambda: error_response(ApiError(401, "admin key required", "invalid_api_key")))
 
         self._generation_paths = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
-        self.passthrough = Passthrough(core)
         self._starlette = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -375,12 +379,13 @@ class HttpFrontDoor:
         return await self._generate(request, chat=True)
 
     def _parse(self, body: dict, chat: bool, request: Request) -> tuple[OpenAIRequest, bool]:
-        """The request, and whether it goes to a vLLM backend untouched: it has parameters
-        this door does not implement and the fleet has vLLM backends to take them
-        (router/upstream/vllm_fleet/passthrough.py); else such a parameter is refused by name."""
+        """The request, and whether only a vLLM backend may take it: it has parameters this
+        door does not implement and the fleet has vLLM backends to take them (relayed as
+        they came: router/upstream/vllm_fleet/relay.py); else such a parameter is refused
+        by name."""
         model = check_model(body, self.core.cluster.models)
         extra = unimplemented_fields(body, chat)
-        if extra and not self.passthrough.available():
+        if extra and not any(rec.kind == "vllm" for rec in self.core.cluster.replicas.values()):
             raise unsupported(extra[0])
         vocab = getattr(self.core.tokenizer, "vocab_size", None)
         parsed = {k: v for k, v in body.items() if k not in extra} if extra else body
@@ -405,13 +410,12 @@ class HttpFrontDoor:
             # a rendered chat template already carries them.
             token_ids = [core.encode(p, add_special_tokens=not chat) if isinstance(p, str) else p for p in req.prompts]
             preps = [core.prepare(tenant, ids, req.labels, req.model) for ids in token_ids]
-            if passed:
-                response = await self.passthrough.forward(request.url.path, body, preps[0])
-                self._count(api, "ok")
-                return response
-            if not req.generate:
+            if not req.generate and not passed:
                 return self._echo_only(req, token_ids, preps[0].request_id, api)
-            agens = [core.forward(p, req.sampling) for p in preps]
+            # NOTE: one prompt goes to a vLLM backend as the client sent it, and vLLM's bytes
+            # come back as they are; a batch is routed prompt by prompt and read as messages.
+            relay = RelayRequest(request.url.path, body, req.stream, req.include_usage, passed) if len(preps) == 1 else None
+            agens = [core.forward(p, req.sampling, relay=relay) for p in preps]
             watch = _Watch(request.receive)
             firsts = await _first_messages(agens)
         except ClientDisconnect:
@@ -442,6 +446,8 @@ class HttpFrontDoor:
             "x-unicache-route-reason": ",".join(r.reason for r in routes),
             "x-unicache-matched-tokens": ",".join(str(r.matched_tokens) for r in routes),
         }
+        if isinstance(firsts[0][1], RelayHead):
+            return await self._relayed(agens[0], firsts[0][1], watch, headers, req.stream, api)
         rid = ("chatcmpl-" if chat else "cmpl-") + preps[0].request_id
         created = int(time.time())
         echo = [self._echo_text(p, ids) for p, ids in zip(req.prompts, token_ids)] if req.echo else None
@@ -457,6 +463,47 @@ class HttpFrontDoor:
             return Response(status_code=CLIENT_CLOSED)
         finally:
             watch.close()
+
+    async def _relayed(self, agen, head: RelayHead, watch: _Watch, headers: dict[str, str], stream: bool, api: str) -> Response:
+        """vLLM's answer as it came, with the router's headers: its events as they arrive,
+        or its whole body."""
+        if stream:
+            return _EventStream(self._relay_events(agen, head.data, api), watch, headers)
+        try:
+            async for _ in agen:  # the call ends: its usage counted, its connection kept
+                pass
+        except asyncio.CancelledError:
+            if not watch.caught():
+                raise
+            self._count(api, "cancelled")
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            watch.close()
+            await agen.aclose()
+        self._count(api, "ok")
+        return Response(head.data, media_type=head.content_type, headers=headers)
+
+    async def _relay_events(self, agen, first: bytes, api: str) -> AsyncIterator[bytes]:
+        """The relayed event stream; a backend failing mid-way ends it with an error event."""
+        outcome = "cancelled"  # as in _sse: an end that reaches no outcome is the client leaving
+        try:
+            try:
+                if first:
+                    yield first
+                async for _, data in agen:
+                    yield data
+                outcome = "ok"
+            except MAPPED as exc:
+                err = to_api_error(exc)
+                outcome = err.outcome
+                yield sse_error_event(err)
+                yield b"data: [DONE]\n\n"
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            await agen.aclose()
+            self._count(api, outcome)
 
     def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.core.tokenizer.decode(ids)

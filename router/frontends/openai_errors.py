@@ -15,11 +15,13 @@ import json
 from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from unicache.contract.chat_template import ChatFormatError
 from unicache.router.request_path.auth import AuthError
 from unicache.router.request_path.core import RouterError
+from unicache.router.request_path.overload import retry_headers
+from unicache.router.upstream.replica_stream import UpstreamAnswer
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -70,7 +72,8 @@ class ApiError(Exception):
     """A request failure as the client sees it.
 
     ``outcome`` is the ``requests`` metric label (invalid, unauthenticated, a RouterError
-    kind, ...). ``code`` defaults from the status (``DEFAULT_CODES``).
+    kind, ...). ``code`` defaults from the status (``DEFAULT_CODES``). ``raw``: a vLLM
+    backend's own answer (``UpstreamAnswer``), sent instead of this shape.
     """
 
     status: int
@@ -78,6 +81,8 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     outcome: str = "invalid"
+    headers: dict[str, str] | None = None  # sent with the answer (a 429's Retry-After)
+    raw: UpstreamAnswer | None = None
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -113,8 +118,10 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ChatFormatError):
         return ApiError(400, str(exc), "invalid_value", "messages")
     if isinstance(exc, RouterError):
+        if exc.answer is not None:  # vLLM's own answer, relayed as it is
+            return ApiError(exc.answer.status, str(exc), outcome=exc.kind, raw=exc.answer)
         status, code = _ROUTER_KINDS[exc.kind]
-        return ApiError(status, str(exc), code, outcome=exc.kind)
+        return ApiError(status, str(exc), code, outcome=exc.kind, headers=retry_headers(exc))
     if isinstance(exc, StopAsyncIteration):
         return ApiError(502, "replica returned an empty stream", outcome="upstream")
     raise TypeError(f"no HTTP mapping for {type(exc).__name__}") from exc
@@ -123,8 +130,10 @@ def to_api_error(exc: BaseException) -> ApiError:
 MAPPED = (ApiError, AuthError, ChatFormatError, RouterError, StopAsyncIteration)
 
 
-def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+def error_response(err: ApiError, headers: dict[str, str] | None = None) -> Response:
+    if err.raw is not None:
+        return Response(err.raw.body, status_code=err.status, media_type=err.raw.content_type, headers=headers)
+    return JSONResponse(err.body(), status_code=err.status, headers={**err.headers, **(headers or {})} if err.headers else headers)
 
 
 def sse_error_event(err: ApiError) -> bytes:

@@ -1,6 +1,15 @@
 """What one request goes through in the router, shared by the gRPC and HTTP front doors:
 authenticate -> tokenize -> classify -> hash (salted by tenant) -> choose -> forward.
 
+One path for every kind of backend: choosing, admission, retries before the first
+token, quarantine, deadlines, cancellation, metrics and session bookkeeping are here;
+only the call differs (``Call``): a ``Generate`` to our replicas over the hop or gRPC,
+or, for an HTTP client's request to a stock vLLM server, the client's own body relayed
+and vLLM's own bytes streamed back (``unicache.router.upstream.vllm_fleet.relay``).
+A call fails with ``grpc.aio.AioRpcError`` (the replica transports) or
+``UpstreamFailure`` (the relay: no gRPC status between two HTTP ends); both become one
+failure (``grpc_failure``) before the rules below apply.
+
 Invariants:
     * Block hashes are computed only with ``unicache.contract.block_hash.hash_token_blocks`` and
       the tenant's salt, exactly as the replica computes them from the forwarded token
@@ -11,13 +20,15 @@ Invariants:
       replica not tried before, while its deadline allows (a refusal, UNAVAILABLE, is
       not counted: the replica did no work); after the first message nothing is
       retried (tokens were already sent to the client).
-    * A replica that refuses a call (UNAVAILABLE) or sends nothing within its derived
+    * A replica that refuses a call (UNAVAILABLE; a vLLM server: no connection or
+      502/503/504) or sends nothing within its derived
       first-token timeout (``unicache.router.request_path.first_token``) is quarantined at once (the
       stalled call is cancelled); ``unicache.router.cluster.prober`` brings it back.
     * Client-facing messages never carry a replica's address or transport details (gRPC
       details of connection errors name addresses): those go to the log only. Messages
       the replica wrote for the client (a refusal: INVALID_ARGUMENT, RESOURCE_EXHAUSTED)
-      are passed on.
+      are passed on; a vLLM server's own HTTP answer to a relayed request (its status
+      and body) reaches the HTTP client as it is (``RouterError.answer``).
     * Every routed request is matched by exactly one ``cluster.finished`` and one
       ``policy.on_request_finished`` (in a finally), including cancellation.
     * A request with an explicit session id is decided on the cluster's record of the
@@ -56,6 +67,8 @@ from unicache.router.request_path.limits import LimitExceeded, TenantLimiter
 from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState
 from unicache.router.routing.keys import session_key
 from unicache.router.upstream.replica_client import RETRYABLE, ReplicaClients, ReplicaStream
+from unicache.router.upstream.replica_stream import UpstreamAnswer, UpstreamFailure
+from unicache.router.upstream.vllm_fleet.relay import RelayHead, RelayRequest
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 log = logging.getLogger(__name__)
@@ -68,7 +81,8 @@ class RouterError(Exception):
     (RESOURCE_EXHAUSTED), too_large (RESOURCE_EXHAUSTED: a replica says the request can
     never fit its context or cache), unavailable (UNAVAILABLE), upstream (INTERNAL / the
     replica's status), deadline (DEADLINE_EXCEEDED). The gRPC door uses ``grpc_code``;
-    the HTTP door maps kinds in router/frontends/openai_errors.py.
+    the HTTP door maps kinds in router/frontends/openai_errors.py, or relays ``answer``
+    (a vLLM backend's own HTTP answer) as it is.
     """
 
     GRPC = {
@@ -81,9 +95,10 @@ class RouterError(Exception):
         "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     }
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, answer: UpstreamAnswer | None = None):
         assert kind in self.GRPC, kind
         self.kind = kind
+        self.answer = answer
         super().__init__(message)
 
     @property
@@ -139,6 +154,15 @@ def _replica_error_kind(exc: grpc.aio.AioRpcError) -> str:
     return kind
 
 
+def grpc_failure(rid: str, exc: grpc.aio.AioRpcError, timed_out: bool) -> UpstreamFailure:
+    """A replica call's gRPC status before its first message, in the request path's terms."""
+    code = exc.code()
+    kind = _replica_error_kind(exc)
+    refused = code in _REFUSALS
+    return UpstreamFailure(kind, client_message(rid, exc, kind), refused=refused,
+                           stalled=timed_out or code == grpc.StatusCode.DEADLINE_EXCEEDED, retryable=code in RETRYABLE)
+
+
 @dataclass(slots=True)
 class Prepared:
     """A request after classification and hashing, before it is sent."""
@@ -157,13 +181,41 @@ class Prepared:
 
 
 @dataclass(slots=True)
+class Call:
+    """What one request sends, in the form the chosen backend takes: our replicas (and a
+    vLLM backend read as messages: the gRPC door, a batch of prompts) get a
+    ``GenerateRequest``, built only then; a vLLM backend gets ``relay``, the HTTP
+    client's own body, and answers with its own bytes."""
+
+    prep: Prepared
+    sampling: common_pb2.SamplingParams
+    request_class: common_pb2.RequestClass
+    relay: RelayRequest | None = None
+    _request: replica_pb2.GenerateRequest | None = None
+
+    def request(self) -> replica_pb2.GenerateRequest:
+        if self._request is None:
+            prep = self.prep
+            self._request = replica_pb2.GenerateRequest(
+                request_id=prep.request_id,
+                token_ids=replica_pb2.TokenIds(ids=prep.token_ids),
+                sampling=self.sampling,
+                request_class=self.request_class,
+                cache_salt=prep.salt,
+                adapter_id=prep.adapter,
+            )
+        return self._request
+
+
+@dataclass(slots=True)
 class Attempt:
-    """A replica call that sent its first message (``first``; None: it ended empty)."""
+    """A replica call that sent its first message (``first``; None: it ended empty; a
+    ``RelayHead`` when vLLM's own bytes are relayed)."""
 
     decision: RouteDecision
     replica: ReplicaRecord
     stream: ReplicaStream
-    first: replica_pb2.GenerateResponse | None
+    first: replica_pb2.GenerateResponse | RelayHead | None
 
 
 class AttemptFailed(Exception):
@@ -330,12 +382,17 @@ class RouterCore:
         )
 
     async def forward(
-        self, prep: Prepared, sampling: common_pb2.SamplingParams, timeout_s: float | None = None
-    ) -> AsyncIterator[tuple[router_pb2.RouteInfo | None, replica_pb2.GenerateResponse]]:
+        self, prep: Prepared, sampling: common_pb2.SamplingParams, timeout_s: float | None = None,
+        relay: RelayRequest | None = None,
+    ) -> AsyncIterator[tuple[router_pb2.RouteInfo | None, replica_pb2.GenerateResponse | RelayHead | bytes]]:
         """Route and stream the replica's messages; the first pair carries the RouteInfo.
 
         ``timeout_s``: the client's own deadline, if it set one (gRPC); the request's
         deadline is the earlier of it and the forward deadline, counted from arrival.
+        ``relay``: the HTTP client's request, relayed as it is when a vLLM backend takes
+        it: the first message is then a ``RelayHead`` and the rest vLLM's bytes
+        (``unicache.router.upstream.vllm_fleet.relay``); ``relay.only_vllm`` offers the
+        policy vLLM backends only.
 
         Two steps: ``_first_message`` (choose, call, retry elsewhere until a replica sends
         its first message) and the streaming loop below (relay; never retried).
@@ -347,33 +404,33 @@ class RouterCore:
         # layer once, and the front door's own layers already cost per token.
         lease = self.admit(prep)
         try:
-            request_class = request_class_to_proto(prep.cls)
-            request = replica_pb2.GenerateRequest(
-                request_id=prep.request_id,
-                token_ids=replica_pb2.TokenIds(ids=prep.token_ids),
-                sampling=sampling,
-                request_class=request_class,
-                cache_salt=prep.salt,
-                adapter_id=prep.adapter,
-            )
+            call = Call(prep, sampling, request_class_to_proto(prep.cls), relay)
             deadline = prep.arrival + min(self.clients.forward_deadline_s, timeout_s if timeout_s is not None else float("inf"))
-            attempt = await self._first_message(prep, request, deadline)
+            attempt = await self._first_message(prep, call, deadline)
             rid = attempt.decision.replica_id
             try:
                 if attempt.first is None:
                     return
-                yield self.route_info(prep, attempt.decision, request_class), attempt.first
-                self._count_usage(rid, attempt.first)
-                self.costs.message(prep.request_id, attempt.first)
+                yield self.route_info(prep, attempt.decision, call.request_class), attempt.first
                 stream, rec = attempt.stream, attempt.replica
+                relayed = isinstance(attempt.first, RelayHead)
+                if not relayed:
+                    self._count_usage(rid, attempt.first)
+                    self.costs.message(prep.request_id, attempt.first)
                 try:
                     while (msg := await stream.next()) is not None:
                         rec.last_message = _monotonic()  # progress: this replica is not stalled
-                        self._count_usage(rid, msg)
-                        self.costs.message(prep.request_id, msg)
+                        if not relayed:
+                            self._count_usage(rid, msg)
+                            self.costs.message(prep.request_id, msg)
                         yield None, msg
                 except grpc.aio.AioRpcError as exc:
-                    raise self._broken_stream(rid, exc) from None
+                    raise self._broken_stream(rid, exc.code().name, exc.details(), exc.code() == grpc.StatusCode.UNAVAILABLE,
+                                              _MID_STREAM.get(exc.code(), "upstream")) from None
+                except UpstreamFailure as failure:
+                    raise self._broken_stream(rid, failure.kind, failure.detail, failure.kind == "unavailable", failure.kind) from None
+                if relayed:
+                    self._count_relayed_usage(prep, rid, stream.usage)
             finally:
                 self._end_attempt(prep, rid, attempt.stream)
         finally:
@@ -389,7 +446,7 @@ class RouterCore:
             self.metrics.labelled(self.metrics.limit_rejections, exc.limit).inc()
             raise RouterError(exc.kind, str(exc)) from None
 
-    async def _first_message(self, prep: Prepared, request: replica_pb2.GenerateRequest, deadline: float) -> Attempt:
+    async def _first_message(self, prep: Prepared, call: Call, deadline: float) -> Attempt:
         """Attempts on distinct replicas until one sends its first message (or ends its
         stream empty); the returned attempt is open and counted in flight.
 
@@ -403,6 +460,8 @@ class RouterCore:
         # NOTE: the one place a request's model narrows its candidates: replicas outside
         # the model's group are never offered to the policy (router/cluster/models.py).
         outside = self.cluster.models.outside(prep.model, self.cluster.replicas)
+        if call.relay is not None and call.relay.only_vllm:  # parameters only vLLM interprets
+            outside = outside | {rid for rid, rec in self.cluster.replicas.items() if rec.kind != "vllm"}
         worked = 0  # failed attempts at replicas that may have worked on the request
         last_error: RouterError | None = None
         if prep.shared_session is not None and self.cluster.redis_connected:
@@ -422,7 +481,7 @@ class RouterCore:
             if tried:
                 self.metrics.retries.inc()
             try:
-                return await self._attempt(prep, request, decision, remaining)
+                return await self._attempt(prep, call, decision, remaining)
             except AttemptFailed as failed:
                 tried.add(decision.replica_id)
                 if not failed.retryable:
@@ -436,9 +495,7 @@ class RouterCore:
                         raise failed.error from None
                 last_error = failed.error
 
-    async def _attempt(
-        self, prep: Prepared, request: replica_pb2.GenerateRequest, decision: RouteDecision, remaining_s: float
-    ) -> Attempt:
+    async def _attempt(self, prep: Prepared, call: Call, decision: RouteDecision, remaining_s: float) -> Attempt:
         """Call ``decision``'s replica (deadline ``remaining_s``) and wait for its first
         message, at most its first-token timeout.
 
@@ -460,11 +517,18 @@ class RouterCore:
                 # first message is passed on (so it never delays the request itself).
                 saving = asyncio.ensure_future(self.sessions.save(prep.shared_session, record))
         self.metrics.labelled(self.metrics.decisions, decision.reason, rid).inc()
-        ftt = self.first_token_timeout
+        relay = call.relay if rec.kind == "vllm" else None
+        # NOTE: an unstreamed answer relayed from vLLM comes whole at the end: its wait is
+        # the whole generation, neither a first token nor a stall (the deadline bounds it).
+        streamed = relay is None or relay.stream
+        ftt = self.first_token_timeout if streamed else None
         first_timeout = ftt.timeout_s(rid) if ftt is not None else None
         use_timeout = first_timeout is not None and first_timeout < remaining_s
         t0 = time.perf_counter()
-        stream = self.clients.generate(rec.address, request, remaining_s, rec.hop_address, rid)
+        if relay is not None:
+            stream = self.clients.vllm.relay(rec.address, relay, prep.adapter, prep.salt, call.request_class, remaining_s)
+        else:
+            stream = self.clients.generate(rec.address, call.request(), remaining_s, rec.hop_address, rid)
         try:
             if use_timeout:
                 first = await stream.first(first_timeout, lambda: rec.last_message, ftt.ceiling_s)
@@ -474,7 +538,12 @@ class RouterCore:
                 await saving
         except grpc.aio.AioRpcError as exc:
             self._end_attempt(prep, rid, stream)
-            raise self._failed_attempt(rid, rec.address, exc, stream.timed_out) from None
+            log.info("replica %s at %s failed before its first message: %s %s", rid, rec.address, exc.code().name, exc.details())
+            raise self._failed_attempt(rid, grpc_failure(rid, exc, stream.timed_out), stream.timed_out) from None
+        except UpstreamFailure as failure:
+            self._end_attempt(prep, rid, stream)
+            log.info("backend %s at %s failed before its first message: %s", rid, rec.address, failure.detail)
+            raise self._failed_attempt(rid, failure, stream.timed_out) from None
         except BaseException:
             self._end_attempt(prep, rid, stream)
             raise
@@ -484,30 +553,27 @@ class RouterCore:
         self.costs.first_token(prep.request_id)
         if ftt is not None:
             ftt.observe(rid, now - t0)
-        self.metrics.ttft.observe(now - prep.arrival)
-        self.metrics.labelled(self.metrics.replica_ttft, rid).observe(now - prep.arrival)
+        if streamed:
+            self.metrics.ttft.observe(now - prep.arrival)
+            self.metrics.labelled(self.metrics.replica_ttft, rid).observe(now - prep.arrival)
         self.metrics.matched_tokens.inc(decision.matched_blocks * self.block_size)
         return Attempt(decision, rec, stream, first)
 
-    def _failed_attempt(self, rid: str, address: str, exc: grpc.aio.AioRpcError, timed_out: bool) -> AttemptFailed:
-        """Log the failure in full, quarantine the replica if it refused or stalled (its
-        first-token timeout or the call's deadline passed), and return what the client
-        may be told."""
-        code = exc.code()
-        log.info("replica %s at %s failed before its first message: %s %s", rid, address, code.name, exc.details())
-        stalled = timed_out or code == grpc.StatusCode.DEADLINE_EXCEEDED
+    def _failed_attempt(self, rid: str, failure: UpstreamFailure, timed_out: bool) -> AttemptFailed:
+        """Quarantine the replica if it refused or stalled (its first-token timeout or the
+        call's deadline passed), and return what the client may be told."""
         if timed_out:
             self.metrics.labelled(self.metrics.first_token_timeouts, rid).inc()
-        refused = code in _REFUSALS
-        if (stalled or refused) and self.cluster.quarantine(rid):
+        stalled = failure.stalled
+        if (stalled or failure.refused) and self.cluster.quarantine(rid):
             # NOTE: once per quarantine, not per request: the requests a stall catches
             # together are one event, and must not double the timeout once each.
             if stalled and self.first_token_timeout is not None:
                 self.first_token_timeout.timed_out(rid)
             self.metrics.labelled(self.metrics.quarantines, rid).inc()
-            log.warning("replica %s quarantined (%s) until it answers a probe", rid, "stalled" if stalled else code.name)
-        kind = _replica_error_kind(exc)
-        return AttemptFailed(RouterError(kind, client_message(rid, exc, kind)), code in RETRYABLE or refused, refused)
+            log.warning("replica %s quarantined (%s) until it answers a probe", rid, "stalled" if stalled else "refused")
+        error = RouterError(failure.kind, failure.message, failure.answer)
+        return AttemptFailed(error, failure.retryable, failure.refused)
 
     def _end_attempt(self, prep: Prepared, rid: str, stream: ReplicaStream) -> None:
         """Close the call (cancelling it at the replica if unfinished) and uncount it."""
@@ -516,17 +582,16 @@ class RouterCore:
         self.policy.on_request_finished(prep.routing, rid)
         self.costs.finished(prep.request_id)
 
-    def _broken_stream(self, rid: str, exc: grpc.aio.AioRpcError) -> RouterError:
-        """The client's error for a replica stream that broke after its first message."""
-        code = exc.code()
+    def _broken_stream(self, rid: str, what: str, details: str, lost: bool, kind: str) -> RouterError:
+        """The client's error for a replica stream that broke after its first message
+        (``what``: the status or failure kind; ``lost``: the replica went away, quarantined)."""
         rec = self.cluster.replicas.get(rid)
-        log.info("replica %s at %s failed mid-stream: %s %s", rid, rec.address if rec else "?", code.name, exc.details())
-        if code == grpc.StatusCode.UNAVAILABLE and self.cluster.quarantine(rid):
+        log.info("replica %s at %s failed mid-stream: %s %s", rid, rec.address if rec else "?", what, details)
+        if lost and self.cluster.quarantine(rid):
             self.metrics.labelled(self.metrics.quarantines, rid).inc()
-            log.warning("replica %s quarantined (UNAVAILABLE mid-stream) until it answers a probe", rid)
+            log.warning("replica %s quarantined (%s mid-stream) until it answers a probe", rid, what)
         return RouterError(
-            _MID_STREAM.get(code, "upstream"),
-            f"replica {rid} failed after the response started ({code.name}); the response is incomplete, retry the request",
+            kind, f"replica {rid} failed after the response started ({what}); the response is incomplete, retry the request",
         )
 
     def _count_usage(self, rid: str, msg: replica_pb2.GenerateResponse) -> None:
@@ -535,3 +600,14 @@ class RouterCore:
             m = self.metrics
             m.labelled(m.cached_tokens, rid).inc(u.cached_tokens)
             m.labelled(m.computed_tokens, rid).inc(max(0, u.prompt_tokens - u.cached_tokens))
+
+    def _count_relayed_usage(self, prep: Prepared, rid: str, usage: dict | None) -> None:
+        """vLLM's final usage of a relayed answer (None: it sent none)."""
+        if usage is None:
+            return
+        prompt = int(usage.get("prompt_tokens") or 0)
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        m = self.metrics
+        m.labelled(m.cached_tokens, rid).inc(cached)
+        m.labelled(m.computed_tokens, rid).inc(max(0, prompt - cached))
+        self.costs.usage(prep.request_id, prompt, cached, int(usage.get("completion_tokens") or 0))

@@ -117,17 +117,6 @@ class CostObserver:
             u = msg.usage
             t.uncached = max(0, u.prompt_tokens - u.cached_tokens)
 
-    def usage(self, request_id: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> None:
-        """The final usage of a relayed answer (vLLM's own bytes, not read per token):
-        its uncached prompt tokens, and its tokens after the first as arrived by now."""
-        t = self._tracked.get(request_id)
-        if t is None:
-            return
-        t.uncached = max(0, prompt_tokens - cached_tokens)
-        if t.ttft_s >= 0 and completion_tokens > 1:
-            t.tokens_after_first = completion_tokens - 1
-            t.last_at = self.clock()
-
     def usage(self, request_id: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int = 0) -> None:
         """The final usage of an answer relayed as bytes (vLLM's own stream), which never
         passes ``message``: its uncached prompt tokens (no inter-token times)."""

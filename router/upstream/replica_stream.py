@@ -1,10 +1,13 @@
-"""A forwarded ``Generate`` as the request path sees it, whichever transport carries it
+"""A forwarded call as the request path sees it, whichever transport carries it
 (grpc.aio: ``unicache.router.upstream.replica_client``; the framed hop:
-``unicache.router.upstream.hop_client``).
+``unicache.router.upstream.hop_client``; an HTTP request relayed to vLLM:
+``unicache.router.upstream.vllm_fleet.relay``).
 
 Invariants:
-    * Failures raise ``grpc.aio.AioRpcError`` on either transport, with the codes a gRPC
-      call would end with, so the request path has one error table.
+    * The replica transports (gRPC, the hop, and vLLM read for the gRPC front door) fail
+      with ``grpc.aio.AioRpcError``, the codes a gRPC call would end with; the HTTP relay
+      fails with ``UpstreamFailure``, which says in the request path's own terms what
+      happened (a refusal, a stall, vLLM's own answer to relay) without a gRPC status.
     * A replica's ``GenerateResponse`` is read as the router's ``RouterGenerateResponse``
       (``parse_replica_message``): fields 1-5 and 7 are the same numbers, names and types
       (``tests/router/test_router_units.py`` checks it), so every field arrives and the gRPC
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -62,6 +66,42 @@ def take_queued(items: collections.deque) -> router_pb2.RouterGenerateResponse:
     return msg
 
 
+@dataclass(frozen=True, slots=True)
+class UpstreamAnswer:
+    """A backend's own HTTP answer, passed to an HTTP client as it is."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+
+class UpstreamFailure(Exception):
+    """A call that failed before or while streaming, in the request path's terms.
+
+    Args:
+        kind: the ``RouterError`` kind the client's error takes (invalid, overloaded,
+            unavailable, upstream, deadline).
+        message: what the client may be told (names no address).
+        refused: the backend did no work (nothing connected, or it refused): quarantined,
+            and another backend tried without using up the retry budget.
+        stalled: it was silent past its first-token timeout or the deadline: quarantined.
+        retryable: worth another backend when nothing was sent to the client yet.
+        answer: the backend's own HTTP answer, relayed to an HTTP client unchanged.
+        detail: what happened, for the log only.
+    """
+
+    def __init__(self, kind: str, message: str, *, refused: bool = False, stalled: bool = False, retryable: bool = True,
+                 answer: UpstreamAnswer | None = None, detail: str = ""):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.detail = detail or message
+        self.refused = refused
+        self.stalled = stalled
+        self.retryable = retryable or refused
+        self.answer = answer
+
+
 def rpc_error(code: grpc.StatusCode, details: str, refusal: str = "") -> grpc.aio.AioRpcError:
     """The ``AioRpcError`` a gRPC call ending with this status raises (a refusal as the
     trailing metadata the replica's gRPC servicer sends, ``unicache.contract.wire.REFUSAL_METADATA``)."""
@@ -70,11 +110,10 @@ def rpc_error(code: grpc.StatusCode, details: str, refusal: str = "") -> grpc.ai
 
 
 class ReplicaStream:
-    """One forwarded Generate call: ``first()``, then ``next()`` until None; ``close()`` it
-    in a finally. Failures raise ``grpc.aio.AioRpcError`` on either transport (gRPC here,
-    the framed hop in ``unicache.router.upstream.hop_client``), so the request path handles one
-    kind of error. Subclasses implement ``_read`` (the next message, None at the end) and
-    ``close``."""
+    """One forwarded call: ``first()``, then ``next()`` until None; ``close()`` it in a
+    finally. Failures raise ``grpc.aio.AioRpcError`` (gRPC, the framed hop in
+    ``unicache.router.upstream.hop_client``) or ``UpstreamFailure`` (the HTTP relay).
+    Subclasses implement ``_read`` (the next message, None at the end) and ``close``."""
 
     __slots__ = ("timed_out",)
 
@@ -86,6 +125,10 @@ class ReplicaStream:
 
     def close(self) -> None:
         raise NotImplementedError
+
+    def _silence_error(self, timeout_s: float) -> BaseException:
+        """What ``first`` raises when the backend stayed silent past ``timeout_s``."""
+        return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"replica silent for {timeout_s:g}s before the first token")
 
     async def first(
         self, timeout_s: float | None = None, last_progress: Callable[[], float] | None = None, max_wait_s: float | None = None
@@ -127,7 +170,7 @@ class ReplicaStream:
         except TimeoutError:
             self.timed_out = True
             self.close()
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"replica silent for {timeout_s:g}s before the first token") from None
+            raise self._silence_error(timeout_s) from None
         finally:
             if handle is not None:
                 handle.cancel()

@@ -1,5 +1,6 @@
-"""Reading an OpenAI-style server-sent-event stream: the one reader for the router's HTTP
-stream to vLLM, ``unicache bench`` and the live A/B client."""
+"""Reading an OpenAI-style server-sent-event stream: the one reader for ``unicache bench``
+and the live A/B client (the router relays vLLM's events without reading them as JSON:
+router/upstream/vllm_fleet/relay.py)."""
 
 from __future__ import annotations
 

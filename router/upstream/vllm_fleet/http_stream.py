@@ -1,9 +1,12 @@
-"""A forwarded ``Generate`` to a stock vLLM OpenAI server: ``/v1/completions`` over HTTP.
+"""A forwarded ``Generate`` to a stock vLLM OpenAI server, read as messages:
+``/v1/completions`` over HTTP for the gRPC front door (and a batch of prompts on the HTTP
+door), and the vLLM backends' HTTP clients (``VllmClients``).
 
-The request path (router/request_path/core.py) sees one kind of stream whatever serves: this one reads
-vLLM's server-sent events and hands on ``RouterGenerateResponse`` messages, and raises
-``grpc.aio.AioRpcError`` with the codes a replica's gRPC call would end with, so retries,
-quarantine, deadlines and error mapping are the request path's, unchanged.
+An HTTP client's single request is not read here: it is relayed as it is
+(``unicache.router.upstream.vllm_fleet.relay``). The gRPC front door needs protobuf
+messages, so this stream reads vLLM's server-sent events and hands on
+``RouterGenerateResponse`` messages, and raises ``grpc.aio.AioRpcError`` with the codes a
+replica's gRPC call would end with, as every transport the gRPC door reaches does.
 
 What vLLM receives (``completion_body``): the prompt as the token ids the router hashed
 (so what vLLM caches is exactly what the router indexed), the sampling parameters, the
@@ -32,8 +35,9 @@ import grpc
 import httpx
 
 from unicache.contract.vllm_events import EXTRA_ARGS_KEY, class_to_vllm, salt_to_vllm
-from unicache.plumbing.sse import sse_events
 from unicache.router.upstream.replica_stream import ReplicaStream, rpc_error
+from unicache.router.upstream.vllm_fleet.http_pool import HttpError, HttpPool, HttpResponse
+from unicache.router.upstream.vllm_fleet.relay import RelayRequest, VllmRelay, relay_body
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 
@@ -146,86 +150,139 @@ def parse_chunk(data: dict) -> list[router_pb2.RouterGenerateResponse]:
 
 
 class VllmHttpStream(ReplicaStream):
-    """One ``/v1/completions`` call (see the module docstring)."""
+    """One ``/v1/completions`` call read as messages (see the module docstring)."""
 
-    __slots__ = ("_client", "_body", "_deadline", "_response", "_events", "_pending", "_done")
+    __slots__ = ("_pool", "_body", "_deadline", "_response", "_buffer", "_pending", "_done", "_timer")
 
-    def __init__(self, client: httpx.AsyncClient, body: dict, timeout_s: float):
+    def __init__(self, pool: HttpPool, body: dict, timeout_s: float):
         super().__init__()
-        self._client = client
-        self._body = body
+        self._pool = pool
+        self._body = json.dumps(body, separators=(",", ":")).encode()
         self._deadline = time.monotonic() + timeout_s
-        self._response: httpx.Response | None = None
-        self._events = None
+        self._response: HttpResponse | None = None
+        self._buffer = b""
         self._pending: list[router_pb2.RouterGenerateResponse] = []
         self._done = False
+        self._timer: asyncio.TimerHandle | None = None
 
     async def _open(self) -> None:
-        request = self._client.build_request("POST", "/v1/completions", json=self._body)
+        loop = asyncio.get_running_loop()
         try:
-            self._response = await self._client.send(request, stream=True)
-        except httpx.TimeoutException:
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "backend did not answer in time") from None
-        except httpx.HTTPError as exc:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend unreachable: {type(exc).__name__}") from None
-        if self._response.status_code != 200:
-            raw = await self._response.aread()
+            async with asyncio.timeout_at(loop.time() + self._deadline - time.monotonic()):
+                self._response = await self._pool.request("POST", "/v1/completions", self._body)
+                if self._response.status != 200:
+                    raw = await self._response.read()
+                    self.close()
+                    raise _status_error(self._response.status, raw)
+        except TimeoutError:
             self.close()
-            raise _status_error(self._response.status_code, raw)
-        self._events = sse_events(self._response)
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "backend did not answer in time") from None
+        except HttpError as exc:
+            self.close()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend unreachable: {exc}") from None
+        # NOTE: one timer for the whole stream, not a timeout context per read.
+        self._timer = loop.call_at(loop.time() + self._deadline - time.monotonic(), self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._response is not None and not self._done:
+            self._response._fail(HttpError("deadline", sent=True))
+
+    async def _event(self) -> dict | None:
+        """The next ``data:`` event's JSON; None after ``[DONE]`` or at the body's end."""
+        while True:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                chunk = await self._response.chunk()
+                if chunk is None:
+                    return None
+                self._buffer += chunk
+                continue
+            event, self._buffer = self._buffer[:end], self._buffer[end + 2:]
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        await self._response.read()  # to its end: the connection is kept
+                        return None
+                    return json.loads(data)
 
     async def _read(self) -> router_pb2.RouterGenerateResponse | None:
         if self._pending:
             return self._pending.pop(0)
         if self._done:
             return None
+        if self._response is None:
+            await self._open()
         try:
-            async with asyncio.timeout_at(self._deadline - time.monotonic() + asyncio.get_running_loop().time()):
-                if self._response is None:
-                    await self._open()
-                while True:
-                    try:
-                        chunk = await anext(self._events)
-                    except StopAsyncIteration:  # [DONE], the body read to its end, or the stream ended
-                        self._done = True
-                        return None
-                    if "error" in chunk and not chunk.get("choices"):
-                        err = chunk["error"]
-                        raise rpc_error(grpc.StatusCode.INTERNAL, f"backend failed mid-stream: {err.get('message') if isinstance(err, dict) else err}")
-                    msgs = parse_chunk(chunk)
-                    if msgs:
-                        self._pending.extend(msgs[1:])
-                        return msgs[0]
-        except TimeoutError:
+            while True:
+                chunk = await self._event()
+                if chunk is None:
+                    self._finish()
+                    return None
+                if "error" in chunk and not chunk.get("choices"):
+                    err = chunk["error"]
+                    raise rpc_error(grpc.StatusCode.INTERNAL, f"backend failed mid-stream: {err.get('message') if isinstance(err, dict) else err}")
+                msgs = parse_chunk(chunk)
+                if msgs:
+                    self._pending.extend(msgs[1:])
+                    return msgs[0]
+        except HttpError as exc:
             self.close()
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "backend did not finish within the deadline") from None
-        except (httpx.TimeoutException, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            self.close()
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend connection lost: {type(exc).__name__}") from None
+            if str(exc) == "deadline":
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "backend did not finish within the deadline") from None
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend connection lost: {exc}") from None
         except ValueError:
             self.close()
             raise rpc_error(grpc.StatusCode.INTERNAL, "backend sent a malformed event stream") from None
+        except grpc.aio.AioRpcError:
+            self.close()
+            raise
+
+    def _finish(self) -> None:
+        self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._response is not None:
+            # NOTE: closing an unfinished response closes its connection, which vLLM sees
+            # as the client going away: it aborts the request and frees its blocks.
+            self._response.close()
 
     def close(self) -> None:
         if not self._done:
-            self._done = True
-            if self._response is not None:
-                # NOTE: closing the unfinished response closes its connection, which vLLM sees
-                # as the client going away: it aborts the request and frees its blocks.
-                asyncio.ensure_future(self._response.aclose())
+            self._finish()
 
 
 class VllmClients:
-    """HTTP clients of the vLLM backends, by base URL, with each one's served model name.
+    """HTTP clients of the vLLM backends, by base URL, with each one's served model name:
+    requests go through ``HttpPool`` (``pool``), the followers' polls through httpx
+    (``client``).
 
     Args:
         max_connections: connections kept per backend (default 256).
     """
 
     def __init__(self, max_connections: int = 256):
+        self.max_connections = max_connections
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._clients: dict[str, httpx.AsyncClient] = {}
+        self._pools: dict[str, HttpPool] = {}
         self.models: dict[str, str] = {}  # base URL -> the model name it serves
+
+    def pool(self, url: str) -> HttpPool:
+        """The request connections of the backend at ``url``."""
+        p = self._pools.get(url)
+        if p is None:
+            p = self._pools[url] = HttpPool(url, self.max_connections)
+        return p
+
+    def relay(self, url: str, req: RelayRequest, adapter: str, salt: bytes, request_class: common_pb2.RequestClass,
+              timeout_s: float) -> VllmRelay:
+        """Relay an HTTP client's request to the backend at ``url`` (``adapter``: the LoRA
+        adapter it names, sent as the model; else the backend's served model)."""
+        body = relay_body(req, adapter or self.models.get(url, ""), salt, request_class)
+        return VllmRelay(self.pool(url), req, body, timeout_s)
 
     def client(self, url: str) -> httpx.AsyncClient:
         c = self._clients.get(url)
@@ -236,18 +293,27 @@ class VllmClients:
 
     def generate(self, url: str, request: replica_pb2.GenerateRequest, timeout_s: float) -> VllmHttpStream:
         model = self.models.get(url, "")
-        return VllmHttpStream(self.client(url), completion_body(model, request), timeout_s)
+        return VllmHttpStream(self.pool(url), completion_body(model, request), timeout_s)
 
     async def probe(self, url: str, timeout_s: float) -> None:
         """vLLM's ``/health``; raises ``AioRpcError(UNAVAILABLE)`` unless it answers 200."""
+        r = None
         try:
-            r = await self.client(url).get("/health", timeout=timeout_s)
-        except httpx.HTTPError as exc:
+            async with asyncio.timeout(timeout_s):
+                r = await self.pool(url).request("GET", "/health")
+                await r.read()
+        except (HttpError, TimeoutError) as exc:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend health check failed: {type(exc).__name__}") from None
-        if r.status_code != 200:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend health check answered {r.status_code}")
+        finally:
+            if r is not None:
+                r.close()
+        if r.status != 200:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend health check answered {r.status}")
 
     async def close(self) -> None:
+        for p in self._pools.values():
+            p.close()
+        self._pools.clear()
         clients = list(self._clients.values())
         self._clients.clear()
         await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
