@@ -51,6 +51,7 @@ from unicache.router.routing.registry import make_routing_policy, routing_policy
 from unicache.router.upstream.replica_client import ReplicaClients
 from unicache.router.upstream.vllm_fleet.fleet import VllmFleet
 from unicache.v1 import router_pb2, router_pb2_grpc
+from unicache.router.upstream.vllm_fleet.events_listener import EventsListener
 
 log = logging.getLogger(__name__)
 
@@ -206,13 +207,15 @@ class RouterApp:
             self.cluster.upsert(rid, addr, static=True, hop_address=hop)
         self.fleet = VllmFleet(self.cluster, self.clients.vllm, config.block_size, self.backend_specs, config.backend_discovery,
                                follower_kwargs={"models_interval_s": config.backend_models_interval_s,
-                                                "metrics_interval_s": config.backend_metrics_interval_s})
+                                                "metrics_interval_s": config.backend_metrics_interval_s,
+                                                "listener": self.events_listener})
         self.history = ClusterHistory(self.metrics, self.cluster)
         self.http = HttpFrontDoor(
             self.core, config.served_model_name, self.policy.name, max_body_bytes=config.max_request_bytes,
             admin_key=config.admin_key, history=self.history,
         )
         self.http_limits = HttpLimits.from_config(config)
+        self.events_listener = EventsListener(config.kv_events_listen) if config.kv_events_listen else None
         self._http_protocol = parser_protocol(config.http_parser)
         self.grpc_port = 0
         self.http_port = 0
@@ -305,6 +308,8 @@ class RouterApp:
 
     async def serve_forever(self) -> None:
         """Start, run until cancelled (SIGINT/SIGTERM in the CLI), then stop."""
+        if self.events_listener is not None:
+            self.events_listener.close()
         await self.start()
         try:
             await asyncio.Event().wait()

@@ -32,7 +32,8 @@ from unicache.plumbing.errors import UsageError
 from unicache.plumbing.tls import insecure_transport
 from unicache.router.routing.registry import ROUTING_POLICIES
 from unicache.router.upstream.replica_client import TRANSPORTS
-from unicache.router.upstream.vllm_fleet.fleet import DnsDiscovery
+from unicache.router.upstream.vllm_fleet.events_listener import parse_listen
+from unicache.router.upstream.vllm_fleet.fleet import parse_discovery
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec, backend_entries, parse_backends
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,12 @@ class RouterConfig:
     )
     routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
     routing_options: str = field(
+    kv_events_listen: str = field(
+        default="",
+        metadata={"help": "bind one socket, tcp://*:PORT, that vLLM servers publish their KV events to (their --kv-events-config "
+                          "endpoint tcp://ROUTER:PORT), each stream told apart by its topic: a backend's kv-topic=, its id, or "
+                          "llm-d's kv@<pod-ip>@<model> (docs/vllm-backends.md)"},
+    )
         default="",
         metadata={"help": "the routing policy's own settings (cache_aware: its CacheAwareConfig fields, docs/routing.md): "
                           "JSON {name: value} or 'name=value,...' (a config file takes a mapping; the flag --routing-option repeats)"},
@@ -249,6 +256,12 @@ class RouterConfig:
         self.check_redis()
 
     def check_redis(self) -> None:
+        if self.prefix_tokens_kept < 0:
+            raise UsageError(f"prefix_tokens_kept must be >= 0, got {self.prefix_tokens_kept}")
+        if self.kv_events_listen:
+            parse_listen(self.kv_events_listen)
+            if self.workers > 1:
+                raise UsageError("kv_events_listen binds one socket, which one process holds: run it with --workers 1")
         """UsageError for Redis settings that cannot work while ``use_redis``: a URL that
         is not Redis, a TLS CA without ``rediss://``."""
         if self.use_redis and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

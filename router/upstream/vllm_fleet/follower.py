@@ -48,6 +48,7 @@ from unicache.contract.vllm_events import SCHEMAS, EventTranslator, KVEventSubsc
 from unicache.router.cluster.index import LocalityIndex
 from unicache.router.cluster.models import cards_from_models_list
 from unicache.router.cluster.view import ClusterView
+from unicache.router.upstream.vllm_fleet.events_listener import EventsListener
 from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec
 
@@ -181,7 +182,7 @@ class BackendFollower:
     def __init__(
         self, spec: BackendSpec, cluster: ClusterView, clients: VllmClients, block_size: int,
         health_interval_s: float = 1.0, stale_after_s: float = 10.0, models_interval_s: float = 60.0,
-        metrics_interval_s: float = 5.0,
+        metrics_interval_s: float = 5.0, listener: EventsListener | None = None, events_wait_s: float = 5.0,
     ):
         self.spec = spec
         self.cluster = cluster
@@ -198,7 +199,12 @@ class BackendFollower:
         self._polled_at = 0.0  # time.monotonic() at the end of the previous poll
         self._models_at = -float("inf")  # time.monotonic() of its last /v1/models answer
         self.translator = EventTranslator()
-        self.subscriber = KVEventSubscriber(spec.events, spec.replay) if spec.events else None
+        if spec.events:
+            self.subscriber = KVEventSubscriber(spec.events, spec.replay)
+        else:  # with the router listening, the server publishes to it (events_listener.py)
+            self.subscriber = listener.stream(spec) if listener is not None else None
+        self.events_wait_s = events_wait_s
+        self._started_at = time.monotonic()
         self.joined = False
         self.caught_up = False  # its events are connected and the replay buffer is applied
         self.problem = ""  # why it has not joined (logged once per distinct reason)
@@ -209,7 +215,7 @@ class BackendFollower:
         self._disconnected_since: float | None = None
         self._stop = False
         if self.subscriber is None:
-            log.warning("backend %s (%s) has no kv-events address: the router cannot route by prefix to it", spec.backend_id, spec.url)
+            log.warning("backend %s (%s) has no kv-events address and the router does not listen (--kv-events-listen): the router cannot route by prefix to it", spec.backend_id, spec.url)
 
     @property
     def backend_id(self) -> str:
@@ -361,14 +367,39 @@ class BackendFollower:
             self._doubt = ""
         self._set_load(stats)
         if not self.joined:
-            if self.subscriber is not None and not self.caught_up:
-                self._not_joined(f"its KV events at {self.spec.events} are not connected yet")
+            if self.subscriber is not None and not self.caught_up and not self._events_overdue():
                 return
             self.joined = True
             self.cluster.upsert(self.backend_id, self.spec.url, static=True)
             self.cluster.backend_events += 1 if self.subscriber is not None else 0
             self._set_load(stats)
             log.info("backend %s (%s, serving %s) joined", self.backend_id, self.spec.url, ", ".join(self.cluster.models.backend(self.backend_id)))
+
+    def _events_overdue(self) -> bool:
+        """Whether a backend whose events are not there yet may join without them: one
+        log line says what to check once ``events_wait_s`` has passed (a stream of ours
+        never joins without its events; one on the listener does, as an idle server
+        publishing to it has nothing to send)."""
+        if time.monotonic() - self._started_at < self.events_wait_s:
+            return False
+        if self.spec.events:
+            port = self.spec.events.rpartition(":")[2]
+            self._not_joined(
+                f"no publisher at {self.spec.events} after {self.events_wait_s:.0f}s. Check its --kv-events-config: vLLM "
+                f"binds its events socket only for a wildcard endpoint (\"endpoint\": \"tcp://*:{port}\"); given a host "
+                "address it connects out to a listener instead (then start the router with --kv-events-listen tcp://*:PORT, "
+                "point vLLM's endpoint at the router and drop kv-events= from this backend). Check also that this address "
+                "is the server's and the port is open to the router")
+            return False
+        if self.problem != "events overdue":
+            self.problem = "events overdue"
+            log.warning(
+                "backend %s (%s): no KV events on %s after %.0fs%s; it joins without them. If it has served requests, check "
+                "its --kv-events-config: endpoint tcp://<router address>:%s (a host address: vLLM connects to the router) "
+                "and topic %s", self.backend_id, self.spec.url, self.subscriber.endpoint, self.events_wait_s,
+                "" if not self.spec.replay else f" nor an answer from its replay socket {self.spec.replay}",
+                self.subscriber.endpoint.split(" ")[0].rpartition(":")[2], self.subscriber.topics[0])
+        return True
 
     async def _read_models(self, client: httpx.AsyncClient, timeout: float) -> bool:
         """Record the base models and LoRA adapters ``/v1/models`` lists (adapters loaded
