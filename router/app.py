@@ -205,6 +205,7 @@ class RouterApp:
         )
         for rid, (addr, hop) in config.static_replicas().items():
             self.cluster.upsert(rid, addr, static=True, hop_address=hop)
+        self.events_listener = EventsListener(config.kv_events_listen) if config.kv_events_listen else None
         self.fleet = VllmFleet(self.cluster, self.clients.vllm, config.block_size, self.backend_specs, config.backend_discovery,
                                follower_kwargs={"models_interval_s": config.backend_models_interval_s,
                                                 "metrics_interval_s": config.backend_metrics_interval_s,
@@ -215,7 +216,6 @@ class RouterApp:
             admin_key=config.admin_key, history=self.history,
         )
         self.http_limits = HttpLimits.from_config(config)
-        self.events_listener = EventsListener(config.kv_events_listen) if config.kv_events_listen else None
         self._http_protocol = parser_protocol(config.http_parser)
         self.grpc_port = 0
         self.http_port = 0
@@ -299,6 +299,8 @@ class RouterApp:
             await self._grpc_server.stop(grace_s)
             self._grpc_server = None
         await self.clients.close()
+        if self.events_listener is not None:
+            self.events_listener.close()
         if self.sessions is not None:
             await self.sessions.redis.aclose()
         if self.terms is not None:
@@ -308,8 +310,6 @@ class RouterApp:
 
     async def serve_forever(self) -> None:
         """Start, run until cancelled (SIGINT/SIGTERM in the CLI), then stop."""
-        if self.events_listener is not None:
-            self.events_listener.close()
         await self.start()
         try:
             await asyncio.Event().wait()

@@ -33,7 +33,7 @@ from unicache.plumbing.tls import insecure_transport
 from unicache.router.routing.registry import ROUTING_POLICIES
 from unicache.router.upstream.replica_client import TRANSPORTS
 from unicache.router.upstream.vllm_fleet.events_listener import parse_listen
-from unicache.router.upstream.vllm_fleet.fleet import parse_discovery
+from unicache.router.upstream.vllm_fleet.fleet import DnsDiscovery
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec, backend_entries, parse_backends
 
 log = logging.getLogger(__name__)
@@ -256,8 +256,6 @@ class RouterConfig:
         self.check_redis()
 
     def check_redis(self) -> None:
-        if self.prefix_tokens_kept < 0:
-            raise UsageError(f"prefix_tokens_kept must be >= 0, got {self.prefix_tokens_kept}")
         if self.kv_events_listen:
             parse_listen(self.kv_events_listen)
             if self.workers > 1:
