@@ -4,7 +4,7 @@ Routes:
     POST /v1/completions, POST /v1/chat/completions   (``stream: true`` -> server-sent
         events ending with ``data: [DONE]``; otherwise one JSON body)
     GET  /v1/models, /v1/models/{model}, /healthz, /readyz, /health, /metrics,
-        /v1/cluster/state, /dashboard, /dashboard/history
+        /v1/cluster/state, /v1/cluster/costs, /dashboard, /dashboard/history
 
 ``/healthz`` is liveness (200 while the process serves); ``/readyz`` and vLLM's ``/health``
 are readiness: 200 when a request can be routed (a healthy replica), else 503.
@@ -269,6 +269,7 @@ class HttpFrontDoor:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", admin(self.metrics), methods=["GET"]),
                 Route("/v1/cluster/state", admin(self.state), methods=["GET"]),
+                Route("/v1/cluster/costs", admin(self.costs), methods=["GET"]),
                 Route("/dashboard", admin(self.dashboard), methods=["GET"]),
                 Route("/dashboard/history", admin(self.dashboard_history), methods=["GET"]),
             ],
@@ -364,6 +365,10 @@ class HttpFrontDoor:
     async def state(self, request: Request) -> Response:
         msg = await cluster_state(self.core, self.policy_name)
         return JSONResponse(MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+
+    async def costs(self, request: Request) -> Response:
+        """The backends' fitted costs as a calibration file (``unicache sim --calibration``)."""
+        return JSONResponse(self.core.cluster.cost_model.to_calibration())
 
     async def dashboard(self, request: Request) -> Response:
         return HTMLResponse(DASHBOARD_HTML)

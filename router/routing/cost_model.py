@@ -290,9 +290,9 @@ class CostModel:
 
     def observe_error(self, rid: str, predicted_s: float, measured_s: float) -> None:
         """Record the prediction error of one TTFT (exponential average, weight 1/16)."""
-        b = self._backends.get(rid)
-        if b is None or measured_s <= 0:
+        if measured_s <= 0:
             return
+        b = self._backend(rid)
         err = abs(predicted_s - measured_s)
         w = 1.0 / 16 if b.errors >= 16 else 1.0 / (b.errors + 1)
         b.abs_error_s += w * (err - b.abs_error_s)
@@ -358,6 +358,23 @@ class CostModel:
             row.update(ttft_abs_error_s=ae, ttft_rel_error=re_, predictions=n)
             out[rid] = row
         return out
+
+    def mean_costs(self) -> Costs:
+        """The mean of the fitted backends' costs (the prior when none is fitted)."""
+        self._fitted()
+        return self._fleet if self._fleet is not None else self.prior
+
+    def assigned(self, replica_ids: Sequence[str]) -> CostModel:
+        """A frozen model in which ``replica_ids[i]`` has the costs of the i-th fitted
+        backend (by id, cycling when there are fewer): a calibration taken on one fleet,
+        priced onto the replicas of another (the simulator's ``r0``, ``r1``, ...)."""
+        fitted = sorted(self._fitted().items())
+        model = CostModel(frozen=True, prior=self.prior)
+        if fitted:
+            for i, rid in enumerate(replica_ids):
+                model._fixed[rid] = fitted[i % len(fitted)][1]
+        model._invalidate()
+        return model
 
     # -- calibration files ------------------------------------------------------------------
     def to_calibration(self) -> dict:

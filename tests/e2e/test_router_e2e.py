@@ -347,9 +347,14 @@ async def test_http_models_health_metrics_state_dashboard(single):
     assert 'unicache_router_replica_load{replica="solo"} 0.0' in text
     assert "unicache_router_ttft_seconds_count 1.0" in text
     assert "s3cret" not in text and "key-a" not in text
+    assert 'unicache_router_ttft_prediction_error_seconds_count{replica="solo"} 1.0' in text
+    assert 'unicache_router_backend_cost_fitted{replica="solo"} 0.0' in text
     state = (await client.get("/v1/cluster/state")).json()
     assert [r["info"]["replica_id"] for r in state["replicas"]] == ["solo"]
     assert state["routing_policy"] == "cache_aware"
+    costs = state["replicas"][0]["costs"]  # one request: the prior, its prediction scored
+    assert (costs["fitted"], costs["predictions"], costs["prefill_per_token_s"]) == (False, "1", 2.0 ** -13)
+    assert (await client.get("/v1/cluster/costs")).json() == {"version": 1, "backends": {}}
     html = (await client.get("/dashboard")).text
     assert "/v1/cluster/state" in html and "setInterval" in html
 

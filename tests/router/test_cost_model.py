@@ -183,3 +183,11 @@ def test_a_slower_backend_draws_less():
     loads = [ReplicaLoad("r0", free_blocks=1000, capacity_blocks=1000), ReplicaLoad("r1", free_blocks=1000, capacity_blocks=1000)]
     d = CacheAwarePolicy(cost_model=model).choose(_request("q", 20), loads, LocalityIndex())
     assert (d.replica_id, d.reason) == ("r1", "load")
+
+
+def test_a_calibration_is_assigned_to_another_fleets_replicas_in_order():
+    model = CostModel.from_calibration({"version": 1, "backends": {
+        "vllm-b": {"prefill_per_token_s": 2e-4}, "vllm-a": {"prefill_per_token_s": 1e-4}}})
+    sim = model.assigned(["r0", "r1", "r2"])
+    assert [sim.costs(r).prefill_per_token_s for r in ("r0", "r1", "r2")] == [1e-4, 2e-4, 1e-4]
+    assert sim.frozen and model.mean_costs().prefill_per_token_s == pytest.approx(1.5e-4)

@@ -340,7 +340,7 @@ async def test_admin_key_guards_operator_endpoints():
     await app.start()
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10) as c:
-            for path in ("/metrics", "/v1/cluster/state", "/dashboard"):
+            for path in ("/metrics", "/v1/cluster/state", "/v1/cluster/costs", "/dashboard"):
                 for headers in ({}, {"authorization": "Bearer wrong"}):
                     resp = await c.get(path, headers=headers)
                     assert resp.status_code == 401

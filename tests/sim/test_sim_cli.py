@@ -236,3 +236,25 @@ def test_step_service_replays_the_rate_trace(tmp_path):
     assert got == [(1.0, 1.0, 1.0), (4.0, 3.25, 3.75)]
     # no decode: the light-load SLO is 3 x the idle TTFT, 3 s; p90 3.25 at x4 fails
     assert report["goodput_slo_s"] == 3.0
+
+
+def test_sim_prices_and_times_with_a_calibration(trace_path, tmp_path, capsys):
+    """``--calibration`` (what the router's /v1/cluster/costs returns): the replicas'
+    timing is its mean fitted line, and a bad file is one line naming the flag."""
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"version": 1, "backends": {
+        "a": {"prefill_base_s": 0.01, "prefill_per_token_s": 0.001, "per_outstanding_s": 0.05,
+              "decode_base_s": 0.02, "decode_per_seq_s": 0.0},
+        "b": {"prefill_base_s": 0.03, "prefill_per_token_s": 0.003, "per_outstanding_s": 0.05,
+              "decode_base_s": 0.02, "decode_per_seq_s": 0.0}}}))
+    out = tmp_path / "out.json"
+    assert sim("--trace", trace_path, "--capacity-blocks", "8", "--policies", "lru", "--replicas", "2",
+               "--router", "cache_aware", "--calibration", cal, "--json", out) == 0
+    report = json.loads(out.read_text())
+    assert (report["timing"]["prefill_base_s"], report["timing"]["prefill_per_token_s"]) == (0.02, 0.002)
+    assert report["timing"]["decode_s_per_token"] == 0.02
+    capsys.readouterr()
+    cal.write_text("{}")
+    assert sim("--trace", trace_path, "--capacity-blocks", "8", "--calibration", cal) == 2
+    assert capsys.readouterr().err == (
+        'unicache sim: error: --calibration: a calibration is a JSON object with "version": 1 and "backends"\n')

@@ -10,6 +10,7 @@ from dataclasses import asdict, fields
 
 from unicache.plumbing.errors import UsageError
 from unicache.replica.eviction.registry import policy_names
+from unicache.router.routing.cost_model import CostModel
 from unicache.router.routing.registry import routing_policy_names
 from unicache.sim.goodput import add_goodput, default_slo_s, lanes_unloaded_ttft_s, unloaded_median_ttft_s
 from unicache.sim.prepare import prepare
@@ -72,6 +73,10 @@ def register(subparsers) -> None:
     sim.add_argument("--batch-exp", type=float, default=t.batch_exp, help=f"prefill model batch exponent (default {t.batch_exp})")
     sim.add_argument("--token-exp", type=float, default=t.token_exp, help=f"prefill model token exponent (default {t.token_exp})")
     sim.add_argument("--decode-s-per-token", type=float, default=t.decode_s_per_token, help=f"seconds per output token (default {t.decode_s_per_token})")
+    sim.add_argument("--calibration",
+                     help="a backend cost calibration (the router's GET /v1/cluster/costs, or the live A/B's): the simulated "
+                          "replicas' prefill and decode times follow its mean fitted costs, and routing policies price "
+                          "decisions with it (its backends assigned to r0, r1, ... in order); replaces --prefill-coef etc.")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     sim.set_defaults(func=run_sim)
 
@@ -164,11 +169,20 @@ def run_sim(args: argparse.Namespace) -> int:
         host_capacities = _counts(args.host_capacity_blocks, "--host-capacity-blocks")
     elif args.host_capacity_frac is not None:
         host_fracs = _numbers(args.host_capacity_frac, "--host-capacity-frac", float)
+    calibration = None
     try:
-        timing = TimingModel(args.prefill_coef, args.batch_exp, args.token_exp, args.decode_s_per_token,
-                             h2d_bytes_per_s=args.h2d_gbps * 1e9, kv_bytes_per_token=kv_bytes_per_token(args.model_preset))
+        if args.calibration:
+            calibration = CostModel.from_calibration(args.calibration)
+            if calibration.uniform:
+                raise ValueError(f"calibration {args.calibration} lists no backend")
+            timing = TimingModel.from_costs(calibration.mean_costs(), batch=args.max_batch_requests,
+                                            h2d_bytes_per_s=args.h2d_gbps * 1e9,
+                                            kv_bytes_per_token=kv_bytes_per_token(args.model_preset))
+        else:
+            timing = TimingModel(args.prefill_coef, args.batch_exp, args.token_exp, args.decode_s_per_token,
+                                 h2d_bytes_per_s=args.h2d_gbps * 1e9, kv_bytes_per_token=kv_bytes_per_token(args.model_preset))
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(f"--calibration: {exc}" if args.calibration else str(exc)) from None
     try:
         trace = prepare(read_trace(args.trace), args.block_size, ignore_labels=args.ignore_labels)
     except TraceError as exc:
@@ -182,7 +196,7 @@ def run_sim(args: argparse.Namespace) -> int:
     base = ReplayConfig(
         policy=policies[0], capacity_blocks=capacities[0], replicas=args.replicas, lanes=args.lanes,
         max_batch_requests=args.max_batch_requests, max_batch_tokens=args.max_batch_tokens, timing=timing,
-        host_policy=args.host_eviction_policy, index_flush_s=args.index_flush_s,
+        host_policy=args.host_eviction_policy, index_flush_s=args.index_flush_s, cost_model=calibration,
     )
     print(
         f"trace {args.trace}: {len(trace.requests)} requests, {trace.unique_blocks} unique blocks, "

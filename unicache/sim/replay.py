@@ -45,6 +45,7 @@ from unicache.replica.kv.host_tier import HostTier
 from unicache.replica.kv.store import KVStore, OutOfBlocks
 from unicache.router.cluster.index import LocalityIndex
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingPolicy, RoutingRequest
+from unicache.router.routing.cost_model import CostModel
 from unicache.router.routing.registry import make_routing_policy
 from unicache.sim.metrics import ReplayCounters, result_record
 from unicache.sim.prepare import PreparedTrace, SimRequest
@@ -90,6 +91,9 @@ class ReplayConfig:
         index_flush_s: the replicas' event publishing period (0: the index sees every
             store event at once; the live publisher's is ``EVENT_FLUSH_INTERVAL_S``,
             0.05 s). Loads are never stale: only the index lags.
+        cost_model: a calibration (``unicache.router.routing.cost_model``) the routing
+            policy prices decisions with, its backends assigned to the replicas in order
+            (``CostModel.assigned``); None: the policy's token units.
     """
 
     policy: str
@@ -109,6 +113,7 @@ class ReplayConfig:
     host_capacity_blocks: int = 0
     host_policy: str = "unicache"
     index_flush_s: float = 0.0
+    cost_model: CostModel | None = None
 
 
 class Replay:
@@ -179,6 +184,8 @@ class Replay:
             make = config.router_factory or (lambda **kw: make_routing_policy(config.router, **kw))
             self.router = make(**config.router_kwargs)
             self.router.update_replicas([r.replica_id for r in self.replicas])
+            if config.cost_model is not None and hasattr(self.router, "set_cost_model"):
+                self.router.set_cost_model(config.cost_model.assigned([r.replica_id for r in self.replicas]))
             self.index = LocalityIndex()
         self.counters = ReplayCounters()
         scale = config.rate_scale

@@ -42,6 +42,11 @@ class TimingModel:
         kv_bytes_per_token: KV bytes one token's blocks hold (default the Llama-3-8B-like
             preset, 128 KiB; ``KV_BYTES_PER_TOKEN``).
 
+    A calibration (``from_costs``: a backend's costs as the router fitted them live,
+    ``unicache.router.routing.cost_model``) replaces the fit with a line: a batch's prefill
+    takes ``prefill_base_s + prefill_per_token_s * uncached_tokens`` whenever
+    ``prefill_per_token_s`` > 0.
+
     Promoting host-tier blocks costs ``promote_s`` = blocks * block_size *
     kv_bytes_per_token / h2d_bytes_per_s, added to that request's time to first token
     (its copy must land before its prefill reads the blocks). Demotion costs nothing
@@ -54,9 +59,18 @@ class TimingModel:
     decode_s_per_token: float = 0.02
     h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN[DEFAULT_MODEL_PRESET]
+    prefill_base_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+
+    @classmethod
+    def from_costs(cls, costs, batch: int = 4, **kwargs) -> "TimingModel":
+        """The timing of a backend with ``costs`` (a ``Costs``): its prefill line, and its
+        inter-token time at a decode batch of ``batch`` requests as every output token's."""
+        return cls(decode_s_per_token=costs.decode_base_s + costs.decode_per_seq_s * batch,
+                   prefill_base_s=costs.prefill_base_s, prefill_per_token_s=costs.prefill_per_token_s, **kwargs)
 
     def __post_init__(self) -> None:
-        if self.prefill_coef < 0 or self.decode_s_per_token < 0:
+        if self.prefill_coef < 0 or self.decode_s_per_token < 0 or self.prefill_base_s < 0 or self.prefill_per_token_s < 0:
             raise ValueError("timing coefficients must be non-negative")
         if not self.h2d_bytes_per_s > 0 or self.kv_bytes_per_token <= 0:
             raise ValueError("host-to-device bandwidth and KV bytes per token must be positive")
@@ -69,6 +83,8 @@ class TimingModel:
         """Time to prefill ``batch`` requests computing ``uncached_tokens`` tokens in all."""
         if batch <= 0:
             return 0.0
+        if self.prefill_per_token_s > 0:
+            return self.prefill_base_s + self.prefill_per_token_s * max(uncached_tokens, batch)
         per_request = max(uncached_tokens / batch, 1.0)
         return self.prefill_coef * batch**self.batch_exp * per_request**self.token_exp
 

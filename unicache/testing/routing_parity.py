@@ -192,7 +192,8 @@ PARITY_SUBSCRIBER = {"heartbeat_interval_s": 0.02, "block_ms": 10, "resync_retry
 
 
 async def run_parity(redis_url: str, prefix: str, trace: PreparedTrace, config: ReplayConfig) -> ParityRecord:
-    """Starts a live ``RouterApp`` (the config's routing policy, a fresh instance) that
+    """Starts a live ``RouterApp`` (the config's routing policy, a fresh instance, priced
+    with the config's ``cost_model`` when it has one, as the simulator prices) that
     follows ``redis_url``, runs the parity replay against it and stops it. The simulated
     replicas sign their state with the test cluster key and answer the router's
     ``GetCacheSummary`` through their publishers, as real replicas do."""
@@ -213,6 +214,10 @@ async def run_parity(redis_url: str, prefix: str, trace: PreparedTrace, config: 
         policy=make_routing_policy(config.router, **config.router_kwargs),
         subscriber_kwargs={**PARITY_SUBSCRIBER, "fetch_summary": fetch_summary},
     )
+    if config.cost_model is not None:
+        # the simulator's pricing (``Replay``: the calibration assigned to r0, r1, ...), not
+        # the live router's own learning: only ``RouterCore.choose`` runs here
+        app.policy.set_cost_model(config.cost_model.assigned([f"r{i}" for i in range(config.replicas)]))
     drivers.append(ParityDriver(app, redis_url, prefix, trace, config))
     await app.start()
     try:
