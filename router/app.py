@@ -46,6 +46,7 @@ from unicache.router.request_path.core import RouterCore
 from unicache.router.request_path.cost_observer import CostObserver
 from unicache.router.request_path.first_token import FirstTokenTimeout
 from unicache.router.request_path.limits import limiter_from_config
+from unicache.router.request_path.overload import OverloadConfig, OverloadGuard
 from unicache.router.routing.base import RoutingPolicy, SharesRouterState
 from unicache.router.routing.registry import make_routing_policy, routing_policy_parameters
 from unicache.router.upstream.replica_client import ReplicaClients
@@ -196,6 +197,11 @@ class RouterApp:
             limits=limiter_from_config(
                 config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits,
                 fleet_context=functools.partial(fleet_context, self.cluster),
+            ),
+            overload=OverloadGuard(
+                OverloadConfig(config.overload_backend_queue, config.overload_backend_queue_tokens, config.overload_fleet_queue,
+                               config.overload_fleet_queue_tokens, config.overload_retry_after_s),
+                config.block_size, self.cluster.cost_model, self.metrics.registry,
             ),
         )
         # NOTE: without a first-token timeout a probe gets the forward deadline's share a

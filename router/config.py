@@ -201,6 +201,19 @@ class RouterConfig:
     tenant_limits: str = field(
         default="", metadata={"help": "per-tenant overrides: JSON {tenant: {max_concurrent, max_prompt_tokens, tokens_per_minute}} or 'tenant.limit=N,...'"}
     )
+    overload_backend_queue: int = field(
+        default=256, metadata={"help": "requests one backend may have queued (accepted, not started); 429 when every backend is full (0: no bound)"}
+    )
+    overload_backend_queue_tokens: float = field(
+        default=1.0, metadata={"help": "prompt tokens one backend may have queued, in multiples of its reported KV capacity in tokens (0: no bound)"}
+    )
+    overload_fleet_queue: int = field(default=0, metadata={"help": "requests queued across the fleet before 429 (0: the sum of the backends' bounds)"})
+    overload_fleet_queue_tokens: int = field(
+        default=0, metadata={"help": "prompt tokens queued across the fleet before 429 (0: the sum of the backends' bounds)"}
+    )
+    overload_retry_after_s: int = field(
+        default=0, metadata={"help": "Retry-After of an overload refusal, seconds (0: the TTFT the fitted costs predict at the least loaded backend, 1-60)"}
+    )
 
     def describe(self) -> dict[str, Any]:
         """Settings with secrets masked, safe to log."""

@@ -27,6 +27,7 @@ from unicache.router.frontends.chat_template import render_chat_json
 from unicache.router.observability.cluster_state import cluster_state, replica_info
 from unicache.router.request_path.auth import AuthError, api_key_from_headers
 from unicache.router.request_path.core import Labelled, RouterCore, RouterError
+from unicache.router.request_path.overload import retry_trailers
 from unicache.v1 import router_pb2, router_pb2_grpc
 
 
@@ -101,7 +102,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 outcome = "ok"
             except Exception as exc:  # noqa: BLE001 - every error gets a status (grpc_status)
                 code, message, outcome = grpc_status(exc)
-                await context.abort(code, message)
+                await context.abort(code, message, retry_trailers(exc))
         finally:
             core.metrics.labelled(core.metrics.requests, "grpc", outcome).inc()
 

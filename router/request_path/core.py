@@ -266,6 +266,8 @@ class RouterCore:
         costs: feeds the backends' cost model from every request
             (``unicache.router.request_path.cost_observer``; default: one that feeds
             ``cluster.cost_model`` without a queue share or metric).
+        overload: refuses a request when the backends' queues are full
+            (``unicache.router.request_path.overload.OverloadGuard``; None: no bound).
     """
 
     def __init__(
@@ -285,6 +287,7 @@ class RouterCore:
         retry_replicas: int = 2,
         sessions: SessionStore | None = None,
         costs: CostObserver | None = None,
+        overload=None,
     ):
         if retry_replicas < 0:
             raise ValueError("retry_replicas must be >= 0")
@@ -305,6 +308,7 @@ class RouterCore:
         self.retry_replicas = retry_replicas
         self.sessions = sessions
         self.costs = costs if costs is not None else CostObserver(cluster.cost_model)
+        self.overload = overload
         cluster.removal_hooks.append(self._forget_replica)
 
     def _forget_replica(self, replica_id: str) -> None:
@@ -437,9 +441,11 @@ class RouterCore:
             lease.release()
 
     def admit(self, prep: Prepared):
-        """The router-wide in-flight cap, then the tenant's lease (released by the caller)."""
+        """The router-wide in-flight cap, the overload bounds, then the tenant's lease (released by the caller)."""
         if self.cluster.total_in_flight() >= self.max_in_flight:
             raise RouterError("overloaded", f"router has {self.max_in_flight} requests in flight; retry later")
+        if self.overload is not None:  # the backends' queues, before any token is computed
+            self.overload.check(self.cluster.loads(), len(prep.token_ids))
         try:
             return self.limits.acquire(prep.tenant, len(prep.token_ids))
         except LimitExceeded as exc:

@@ -1,0 +1,183 @@
+"""Overload admission (router/request_path/overload.py): which request the queue bounds
+refuse, with which bound and Retry-After, and the 429 / RESOURCE_EXHAUSTED a client gets
+through a live router before any replica sees the request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+
+from unicache.plumbing.errors import UsageError
+from unicache.router.app import RouterApp
+from unicache.router.config import build_config
+from unicache.router.request_path.overload import Overloaded, OverloadConfig, OverloadGuard, queued_requests
+from unicache.router.routing.base import ReplicaLoad
+from unicache.router.routing.cost_model import CostModel
+from unicache.testing.fake_replica import FakeReplica
+from unicache.testing.polling import eventually
+from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+def guard(**cfg) -> OverloadGuard:
+    cfg.setdefault("retry_after_s", 3)
+    return OverloadGuard(OverloadConfig(**cfg), block_size=16, costs=CostModel())
+
+
+def refusal(g: OverloadGuard, loads: list[ReplicaLoad], prompt: int) -> tuple[str, int] | None:
+    try:
+        g.check(loads, prompt)
+    except Overloaded as exc:
+        assert exc.kind == "overloaded"
+        return exc.bound, exc.retry_after_s
+    return None
+
+
+def test_queued_requests_leave_out_what_the_backend_runs():
+    assert queued_requests(ReplicaLoad("a", in_flight=3)) == 3  # nothing reported running: all queued
+    assert queued_requests(ReplicaLoad("a", running=4, waiting=1, in_flight=5)) == 1
+    assert queued_requests(ReplicaLoad("a", running=4, waiting=6, in_flight=2)) == 6  # other routers' requests wait too
+    assert queued_requests(ReplicaLoad("a", running=8, in_flight=2)) == 0
+
+
+def test_refused_only_when_every_backend_is_full():
+    g = guard(backend_queue=2, backend_queue_tokens=0)
+    assert refusal(g, [ReplicaLoad("a", in_flight=2), ReplicaLoad("b", in_flight=1)], 10) is None
+    assert refusal(g, [ReplicaLoad("a", in_flight=2), ReplicaLoad("b", in_flight=2)], 10) == ("backends_full", 3)
+    assert refusal(g, [ReplicaLoad("a", running=4, waiting=1, in_flight=5)], 10) is None  # 1 queued, 4 running
+    assert refusal(g, [], 10) is None  # no backend: the request path answers "unavailable"
+
+
+def test_token_bound_is_a_multiple_of_the_reported_kv_capacity():
+    g = guard(backend_queue=0, backend_queue_tokens=1.0)  # 10 blocks x 16 tokens: 160 tokens
+    a = ReplicaLoad("a", queued_prefill_tokens=100, capacity_blocks=10)
+    assert g.token_bound(a) == 160
+    assert refusal(g, [a], 60) is None
+    assert refusal(g, [a], 61) == ("backends_full", 3)
+    assert refusal(g, [ReplicaLoad("a", capacity_blocks=10)], 10_000) is None  # an empty queue takes any prompt
+    assert refusal(g, [a, ReplicaLoad("b", queued_prefill_tokens=500)], 61) is None  # b reports no capacity: no bound
+    half = guard(backend_queue=0, backend_queue_tokens=0.5)
+    assert half.token_bound(a) == 80 and refusal(half, [a], 1) == ("backends_full", 3)
+
+
+def test_fleet_bounds_refuse_before_every_backend_is_full():
+    g = guard(backend_queue=10, backend_queue_tokens=0, fleet_queue=3)
+    assert refusal(g, [ReplicaLoad("a", in_flight=2), ReplicaLoad("b", in_flight=0)], 10) is None
+    assert refusal(g, [ReplicaLoad("a", in_flight=2), ReplicaLoad("b", in_flight=1)], 10) == ("fleet_requests", 3)
+    t = guard(backend_queue=0, backend_queue_tokens=1.0, fleet_queue_tokens=300)
+    loads = [ReplicaLoad("a", queued_prefill_tokens=150, capacity_blocks=100), ReplicaLoad("b", queued_prefill_tokens=100, capacity_blocks=100)]
+    assert refusal(t, loads, 50) is None  # 300 of 300
+    assert refusal(t, loads, 51) == ("fleet_tokens", 3)
+    derived = guard(backend_queue=2, backend_queue_tokens=0)  # fleet bound: 2 + 2
+    assert refusal(derived, [ReplicaLoad("a", waiting=3), ReplicaLoad("b", waiting=1)], 1) == ("fleet_requests", 3)
+
+
+def test_no_bound_at_all_when_switched_off():
+    g = guard(backend_queue=0, backend_queue_tokens=0)
+    assert refusal(g, [ReplicaLoad("a", waiting=10**6, queued_prefill_tokens=10**9, capacity_blocks=1)], 10**6) is None
+
+
+def test_retry_after_is_the_predicted_wait_at_the_least_loaded_backend():
+    g = OverloadGuard(OverloadConfig(backend_queue=1, backend_queue_tokens=0), block_size=16, costs=CostModel())
+    # Prior costs: 2**-13 s per prompt or queued token, 128 tokens' worth per queued request.
+    a = ReplicaLoad("a", in_flight=1, queued_prefill_tokens=3 * 8192)  # (8192 + 24576) / 8192 + 1/64 = 4.02 s
+    b = ReplicaLoad("b", in_flight=2)  # 8192 / 8192 + 2/64 = 1.03 s
+    assert g.retry_after_s([a, b], 8192) == 2
+    assert refusal(g, [a, b], 8192) == ("backends_full", 2)
+    assert g.retry_after_s([ReplicaLoad("c", in_flight=1)], 1) == 1  # at least 1 s
+    assert g.retry_after_s([ReplicaLoad("c", in_flight=1, queued_prefill_tokens=10**7)], 1) == 60  # at most 60 s
+
+
+def test_rejections_are_counted_by_bound():
+    g = guard(backend_queue=1, backend_queue_tokens=0, fleet_queue=1)
+    for loads in ([ReplicaLoad("a", in_flight=1)], [ReplicaLoad("a", in_flight=1)], [ReplicaLoad("a"), ReplicaLoad("b", in_flight=1)]):
+        refusal(g, loads, 1)
+    assert {b: g.rejections.labels(b)._value.get() for b in ("backends_full", "fleet_requests", "fleet_tokens")} == {
+        "backends_full": 2, "fleet_requests": 1, "fleet_tokens": 0}
+
+
+@pytest.mark.parametrize(("name", "value", "msg"), [
+    ("backend_queue", -1, "overload_backend_queue must be a non-negative integer, got -1"),
+    ("retry_after_s", 1.5, "overload_retry_after_s must be a non-negative integer, got 1.5"),
+    ("backend_queue_tokens", -0.5, "overload_backend_queue_tokens must be a non-negative number, got -0.5"),
+])
+def test_bad_settings_are_refused_by_name(name, value, msg):
+    with pytest.raises(UsageError, match=msg):
+        OverloadConfig(**{name: value})
+
+
+def test_settings_defaults_and_environment():
+    cfg = build_config(env={})
+    assert (cfg.overload_backend_queue, cfg.overload_backend_queue_tokens, cfg.overload_fleet_queue,
+            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s) == (256, 1.0, 0, 0, 0)
+    cfg = build_config(env={"UNICACHE_OVERLOAD_BACKEND_QUEUE": "8", "UNICACHE_OVERLOAD_RETRY_AFTER_S": "5"})
+    assert (cfg.overload_backend_queue, cfg.overload_retry_after_s) == (8, 5)
+
+
+# ---------------------------------------------------------------- through the live router
+@pytest.fixture
+async def full_fleet():
+    """Two static fake replicas that hold their streams; each may have one request queued."""
+    reps = [FakeReplica("r0"), FakeReplica("r1")]
+    for rep in reps:
+        await rep.start()
+        rep.hold = asyncio.Event()
+    cfg = build_config(env={"UNICACHE_USE_REDIS": "false", "UNICACHE_SALT_SECRET": "s", "UNICACHE_AUTH_ENABLED": "false"}, overrides={
+        "grpc_port": 0, "http_port": 0, "replicas": ",".join(f"{r.replica_id}={r.address}" for r in reps),
+        "routing_policy": "round_robin", "overload_backend_queue": 1, "overload_retry_after_s": 3})
+    app = RouterApp(cfg)
+    await app.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
+    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10)
+    try:
+        yield app, reps, router_pb2_grpc.RouterStub(channel), client
+    finally:
+        for rep in reps:
+            rep.hold.set()
+        await client.aclose()
+        await channel.close()
+        await app.stop()
+        for rep in reps:
+            await rep.stop()
+
+
+def gen(stub, text: str = "hello there"):
+    req = router_pb2.RouterGenerateRequest(text=text, sampling=common_pb2.SamplingParams(max_tokens=3))
+    return stub.Generate(req, timeout=30)
+
+
+async def test_a_full_fleet_answers_429_and_resource_exhausted_with_retry_after(full_fleet):
+    app, reps, stub, client = full_fleet
+    held = [gen(stub), gen(stub)]
+    for call in held:
+        await call.read()  # one request streaming at each replica, held open
+    assert app.cluster.own_in_flight() == {"r0": 1, "r1": 1}
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [m async for m in gen(stub)]
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details() == ("overloaded: every backend's queue is full (2 backends; bounds: 1 requests, "
+                                   "1 x its KV capacity in tokens); retry after 3 s")
+    trailers = dict(err.value.trailing_metadata())
+    assert (trailers["retry-after"], trailers["grpc-retry-pushback-ms"]) == ("3", "3000")
+
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True})):
+        r = await client.post(path, json=body)
+        assert r.status_code == 429
+        assert r.headers["retry-after"] == "3"
+        assert r.json() == {"error": {"message": err.value.details(), "type": "rate_limit_error", "param": None,
+                                      "code": "rate_limit_exceeded"}}
+    assert [len(rep.requests) for rep in reps] == [1, 1]  # the refused requests reached no replica
+    metrics = (await client.get("/metrics")).text
+    assert 'unicache_router_overload_rejections_total{bound="backends_full"} 3.0' in metrics
+
+    reps[0].hold.set()  # r0's request finishes: its queue has room again
+    while await held[0].read() is not grpc.aio.EOF:
+        pass
+    await eventually(lambda: app.cluster.own_in_flight().get("r0", 0) == 0, "r0's request to finish")
+    msgs = [m async for m in gen(stub)]
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert msgs[0].route.replica_id == "r0"
