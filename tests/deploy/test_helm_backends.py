@@ -206,6 +206,7 @@ def test_vllm_mode_renders_exactly_these_resources(rendered):
         ("PrometheusRule", "uc-unicache-router"),
         ("Secret", "uc-unicache-redis"),
         ("Secret", "uc-unicache-secrets"),
+        ("Secret", "uc-unicache-tls"),  # the router's certificate and Redis's (secret-tls.yaml)
         ("Service", "uc-unicache-redis"),
         ("Service", "uc-unicache-redis-headless"),
         ("Service", "uc-unicache-router"),

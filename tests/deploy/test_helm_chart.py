@@ -200,6 +200,7 @@ def test_default_render_has_exactly_these_resources(rendered):
         ("RayCluster", "uc-unicache-ray"),
         ("Secret", "uc-unicache-redis"),
         ("Secret", "uc-unicache-secrets"),
+        ("Secret", "uc-unicache-tls"),
         ("Service", "uc-unicache-redis"),
         ("Service", "uc-unicache-redis-headless"),
         ("Service", "uc-unicache-router"),
@@ -356,7 +357,7 @@ def test_router_ports_probes_and_wiring(rendered):
     assert env["UNICACHE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "uc-unicache-redis", "key": "redis-password"}
     assert env["UNICACHE_CLUSTER_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "uc-unicache-secrets", "key": "cluster-key"}
     assert "UNICACHE_ADMIN_KEY" not in env  # auth.adminKey unset: the admin endpoints stay open in-cluster
-    assert env["UNICACHE_REDIS_URL"]["value"] == "redis://:$(UNICACHE_REDIS_PASSWORD)@uc-unicache-redis.serving.svc:6379/0"
+    assert env["UNICACHE_REDIS_URL"]["value"] == "rediss://:$(UNICACHE_REDIS_PASSWORD)@uc-unicache-redis.serving.svc:6379/0"
     names = [e["name"] for e in c["env"]]  # $(VAR) expands only variables defined earlier
     assert names.index("UNICACHE_REDIS_PASSWORD") < names.index("UNICACHE_REDIS_URL")
     assert "replicas" not in dep["spec"]  # the HPA owns the count

@@ -1,5 +1,5 @@
-"""The chart's mutual TLS between router and replicas (replicaTls): certificates from an
-existing Secret or from cert-manager Certificates, mounted whole (renewals reach the
+"""The chart's mutual TLS between router and replicas (replicaTls, on by default):
+certificates from an existing Secret or from cert-manager Certificates, mounted whole (renewals reach the
 files) where the router and the replica actors read them, with the names unicache/plumbing/tls.py
 checks. Rendered, then validated as the chart's other manifests are."""
 
@@ -110,9 +110,10 @@ def test_missing_sources_are_refused_at_render_time():
         render({"replicaTls": {"enabled": True, "source": "certManager"}})
 
 
-def test_off_by_default():
+def test_on_by_default_from_certificates_the_chart_issues():
+    """No Secret and no issuer given: the chart's own (tests/deploy/test_helm_tls_default.py)."""
     docs = documents(render({}))
     assert find(docs, "Certificate") == []
     router = one(docs, "Deployment", "router")["spec"]["template"]["spec"]
-    assert all(v["name"] != "replica-tls" for v in router["volumes"])
-    assert not any(k.startswith("UNICACHE_REPLICA_TLS") for k in env(router["containers"][0]))
+    assert {s["secret"]["name"] for s in tls_volume(router)["projected"]["sources"]} == {f"{RELEASE}-unicache-tls"}
+    assert env(router["containers"][0])["UNICACHE_REPLICA_TLS_CERT"] == "/etc/unicache/tls/router.pem"

@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from unicache.contract.redis_keys import RedisKeys
-from unicache.plumbing.redis_server import EmbeddedRedis, find_redis_binary, free_port
+from unicache.plumbing.redis_server import EmbeddedRedis, RedisTls, find_redis_binary, free_port
 from tests.support import strict_yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +42,24 @@ def pick(docs, kind: str, component: str) -> dict:
 
 def secret_data(docs, component: str) -> dict[str, str]:
     return {k: base64.b64decode(v).decode() for k, v in pick(docs, "Secret", component)["data"].items()}
+
+
+def tls_dir(docs, tmp_path: Path) -> Path:
+    """The chart's generated TLS Secret (secret-tls.yaml) written out, one file per entry."""
+    d = tmp_path / "tls"
+    d.mkdir()
+    for key, value in secret_data(docs, "tls").items():
+        (d / key).write_text(value)
+        (d / key).chmod(0o600)
+    return d
+
+
+def chart_redis(docs, tmp_path: Path) -> EmbeddedRedis:
+    """A redis-server as the chart runs it: its generated password, TLS only on the
+    chart's certificate."""
+    d = tls_dir(docs, tmp_path)
+    tls = RedisTls(str(d / "redis.crt"), str(d / "redis.key"), str(d / "ca.crt"))
+    return EmbeddedRedis(password=secret_data(docs, "redis")["redis-password"], tls=tls)
 
 
 def container_environment(docs, container: dict, overrides: dict[str, str]) -> dict[str, str]:
@@ -74,15 +92,18 @@ def test_redis_container_runs_with_its_args_and_generated_password(docs, tmp_pat
     secret_dir.mkdir()
     for key, value in secrets.items():
         (secret_dir / key).write_text(value)
+    tls = tls_dir(docs, tmp_path)
     port = free_port()
-    args = [a.replace("/etc/redis/secret", str(secret_dir)) for a in container["args"]]
-    args[args.index("--port") + 1] = str(port)
+    args = [a.replace("/etc/redis/secret", str(secret_dir)).replace("/etc/redis/tls", str(tls)) for a in container["args"]]
+    assert args[args.index("--port") + 1] == "0"  # TLS only
+    args[args.index("--tls-port") + 1] = str(port)
     args[args.index("--dir") + 1] = str(tmp_path)
     assert container["command"] == ["redis-server"]
     proc = subprocess.Popen([find_redis_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         probe = container["readinessProbe"]["exec"]["command"]
-        script = probe[2].replace("/etc/redis/secret", str(secret_dir)).replace("-h 127.0.0.1", f"-h 127.0.0.1 -p {port}")
+        script = (probe[2].replace("/etc/redis/secret", str(secret_dir)).replace("/etc/redis/tls", str(tls))
+                  .replace("-h 127.0.0.1", f"-h 127.0.0.1 -p {port}"))
         deadline = time.monotonic() + 10
         while subprocess.run([probe[0], probe[1], script], capture_output=True).returncode != 0:
             assert proc.poll() is None, proc.stderr.read().decode()
@@ -91,24 +112,31 @@ def test_redis_container_runs_with_its_args_and_generated_password(docs, tmp_pat
         (secret_dir / "redis-password").write_text("wrong")
         assert subprocess.run([probe[0], probe[1], script], capture_output=True).returncode != 0
         router = pick(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
-        url = container_environment(docs, router, {})["UNICACHE_REDIS_URL"]
+        env = container_environment(docs, router, {})
+        url = env["UNICACHE_REDIS_URL"]
         local = url.replace("uc-unicache-redis.serving.svc:6379", f"127.0.0.1:{port}")
-        assert local == f"redis://:{secrets['redis-password']}@127.0.0.1:{port}/0"
-        client = redis.Redis.from_url(local, socket_timeout=2)
+        assert local == f"rediss://:{secrets['redis-password']}@127.0.0.1:{port}/0"
+        assert env["UNICACHE_REDIS_TLS_CA"] == "/etc/unicache/redis-tls/ca.pem"  # the Secret's ca.crt
+        client = redis.Redis.from_url(local, socket_timeout=2, ssl_ca_certs=str(tls / "ca.crt"))
         assert client.ping() is True
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
         assert client.config_get("save") == {"save": ""}
         client.close()
         with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=2, ssl=True, ssl_ca_certs=str(tls / "ca.crt")).ping()
+        with pytest.raises(redis.ConnectionError):  # no plain-text port
             redis.Redis(port=port, socket_timeout=2).ping()
     finally:
         proc.terminate()
         proc.wait(timeout=10)
 
 
-def test_launcher_readiness_waits_for_every_replica_heartbeat(docs, redis_server):
+def test_launcher_readiness_waits_for_every_replica_heartbeat(docs, tmp_path):
+    redis_server = chart_redis(docs, tmp_path)
+    redis_server.start()
     container = pick(docs, "Deployment", "launcher")["spec"]["template"]["spec"]["containers"][0]
-    env = container_environment(docs, container, {"UNICACHE_REDIS_URL": redis_server.url})
+    ca = redis_server.tls.ca_file
+    env = container_environment(docs, container, {"UNICACHE_REDIS_URL": redis_server.url, "UNICACHE_REDIS_TLS_CA": ca})
     assert env["PROBE_EXPECTED_REPLICAS"] == "2"
     probe = container["readinessProbe"]["exec"]["command"]
     command = [sys.executable if probe[0] == "python" else probe[0], *probe[1:]]
@@ -117,28 +145,37 @@ def test_launcher_readiness_waits_for_every_replica_heartbeat(docs, redis_server
         return subprocess.run(command, env={**os.environ, **env}, capture_output=True, timeout=30).returncode == 0
 
     keys = RedisKeys(env["UNICACHE_REDIS_PREFIX"])
-    client = redis.Redis.from_url(redis_server.url)
-    assert not ready()
-    client.set(keys.heartbeat("uc-replica-0"), b"hb", ex=30)
-    client.set(RedisKeys("other-cluster").heartbeat("x-0"), b"hb", ex=30)  # another prefix does not count
-    assert not ready()
-    client.set(keys.heartbeat("uc-replica-1"), b"hb", ex=30)
-    assert ready()
-    client.close()
+    client = redis.Redis.from_url(redis_server.url, ssl_ca_certs=ca)
+    try:
+        assert not ready()
+        client.set(keys.heartbeat("uc-replica-0"), b"hb", ex=30)
+        client.set(RedisKeys("other-cluster").heartbeat("x-0"), b"hb", ex=30)  # another prefix does not count
+        assert not ready()
+        client.set(keys.heartbeat("uc-replica-1"), b"hb", ex=30)
+        assert ready()
+    finally:
+        client.close()
+        redis_server.close()
 
 
 def test_router_starts_with_the_charts_environment(docs, tmp_path):
     """The router process, given exactly the chart's settings, serves /healthz, reports
     not-ready without replicas, and accepts the generated API key (and only it)."""
-    secrets = secret_data(docs, "redis")
-    server = EmbeddedRedis(password=secrets["redis-password"])
+    server = chart_redis(docs, tmp_path)
     server.start()
+    tls = Path(server.tls.ca_file).parent
     proc = None
     try:
         container = pick(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
         keys_file = tmp_path / "api-keys"
         keys_file.write_text(secret_data(docs, "secrets")["api-keys"])
-        env = container_environment(docs, container, {"UNICACHE_API_KEYS_FILE": str(keys_file)})
+        # The mounted TLS files at local paths: the router's (replica-tls) and Redis's CA (redis-tls).
+        env = container_environment(docs, container, {
+            "UNICACHE_API_KEYS_FILE": str(keys_file), "UNICACHE_REDIS_TLS_CA": str(tls / "ca.crt"),
+            "UNICACHE_REPLICA_TLS_CA": str(tls / "ca.crt"), "UNICACHE_REPLICA_TLS_CERT": str(tls / "router.crt"),
+            "UNICACHE_REPLICA_TLS_KEY": str(tls / "router.key"),
+        })
+        assert "UNICACHE_INSECURE_NO_TLS" not in env
         env["UNICACHE_REDIS_URL"] = env["UNICACHE_REDIS_URL"].replace(
             "uc-unicache-redis.serving.svc:6379", f"127.0.0.1:{server.port}"
         )

@@ -92,10 +92,61 @@ Call as (dict "image" .Values.x.image "defaultTag" .Chart.AppVersion).
 {{- end }}
 {{- end }}
 
+{{/*
+Transport security (docs/security.md): mutual TLS between router and replicas and TLS to the
+in-cluster Redis are on unless `insecureNoTls` (the named opt-out) is set. "true" or "".
+`replicaTls.enabled: false` without the opt-out fails the render rather than run insecure.
+*/}}
+{{- define "unicache.replicaTlsOn" -}}
+{{- if not .Values.insecureNoTls }}
+{{- if not .Values.replicaTls.enabled }}
+{{- fail "replicaTls.enabled is false: mutual TLS between router and replicas is the default; to run without it set insecureNoTls: true (what that gives up: values.yaml, docs/security.md)" }}
+{{- end }}true
+{{- end }}
+{{- end }}
+
+{{- define "unicache.redisTlsOn" -}}
+{{- if and (include "unicache.redisDeployed" .) (not .Values.insecureNoTls) }}true{{ end }}
+{{- end }}
+
+{{/* "true" when the chart issues certificates itself (secret-tls.yaml). */}}
+{{- define "unicache.tlsGenerated" -}}
+{{- if or (and (include "unicache.replicaTlsOn" .) (eq .Values.replicaTls.source "generated")) (include "unicache.redisTlsOn" .) }}true{{ end }}
+{{- end }}
+
+{{- define "unicache.generatedTlsSecretName" -}}
+{{- include "unicache.componentName" (dict "ctx" . "component" "tls") }}
+{{- end }}
+
+{{/* UNICACHE_INSECURE_NO_TLS for the router and the launcher (the replica actors) under the opt-out. */}}
+{{- define "unicache.insecureEnv" -}}
+{{- if .Values.insecureNoTls }}
+- name: UNICACHE_INSECURE_NO_TLS
+  value: "true"
+{{- end }}
+{{- end }}
+
+{{/* The in-cluster Redis's CA (the chart's cluster CA), for Redis clients: router, launcher, replica actors. */}}
+{{- define "unicache.redisTlsVolume" -}}
+- name: redis-tls
+  secret:
+    secretName: {{ include "unicache.generatedTlsSecretName" . }}
+    defaultMode: 0444
+    items:
+      - key: ca.crt
+        path: ca.pem
+{{- end }}
+
+{{- define "unicache.redisTlsMount" -}}
+- name: redis-tls
+  mountPath: /etc/unicache/redis-tls
+  readOnly: true
+{{- end }}
+
 {{/* The Redis URL (without password) every component uses. */}}
 {{- define "unicache.redisUrl" -}}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://%s.%s.svc:6379/0" (include "unicache.componentName" (dict "ctx" . "component" "redis")) .Release.Namespace }}
+{{- printf "%s://%s.%s.svc:6379/0" (ternary "rediss" "redis" (eq (include "unicache.redisTlsOn" .) "true")) (include "unicache.componentName" (dict "ctx" . "component" "redis")) .Release.Namespace }}
 {{- else }}
 {{- required "redis.external.url is required when redis.enabled is false" .Values.redis.external.url }}
 {{- end }}
@@ -125,6 +176,10 @@ expansion: the replicas take their Redis credentials from the URL only.
 {{- end }}
 - name: UNICACHE_REDIS_URL
   value: {{ $url | quote }}
+{{- if include "unicache.redisTlsOn" . }}
+- name: UNICACHE_REDIS_TLS_CA
+  value: /etc/unicache/redis-tls/ca.pem
+{{- end }}
 {{- end }}
 
 {{/* The cluster key (router and launcher; the launcher ships it to the replica actors). */}}
@@ -313,7 +368,23 @@ subPath), so renewed Secrets reach the files and the processes pick them up.
   projected:
     defaultMode: 0400
     sources:
-      {{- if eq $t.source "secret" }}
+      {{- if eq $t.source "generated" }}
+      {{- /* Two CAs: the cluster CA signs servers (replicas, Redis) and the router trusts it;
+      the router CA signs only the router's client certificate and the replicas trust only
+      it, so no replica's certificate can call a replica (Helm's genSignedCert cannot limit
+      extended key usage). */}}
+      - secret:
+          name: {{ include "unicache.generatedTlsSecretName" $ctx }}
+          items:
+            - key: {{ ternary "ca.crt" "router-ca.crt" (eq .component "router") }}
+              path: ca.pem
+            {{- range $names }}
+            - key: {{ . }}.crt
+              path: {{ . }}.pem
+            - key: {{ . }}.key
+              path: {{ . }}-key.pem
+            {{- end }}
+      {{- else if eq $t.source "secret" }}
       - secret:
           name: {{ required "replicaTls.existingSecret is required when replicaTls.source is secret" $t.existingSecret }}
           items:
