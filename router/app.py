@@ -47,6 +47,7 @@ from unicache.router.request_path.cost_observer import CostObserver
 from unicache.router.request_path.first_token import FirstTokenTimeout
 from unicache.router.request_path.limits import limiter_from_config
 from unicache.router.request_path.overload import OverloadConfig, OverloadGuard
+from unicache.router.request_path.prefix_tokens import PrefixReusingTokenizer
 from unicache.router.routing.base import RoutingPolicy, SharesRouterState
 from unicache.router.routing.registry import make_routing_policy, routing_policy_parameters
 from unicache.router.upstream.replica_client import ReplicaClients
@@ -127,6 +128,8 @@ class RouterApp:
             tokenizer = load_tokenizer(path)
         except Exception as exc:  # noqa: BLE001 - any load failure is a configuration error
             raise UsageError(f"cannot load tokenizer {path}: {exc}") from None
+        if config.prefix_tokens_kept and hasattr(tokenizer, "split_tokens"):
+            tokenizer = PrefixReusingTokenizer(tokenizer, config.prefix_tokens_kept)
         self.metrics = RouterMetrics()
         self.metrics.insecure_transport.set(1 if config.insecure_transport() else 0)
         cluster_key = config.cluster_key_bytes()

@@ -170,6 +170,11 @@ class RouterConfig:
         default="", metadata={"help": "tokenizer.json path, or 'byte'; empty: the checkpoint's tokenizer.json, else bytes (as the replicas)"}
     )
     checkpoint: str = field(default="", metadata={"help": "the replicas' checkpoint dir (only its tokenizer.json is read)"})
+    prefix_tokens_kept: int = field(
+        default=1_000_000,
+        metadata={"help": "token ids of recently seen chat prefixes kept (about 4 bytes each plus the text), so a chat's new "
+                          "turn tokenizes only its new part (router/request_path/prefix_tokens.py); 0: tokenize every prompt whole"},
+    )
     memory_budget_mib: int = field(
         default=256, metadata={"help": "RSS budget of one router process: the classifier's and the policy's tables are capped to fit it (router/memory.py)"}
     )
@@ -249,6 +254,8 @@ class RouterConfig:
             raise UsageError(f"backend_models_interval_s must be positive, got {self.backend_models_interval_s}")
         if self.backend_metrics_interval_s <= 0:
             raise UsageError(f"backend_metrics_interval_s must be positive, got {self.backend_metrics_interval_s}")
+        if self.prefix_tokens_kept < 0:
+            raise UsageError(f"prefix_tokens_kept must be >= 0, got {self.prefix_tokens_kept}")
         if self.memory_budget_mib < 64:
             raise UsageError(f"memory_budget_mib must be >= 64, got {self.memory_budget_mib}")
         if self.workers < 1:

@@ -65,7 +65,7 @@ async def joined():
     backend = FakeBackend()
     clients = MockClients(backend)
     cluster = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
-    follower = BackendFollower(BackendSpec("b", URL), cluster, clients, 16)
+    follower = BackendFollower(BackendSpec("b", URL), cluster, clients, 16, metrics_interval_s=1e-9)  # a scrape due at every poll
     await follower.poll()
     assert (follower.joined, backend.take()) == (True, ["/health", "/v1/models", "/metrics"])
     yield follower, backend, cluster
@@ -77,7 +77,7 @@ async def test_a_joined_backend_is_only_scraped_and_its_models_read_when_due(joi
     for _ in range(3):
         await follower.poll()
     assert backend.take() == ["/metrics"] * 3
-    follower._models_at -= follower.models_interval_s  # its /v1/models is due
+    follower._models_asked_at -= follower.models_interval_s  # its /v1/models is due
     await follower.poll()
     assert (backend.take(), follower.health_probes, cluster.replicas["b"].load.running) == (["/v1/models", "/metrics"], 1, 2)
 
@@ -112,6 +112,15 @@ async def test_health_is_asked_only_of_a_backend_in_doubt(joined, caplog):
         f"backend b ({URL}): /metrics answered 503",
         "backend b quarantined (/health answered 500) until it answers a probe",
     ]
+
+
+async def test_a_joined_backend_is_not_scraped_before_its_interval(joined):
+    follower, backend, _cluster = joined
+    follower.metrics_interval_s = 60.0
+    follower._models_asked_at -= follower.models_interval_s  # only /v1/models is due
+    await follower.poll()
+    assert backend.take() == ["/v1/models"]
+    assert 59.0 < follower._next_due() <= 60.0  # the loop sleeps until the next scrape
 
 
 def test_the_scrape_interval_is_a_validated_setting():

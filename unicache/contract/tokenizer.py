@@ -105,6 +105,24 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def split_tokens(self) -> list[str]:
+        """The special tokens right after which a text may be cut, each side encoded alone
+        (``add_special_tokens=False``) and the ids concatenated, equal to the whole text's.
+
+        Why that holds: ``tokenizers`` cuts its input at added tokens matched on the raw
+        text before it normalizes and pre-tokenizes each piece apart. Not for a token
+        matched after normalization or one that takes the whitespace beside it (``lstrip``,
+        ``rstrip``, ``single_word``), and for none when a pre-tokenizer or normalizer
+        treats the input's first piece apart (``prepend_scheme: first``): [] then.
+        """
+        config = json.loads(self._tok.to_str())
+        if _mentions(config.get("normalizer"), "prepend_scheme", "first") or _mentions(config.get("pre_tokenizer"), "prepend_scheme", "first"):
+            return []
+        return sorted(
+            t.content for t in self._tok.get_added_tokens_decoder().values()
+            if t.special and not (t.normalized or t.lstrip or t.rstrip or t.single_word) and t.content
+        )
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
@@ -172,6 +190,16 @@ def _read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     return data if isinstance(data, dict) else {}
+
+
+def _mentions(node, key: str, value: str) -> bool:
+    """Whether ``key: value`` appears anywhere in a tokenizer.json component (nested
+    sequences included)."""
+    if isinstance(node, dict):
+        return node.get(key) == value or any(_mentions(v, key, value) for v in node.values())
+    if isinstance(node, list):
+        return any(_mentions(v, key, value) for v in node)
+    return False
 
 
 def _first_present(tok, candidates: tuple[str, ...]) -> str | None:

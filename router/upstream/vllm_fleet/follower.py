@@ -197,6 +197,8 @@ class BackendFollower:
         self._doubt = ""  # the failure logged since its last good scrape ("": none)
         self._healthy_at = 0.0  # time.monotonic() of its last /health 200
         self._polled_at = 0.0  # time.monotonic() at the end of the previous poll
+        self._scraped_at = -float("inf")  # time.monotonic() of its last /metrics request
+        self._models_asked_at = -float("inf")  # time.monotonic() of its last /v1/models request
         self._models_at = -float("inf")  # time.monotonic() of its last /v1/models answer
         self.translator = EventTranslator()
         if spec.events:
@@ -301,7 +303,12 @@ class BackendFollower:
             await self.poll()
             # NOTE: a quarantined backend is probed by the prober: its scrapes keep the pace.
             steady = self.joined and (not self.in_doubt or not self.cluster.healthy(self.backend_id))
-            await asyncio.sleep(self.metrics_interval_s if steady else self.health_interval_s)
+            await asyncio.sleep(self._next_due() if steady else self.health_interval_s)
+
+    def _next_due(self) -> float:
+        """Seconds to the next scrape or ``/v1/models`` read, whichever comes first."""
+        now = time.monotonic()
+        return max(0.0, min(self._scraped_at + self.metrics_interval_s, self._models_asked_at + self.models_interval_s) - now)
 
     async def poll(self) -> None:
         """One poll: joining (``/health``, ``/v1/models``, ``/metrics``), ``/health`` when
@@ -347,9 +354,13 @@ class BackendFollower:
                     return
                 self._healthy_at = time.monotonic()
                 self.in_doubt = False
-        if not self.joined or time.monotonic() - self._models_at >= self.models_interval_s:
+        if not self.joined or time.monotonic() - self._models_asked_at >= self.models_interval_s:
+            self._models_asked_at = time.monotonic()
             if not await self._read_models(client, timeout) and not self.joined:
                 return
+        if self.joined and not self.in_doubt and time.monotonic() - self._scraped_at < self.metrics_interval_s:
+            return  # woken for /v1/models only
+        self._scraped_at = time.monotonic()
         r = await client.get("/metrics", timeout=timeout)
         if r.status_code != 200:
             self._failed(f"/metrics answered {r.status_code}")
