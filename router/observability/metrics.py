@@ -58,6 +58,12 @@ class RouterMetrics:
         self.quarantines = Counter(
             "unicache_router_quarantines", "Times a replica was quarantined (refused or stalled)", ["replica"], registry=r
         )
+        self.broken_streams = Counter(
+            "unicache_router_broken_streams",
+            "Responses cut short by their backend failing after the first token (the client got an error event and the "
+            "end of the stream), by replica and kind (unavailable: it went away; deadline; upstream)",
+            ["replica", "kind"], registry=r,
+        )
         self.limit_rejections = Counter(
             "unicache_router_limit_rejections", "Requests refused by a per-tenant limit, by limit name", ["limit"], registry=r
         )
@@ -147,7 +153,7 @@ class RouterMetrics:
         self._children: dict[tuple, object] = {}
         # Position of the ``replica`` label in each counter that has one.
         self._replica_label_at = {
-            self.decisions: 1, self.cached_tokens: 0, self.computed_tokens: 0, self.first_token_timeouts: 0, self.quarantines: 0,
+            self.decisions: 1, self.cached_tokens: 0, self.computed_tokens: 0, self.first_token_timeouts: 0, self.quarantines: 0, self.broken_streams: 0,
             self.replica_ttft: 0, self.ttft_prediction_error: 0,
         }
 

@@ -593,6 +593,7 @@ class RouterCore:
         (``what``: the status or failure kind; ``lost``: the replica went away, quarantined)."""
         rec = self.cluster.replicas.get(rid)
         log.info("replica %s at %s failed mid-stream: %s %s", rid, rec.address if rec else "?", what, details)
+        self.metrics.labelled(self.metrics.broken_streams, rid, kind).inc()
         if lost and self.cluster.quarantine(rid):
             self.metrics.labelled(self.metrics.quarantines, rid).inc()
             log.warning("replica %s quarantined (%s mid-stream) until it answers a probe", rid, what)
