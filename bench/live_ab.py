@@ -14,14 +14,20 @@ workload's unique blocks each, fronted arm by arm (``bench.live_ab_arms.ARMS``):
 Each (round, arm, rate scale) is one run: a fresh router process, every server's prefix
 cache reset (``POST /reset_prefix_cache``), then the trace replayed open-loop at its
 arrival times divided by the rate scale (``bench.live_ab_client``). Arms are interleaved
-in rounds (``bench.rounds.round_order``). Every server answered the same warm-up requests
+in ``--rounds`` rounds (default 3; ``bench.rounds.round_order``), and every compared
+figure comes with a 95% bootstrap interval over the pooled requests: ``ours`` against
+another arm is a tie where the intervals overlap (``bench.live_ab_stats``). Two regimes
+(``--regime``): decode-heavy (32 tokens per hash id, 16 output tokens) and prefill-heavy
+(96 tokens per hash id, 2 output tokens). Every server answered the same warm-up requests
 once before the first run. Measured per arm and rate: TTFT p50/p90/p99 and E2E of
 streamed requests, the prefix-cache hit ratio from every server's
 ``vllm:prefix_cache_{hits,queries}_total`` deltas, the router process tree's CPU per
 request, failed requests, and goodput: the highest rate scale whose TTFT p90 stays within
 ``--slo-multiple`` x the unloaded TTFT (the median TTFT of cold median-length prompts sent
 one at a time straight to a server). Beside arms 1-3, ``unicache sim`` on the same
-workload, capacity and replica count (``bench.live_ab_report``).
+workload, capacity and replica count (``bench.live_ab_report``), three times: the paper's
+GPU timing, timing fitted to the unloaded probe, and the cost model our router fitted
+during its last ``ours`` run (``GET /v1/cluster/costs`` -> ``unicache sim --calibration``).
 
 Run (repository root; nice it on a shared machine):
     nice -n 10 .venv/bin/python -m bench.live_ab --trace traces/mooncake-conversation-slice.jsonl \\
@@ -51,13 +57,15 @@ import httpx
 from unicache.sim.timing import TimingModel
 from bench.live_ab_arms import ARMS, PEER_VENV, PEERS, Router, install_peers, missing_peers, peer_version
 from bench.live_ab_client import fleet_counters, replay, send, tree_cpu_s
-from bench.live_ab_report import arm_fields, markdown, plot, rate_fields, sim_prediction
+from bench.live_ab_report import arm_fields, markdown, plot, rate_fields, sim_prediction, verdicts
 from bench.live_ab_workload import LiveRequest, api_keys, build_requests, unique_blocks, write_sim_trace
 from bench.paths import REPO
 from bench.report_files import git_commit
 from bench.rounds import round_order
 
 SERVED = "live-ab"
+# regime -> (prompt tokens per trace hash id, cap on output tokens) (docs/live-ab.md)
+REGIMES = {"decode-heavy": (32, 16), "prefill-heavy": (96, 2)}
 IDLE_WINDOW_S = 2.0
 KV_DTYPE_BYTES = 2  # vLLM keeps KV in bf16/fp16 here (the tiny Llama: 512 bytes a token)
 
@@ -74,13 +82,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt words: the tiny Llama's (one token each) or short English words (auto: tiny without --model-dir)")
     p.add_argument("--device", default="cpu", help="vLLM device (default cpu; cuda on a GPU node)")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size in tokens (default 32; CPU needs multiples of 32)")
-    p.add_argument("--tokens-per-id", type=int, default=32, help="prompt tokens per trace hash id (default 32: one block)")
+    p.add_argument("--regime", choices=tuple(REGIMES), default="decode-heavy",
+                   help="decode-heavy (32 tokens per hash id, at most 16 output tokens: a CPU server's usual ratio) or "
+                        "prefill-heavy (96 tokens per hash id, at most 2 output tokens: the median request's prefill several "
+                        "times its decode, as on a GPU serving long prompts); sets --tokens-per-id and --max-output-tokens "
+                        "where they are not given (default decode-heavy)")
+    p.add_argument("--tokens-per-id", type=int, default=None, help="prompt tokens per trace hash id (default: the regime's)")
     p.add_argument("--trace-block-size", type=int, default=None, help="the trace's tokens per hash id (default: inferred, 512 for Mooncake)")
     p.add_argument("--pool-frac", type=float, default=0.05, help="KV pool per server as a fraction of the workload's unique blocks (default 0.05; raised to fit the longest request)")
-    p.add_argument("--max-output-tokens", type=int, default=16, help="cap on each request's output tokens (default 16)")
+    p.add_argument("--max-output-tokens", type=int, default=None, help="cap on each request's output tokens (default: the regime's)")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--rates", default="1,2,4", help="comma list of rate scales: arrival times are divided by each (default 1,2,4)")
-    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3: a single run decides nothing)")
     p.add_argument("--slo-multiple", type=float, default=3.0, help="goodput's TTFT p90 SLO as a multiple of the unloaded TTFT (default 3, as `unicache sim --goodput-slo-s auto`)")
     p.add_argument("--unloaded-probes", type=int, default=5, help="cold requests that measure the unloaded TTFT (default 5)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline per request (default 600)")
@@ -88,7 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-venv", default=str(PEER_VENV), help=f"the peers' virtual environment (default {PEER_VENV.relative_to(REPO)})")
     p.add_argument("--install-peers", default=None, metavar="NAMES", help=f"pip-install these peers ({', '.join(PEERS)}) into --peer-venv and exit unless --trace is given")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    tokens, outputs = REGIMES[args.regime]
+    if args.tokens_per_id is None:
+        args.tokens_per_id = tokens
+    if args.max_output_tokens is None:
+        args.max_output_tokens = outputs
+    return args
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
@@ -194,9 +213,19 @@ def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx:
                                       on_done=lambda: bar.update(1)))
         c1 = tree_cpu_s(router.proc.pid)
         h1, q1 = fleet_counters(urls)
+        calibration = fitted_costs(router.url) if arm.peer is None and arm.policy == "cache_aware" else None
     finally:
         router.stop()
-    return {"outcomes": outcomes, "hits": h1 - h0, "queries": q1 - q0, "cpu_s": c1 - c0, "idle_cpu": idle}
+    return {"outcomes": outcomes, "hits": h1 - h0, "queries": q1 - q0, "cpu_s": c1 - c0, "idle_cpu": idle,
+            "calibration": calibration}
+
+
+def fitted_costs(router_url: str) -> dict | None:
+    """Our router's fitted backend costs after a run (``GET /v1/cluster/costs``, a
+    calibration ``unicache sim --calibration`` reads); None when it fitted none."""
+    r = httpx.get(f"{router_url}/v1/cluster/costs", timeout=10)
+    cal = r.json() if r.status_code == 200 else None
+    return cal if cal and cal.get("backends") else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m bench.live_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "host": platform.node(),
             "cpus": os.cpu_count(), "commit": git_commit(REPO), "trace": args.trace, "trace_name": Path(args.trace).name,
-            "servers": args.servers, "device": args.device, "model_dir": args.model_dir or "tiny random-weight Llama",
+            "regime": args.regime, "servers": args.servers, "device": args.device, "model_dir": args.model_dir or "tiny random-weight Llama",
             "requests_per_run": len(requests), "tenants": len(keys), "tokens_per_id": args.tokens_per_id,
             "block_size": bs, "max_model_len": max_len, "pool_frac": args.pool_frac, "pool_blocks": pool_blocks,
             "unique_blocks": unique, "max_output_tokens": args.max_output_tokens, "rates": rates, "rounds": args.rounds,
@@ -292,11 +321,19 @@ def main(argv: list[str] | None = None) -> int:
             "vllm_version": _vllm_version(),
             "arms": {a: arm_fields([rate_fields(runs[(a, r)], r, slo_s) for r in rates]) for a in arms},
         }
+        report["verdicts"] = verdicts(report["arms"])
+        fitted = [run["calibration"] for (a, _), rs in runs.items() if a == "ours" for run in rs if run["calibration"]]
+        if fitted:
+            report["calibration"] = fitted[-1]
         sim = simulate(requests, args, pool_blocks, rates, arms, tmp)
         if sim is not None:
             report["sim"] = sim
             report["sim_calibrated"] = simulate(requests, args, pool_blocks, rates, arms, tmp,
                                                 calibrated_timing(unloaded_s, probes[-1].words, decode_s))
+            if fitted:
+                cal_path = Path(tmp) / "calibration.json"
+                cal_path.write_text(json.dumps(fitted[-1]))
+                report["sim_fitted"] = simulate(requests, args, pool_blocks, rates, arms, tmp, ("--calibration", str(cal_path)))
     report["wall_s"] = time.perf_counter() - t_start
     md = markdown(report)
     if args.json:

@@ -32,6 +32,7 @@ class Outcome:
     ttft_s: float = math.nan
     e2e_s: float = math.nan
     cached_tokens: int | None = None
+    prompt_tokens: int | None = None  # from the final usage, with cached_tokens
     tokens: int = 0  # events carrying a choice (one token each from vLLM)
     error: str | None = None
 
@@ -66,7 +67,10 @@ async def send(client: httpx.AsyncClient, url: str, model: str, req: LiveRequest
                     out.tokens += 1
                     if math.isnan(out.ttft_s):
                         out.ttft_s = time.perf_counter() - t0
-                details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+                usage = event.get("usage") or {}
+                if usage.get("prompt_tokens") is not None:
+                    out.prompt_tokens = int(usage["prompt_tokens"])
+                details = usage.get("prompt_tokens_details") or {}
                 if details.get("cached_tokens") is not None:
                     out.cached_tokens = int(details["cached_tokens"])
         out.e2e_s = time.perf_counter() - t0

@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from bench.live_ab_stats import hit_ratio_ci, ttft_ci, verdict
 from unicache.sim.metrics import percentile
 
 RATE_FIELDS = ("hit_ratio", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p90_s", "goodput",
-               "router_cpu_ms_per_request", "requests", "failed")
+               "router_cpu_ms_per_request", "requests", "failed", "hit_ratio_ci", "ttft_p50_ci_s", "ttft_p90_ci_s")
+# (field, its interval, lower is better) of the figures compared arm against arm
+COMPARED = (("hit_ratio", "hit_ratio_ci", False), ("ttft_p50_s", "ttft_p50_ci_s", True), ("ttft_p90_s", "ttft_p90_ci_s", True))
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -42,6 +45,10 @@ def rate_fields(runs: list[dict], rate_scale: float, slo_s: float) -> dict:
         "requests": len(outcomes), "failed": failed,
         "router_idle_cpu_pct": 100.0 * sum(r["idle_cpu"] for r in runs) / len(runs),
         "hit_ratio_rounds": [r["hits"] / r["queries"] if r["queries"] else 0.0 for r in runs],
+        # bootstrap intervals over the requests of every round (bench/live_ab_stats.py)
+        "hit_ratio_ci": hit_ratio_ci([(o.cached_tokens, o.prompt_tokens) for o in ok
+                                      if o.cached_tokens is not None and o.prompt_tokens]),
+        "ttft_p50_ci_s": ttft_ci(ttft, 50), "ttft_p90_ci_s": ttft_ci(ttft, 90),
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
     }
 
@@ -52,6 +59,30 @@ def arm_fields(rates: list[dict]) -> dict:
     top = {k: rates[0][k] for k in RATE_FIELDS}
     top["goodput"] = max(r["goodput"] for r in rates)
     return {**top, "rates": rates}
+
+
+def verdicts(arms: dict, ours: str = "ours") -> dict:
+    """Per other arm and rate: ``ours``' verdict against it on each compared figure
+    ("better", "worse", or "tie": the bootstrap intervals overlap)."""
+    if ours not in arms:
+        return {}
+    mine = {r["rate_scale"]: r for r in arms[ours]["rates"]}
+    out = {}
+    for name, a in arms.items():
+        if name == ours:
+            continue
+        out[name] = [{"rate_scale": r["rate_scale"], **{
+            field: verdict(mine[r["rate_scale"]].get(ci), r.get(ci), lower) for field, ci, lower in COMPARED}}
+            for r in a["rates"] if r["rate_scale"] in mine]
+    return out
+
+
+def _ci(v) -> str:
+    return "-" if not v else f"[{v[0]:.3f}, {v[1]:.3f}]"
+
+
+def _ci_ms(v) -> str:
+    return "-" if not v else f"[{v[0] * 1000:.0f}, {v[1] * 1000:.0f}]"
 
 
 def sim_prediction(sim: dict, arms: dict, arm_sims: dict[str, tuple[str, str]]) -> dict:
@@ -88,19 +119,24 @@ def markdown(rep: dict) -> str:
         "",
         f"Peers: {', '.join(f'{k} {v}' for k, v in rep['peers'].items()) or 'none run'}; vLLM {rep['vllm_version']}.",
         "",
-        "| arm | rate | hit ratio | sim hit ratio | TTFT p50 ms | TTFT p90 ms | sim TTFT p90 ms (GPU fit / calibrated) | "
-        "TTFT p99 ms | E2E p50 ms | router CPU ms/req | router idle CPU % | requests | failed |",
+        f"Regime: {rep.get('regime', '-')}.",
+        "",
+        "| arm | rate | hit ratio | sim hit ratio (GPU fit / fitted model) | TTFT p50 ms | TTFT p90 ms | "
+        "sim TTFT p90 ms (GPU fit / calibrated / fitted model) | TTFT p99 ms | E2E p50 ms | router CPU ms/req | "
+        "router idle CPU % | requests | failed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in rep["arms"].items():
         sim = {r["rate_scale"]: r for r in rep.get("sim", {}).get("arms", {}).get(name, {}).get("rates", [])}
         cal = {r["rate_scale"]: r for r in (rep.get("sim_calibrated") or {}).get("arms", {}).get(name, {}).get("rates", [])}
+        fit = {r["rate_scale"]: r for r in (rep.get("sim_fitted") or {}).get("arms", {}).get(name, {}).get("rates", [])}
         for r in a["rates"]:
-            s, c = sim.get(r["rate_scale"], {}), cal.get(r["rate_scale"], {})
+            s, c, f = sim.get(r["rate_scale"], {}), cal.get(r["rate_scale"], {}), fit.get(r["rate_scale"], {})
             lines.append(
-                f"| {name} | {r['rate_scale']:g} | {_s(r['hit_ratio'])} | {_s(s.get('hit_ratio'))} | "
+                f"| {name} | {r['rate_scale']:g} | {_s(r['hit_ratio'])} | {_s(s.get('hit_ratio'))} / {_s(f.get('hit_ratio'))} | "
                 f"{_s(r['ttft_p50_s'], 1000, '.1f')} | {_s(r['ttft_p90_s'], 1000, '.1f')} | "
-                f"{_s(s.get('ttft_p90_s'), 1000, '.1f')} / {_s(c.get('ttft_p90_s'), 1000, '.1f')} | "
+                f"{_s(s.get('ttft_p90_s'), 1000, '.1f')} / {_s(c.get('ttft_p90_s'), 1000, '.1f')} / "
+                f"{_s(f.get('ttft_p90_s'), 1000, '.1f')} | "
                 f"{_s(r['ttft_p99_s'], 1000, '.1f')} | {_s(r['e2e_p50_s'], 1000, '.1f')} | "
                 f"{_s(r['router_cpu_ms_per_request'], 1, '.2f')} | {_s(r['router_idle_cpu_pct'], 1, '.1f')} | "
                 f"{r['requests']} | {r['failed']} |")
@@ -108,7 +144,20 @@ def markdown(rep: dict) -> str:
     for name, a in rep["arms"].items():
         sg = [(rep.get(k) or {}).get("arms", {}).get(name, {}).get("goodput") for k in ("sim", "sim_calibrated")]
         lines.append(f"| {name} | {a['goodput']:g} | {' / '.join('-' if g is None else format(g, 'g') for g in sg)} |")
-    for key, what in (("sim", "the paper's GPU prefill fit"), ("sim_calibrated", "timing fitted to the unloaded probe")):
+    lines += ["", "95% bootstrap intervals over each (arm, rate)'s requests, all rounds pooled (bench/live_ab_stats.py); "
+              "`ours` against each arm: better / worse only where the intervals do not overlap, else tie.", "",
+              "| arm | rate | hit ratio CI | TTFT p50 CI ms | TTFT p90 CI ms | ours vs it: hit ratio / p50 / p90 |",
+              "|---|---|---|---|---|---|"]
+    vs = rep.get("verdicts") or {}
+    for name, a in rep["arms"].items():
+        per_rate = {v["rate_scale"]: v for v in vs.get(name, [])}
+        for r in a["rates"]:
+            v = per_rate.get(r["rate_scale"])
+            cmp = "-" if v is None else " / ".join(v[f] for f, _, _ in COMPARED)
+            lines.append(f"| {name} | {r['rate_scale']:g} | {_ci(r.get('hit_ratio_ci'))} | {_ci_ms(r.get('ttft_p50_ci_s'))} | "
+                         f"{_ci_ms(r.get('ttft_p90_ci_s'))} | {cmp} |")
+    for key, what in (("sim", "the paper's GPU prefill fit"), ("sim_calibrated", "timing fitted to the unloaded probe"),
+                      ("sim_fitted", "the cost model our router fitted live (its last `ours` run's /v1/cluster/costs)")):
         if rep.get(key):
             lines.append(f"\nSimulator ({what}): `{rep[key]['command']}`.")
     lines += ["", f"Produced by `{rep['command']}` on {rep['host']} ({rep['cpus']} CPUs) at commit {rep['commit']}, "
