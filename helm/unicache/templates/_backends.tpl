@@ -66,8 +66,7 @@ name (<sts>-<i>.<headless-svc>.<ns>.svc.cluster.local), so the router needs no d
 
 {{/*
 The external fleet's label selector as a Kubernetes selector string (`k=v,k2=v2`), empty
-without one. It is handed to the router as UNICACHE_BACKEND_SELECTOR for its Kubernetes
-discovery, which the router does not implement yet (docs/kubernetes.md).
+without one: the router watches the EndpointSlices it picks (`unicache.backendDiscovery`).
 */}}
 {{- define "unicache.backendSelector" -}}
 {{- if eq .Values.backends.mode "external" }}
@@ -76,6 +75,27 @@ discovery, which the router does not implement yet (docs/kubernetes.md).
 {{- $pairs = append $pairs (printf "%s=%s" $k $v) }}
 {{- end }}
 {{- join "," $pairs }}
+{{- end }}
+{{- end }}
+
+{{/*
+The router's `backend_discovery` for an external fleet: `k8s://NAMESPACE?selector=...&port=...`
+with a selector (router/upstream/vllm_fleet/k8s_discovery.py), else
+`backends.external.dnsDiscovery`; empty otherwise. Both at once fail the render.
+*/}}
+{{- define "unicache.backendDiscovery" -}}
+{{- if eq .Values.backends.mode "external" }}
+{{- $e := .Values.backends.external }}
+{{- with include "unicache.backendSelector" . }}
+{{- if $e.dnsDiscovery }}{{ fail "backends.external: give selector or dnsDiscovery, not both" }}{{ end }}
+{{- $p := $e.selectorPorts }}
+{{- $q := list (printf "selector=%s" .) (printf "port=%v" $p.http) }}
+{{- with $p.kvEvents }}{{ $q = append $q (printf "kv-events=%v" .) }}{{ end }}
+{{- with $p.replay }}{{ $q = append $q (printf "replay=%v" .) }}{{ end }}
+{{- printf "k8s://%s?%s" ($e.namespace | default $.Release.Namespace) (join "&" $q) }}
+{{- else }}
+{{- $e.dnsDiscovery }}
+{{- end }}
 {{- end }}
 {{- end }}
 
