@@ -33,7 +33,7 @@ from unicache.plumbing.tls import insecure_transport
 from unicache.router.routing.registry import ROUTING_POLICIES
 from unicache.router.upstream.replica_client import TRANSPORTS
 from unicache.router.upstream.vllm_fleet.events_listener import parse_listen
-from unicache.router.upstream.vllm_fleet.fleet import DnsDiscovery
+from unicache.router.upstream.vllm_fleet.fleet import parse_discovery
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec, backend_entries, parse_backends
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,9 @@ class RouterConfig:
     backend_discovery: str = field(
         default="",
         metadata={"help": "vLLM backends found by DNS (a Kubernetes headless Service): "
-                          "'dns://NAME:HTTP_PORT?kv-events=PORT&replay=PORT&interval=S'; docs/vllm-backends.md"},
+                          "'dns://NAME:HTTP_PORT?kv-events=PORT&replay=PORT&interval=S', or by the Kubernetes API (the ready "
+                          "endpoints of the EndpointSlices a label selector picks, watched): "
+                          "'k8s://NAMESPACE?selector=app=vllm&port=http&kv-events=5557&replay=5558'; docs/vllm-backends.md"},
     )
     backend_models_interval_s: float = field(
         default=60.0,
@@ -91,14 +93,14 @@ class RouterConfig:
         metadata={"help": "how often each vLLM backend's /metrics (its load and pool) is scraped once it joined; its events "
                           "and requests are its liveness, /health is asked only when a scrape fails (docs/vllm-backends.md)"},
     )
-    routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
-    routing_options: str = field(
     kv_events_listen: str = field(
         default="",
         metadata={"help": "bind one socket, tcp://*:PORT, that vLLM servers publish their KV events to (their --kv-events-config "
                           "endpoint tcp://ROUTER:PORT), each stream told apart by its topic: a backend's kv-topic=, its id, or "
                           "llm-d's kv@<pod-ip>@<model> (docs/vllm-backends.md)"},
     )
+    routing_policy: str = field(default="cache_aware", metadata={"help": "routing policy name"})
+    routing_options: str = field(
         default="",
         metadata={"help": "the routing policy's own settings (cache_aware: its CacheAwareConfig fields, docs/routing.md): "
                           "JSON {name: value} or 'name=value,...' (a config file takes a mapping; the flag --routing-option repeats)"},
@@ -247,7 +249,7 @@ class RouterConfig:
         """
         self.backend_specs()  # a bad entry is a UsageError now, not at start-up
         if self.backend_discovery:
-            DnsDiscovery(self.backend_discovery)
+            parse_discovery(self.backend_discovery)
         if self.block_size <= 0:
             raise UsageError("block_size must be positive")
         if self.backend_models_interval_s <= 0:

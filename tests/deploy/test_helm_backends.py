@@ -92,19 +92,15 @@ def test_schema_mode_enum_and_bad_backend_values():
                 chart.validate_schema(bad)
 
 
-def test_values_doc_says_the_selector_needs_discovery_the_router_lacks():
-    """The selector's values comment, the chart README and docs/kubernetes.md say it is not
-    yet implemented, which holds as long as the router has no `backend_selector` setting;
-    when one lands this test fails so the three texts are updated with it."""
-    from unicache.router.config import RouterConfig
-
-    assert "backend_selector" not in {f.name for f in fields(RouterConfig)}
-    values = (CHART / "values.yaml").read_text()
-    comment = values[: values.index("    selector: {}")].rsplit("# --", 1)[1]
-    assert "NOT YET IMPLEMENTED" in comment and "backend_selector" in comment
-    assert "NOT YET IMPLEMENTED" in (CHART / "README.md").read_text()
-    section = docs_section()
-    assert "not yet implemented" in section.lower() and "backend_selector" in section
+def test_the_selector_and_dns_discovery_are_one_or_the_other():
+    both = {"backends": {"mode": "external", "external": {"selector": {"app": "vllm"}, "dnsDiscovery": "dns://vllm.fleet.svc:8000"}}}
+    with pytest.raises(Exception, match="give selector or dnsDiscovery, not both"):
+        render(both)
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema({"backends": {"external": {"selectorPorts": {"http": "http", "kvEvents": 5557, "replay": ""}}}})
+        for bad in ({"http": "HTTP"}, {"http": ""}, {"events": "5557"}):
+            with pytest.raises(helm.HelmValuesError):
+                chart.validate_schema({"backends": {"external": {"selectorPorts": bad}}})
 
 
 # --- ray (the default) --------------------------------------------------------------------
@@ -164,7 +160,7 @@ def test_each_mode_locks_down_every_container(rendered, mode_set):
 
 
 @pytest.mark.parametrize("mode_set", sorted(MODE_SETS))
-def test_every_unicache_variable_is_a_router_setting_but_the_pending_selector(rendered, mode_set):
+def test_every_unicache_variable_is_a_router_setting(rendered, mode_set):
     from unicache.router.config import RouterConfig
 
     known = {"UNICACHE_" + f.name.upper() for f in fields(RouterConfig)}
@@ -173,7 +169,7 @@ def test_every_unicache_variable_is_a_router_setting_but_the_pending_selector(re
     used |= {n for n in one(docs, "ConfigMap", "settings")["data"] if n.startswith("UNICACHE_")} - {
         # replica settings the shared ConfigMap carries in every mode (tests/deploy/test_helm_chart.py checks them)
         n for n in one(rendered["ray"], "ConfigMap", "settings")["data"]}
-    assert sorted(used - known) == (["UNICACHE_BACKEND_SELECTOR"] if mode_set == "external-selector" else [])
+    assert sorted(used - known) == []
     assert {"UNICACHE_BACKENDS", "UNICACHE_USE_REDIS"} <= used
 
 
@@ -183,7 +179,7 @@ def test_notes_name_the_mode():
     assert 'backends  mode "vllm"' in notes and "rollout status statefulset/uc-unicache-vllm" in notes
     assert "rollout status deploy/uc-unicache-launcher" not in notes
     notes = render(EXTERNAL_SELECTOR)["unicache/templates/NOTES.txt"]
-    assert 'backends  mode "external"' in notes and "NOT YET IMPLEMENTED" in notes
+    assert 'backends  mode "external"' in notes and "selector  app=vllm,tier=gpu: the routers watch the EndpointSlices" in notes
     assert "redis     none" in render(VLLM_ONE_ROUTER)["unicache/templates/NOTES.txt"]
 
 
@@ -382,8 +378,7 @@ def test_external_selector_renders_read_only_rbac_and_the_selector(rendered):
     assert sa["metadata"]["namespace"] == NAMESPACE and sa["automountServiceAccountToken"] is False
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "fleet"  # the fleet's namespace
     assert [(r["apiGroups"], r["resources"], r["verbs"]) for r in role["rules"]] == [
-        (["discovery.k8s.io"], ["endpointslices"], ["get", "list", "watch"]),
-        ([""], ["pods"], ["get", "list", "watch"]),
+        (["discovery.k8s.io"], ["endpointslices"], ["get", "list", "watch"]),  # what the discovery reads, nothing else
     ]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
@@ -393,9 +388,16 @@ def test_external_selector_renders_read_only_rbac_and_the_selector(rendered):
     [volume] = [v for v in pod["volumes"] if v["name"] == "kube-api-access"]
     assert volume["projected"]["sources"][0]["serviceAccountToken"] == {"path": "token", "expirationSeconds": 3600}
     assert {"name": "kube-api-access", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True} in pod["containers"][0]["volumeMounts"]
-    env = container_env(pod["containers"][0])
-    assert env["UNICACHE_BACKEND_SELECTOR"]["value"] == "app=vllm,tier=gpu"
-    assert one(docs, "ConfigMap", "settings")["data"]["UNICACHE_BACKENDS"] == ""
+    # The router follows the selected slices' ready endpoints (router/upstream/vllm_fleet/k8s_discovery.py).
+    from unicache.router.upstream.vllm_fleet.fleet import parse_discovery
+
+    cfg = router_config(docs)
+    assert (cfg.backends, cfg.backend_discovery) == ("", "k8s://fleet?selector=app=vllm,tier=gpu&port=8000&kv-events=5557&replay=5558")
+    d = parse_discovery(cfg.backend_discovery)
+    assert (d.namespace, d.selector, d.port, d.events_port, d.replay_port) == ("fleet", "app=vllm,tier=gpu", 8000, 5557, 5558)
+    named = router_config(documents(render({"backends": {"mode": "external", "external": {
+        "selector": {"app": "vllm"}, "selectorPorts": {"http": "http", "kvEvents": "kv-events", "replay": ""}}}})))
+    assert named.backend_discovery == f"k8s://{NAMESPACE}?selector=app=vllm&port=http&kv-events=kv-events"
 
 
 # --- checkov and docs -------------------------------------------------------------------------
@@ -432,5 +434,5 @@ def test_docs_give_the_values_of_each_mode_and_the_events_threat():
     with helm.Chart.load(CHART) as chart:
         for block in blocks:
             chart.validate_schema(block)
-    for phrase in ("NetworkPolicy", "forge", "misroute", "UNICACHE_BACKENDS", "not yet implemented"):
+    for phrase in ("NetworkPolicy", "forge", "misroute", "UNICACHE_BACKENDS", "EndpointSlices", "k8s://"):
         assert phrase.lower() in section.lower(), phrase

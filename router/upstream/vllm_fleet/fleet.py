@@ -1,17 +1,20 @@
 """The router's vLLM backends as a set that may change: the listed ones (``backends``) plus
-those a DNS name resolves to (``backend_discovery``: a Kubernetes headless Service lists
-its ready pods' addresses), each followed by its own ``BackendFollower``.
+those ``backend_discovery`` finds, each followed by its own ``BackendFollower``.
 
-``backend_discovery`` is ``dns://NAME:HTTP_PORT?kv-events=PORT&replay=PORT&interval=S``:
-every ``interval`` seconds (default 5) the name is resolved; each address is a backend
-``vllm-<ip>-<port>`` at ``http://ip:HTTP_PORT`` with its events at ``tcp://ip:PORT``.
+``backend_discovery`` is either
+``dns://NAME:HTTP_PORT?kv-events=PORT&replay=PORT&interval=S``: every ``interval`` seconds
+(default 5) the name is resolved (a Kubernetes headless Service lists its ready pods'
+addresses); each address is a backend ``vllm-<ip>-<port>`` at ``http://ip:HTTP_PORT`` with
+its events at ``tcp://ip:PORT``; or ``k8s://NAMESPACE?selector=...``: the ready endpoints of
+the EndpointSlices a label selector picks, watched through the Kubernetes API
+(``unicache.router.upstream.vllm_fleet.k8s_discovery``).
 
 Invariants:
-    * One follower per backend id; a backend that leaves the resolved set is stopped and
+    * One follower per backend id; a backend that leaves the discovered set is stopped and
       removed from the cluster (its index entries and policy state go with it), one that
-      comes back starts afresh.
-    * Listed backends never leave; a failed resolution changes nothing (DNS hiccups do
-      not empty the fleet).
+      comes back (or comes back at another address) starts afresh.
+    * Listed backends never leave; a failed resolution or API call changes nothing (DNS
+      or API server hiccups do not empty the fleet).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from unicache.plumbing.errors import UsageError
 from unicache.router.cluster.view import ClusterView
 from unicache.router.upstream.vllm_fleet.follower import BackendFollower
 from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
+from unicache.router.upstream.vllm_fleet.k8s_discovery import K8sDiscovery
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,13 @@ class DnsDiscovery:
         )
 
 
+def parse_discovery(value: str) -> DnsDiscovery | K8sDiscovery:
+    """A ``backend_discovery`` value by its scheme; UsageError naming what is wrong."""
+    if value.startswith("k8s://"):
+        return K8sDiscovery(value)
+    return DnsDiscovery(value)
+
+
 async def resolve_addresses(name: str, port: int) -> list[str]:
     """The addresses ``name`` resolves to (a headless Service: its ready pods)."""
     infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
@@ -88,7 +99,7 @@ class VllmFleet:
         self.cluster = cluster
         self.clients = clients
         self.block_size = block_size
-        self.discovery = DnsDiscovery(discovery) if discovery else None
+        self.discovery = parse_discovery(discovery) if discovery else None
         self.resolver = resolver
         self.follower_kwargs = follower_kwargs or {}
         self.listed = {spec.backend_id for spec in listed}
@@ -104,6 +115,8 @@ class VllmFleet:
             self._add(spec)
         self._pending = []
         try:
+            if isinstance(self.discovery, K8sDiscovery):
+                await self.discovery.follow(self.reconcile)
             while self.discovery is not None:
                 await self.refresh()
                 await asyncio.sleep(self.discovery.interval_s)
@@ -120,7 +133,13 @@ class VllmFleet:
         except OSError as exc:
             log.warning("backend discovery: cannot resolve %s (%s); keeping %d backends", d.name, exc, len(self.followers))
             return
-        found = {spec.backend_id: spec for spec in map(d.spec, ips)}
+        await self.reconcile({spec.backend_id: spec for spec in map(d.spec, ips)})
+
+    async def reconcile(self, found: dict[str, BackendSpec]) -> None:
+        """Follow exactly the listed backends and ``found`` (the discovered ones now)."""
+        for rid in [r for r, f in self.followers.items() if r not in self.listed and found.get(r, f.spec) != f.spec]:
+            log.info("backend discovery: %s moved to %s", rid, found[rid].url)
+            await self._stop(rid, remove=True)
         for rid, spec in found.items():
             if rid not in self.followers:
                 log.info("backend discovery: %s appeared (%s)", rid, spec.url)
