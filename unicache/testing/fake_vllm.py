@@ -49,6 +49,7 @@ class FakeVllm:
         self.cached_tokens = cached_tokens
         self.mode = "ok"
         self.token_delay_s = 0.0  # between streamed tokens
+        self.gpu_blocks = 1000  # the pool its /metrics reports
         self.bodies: list[dict] = []
         self.paths: list[str] = []
         self.disconnected = 0  # requests whose client left before the answer ended
@@ -99,11 +100,11 @@ class FakeVllm:
             elif path == "/v1/models":
                 self._send(writer, 200, "application/json", json.dumps({"object": "list", "data": self.models}).encode())
             elif path == "/metrics":
-                page = (f'vllm:cache_config_info{{block_size="{self.block_size}",num_gpu_blocks="1000"}} 1.0\n'
+                page = (f'vllm:cache_config_info{{block_size="{self.block_size}",num_gpu_blocks="{self.gpu_blocks}"}} 1.0\n'
                         f'vllm:num_requests_running{{engine="0"}} 0.0\nvllm:num_requests_waiting{{engine="0"}} 0.0\n')
                 self._send(writer, 200, "text/plain; version=0.0.4", page.encode())
             else:
-                self._send(writer, 404, "application/json", b'{"detail":"Not Found"}')
+                self._send(writer, *self._other(path))
             await writer.drain()
             return True
         body = json.loads(raw)
@@ -120,6 +121,10 @@ class FakeVllm:
             return await self._generate(path, body, writer, mode)
         await writer.drain()
         return True
+
+    def _other(self, path: str) -> tuple[int, str, bytes]:
+        """The answer to a GET of any other path (status, content type, body)."""
+        return 404, "application/json", b'{"detail":"Not Found"}'
 
     def _usage(self, body: dict, n: int) -> dict:
         prompt = body.get("prompt")

@@ -30,7 +30,6 @@ from urllib.parse import urlsplit
 import httptools
 
 _HIGH_WATER = 256 * 1024
-_LOW_WATER = 64 * 1024
 
 
 class HttpError(Exception):
@@ -144,6 +143,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.response is None:  # bytes nobody asked for (an idle connection): not HTTP we can use
+            self.abort()
+            return
         self.answered = True
         try:
             self.parser.feed_data(data)
