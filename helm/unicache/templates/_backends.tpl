@@ -50,7 +50,12 @@ name (<sts>-<i>.<headless-svc>.<ns>.svc.cluster.local), so the router needs no d
 {{- $svc := include "unicache.vllmHeadlessService" . }}
 {{- range $i := until (int $v.replicas) }}
 {{- $host := printf "%s-%d.%s.%s.svc.cluster.local" $sts $i $svc $.Release.Namespace }}
+{{- if $v.publishToRouter }}
+{{- /* the pod publishes to the router on the topic <sts>-<i>: its id */}}
+{{- $entries = append $entries (printf "http://%s:%d,replay=tcp://%s:%d,id=%s-%d" $host (int $v.port) $host (int $v.replayPort) $sts $i) }}
+{{- else }}
 {{- $entries = append $entries (printf "http://%s:%d,kv-events=tcp://%s:%d,replay=tcp://%s:%d,id=%s-%d" $host (int $v.port) $host (int $v.kvEventsPort) $host (int $v.replayPort) $sts $i) }}
+{{- end }}
 {{- end }}
 {{- else if eq .Values.backends.mode "external" }}
 {{- range .Values.backends.external.urls }}
@@ -99,6 +104,20 @@ with a selector (router/upstream/vllm_fleet/k8s_discovery.py), else
 {{- end }}
 {{- end }}
 
+{{/*
+"true" when the vLLM pods publish their KV events to the router (`backends.vllm.publishToRouter`):
+the router binds `routerEventsPort` (`--kv-events-listen`). One router process must hold it,
+as each pod publishes to one address: anything else fails the render.
+*/}}
+{{- define "unicache.eventsToRouter" -}}
+{{- if and (eq .Values.backends.mode "vllm") .Values.backends.vllm.publishToRouter }}
+{{- $r := .Values.router }}
+{{- if or $r.autoscaling.enabled (ne (int $r.replicaCount) 1) (ne (int $r.workers) 1) }}
+{{- fail "backends.vllm.publishToRouter needs one router process (router.autoscaling.enabled=false, router.replicaCount=1, router.workers=1): each vLLM pod publishes its events to one address" }}
+{{- end }}true
+{{- end }}
+{{- end }}
+
 {{/* The router's ServiceAccount (only with an external selector: it reads EndpointSlices and pods). */}}
 {{- define "unicache.routerServiceAccount" -}}
 {{- include "unicache.componentName" (dict "ctx" . "component" "router") }}
@@ -118,6 +137,12 @@ and the block size the router hashes with.
 {{- end }}
 {{- $unicache := dict "unicache" (dict "eviction_policy" $v.evictionPolicy) }}
 {{- $events := dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $v.kvEventsPort)) "replay_endpoint" (printf "tcp://*:%d" (int $v.replayPort)) }}
+{{- if include "unicache.eventsToRouter" . }}
+{{- /* a host address: vLLM connects to the router; Kubernetes expands $(POD_NAME) from the container's env */}}
+{{- $router := printf "%s.%s.svc.cluster.local" (include "unicache.componentName" (dict "ctx" . "component" "router")) .Release.Namespace }}
+{{- $_ := set $events "endpoint" (printf "tcp://%s:%d" $router (int $v.routerEventsPort)) }}
+{{- $_ := set $events "topic" "$(POD_NAME)" }}
+{{- end }}
 - serve
 - {{ $checkpoint | quote }}
 - --host
