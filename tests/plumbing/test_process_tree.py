@@ -87,3 +87,36 @@ def _gone(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+# Run as a launcher of its own (a subreaper must not be the test runner): snapshot, then a
+# child starts a grandchild and exits before the stop, as Ray's raylet does with a worker
+# it starts while it shuts down. Prints the grandchild's pid and what reap_below ended.
+LATE_ORPHAN = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from unicache.plumbing.process_tree import become_subreaper, descendants, reap_below
+    print(int(become_subreaper()), flush=True)
+    spare = frozenset(descendants(os.getpid()))
+    snapshot = []
+    child = subprocess.Popen([sys.executable, "-c", '''
+    import signal, subprocess, sys
+    g = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+    g.stdout.readline()
+    print(g.pid, flush=True)
+    '''.replace("\\n    ", "\\n")], stdout=subprocess.PIPE, text=True)
+    grandchild = int(child.stdout.readline())
+    child.wait()
+    assert grandchild in [p.pid for p in descendants(os.getpid())]  # handed to this process
+    ended = reap_below(os.getpid(), spare, snapshot, grace_s=0.3)
+    print(grandchild, [p.pid for p in ended], [p.pid for p in descendants(os.getpid())], flush=True)
+""")
+
+
+def test_a_subreaper_finds_an_orphan_no_snapshot_saw():
+    out = subprocess.run([sys.executable, "-c", LATE_ORPHAN], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    flag, line = out.stdout.splitlines()
+    assert flag == "1"
+    grandchild, ended, left = line.split(" ", 1)[0], *line.split(" ", 1)[1].rsplit(" ", 1)
+    assert ended == f"[{grandchild}]" and left == "[]"
+    assert _gone(int(grandchild))

@@ -202,3 +202,16 @@ async def test_a_usage_event_cut_by_a_read_is_still_cut_out_and_counted():
     assert out == [token, b"data: [DONE]\n\n"]
     assert relay.usage == {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
     assert json.loads(relay_body(req, "m", b"", common_pb2.RequestClass()))["stream_options"] == {"include_usage": True}
+
+
+async def test_the_deadline_ends_a_relayed_stream_and_the_backends_request():
+    async with fleet(1, forward_deadline_s=0.6) as (app, (fake,), client):
+        fake.token_delay_s = 0.1
+        r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 100, "stream": True}, headers=KEY)
+        events = r.text.split("\n\n")
+        assert r.status_code == 200 and events[-1] == ""  # the body ends with a whole event
+        error = json.loads(events[-3][6:])["error"]
+        assert error["code"] == "timeout" and "failed after the response started (deadline)" in error["message"]
+        assert 2 <= len(events) - 3 <= 8 and events[-2] == "data: [DONE]"
+        await eventually(lambda: fake.disconnected == 1, "the backend saw the router hang up")
+        assert app.cluster.healthy("v0")  # a slow answer is not a dead backend

@@ -33,7 +33,7 @@ from unicache.contract.redis_keys import DEFAULT_PREFIX
 from unicache.contract.state_auth import new_cluster_key
 from unicache.plumbing import settings as settings_mod
 from unicache.plumbing.errors import UsageError
-from unicache.plumbing.process_tree import descendants, reap
+from unicache.plumbing.process_tree import become_subreaper, descendants, reap_below
 from unicache.plumbing.redis_server import write_private
 from unicache.plumbing.tls import make_cluster_pki
 
@@ -317,12 +317,13 @@ class LocalCluster:
     def stop_backends(self) -> None:
         """Replicas, then Ray, then Redis, then the temp dir; then whatever process this run
         started is still alive is ended (an engine core orphaned when its replica actor was
-        killed mid-shutdown: unicache/plumbing/process_tree.py). Safe to call twice."""
+        killed mid-shutdown, a Ray worker started during the stop: see
+        unicache/plumbing/process_tree.py). Safe to call twice."""
         started = [p for p in descendants(os.getpid()) if p not in self._preexisting]
         try:
             self._stop_backends()
         finally:
-            left = reap(started)
+            left = reap_below(os.getpid(), self._preexisting, started)
             if left:
                 log.warning("ended %d process(es) a clean stop left behind: %s", len(left), ", ".join(str(p.pid) for p in left))
 
@@ -388,6 +389,9 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = settings_mod.build(ClusterSettings, args, secrets=SECRETS)
     check_settings(cfg)
+    # NOTE: every orphan below the leader becomes its child, so the stop finds it (one
+    # started during the stop and orphaned, a Ray worker say, would go to init otherwise).
+    become_subreaper()
     cluster = LocalCluster(cfg)
     def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
         # SIGTERM while backends start interrupts the start like Ctrl-C; cleanup follows.

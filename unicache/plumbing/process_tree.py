@@ -6,12 +6,21 @@ killed before its engine finished shutting down (Ray's ``kill`` after the stop d
 its engine core is orphaned and nothing ends it. ``descendants`` snapshots the tree before
 the stop; ``reap`` then ends whatever of it is still alive. A process is named by pid and
 start time, so a pid reused meanwhile by another program is never signalled.
+
+A snapshot misses what starts after it and is orphaned before the stop ends (a worker
+Ray's raylet starts when an actor dies, orphaned when the raylet dies in ``ray.shutdown``;
+an engine core's worker whose engine core was killed): such a process goes to init, out
+of every later look too, and can outlive the leader. ``become_subreaper`` makes the
+launcher the parent of every orphan below it, so ``reap_below`` looks again after the
+stop and finds them all.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +86,53 @@ def reap(procs: list[Proc], grace_s: float = 5.0, poll_s: float = 0.05) -> list[
     while any(alive(p) for p in killed) and time.monotonic() < deadline:
         time.sleep(poll_s)
     return left
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def become_subreaper() -> bool:
+    """Make this process the parent of every orphan below it (Linux ``PR_SET_CHILD_SUBREAPER``),
+    so ``descendants`` still lists a process whose parent died. Returns False where the
+    kernel has no such call (then only the snapshot knows an orphan)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_below(pid: int, spare: frozenset[Proc], known: list[Proc], grace_s: float = 5.0, rounds: int = 5) -> list[Proc]:
+    """End every process below ``pid`` but ``spare`` (what ran before the launcher started
+    anything), and every process of ``known`` (an earlier snapshot: orphans that went to init
+    when this process is no subreaper); look again until a look finds none, at most
+    ``rounds`` times (a process may start another while it is ended). Orphans that died as
+    this process's children are waited for, so none stays a zombie. Returns what had to be
+    signalled, in the order it was."""
+    ended: list[Proc] = []
+    todo = list(known)
+    for _ in range(rounds):
+        seen = set(ended)
+        todo = [p for p in dict.fromkeys(todo + [p for p in descendants(pid) if p not in spare]) if p not in seen]
+        left = reap(todo, grace_s=grace_s)
+        ended += left
+        for p in todo:
+            _wait_child(p)
+        todo = []
+        if not left and not [p for p in descendants(pid) if p not in spare]:
+            break
+    return ended
+
+
+def _wait_child(proc: Proc) -> None:
+    """Collect ``proc``'s exit status when it is this process's own child (an orphan handed
+    to a subreaper, or a child nobody waited for), so it leaves no zombie."""
+    try:
+        os.waitpid(proc.pid, os.WNOHANG)
+    except (ChildProcessError, OSError):
+        pass
 
 
 def _signal(proc: Proc, sig: int) -> None:
