@@ -3,20 +3,14 @@ a config file's mapping, validated before anything starts, and the policy built 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
 from unicache.plumbing.errors import UsageError
 from unicache.router.app import build_policy
-from unicache.router.config import add_config_arguments, build_config
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser)
-    return parser.parse_args(argv)
+from unicache.router.config import build_config
+from tests.router.test_router_units import parse
 
 
 def test_every_source_sets_the_policys_fields_with_the_usual_precedence(tmp_path):
