@@ -18,12 +18,14 @@ Issue 39's rows: a process on a killed replica's ports (gRPC and hop, one router
 transport): requests it received, bearer credentials it captured (and whether one replays
 on another replica), client failures; a relay between the router and the genuine replica's
 hop: requests it could read; every heartbeat and summary key deleted at 20 Hz for 6 s:
-client failures. ``--tls`` runs everything with mutual TLS (unicache/plumbing/tls.py) between
-router and replicas; ``--cpu`` measures the routers' CPU per request with and without TLS
-on both transports (router processes, a fake replica; rounds interleaved).
+client failures; malformed client requests (HTTP and gRPC): how many are refused with the
+status docs/openai.md gives. Router and replicas run with mutual TLS (unicache/plumbing/tls.py), the
+default; ``--insecure-no-tls`` runs them with the named opt-out instead (``insecure_no_tls``);
+``--cpu`` measures the routers' CPU per request with and without TLS on both transports
+(router processes, a fake replica; rounds interleaved).
 
-Run: ``.venv/bin/python -m bench.attacks [--requests 20] [--tls] [--cpu]``; writes
-bench/results/attacks[-tls].json and .md, and attacks-cpu.json with ``--cpu``.
+Run: ``.venv/bin/python -m bench.attacks [--requests 20] [--insecure-no-tls] [--cpu]``; writes
+bench/results/attacks[-insecure-no-tls].json and .md, and attacks-cpu.json with ``--cpu``.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class Outcome:
 
 
 class Stack:
-    def __init__(self, requests: int, tls: bool = False):
+    def __init__(self, requests: int, tls: bool = True):
         self.n = requests
         self.tls = tls
         self.key = new_cluster_key()
@@ -129,7 +131,7 @@ class Stack:
         return ReplicaClients(credential=cred, transport="grpc", tls=ClientTls(self.router_files) if self.tls else None)
 
     def settings(self, rid: str) -> ReplicaSettings:
-        tls = dict(zip(("tls_ca", "tls_cert", "tls_key"), self.replica_tls)) if self.tls else {}
+        tls = dict(zip(("tls_ca", "tls_cert", "tls_key"), self.replica_tls)) if self.tls else {"insecure_no_tls": True}
         return ReplicaSettings(
             replica_id=rid, redis_url=self.redis.url, redis_prefix=PREFIX, cluster_key=self.key, model_preset="tiny",
             block_size=BS, num_blocks=4096,  # nothing is evicted: a cached prompt stays where it is
@@ -141,7 +143,7 @@ class Stack:
         await self.replicas[rid].start()
 
     def router_config(self, transport: str, **overrides):
-        tls = {}
+        tls = {"insecure_no_tls": True}
         if self.tls:
             f = self.router_files
             tls = {"replica_tls_ca": f.ca, "replica_tls_cert": f.cert, "replica_tls_key": f.key}
@@ -342,6 +344,7 @@ async def takeover(stack: Stack, transport: str) -> Outcome:
             sent, misrouted, failures = sent + 2, misrouted + m, failures + f
     finally:
         await impostor.stop()
+    # NOTE: a request the impostor answered is misrouted in the client's view too: count it once.
     got = impostor.requests
     captured = [keys for keys in impostor.metadata_keys if CALL_METADATA in keys]
     replay = "-"
@@ -351,7 +354,7 @@ async def takeover(stack: Stack, transport: str) -> Outcome:
     await stack.wait(stack.both_admitted, "r1 back in both routers", 60)
     await stack.wait(stack.index_true, "index true after the takeover", 60)
     return Outcome(f"port takeover of a crashed replica ({'hop' if transport == 'auto' else 'gRPC'} router)", sent,
-                   misrouted + len(got), sum(1 for r in got if r.cache_salt), failures, 0.0,
+                   max(misrouted, len(got)), sum(1 for r in got if r.cache_salt), failures, 0.0,
                    {"impostor requests": len(got), "credentials captured": len(captured), "replay": replay})
 
 
@@ -398,6 +401,86 @@ async def relay(stack: Stack) -> Outcome:
                    {"requests read by the relay": read, "bytes relayed": len(seen)})
 
 
+def malformed_inputs() -> list[tuple[str, str, str, object, dict | None, int]]:
+    """(name, method, path, body (bytes: sent as is), extra headers, expected HTTP status)
+    of malformed client requests; docs/openai.md's error table gives each status."""
+    deep: object = "x"
+    for _ in range(65):
+        deep = [deep]
+    ok = {"prompt": "a valid prompt"}
+    return [
+        ("invalid JSON", "POST", "/v1/completions", b"{", None, 400),
+        ("invalid UTF-8", "POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', None, 400),
+        ("lone surrogate", "POST", "/v1/completions", b'{"prompt": "\\ud800"}', None, 400),
+        ("nesting deeper than 64", "POST", "/v1/completions", {"prompt": "x", "user": deep}, None, 400),
+        ("no prompt", "POST", "/v1/completions", {}, None, 400),
+        ("prompt of the wrong type", "POST", "/v1/completions", {"prompt": 5}, None, 400),
+        ("token id outside the vocabulary", "POST", "/v1/completions", {"prompt": [10**9]}, None, 400),
+        ("a batch of 65 prompts", "POST", "/v1/completions", {"prompt": ["p"] * 65}, None, 400),
+        ("negative max_tokens", "POST", "/v1/completions", {**ok, "max_tokens": -1}, None, 400),
+        ("max_tokens of the wrong type", "POST", "/v1/completions", {**ok, "max_tokens": "many"}, None, 400),
+        ("max_tokens 0 without echo", "POST", "/v1/completions", {**ok, "max_tokens": 0}, None, 400),
+        ("temperature out of range", "POST", "/v1/completions", {**ok, "temperature": 3}, None, 400),
+        ("top_p out of range", "POST", "/v1/completions", {**ok, "top_p": -0.5}, None, 400),
+        ("n of 0", "POST", "/v1/completions", {**ok, "n": 0}, None, 400),
+        ("stop of the wrong type", "POST", "/v1/completions", {**ok, "stop": 5}, None, 400),
+        ("unknown parameter", "POST", "/v1/completions", {**ok, "frobnicate": 1}, None, 400),
+        ("non-empty logit_bias", "POST", "/v1/completions", {**ok, "logit_bias": {"1": 5}}, None, 400),
+        ("stream_options without stream", "POST", "/v1/completions", {**ok, "stream_options": {"include_usage": True}}, None, 400),
+        ("top_logprobs on completions", "POST", "/v1/completions", {**ok, "top_logprobs": 2}, None, 400),
+        ("messages not a list", "POST", "/v1/chat/completions", {"messages": "hi"}, None, 400),
+        ("echo on chat", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, None, 400),
+        ("another model", "POST", "/v1/completions", {**ok, "model": "not-served"}, None, 404),
+        ("no API key", "POST", "/v1/completions", ok, {"x-api-key": ""}, 401),
+        ("unknown API key", "POST", "/v1/completions", ok, {"x-api-key": "not-a-key"}, 401),
+        ("unknown path", "POST", "/v1/nothing", ok, None, 404),
+        ("wrong method", "GET", "/v1/completions", None, None, 405),
+        ("body over max_request_bytes", "POST", "/v1/completions", b'{"prompt": "' + b"x" * (9 << 20) + b'"}', None, 413),
+    ]
+
+
+async def bad_inputs(stack: Stack) -> Outcome:
+    """Malformed client requests through the router's HTTP API (``malformed_inputs``) and
+    gRPC API: how many are refused with the expected status (HTTP: in OpenAI's error shape,
+    a non-null ``code``)."""
+    import httpx
+
+    refused, wrong = 0, {}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{stack.app.http_port}", timeout=30) as client:
+        for name, method, path, body, headers, status in malformed_inputs():
+            h = {"x-api-key": API_KEY, "content-type": "application/json", **(headers or {})}
+            h = {k: v for k, v in h.items() if v}
+            content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+            r = await client.request(method, path, content=content, headers=h)
+            try:
+                shaped = r.json()["error"]["code"] is not None
+            except (ValueError, KeyError, TypeError):
+                shaped = False
+            if r.status_code == status and shaped:
+                refused += 1
+            else:
+                wrong[f"{name}: got {r.status_code}"] = 1
+    grpc_cases = [
+        ("no prompt", router_pb2.RouterGenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=1)), API_KEY, grpc.StatusCode.INVALID_ARGUMENT),
+        ("another model", router_pb2.RouterGenerateRequest(text="p", model="not-served"), API_KEY, grpc.StatusCode.NOT_FOUND),
+        ("chat_json not JSON", router_pb2.RouterGenerateRequest(chat_json="[{"), API_KEY, grpc.StatusCode.INVALID_ARGUMENT),
+        ("no API key", router_pb2.RouterGenerateRequest(text="p"), None, grpc.StatusCode.UNAUTHENTICATED),
+        ("unknown API key", router_pb2.RouterGenerateRequest(text="p"), "not-a-key", grpc.StatusCode.UNAUTHENTICATED),
+    ]
+    for name, req, key, code in grpc_cases:
+        try:
+            [m async for m in stack.stub.Generate(req, metadata=[("x-api-key", key)] if key else None, timeout=30)]
+            wrong[f"gRPC {name}: served"] = 1
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == code:
+                refused += 1
+            else:
+                wrong[f"gRPC {name}: got {exc.code().name}"] = 1
+    n = len(malformed_inputs()) + len(grpc_cases)
+    return Outcome("malformed client inputs (HTTP and gRPC)", n, 0, 0, n - refused, 0.0,
+                   {"refused with the expected status": refused, **wrong})
+
+
 async def deleted_keys(stack: Stack, seconds: float = 6.0) -> Outcome:
     """Every heartbeat and summary key deleted at 20 Hz for ``seconds`` while the client
     sends requests through both routers; client failures are the 503s of the issue."""
@@ -440,6 +523,8 @@ async def _router_process(variant: str, replica: FakeReplica, key: str, pki_dir:
            "--tokenizer", "byte", "--replicas", f"r0={replica.address}@127.0.0.1:{replica.hop.port}"]
     if variant.endswith("+tls"):
         cmd += ["--replica-tls-ca", router_files.ca, "--replica-tls-cert", router_files.cert, "--replica-tls-key", router_files.key]
+    else:
+        cmd += ["--insecure-no-tls", "true"]
     proc = subprocess.Popen(cmd, env=dict(os.environ, UNICACHE_CLUSTER_KEY=key), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = router_pb2_grpc.RouterStub(channel)
@@ -513,7 +598,7 @@ async def router_cpu(rounds: int, per_round: int, concurrency: int) -> dict:
 
 
 async def main_async(args) -> list[Outcome]:
-    stack = Stack(args.requests, tls=args.tls)
+    stack = Stack(args.requests, tls=not args.insecure_no_tls)
     await stack.start()
     try:
         out = [await run_attack(stack, name, fn) for name, fn in attacks(stack).items()]
@@ -521,6 +606,7 @@ async def main_async(args) -> list[Outcome]:
         for transport in ("auto", "grpc"):
             out.append(await takeover(stack, transport))
         out.append(await relay(stack))
+        out.append(await bad_inputs(stack))
         out.append(await deleted_keys(stack))
         return out
     finally:
@@ -529,15 +615,16 @@ async def main_async(args) -> list[Outcome]:
 
 def write(outcomes: list[Outcome], args) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "attacks-tls" if args.tls else "attacks"
-    command = f".venv/bin/python -m bench.attacks --requests {args.requests}" + (" --tls" if args.tls else "")
+    stem = "attacks-insecure-no-tls" if args.insecure_no_tls else "attacks"
+    command = f".venv/bin/python -m bench.attacks --requests {args.requests}" + (" --insecure-no-tls" if args.insecure_no_tls else "")
     (RESULTS / f"{stem}.json").write_text(json.dumps(
         {"command": command, "outcomes": [asdict(o) for o in outcomes]}, indent=2) + "\n")
     lines = [
         "# Control-plane attacks (bench/attacks.py)", "",
         f"`{command}`: two real replicas, two routers (hop and gRPC transports), a",
         "password-protected Redis the attacker can write, a forger without the cluster key"
-        + (", mutual TLS between routers and replicas." if args.tls else "."), "",
+        + (", no TLS between routers and replicas (the insecure_no_tls opt-out)." if args.insecure_no_tls
+           else ", mutual TLS between routers and replicas (the default)."), "",
         "| attack | requests | misrouted | salts exposed | client failures | index true after (s) | dropped by the router |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -552,7 +639,8 @@ def write(outcomes: list[Outcome], args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=20, help="client requests per attack")
-    ap.add_argument("--tls", action="store_true", help="mutual TLS between routers and replicas")
+    ap.add_argument("--insecure-no-tls", action="store_true",
+                    help="routers and replicas without mutual TLS (the insecure_no_tls opt-out); default: mutual TLS")
     ap.add_argument("--cpu", action="store_true", help="only the routers' CPU per request, TLS on and off, both transports")
     ap.add_argument("--cpu-rounds", type=int, default=5)
     ap.add_argument("--cpu-requests", type=int, default=400, help="requests per variant per round")
