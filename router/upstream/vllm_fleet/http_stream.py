@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import grpc
 import httpx
 
 from unicache.contract.vllm_events import EXTRA_ARGS_KEY, class_to_vllm, salt_to_vllm
-from unicache.router.upstream.replica_stream import ReplicaStream, rpc_error
-from unicache.router.upstream.vllm_fleet.http_pool import HttpError, HttpPool, HttpResponse
-from unicache.router.upstream.vllm_fleet.relay import RelayRequest, VllmRelay, relay_body
+from unicache.router.upstream.replica_stream import rpc_error
+from unicache.router.upstream.vllm_fleet.http_pool import HttpError, HttpPool
+from unicache.router.upstream.vllm_fleet.relay import BackendCall, RelayRequest, VllmRelay, relay_body
 from unicache.v1 import common_pb2, replica_pb2, router_pb2
 
 
@@ -149,26 +148,20 @@ def parse_chunk(data: dict) -> list[router_pb2.RouterGenerateResponse]:
     return out
 
 
-class VllmHttpStream(ReplicaStream):
+class VllmHttpStream(BackendCall):
     """One ``/v1/completions`` call read as messages (see the module docstring)."""
 
-    __slots__ = ("_pool", "_body", "_deadline", "_response", "_buffer", "_pending", "_done", "_timer")
+    __slots__ = ("_body", "_buffer", "_pending")
 
     def __init__(self, pool: HttpPool, body: dict, timeout_s: float):
-        super().__init__()
-        self._pool = pool
+        super().__init__(pool, timeout_s)
         self._body = json.dumps(body, separators=(",", ":")).encode()
-        self._deadline = time.monotonic() + timeout_s
-        self._response: HttpResponse | None = None
         self._buffer = b""
         self._pending: list[router_pb2.RouterGenerateResponse] = []
-        self._done = False
-        self._timer: asyncio.TimerHandle | None = None
 
     async def _open(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout_at(loop.time() + self._deadline - time.monotonic()):
+            async with self._until_deadline():
                 self._response = await self._pool.request("POST", "/v1/completions", self._body)
                 if self._response.status != 200:
                     raw = await self._response.read()
@@ -180,13 +173,7 @@ class VllmHttpStream(ReplicaStream):
         except HttpError as exc:
             self.close()
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend unreachable: {exc}") from None
-        # NOTE: one timer for the whole stream, not a timeout context per read.
-        self._timer = loop.call_at(loop.time() + self._deadline - time.monotonic(), self._expire)
-
-    def _expire(self) -> None:
-        self._timer = None
-        if self._response is not None and not self._done:
-            self._response._fail(HttpError("deadline", sent=True))
+        self._arm()
 
     async def _event(self) -> dict | None:
         """The next ``data:`` event's JSON; None after ``[DONE]`` or at the body's end."""
@@ -229,7 +216,7 @@ class VllmHttpStream(ReplicaStream):
                     return msgs[0]
         except HttpError as exc:
             self.close()
-            if str(exc) == "deadline":
+            if str(exc) == self.DEADLINE:
                 raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "backend did not finish within the deadline") from None
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend connection lost: {exc}") from None
         except ValueError:
@@ -238,20 +225,6 @@ class VllmHttpStream(ReplicaStream):
         except grpc.aio.AioRpcError:
             self.close()
             raise
-
-    def _finish(self) -> None:
-        self._done = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._response is not None:
-            # NOTE: closing an unfinished response closes its connection, which vLLM sees
-            # as the client going away: it aborts the request and frees its blocks.
-            self._response.close()
-
-    def close(self) -> None:
-        if not self._done:
-            self._finish()
 
 
 class VllmClients:

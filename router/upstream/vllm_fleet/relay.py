@@ -115,25 +115,65 @@ def status_failure(status: int, content_type: str, body: bytes) -> UpstreamFailu
     return _failure("invalid", f"backend answered {status}", retryable=False, answer=answer)
 
 
-class VllmRelay(ReplicaStream):
-    """One relayed request (see the module docstring): ``first()`` is a ``RelayHead``, every
-    later message the bytes that arrived since; ``usage`` is vLLM's final usage (a dict)
-    once the stream ended."""
+class BackendCall(ReplicaStream):
+    """An HTTP call to a vLLM backend as the request path streams it: its response, one
+    deadline for the whole call (the open under ``asyncio.timeout_at``, then a single timer
+    that fails the body's reads, not a timeout per read), and ``close`` closing an
+    unfinished response's connection, so vLLM aborts the request and frees its blocks."""
 
-    __slots__ = ("_pool", "_path", "_body", "_stream", "_strip", "_deadline", "_response", "_timer", "_done", "usage",
-                 "_carry")
+    __slots__ = ("_pool", "_deadline", "_response", "_timer", "_done")
 
-    def __init__(self, pool: HttpPool, req: RelayRequest, body: bytes, timeout_s: float):
+    DEADLINE = "deadline"  # the HttpError message the timer fails reads with
+
+    def __init__(self, pool: HttpPool, timeout_s: float):
         super().__init__()
         self._pool = pool
-        self._path = req.path
-        self._body = body
-        self._stream = req.stream
-        self._strip = req.stream and not req.client_usage
         self._deadline = time.monotonic() + timeout_s
         self._response: HttpResponse | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._done = False
+
+    def _until_deadline(self):
+        """The ``asyncio.timeout_at`` of the call's deadline (for its open)."""
+        loop = asyncio.get_running_loop()
+        return asyncio.timeout_at(loop.time() + self._deadline - time.monotonic())
+
+    def _arm(self) -> None:
+        """Start the deadline timer of the body's reads."""
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(loop.time() + self._deadline - time.monotonic(), self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._response is not None and not self._done:
+            self._response._fail(HttpError(self.DEADLINE, sent=True))
+
+    def _finish(self) -> None:
+        self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._response is not None:
+            self._response.close()
+
+    def close(self) -> None:
+        if not self._done:
+            self._finish()
+
+
+class VllmRelay(BackendCall):
+    """One relayed request (see the module docstring): ``first()`` is a ``RelayHead``, every
+    later message the bytes that arrived since; ``usage`` is vLLM's final usage (a dict)
+    once the stream ended."""
+
+    __slots__ = ("_path", "_body", "_stream", "_strip", "usage", "_carry")
+
+    def __init__(self, pool: HttpPool, req: RelayRequest, body: bytes, timeout_s: float):
+        super().__init__(pool, timeout_s)
+        self._path = req.path
+        self._body = body
+        self._stream = req.stream
+        self._strip = req.stream and not req.client_usage
         self._carry = b""  # a usage event cut by a read boundary, held until its end arrives
         self.usage: dict | None = None
 
@@ -149,16 +189,15 @@ class VllmRelay(ReplicaStream):
             data = await self._response.chunk()
         except HttpError as exc:
             self.close()
-            raise _failure("deadline" if "deadline" in str(exc) else "unavailable", f"backend connection lost mid-stream ({exc})") from None
+            raise _failure("deadline" if str(exc) == self.DEADLINE else "unavailable", f"backend connection lost mid-stream ({exc})") from None
         if data is None:
             self._finish()
             return self._flush()
         return self._scan(data)
 
     async def _open(self) -> RelayHead:
-        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout_at(loop.time() + self._deadline - time.monotonic()):
+            async with self._until_deadline():
                 response = self._response = await self._pool.request("POST", self._path, self._body)
                 if response.status != 200:
                     body = await response.read() if self._limited(response) else b""
@@ -180,7 +219,7 @@ class VllmRelay(ReplicaStream):
             self._finish()
             data = b""
         else:
-            self._timer = loop.call_at(loop.time() + self._deadline - time.monotonic(), self._expire)
+            self._arm()
             data = self._scan(data)
         return RelayHead(response.headers.get("content-type", "text/event-stream"), data)
 
@@ -219,21 +258,3 @@ class VllmRelay(ReplicaStream):
             usage = read_usage(data, at)
             if usage is not None:
                 self.usage = usage
-
-    def _expire(self) -> None:
-        self._timer = None
-        response = self._response
-        if response is not None and not self._done:
-            response._fail(HttpError("deadline: the backend did not finish within the request's deadline", sent=True))
-
-    def _finish(self) -> None:
-        self._done = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._response is not None:
-            self._response.close()
-
-    def close(self) -> None:
-        if not self._done:
-            self._finish()
