@@ -198,8 +198,10 @@ async def test_a_usage_event_cut_by_a_read_is_still_cut_out_and_counted():
     relay = VllmRelay(HttpPool("http://127.0.0.1:1"), req, b"{}", 10)
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}}}\n\n'
     token = b'data: {"choices":[{"text":"a"}]}\n\n'
-    out = [relay._scan(token + usage[:30]), relay._scan(usage[30:] + b"data: [DONE]\n\n")]
-    assert out == [token, b"data: [DONE]\n\n"]
+    # Cut inside the event, and inside the word "usage" itself.
+    for cut in (30, usage.index(b'"usage"') + 3):
+        out = [relay._scan(token + usage[:cut]), relay._scan(usage[cut:] + b"data: [DONE]\n\n")]
+        assert out == [token, b"data: [DONE]\n\n"]
     assert relay.usage == {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
     assert json.loads(relay_body(req, "m", b"", common_pb2.RequestClass()))["stream_options"] == {"include_usage": True}
 

@@ -229,25 +229,26 @@ class VllmRelay(BackendCall):
         return not length.isdigit() or int(length) <= _MAX_ERROR_BODY
 
     def _scan(self, data: bytes) -> bytes:
-        """``data`` as the client gets it; notes the usage event (cut out when unasked)."""
+        """``data`` as the client gets it: whole events only (an event a read boundary cut
+        waits for its end), the usage event noted, and cut out when the client did not
+        ask for it."""
         if self._carry:
             data, self._carry = self._carry + data, b""
-        at = data.find(_USAGE)
+        if not data.endswith(b"\n\n"):
+            # NOTE: vLLM writes one event per chunk, so this is rare; it keeps a usage event
+            # split across reads from passing unseen.
+            last = data.rfind(b"\n\n") + 2
+            data, self._carry = data[:last], data[last:]
+        at = data.rfind(_USAGE)
         if at < 0:
             return data
-        if not self._strip:
+        start = data.rfind(b"data:", 0, at)
+        if start < 0:  # not an event: nothing to cut
             self._note_usage(data, at)
             return data
-        start = data.rfind(b"data:", 0, at)
-        end = data.find(b"\n\n", at)
-        if start < 0:
-            return data
-        if end < 0:  # the event continues in the next read
-            self._carry = data[start:]
-            return data[:start]
-        end += 2
+        end = data.find(b"\n\n", at) + 2
         self._note_usage(data[start:end], at - start)
-        return data[:start] + data[end:]
+        return data[:start] + data[end:] if self._strip else data
 
     def _flush(self) -> bytes | None:
         carry, self._carry = self._carry, b""
