@@ -17,7 +17,7 @@ import yaml
 
 from unicache.replica.settings import replica_eviction_policies
 from unicache.router.routing.registry import routing_policy_names
-from tests.deploy.test_helm_chart import CHART, KUBE_VERSION, documents, find, one, raycluster_schema, render  # noqa: F401 - a fixture
+from tests.deploy.test_helm_chart import CHART, KUBE_VERSION, NAMESPACE, documents, find, one, raycluster_schema, render  # noqa: F401 - a fixture
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
@@ -164,7 +164,8 @@ def test_prometheus_rule_alerts_on_replica_down_hit_ratio_and_ttft():
                "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kps"
     rules = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
-    assert sorted(rules) == ["UniCacheHitRatioDrop", "UniCacheReplicaDown", "UniCacheTTFTSLOBreach"]
+    assert sorted(rules) == ["UniCacheHitRatioDrop", "UniCacheInsecureTransport", "UniCacheReplicaDown", "UniCacheTTFTSLOBreach"]
+    assert rules["UniCacheInsecureTransport"]["expr"] == 'max(unicache_router_insecure_transport{namespace="%s"}) > 0' % NAMESPACE
     assert "unicache_router_replicas" in rules["UniCacheReplicaDown"]["expr"]
     assert "unicache_router_replica_hit_ratio" in rules["UniCacheHitRatioDrop"]["expr"]
     ttft = rules["UniCacheTTFTSLOBreach"]["expr"]
@@ -180,6 +181,6 @@ def test_alert_metrics_are_exported_by_the_router():
     from unicache.router.observability.metrics import RouterMetrics
 
     text = generate_latest(RouterMetrics().registry).decode()
-    for name in ("unicache_router_replicas", "unicache_router_ttft_seconds_bucket"):
+    for name in ("unicache_router_replicas", "unicache_router_ttft_seconds_bucket", "unicache_router_insecure_transport"):
         assert f"\n{name}" in text or text.startswith(name), name
     assert "unicache_router_replica_hit_ratio" in text
