@@ -133,7 +133,7 @@ async def test_a_refusing_backend_is_quarantined_and_another_serves():
 
 
 async def test_a_stalled_backend_is_cut_at_its_first_token_timeout_and_another_serves():
-    async with fleet(2, first_token_timeout_s=0.3, first_token_timeout_floor_s=0.1) as (app, fakes, client):
+    async with fleet(2, first_token_timeout_s=1.0, first_token_timeout_floor_s=0.1) as (app, fakes, client):
         fakes[0].mode = "stall"
         r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "stream": True}, headers=KEY)
         assert r.status_code == 200 and r.headers["x-unicache-replica"] == "v1"
@@ -207,13 +207,13 @@ async def test_a_usage_event_cut_by_a_read_is_still_cut_out_and_counted():
 
 
 async def test_the_deadline_ends_a_relayed_stream_and_the_backends_request():
-    async with fleet(1, forward_deadline_s=0.6) as (app, (fake,), client):
-        fake.token_delay_s = 0.1
+    async with fleet(1, forward_deadline_s=1.5) as (app, (fake,), client):
+        fake.token_delay_s = 0.2
         r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 100, "stream": True}, headers=KEY)
         events = r.text.split("\n\n")
         assert r.status_code == 200 and events[-1] == ""  # the body ends with a whole event
         error = json.loads(events[-3][6:])["error"]
         assert error["code"] == "timeout" and "failed after the response started (deadline)" in error["message"]
-        assert 2 <= len(events) - 3 <= 8 and events[-2] == "data: [DONE]"
+        assert 1 <= len(events) - 3 <= 8 and events[-2] == "data: [DONE]"
         await eventually(lambda: fake.disconnected == 1, "the backend saw the router hang up")
         assert app.cluster.healthy("v0")  # a slow answer is not a dead backend
