@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from unicache.contract.block_hash import BlockHash
@@ -39,6 +40,7 @@ from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy, QueueCounters, ReleaseInfo
 from unicache.replica.eviction.registry import register_policy
 from unicache.replica.eviction.unicache.gaps import SessionGaps
+from unicache.replica.eviction.unicache.guard import RecencyGuard
 from unicache.replica.eviction.unicache.host import HostUniCachePolicy
 from unicache.replica.eviction.unicache.lanes import (
     ALL_LANES,
@@ -82,6 +84,9 @@ class UniCachePolicy(EvictionPolicy):
             measured (every other lane: 0.5). Below the sessions' prior, so from a cold
             start one-off requests leave before a live session of the same age (a labelled
             session survived six one-off prompts only with it: tests/replica/test_engine_live_session.py).
+        recency_guard: run the recency guard (``guard.py``): where a shadow LRU hits more
+            than UniCache on the traffic at hand, take a growing share of victims in LRU
+            order (False: UniCache's own order always).
     """
 
     host_tier_policy = HostUniCachePolicy
@@ -96,6 +101,7 @@ class UniCachePolicy(EvictionPolicy):
         horizon_scale: float = 1.0,
         structural_rate_halflife_s: float = 120.0,
         evict_first_prior: float = 0.1,
+        recency_guard: bool = True,
     ):
         n = NUM_QUEUES * NUM_LANES
         priors = [evict_first_prior if LANE_QUEUE[lane] == EVICT_FIRST else 0.5 for lane in ALL_LANES]
@@ -121,6 +127,11 @@ class UniCachePolicy(EvictionPolicy):
         # Cumulative per queue (QueueCounters): victims taken, hits while waiting.
         self._queue_evictions = [0] * NUM_QUEUES
         self._queue_hits = [0] * NUM_QUEUES
+        # The recency guard: candidates in release order (vLLM's LRU order) and each
+        # cached block's parent, for the shadow LRU's prefix rule.
+        self.guard = RecencyGuard() if recency_guard else None
+        self._order: OrderedDict[int, None] = OrderedDict()
+        self._parent: dict[int, int] = {}
 
     @property
     def alpha(self) -> list[float]:
@@ -145,6 +156,10 @@ class UniCachePolicy(EvictionPolicy):
         self._advance(now)
         self._hash[block_id] = block_hash
         self._uses[block_id] = 0
+        guard = self.guard
+        if guard is not None:
+            self._parent[block_id] = parent_id
+            guard.on_cached(block_hash, self._hash.get(parent_id) if parent_id >= 0 else None, len(self._hash))
         ghost = self.weights.recall(block_hash)
         if ghost is None:
             if parent_id < 0 or parent_id in self._novel:
@@ -187,6 +202,12 @@ class UniCachePolicy(EvictionPolicy):
         structural_key = self.rate.key
         tokens, heaps, live = self._tokens, self._heaps, self._live
         sizes, lane_sizes, mark_dirty, heappush = self._sizes, self._lane_sizes, self._dirty.add, heapq.heappush
+        if self.guard is not None:
+            order, hashes = self._order, self._hash
+            for block_id in block_ids:
+                order.pop(block_id, None)
+                order[block_id] = None
+            self.guard.on_released(hashes[b] for b in block_ids if b in hashes)
         for block_id, lane in zip(block_ids, lanes):
             q = LANE_QUEUE[lane]
             key = structural_key(block_id, now) if q == STRUCTURAL else now
@@ -210,6 +231,13 @@ class UniCachePolicy(EvictionPolicy):
             uses[block_id] += 1
         self._novel.discard(block_id)
         self.rate.on_access(block_id, now)
+        guard = self.guard
+        if guard is not None:
+            h = self._hash.get(block_id)
+            if h is not None:
+                parent = self._parent.get(block_id, -1)
+                guard.on_hit(h, self._hash.get(parent) if parent >= 0 else None)
+            self._order.pop(block_id, None)
         entry = self._live.pop(block_id, None)
         if entry is None:
             return
@@ -229,6 +257,8 @@ class UniCachePolicy(EvictionPolicy):
         if cls.session_id is not None:
             self.gaps.on_arrival(cls, self.placement.session_queue(cls), now)
         self.weights.on_request()
+        if self.guard is not None:
+            self.guard.on_request()
 
     def pop_victim(self) -> int | None:
         victims = self.pop_victims(1)
@@ -245,6 +275,8 @@ class UniCachePolicy(EvictionPolicy):
         uses, hashes, forget, remember = self._uses, self._hash, self.rate.forget, self.weights.remember
         not_novel = self._novel.discard
         score, choose = self._score, self._choose
+        guard, order = self.guard, self._order
+        take_lru = guard.take_lru if guard is not None else None
         now, age_sum = self._now, 0.0
         heappop, inf = heapq.heappop, math.inf
         victims: list[int] = []
@@ -269,7 +301,16 @@ class UniCachePolicy(EvictionPolicy):
                 scores[lane] = score(lane, now - entry[0])
             dirty.clear()
             best = choose(scores)
-            key, _, block_id, _, released = heappop(heaps[best])
+            if guard is not None and take_lru():
+                # The recency guard's share: the oldest release instead (its lane's heap
+                # keeps a stale entry, skipped on pop).
+                block_id = next(iter(order))
+                key, _, _, best, released = live[block_id]
+            else:
+                key, _, block_id, _, released = heappop(heaps[best])
+            if guard is not None:
+                order.pop(block_id, None)
+                self._parent.pop(block_id, None)
             if now > released:
                 age_sum += now - released
             del live[block_id]
@@ -284,6 +325,8 @@ class UniCachePolicy(EvictionPolicy):
             hash_ = hashes.pop(block_id, None)
             if hash_ is not None:
                 remember(hash_, best, key)
+                if guard is not None:
+                    guard.on_uncached(hash_)
             victims.append(block_id)
         self.residence.note(len(victims), age_sum)
         return victims
@@ -305,7 +348,12 @@ class UniCachePolicy(EvictionPolicy):
         return scores.index(min(scores))
 
     def on_removed(self, block_id: int) -> None:
-        self._hash.pop(block_id, None)
+        h = self._hash.pop(block_id, None)
+        if self.guard is not None:
+            if h is not None:
+                self.guard.on_uncached(h)
+            self._order.pop(block_id, None)
+            self._parent.pop(block_id, None)
         self._uses.pop(block_id, None)
         self._novel.discard(block_id)
         self.rate.forget(block_id)
