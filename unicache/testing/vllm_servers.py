@@ -33,13 +33,14 @@ SCHEDULER_CLS = "unicache.replica.engines.vllm.scheduler.UniCacheScheduler"
 def vllm_server_args(
     model: str, port: int, events_port: int, replay_port: int, block_size: int, max_model_len: int,
     kv_cache_bytes: int, eviction_policy: str | None, device: str = "cpu", extra: tuple[str, ...] = (), metrics_port: int = 0,
-    plugin_options: dict | None = None,
+    plugin_options: dict | None = None, events_endpoint: str = "", events_topic: str = "",
 ) -> list[str]:
-    """The command line of one server (see the module docstring)."""
-    events = (
-        '{"enable_kv_cache_events": true, "publisher": "zmq", '
-        f'"endpoint": "tcp://*:{events_port}", "replay_endpoint": "tcp://127.0.0.1:{replay_port}"}}'
-    )
+    """The command line of one server (see the module docstring; ``events_endpoint``: a
+    router's ``--kv-events-listen`` address to publish to instead, with ``events_topic``)."""
+    events = json.dumps({
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint or f"tcp://*:{events_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", **({"topic": events_topic} if events_topic else {}),
+    })
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
         "--port", str(port), "--block-size", str(block_size), "--max-model-len", str(max_model_len),
@@ -75,6 +76,8 @@ class VllmServer:
     replay_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)  # the UniCache plug-in's own series (with eviction_policy)
     plugin_options: dict = field(default_factory=dict)  # more of the plug-in's options (e.g. step_clock_s)
+    events_endpoint: str = ""  # publish to this listener (tcp://127.0.0.1:PORT: vLLM connects) instead of binding events_port
+    events_topic: str = ""  # the topic of its events (vLLM's default: none)
     cpus: str | None = None  # CPU ids for the engine's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); None: vLLM's "auto"
     log_path: str = ""
     proc: subprocess.Popen | None = None
@@ -94,6 +97,7 @@ class VllmServer:
         args = vllm_server_args(
             self.model, self.port, self.events_port, self.replay_port, self.block_size, self.max_model_len,
             self.kv_cache_bytes, self.eviction_policy, self.device, self.extra, self.metrics_port, self.plugin_options,
+            self.events_endpoint, self.events_topic,
         )
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}  # dev mode: POST /reset_prefix_cache
         env.pop("VLLM_RPC_BASE_PATH", None)  # an in-process engine's private folder is not the server's
