@@ -66,6 +66,17 @@ def test_summary_exact_percentiles_goodput_and_failures():
     assert records[-1].as_dict()["ttft_s"] is None
 
 
+def test_summary_counts_the_refused_share_and_deadline_expiries_apart():
+    records = [_rec(i, 0.1) for i in range(5)] + [_rec(5 + i, math.nan, error="http 429") for i in range(4)]
+    records += [_rec(9, math.nan, error="timeout"), _rec(10, math.nan, error="http 504"), _rec(11, math.nan, error="http 503")]
+    s = summarize(records, slo_ttft_s=1.0)
+    assert (s["requests"], s["refused"], s["refused_share"], s["deadline_expired"]) == (12, 4, 4 / 12, 2)
+    assert "refused (429)   4 of 12 (33.3%); deadline expired 2" in format_table(s)
+    quiet = summarize(records[:5], slo_ttft_s=1.0)
+    assert (quiet["refused"], quiet["refused_share"], quiet["deadline_expired"]) == (0, 0.0, 0)
+    assert "refused" not in format_table(quiet)
+
+
 def test_summary_of_no_success_has_no_latencies():
     s = summarize([_rec(0, math.nan, error="timeout")], slo_ttft_s=1.0)
     assert s["ttft_s"] == {"mean": None, "p50": None, "p90": None, "p99": None}

@@ -12,6 +12,9 @@ Definitions (all times in seconds; percentiles are nearest-rank, ``unicache.sim.
     whose server reported it (``cached_reported`` of them).
   * failures: ``errors`` counts them by kind (``http 400``, ``stream error``, ``timeout``,
     ...); ``error_details`` by kind and the server's error code, with the first message.
+  * overload: ``refused`` counts the requests answered 429 (refused before any token, to
+    retry later), ``refused_share`` their share of all requests; ``deadline_expired`` the
+    requests that ran out of time instead (the client's timeout, or the server's 504).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from unicache.sim.metrics import percentile
 
 QUANTILES = (50.0, 90.0, 99.0)
+REFUSED = "http 429"  # refused before any token (overloaded, or a tenant limit): retry later
+EXPIRED = frozenset({"timeout", "http 504"})  # the client's deadline, or the server's
 
 
 @dataclass(slots=True)
@@ -67,12 +72,16 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float) -> dict:
     reported = [r for r in ok if r.cached_tokens is not None]
     output_tokens = sum(r.completion_tokens for r in ok)
     good = sum(1 for r in ok if r.ttft_s <= slo_ttft_s)
+    refused = sum(1 for r in records if r.error == REFUSED)
     return {
         "requests": len(records),
         "succeeded": len(ok),
         "failed": len(records) - len(ok),
         "errors": dict(sorted(Counter(r.error for r in records if not r.ok).items())),
         "error_details": error_details(records),
+        "refused": refused,
+        "refused_share": refused / len(records) if records else 0.0,
+        "deadline_expired": sum(1 for r in records if r.error in EXPIRED),
         "duration_s": duration,
         "ttft_s": distribution([r.ttft_s for r in ok]),
         "itl_s": distribution([g for r in ok for g in r.itl_s]),
@@ -115,6 +124,9 @@ def format_table(summary: dict) -> str:
         message = d["message"] or ""
         message = message if len(message) <= 160 else message[:157] + "..."
         lines.append(f"  {d['count']} x {d['error']}" + (f" {d['code']}" if d["code"] else "") + (f": {message}" if message else ""))
+    if summary["refused"] or summary["deadline_expired"]:
+        lines.append(f"refused (429)   {summary['refused']} of {summary['requests']} ({summary['refused_share']:.1%}); "
+                     f"deadline expired {summary['deadline_expired']}")
     lines.append(f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s")):
         d = summary[key]
