@@ -20,10 +20,13 @@ translation table, so nothing downstream depends on vLLM's hash scheme.
 
 Invariants:
     * The table maps each (vLLM hash, tier) present in vLLM's cache to our hash, with the
-      number of vLLM blocks holding it (vLLM does not de-duplicate); our ``BlockStored`` is
-      emitted when the count goes 0 -> 1, ``BlockRemoved`` when it goes back to 0.
+      number of vLLM blocks of each KV cache group holding it (vLLM does not de-duplicate);
+      our ``BlockStored`` is emitted when every full-attention group of its tier holds it
+      (one group: its count goes 0 -> 1), ``BlockRemoved`` when one of them no longer
+      does. Sliding-window and Mamba groups' blocks go to ``EventTranslator.windows``.
     * ``medium`` "GPU" (or none) is our GPU tier, "CPU" our host tier (vLLM's CPU offload);
-      other media are not indexed.
+      other media ("STORAGE", ...) are not indexed.
+    * ``schema`` is the form (``vllm_event_schema.SCHEMAS``) of the last batch with events.
     * Its size is bounded by vLLM's pool sizes (``max_entries`` caps it: a stream that
       claims more is an impossible claim and resets the table).
     * A batch that cannot be translated (a parent never seen: events were lost beyond what
