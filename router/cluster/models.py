@@ -115,13 +115,19 @@ class ServedModels:
     def cards(self, alias_max_model_len: int | None = None) -> list[ModelCard]:
         """One card per name served, the alias first (its ``max_model_len`` given: the
         replicas'), then every backend's names sorted; a name several backends serve gets
-        the smallest ``max_model_len`` among them."""
+        the smallest ``max_model_len`` among them, an adapter listed without one its base
+        model's."""
         merged: dict[str, ModelCard] = {}
         for cards in self._backends.values():
             for card in cards.values():
                 seen = merged.get(card.name)
                 if seen is None or (card.max_model_len and card.max_model_len < (seen.max_model_len or card.max_model_len + 1)):
                     merged[card.name] = card
+        for name, card in merged.items():
+            parent = merged.get(card.parent) if card.parent else None
+            if card.max_model_len is None and parent is not None and parent.max_model_len:
+                # NOTE: vLLM lists an adapter's max_model_len as null: it is its base model's.
+                merged[name] = ModelCard(card.name, card.parent, parent.max_model_len)
         alias = merged.pop(self.alias, None)
         lens = [n for n in (alias_max_model_len, alias.max_model_len if alias else None) if n]
         if not lens and self._backends and self._one_model():

@@ -122,8 +122,8 @@ def test_cards_list_the_alias_first_then_every_name_with_its_smallest_context():
     m.set_backend("b", [ModelCard("llama", None, 2048)])
     # One model: the router's name has the backends' context when no replica reports one.
     assert m.cards() == [ModelCard("router-name", None, 2048), ModelCard("llama", None, 2048), ModelCard("sql", "llama", 4096)]
-    m.set_backend("b", [ModelCard("qwen", None, 8192)])
-    assert m.cards() == [ModelCard("router-name", None, None), ModelCard("llama", None, 4096),
+    m.set_backend("b", [ModelCard("qwen", None, 8192), ModelCard("chat", "qwen", None)])  # vLLM lists an adapter's as null
+    assert m.cards() == [ModelCard("router-name", None, None), ModelCard("chat", "qwen", 8192), ModelCard("llama", None, 4096),
                          ModelCard("qwen", None, 8192), ModelCard("sql", "llama", 4096)]
 
 

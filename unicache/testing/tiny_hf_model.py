@@ -2,7 +2,8 @@
 
 ``write_tiny_llama(path)`` saves config.json + model.safetensors (transformers'
 ``save_pretrained``) and a word-level tokenizer trained with ``tokenizers`` (tokenizer.json,
-tokenizer_config.json), the files a local model directory has. Nothing is downloaded.
+tokenizer_config.json), the files a local model directory has; ``write_tiny_lora(path, base)``
+a LoRA adapter of it, as PEFT saves one. Nothing is downloaded.
 
 The shape suits vLLM's CPU backend (head size 64) and stays small enough that an engine
 step costs milliseconds. Used by tests/replica/test_vllm_engine.py and bench/vllm_engine.py (the
@@ -81,3 +82,33 @@ def write_tiny_llama(path: str, seed: int = 0, max_position: int = 4096, num_lay
     model.save_pretrained(path, safe_serialization=True)
     return path
 
+
+
+def write_tiny_lora(path: str, base: str, seed: int = 1, rank: int = 8, scale: float = 0.5) -> str:
+    """Write a LoRA adapter of ``write_tiny_llama``'s model at ``path`` (created if missing),
+    as PEFT saves one: adapter_config.json and adapter_model.safetensors with random A and
+    B matrices for every layer's ``q_proj`` and ``v_proj`` (``scale``: their spread, large
+    enough that the adapter changes the greedy tokens). Returns ``path``."""
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(base, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, head_dim = cfg["hidden_size"], cfg["head_dim"]
+    outs = {"q_proj": cfg["num_attention_heads"] * head_dim, "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, out in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * scale
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank, "lora_alpha": rank,
+            "lora_dropout": 0.0, "target_modules": sorted(outs), "bias": "none", "fan_in_fan_out": False,
+            "modules_to_save": None, "use_rslora": False, "use_dora": False, "inference_mode": True,
+        }, f, indent=1)
+    return path
