@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import httpx
 import pytest
 import uvicorn
@@ -25,6 +26,7 @@ from unicache.router.cluster.models import ModelCard, ServedModels, cards_from_m
 from unicache.router.request_path.core import Labelled
 from unicache.testing.fake_replica import FakeReplica
 from unicache.testing.polling import eventually
+from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from tests.support.router_stack import config
 
@@ -215,3 +217,23 @@ async def test_an_adapter_keys_the_index_and_one_loaded_at_run_time_is_learnt(fl
     b.models.pop()  # unloaded again
     await eventually(lambda: not app.cluster.models.knows("chat-qwen"), "the adapter gone from b's /v1/models")
     assert (await complete(client, "chat-qwen")).status_code == 404
+
+
+async def test_the_grpc_door_routes_by_model_too(fleet):
+    app, a, b, client = fleet
+
+    async def generate(model: str) -> list:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+            call = router_pb2_grpc.RouterStub(ch).Generate(
+                router_pb2.RouterGenerateRequest(text="one two three", model=model, sampling=common_pb2.SamplingParams(max_tokens=1)),
+                metadata=(("x-api-key", "key-a"),), timeout=10,
+            )
+            return [m async for m in call]
+
+    for model, home, fake in (("sql", "a", a), ("qwen", "b", b)):
+        msgs = await generate(model)
+        assert msgs[0].route.replica_id == home and fake.bodies[-1]["model"] == model
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate("gpt-9")
+    assert (err.value.code(), err.value.details()) == (
+        grpc.StatusCode.NOT_FOUND, "The model 'gpt-9' does not exist; this server serves 'unicache-default', 'llama', 'qwen', 'sql'")
