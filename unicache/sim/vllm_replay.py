@@ -163,6 +163,8 @@ class VllmReplay:
                 if not self.waiting and not self.running:
                     self.now = max(self.now, reqs[i].arrival_s / srv.rate_scale)
                     continue
+            if srv.sequential and len(self.running) == 1 and not self.waiting:
+                self._skip_quiet_decode(self.running[0])
             scheduled = self._schedule()
             if not scheduled:
                 if not self._preempted:
@@ -177,6 +179,20 @@ class VllmReplay:
         self.result.evictions = self.pool.evictions
         self.result.steps = self._steps
         return self.result
+
+    def _skip_quiet_decode(self, r: _Req) -> None:
+        """Run at once the decode steps of a lone request that neither allocate, cache nor
+        finish (only the step count and time move in them)."""
+        t = r.num_tokens
+        if r.num_computed != t - 1:
+            return  # still prefilling
+        bs = self.bs
+        quiet = min((r.num_cached + 1) * bs, len(r.table) * bs + 1, r.prompt + r.output - 1) - t
+        if quiet > 0:
+            self._steps += quiet
+            self.now += quiet * (self.server.step_fixed_s + self.server.step_token_s)
+            r.num_output += quiet
+            r.num_computed += quiet
 
     def _arrive(self, sim: SimRequest) -> None:
         bs = self.bs

@@ -87,6 +87,8 @@ class UniCachePolicy(EvictionPolicy):
         recency_guard: run the recency guard (``guard.py``): where a shadow LRU hits more
             than UniCache on the traffic at hand, take a growing share of victims in LRU
             order (False: UniCache's own order always).
+        guard_margin: the hit-ratio difference (share of lookups) the guard acts on.
+        guard_window: requests per guard window.
     """
 
     host_tier_policy = HostUniCachePolicy
@@ -102,6 +104,8 @@ class UniCachePolicy(EvictionPolicy):
         structural_rate_halflife_s: float = 120.0,
         evict_first_prior: float = 0.1,
         recency_guard: bool = True,
+        guard_margin: float = 0.003,
+        guard_window: int = 16,
     ):
         n = NUM_QUEUES * NUM_LANES
         priors = [evict_first_prior if LANE_QUEUE[lane] == EVICT_FIRST else 0.5 for lane in ALL_LANES]
@@ -129,7 +133,7 @@ class UniCachePolicy(EvictionPolicy):
         self._queue_hits = [0] * NUM_QUEUES
         # The recency guard: candidates in release order (vLLM's LRU order) and each
         # cached block's parent, for the shadow LRU's prefix rule.
-        self.guard = RecencyGuard() if recency_guard else None
+        self.guard = RecencyGuard(margin=guard_margin, window=guard_window) if recency_guard else None
         self._order: OrderedDict[int, None] = OrderedDict()
         self._parent: dict[int, int] = {}
 
