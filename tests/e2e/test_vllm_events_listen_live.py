@@ -14,6 +14,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from tests.e2e.test_vllm_fleet_live import text
+
 from unicache.contract.block_hash import hash_token_blocks
 from unicache.contract.tokenizer import load_tokenizer
 from unicache.plumbing.redis_server import free_port
@@ -21,7 +23,7 @@ from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.upstream.vllm_fleet.events_listener import TopicStream
 from unicache.testing.polling import eventually
-from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
+from unicache.testing.tiny_hf_model import write_tiny_llama
 from unicache.testing.vllm_servers import VllmServer, start_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
@@ -31,10 +33,6 @@ POOL_BYTES = 65 * BS * 512  # 64 usable blocks of the tiny Llama
 KEYS = {"UNICACHE_API_KEYS": "ka:acme", "UNICACHE_SALT_SECRET": "listen-test"}
 A = {"authorization": "Bearer ka"}
 LLMD_TOPIC = "kv@127.0.0.1@tiny"
-
-
-def text(start: int, n: int, step: int = 1) -> str:
-    return " ".join(WORDS[(start + i * step) % len(WORDS)] for i in range(n))
 
 
 @pytest.fixture(scope="module")
