@@ -15,6 +15,7 @@ from unicache.contract.block_hash import ROOT_HASH, block_extra_keys, hash_block
 from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from unicache.contract.kv_tier import Tier
 from unicache.contract.vllm_event_schema import (
+    SCHEMAS,
     VllmAllBlocksCleared,
     VllmBlockRemoved,
     VllmBlockStored,
@@ -215,3 +216,24 @@ def test_a_window_shorter_than_the_prefix_start_needs_every_block():
     assert index.prefix_matches(ours) == {"r": 2}
     index.drop_replica("r")
     assert index.prefix_matches(ours) == {}
+
+
+@pytest.mark.parametrize(("release", "schema"), [("0.32.0", "map"), ("0.23.0", "array")])
+def test_the_follower_records_the_schema_and_hands_a_hybrid_backends_windows_to_the_index(release, schema, caplog):
+    from unicache.router.cluster.view import ClusterView
+    from unicache.router.routing.registry import make_routing_policy
+    from unicache.router.upstream.vllm_fleet.follower import BackendFollower
+    from unicache.router.upstream.vllm_fleet.spec import BackendSpec
+
+    caplog.set_level("INFO", logger="unicache.router.upstream.vllm_fleet.follower")
+    cluster = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
+    f = BackendFollower(BackendSpec("h", "http://h:1"), cluster, None, 4)
+    f.apply([decode_batch(p) for p in payloads(release)])
+    u = hash_token_blocks(TOKENS, 4)
+    # the full-attention group holds u0..u2, the 1-block window only u2
+    assert cluster.index.prefix_matches(u) == {"h": 3}
+    assert cluster.index.prefix_matches(u[:2]) == {"h": 0}  # n=2 needs block 1, n=1 block 0: the window dropped both
+    assert cluster.backend_schema == {"h": schema}
+    f.apply([decode_batch(p) for p in payloads(release)])  # the same form again: not logged again
+    lines = [r.getMessage() for r in caplog.records if "publishes KV events" in r.getMessage()]
+    assert lines == [f"backend h publishes KV events in the {schema} form: {SCHEMAS[schema]}"]

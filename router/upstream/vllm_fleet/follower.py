@@ -274,11 +274,11 @@ class BackendFollower:
             self.last_event_at = time.monotonic()
             if self.translator.schema != self.cluster.backend_schema.get(self.backend_id):
                 self._schema_seen(self.translator.schema)
+        index = self.cluster.index
+        if batches and self.translator.windows:  # a hybrid model: prefix hits bounded by its window groups
+            index.set_windows(self.backend_id, self.translator.window_constraints())
         if events:
-            index = self.cluster.index
             apply_events(index, self.backend_id, events)
-            if self.translator.windows:  # a hybrid model: prefix hits bounded by its window groups
-                index.set_windows(self.backend_id, self.translator.window_constraints())
             if index.needs_resync(self.backend_id):  # an impossible claim: resync from the replay buffer
                 self.breaks += 1
                 self._drop_blocks()
