@@ -363,6 +363,7 @@ class KVEventSubscriber:
         self.replayed = 0  # batches recovered through the replay socket
         self.missed = 0  # batches neither stream nor replay delivered
         self.undecodable = 0  # payloads that are not a vLLM KVEventBatch
+        self._form = "map"  # the form its last events came in (vllm_event_schema.SCHEMAS): tried first
         self._catch_up = False  # request_catch_up() was called: the next take replays from 0
 
     def take(self, timeout_ms: int = 0) -> list[VllmEventBatch]:
@@ -476,9 +477,14 @@ class KVEventSubscriber:
 
     def _decode_into(self, payload: bytes, out: list[VllmEventBatch]) -> None:
         try:
-            out.append(decode_batch(payload))
+            # NOTE: the form this server's last events came in is tried first: a stream of
+            # the older array form does not pay a failed map decode per batch.
+            batch = decode_batch(payload, self._form)
         except msgspec.DecodeError:
             self.undecodable += 1
+            return
+        self._form = schema_of(batch) or self._form
+        out.append(batch)
 
     def _replay_socket(self, start: int):
         sock = self._ctx.socket(self._zmq.DEALER)

@@ -95,6 +95,7 @@ class TopicStream(KVEventSubscriber):
         self.replayed = 0
         self.missed = 0
         self.undecodable = 0
+        self._form = "map"
         self.restarts = 0  # times the server started its seq over
         self._catch_up = False
         self._frames: deque[tuple[bytes, bytes]] = deque()
