@@ -108,7 +108,8 @@ class Router:
     """One router process in front of ``urls``; ``url`` is where requests go."""
 
     def __init__(self, arm: Arm, backends: list[str], urls: list[str], model_dir: str, served: str, block_size: int,
-                 keys: dict[str, str], venv: Path, log_path: str):
+                 keys: dict[str, str], venv: Path, log_path: str, extra_args: tuple[str, ...] = ()):
+        """``extra_args``: more flags for this router (ours only; later flags win)."""
         self.arm, self.port = arm, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.n = len(urls)
@@ -121,6 +122,7 @@ class Router:
                    *(["--tokenizer", str(tokenizer)] if tokenizer.exists() else ["--checkpoint", model_dir])]
             for i, b in enumerate(backends):
                 cmd += ["--backend", f"{b},id=s{i}"]
+            cmd += list(extra_args)
             env |= {"UNICACHE_API_KEYS": ",".join(f"{k}:{t}" for t, k in keys.items()), "UNICACHE_SALT_SECRET": SALT_SECRET}
         else:
             peer = PEERS[arm.peer]

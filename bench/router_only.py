@@ -31,6 +31,10 @@ Run (from the repository root; the peers install into ``--peer-venv``, default
     .venv/bin/python -m bench.router_only --install-peers vllm-router,sglang-router,smg
     .venv/bin/python -m bench.router_only [--routers unicache,vllm-router,sglang-router,smg] [--rounds 3]
         [--requests 400] [--rates 20,50] [--concurrency 32] [--workloads prompts,chat] [--out-dir bench/results]
+        [--unicache-workers 1,2,4]
+``--unicache-workers`` runs this router once per count (``unicache router --workers N``, rows
+``unicache``, ``unicache-w2``, ...; each worker follows every fake server's events itself),
+its CPU summed over the supervisor and its workers: throughput per pod by worker count.
 A tiny check that it works: ``--routers unicache --rounds 1 --requests 20 --rates 10 --concurrency 4``.
 """
 
@@ -49,8 +53,9 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from unicache.plumbing.redis_server import free_port
 from unicache.sim.metrics import percentile
-from unicache.testing.procfs import cpu_s
+from unicache.testing.procfs import child_pids, cpu_s
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from bench.live_ab_arms import ARMS, PEERS, Router, install_peers, missing_peers
 from bench.paths import REPO, RESULTS
@@ -263,19 +268,49 @@ def client_main(port: int, reqs, rate: float, concurrency: int, out) -> None:
     out.put(uvloop.run(drive(port, reqs, rate, concurrency)))
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid`` and its children (a router's workers)."""
+    total = cpu_s(pid)
+    for child in child_pids(pid):
+        try:
+            total += cpu_s(child)
+        except OSError:
+            pass  # ended meanwhile
+    return total
+
+
 def measure(ctx, port: int, pid: int | None, reqs, rate: float, concurrency: int) -> dict:
-    """One load against ``port`` from a client process; the CPU of process ``pid`` per request."""
+    """One load against ``port`` from a client process; the CPU of process ``pid`` (and its
+    children: a router's workers) per request."""
     out = ctx.Queue()
-    c0 = cpu_s(pid) if pid else 0.0
+    c0 = tree_cpu_s(pid) if pid else 0.0
     p = ctx.Process(target=client_main, args=(port, reqs, rate, concurrency, out))
     p.start()
     res = out.get(timeout=3600)
     p.join(30)
     if pid:
-        cpu = cpu_s(pid) - c0
+        cpu = tree_cpu_s(pid) - c0
         res["cpu_ms_per_request"] = round(1e3 * cpu / len(reqs), 4)
         res["requests_per_cpu_s"] = round(len(reqs) / cpu, 1) if cpu > 0 else None
     return res
+
+
+def every_worker_ready(url: str, servers: int, workers: int, timeout_s: float = 120.0) -> None:
+    """Until ``4 x workers`` fresh connections in a row (the kernel spreads them over the
+    workers) each find a worker that knows every server."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    ok = 0
+    while ok < 4 * workers:
+        try:
+            ok = ok + 1 if len(httpx.get(f"{url}/v1/cluster/state", timeout=5).json().get("replicas", [])) == servers else 0
+        except (httpx.HTTPError, ValueError):
+            ok = 0
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: not every one of {workers} workers knows the {servers} servers within {timeout_s:.0f} s")
+        if ok == 0:
+            time.sleep(0.5)
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -291,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefixes", type=int, default=8, help="shared 1,500-token prefixes of the prompts workload")
     ap.add_argument("--pool-blocks", type=int, default=20_000, help="each fake server's cache, in blocks")
     ap.add_argument("--peer-venv", default="/tmp/unicache-peers")
+    ap.add_argument("--unicache-workers", default="1", help="this router's worker counts, one run each (e.g. 1,2,4)")
     ap.add_argument("--install-peers", default="", help="install these peers into --peer-venv, then exit")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -323,12 +359,17 @@ def main(argv: list[str] | None = None) -> int:
             urls = [f"http://127.0.0.1:{h}" for h, _, _ in fleet_ports]
             backends = [f"{u},kv-events=tcp://127.0.0.1:{e},replay=tcp://127.0.0.1:{r}" for u, (_, e, r) in zip(urls, fleet_ports)]
             targets: dict[str, tuple[int, int | None]] = {"direct": (fleet_ports[0][0], None)}
-            for name in routers:
+            counts = [int(n) for n in args.unicache_workers.split(",") if n]
+            arms = [(f"unicache-w{n}" if n > 1 else name, name, n) for name in routers for n in (counts if name == "unicache" else [1])]
+            for label, name, n in arms:
                 arm = ARMS["ours" if name == "unicache" else name]
-                router = Router(arm, backends, urls, model_dir, MODEL, BLOCK_SIZE, {"bench": KEY}, venv, f"{tmp}/{name}.log")
+                extra = ("--workers", str(n), "--grpc-port", str(free_port())) if n > 1 else ()
+                router = Router(arm, backends, urls, model_dir, MODEL, BLOCK_SIZE, {"bench": KEY}, venv, f"{tmp}/{label}.log", extra)
                 running.append(router)
                 router.wait_ready(MODEL, KEY)
-                targets[name] = (router.port, router.proc.pid)
+                if n > 1:
+                    every_worker_ready(router.url, len(urls), n)
+                targets[label] = (router.port, router.proc.pid)
             names = list(targets)
             for i in range(args.rounds):
                 row: dict = {}
