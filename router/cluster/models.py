@@ -62,6 +62,7 @@ class ServedModels:
         self.alias = alias
         self._backends: dict[str, dict[str, ModelCard]] = {}
         self._single: bool | None = None  # _one_model()'s answer, None: to compute
+        self._named: dict[str, ModelCard] | None = None  # a card of every name served (None: to compute)
 
     def set_backend(self, backend_id: str, cards: Iterable[ModelCard]) -> bool:
         """Record what ``backend_id`` serves now; True when that changed."""
@@ -69,12 +70,12 @@ class ServedModels:
         if self._backends.get(backend_id) == new:
             return False
         self._backends[backend_id] = new
-        self._single = None
+        self._single = self._named = None
         return True
 
     def drop_backend(self, backend_id: str) -> None:
         if self._backends.pop(backend_id, None) is not None:
-            self._single = None
+            self._single = self._named = None
 
     def backend(self, backend_id: str) -> dict[str, ModelCard]:
         """The names ``backend_id`` serves ({} when none are known)."""
@@ -87,16 +88,20 @@ class ServedModels:
             self._single = len(bases) <= 1
         return self._single
 
+    def _names(self) -> dict[str, ModelCard]:
+        """A card of every name some backend serves (kept until what they serve changes:
+        the request path asks per request)."""
+        if self._named is None:
+            self._named = {name: card for cards in self._backends.values() for name, card in cards.items()}
+        return self._named
+
     def knows(self, name: str) -> bool:
-        return name == self.alias or any(name in cards for cards in self._backends.values())
+        return name == self.alias or name in self._names()
 
     def adapter(self, name: str) -> str:
         """``name`` when it is a LoRA adapter some backend serves, else "" (a base model)."""
-        for cards in self._backends.values():
-            card = cards.get(name)
-            if card is not None:
-                return name if card.is_adapter else ""
-        return ""
+        card = self._names().get(name)
+        return name if card is not None and card.is_adapter else ""
 
     def outside(self, name: str, replica_ids: Iterable[str]) -> frozenset[str]:
         """The ids among ``replica_ids`` a request naming ``name`` may not go to."""
