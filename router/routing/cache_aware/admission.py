@@ -195,25 +195,32 @@ class TTFTAdmission:
                          matches: Mapping[str, int], queue_share: Mapping[str, float] | None,
                          costs: Callable[[str], Costs]) -> list[ReplicaLoad]:
         """``admissible`` priced in each replica's own seconds (``costs(r)``: its fitted
-        ``Costs``, ``unicache.router.routing.cost_model``): the replicas whose predicted TTFT
+        ``Costs``, ``unicache.router.routing.cost_model``), the same two rules:
 
-            est_r = a_r + b_r * (uncached_r + queue_r / lanes) + s_r * outstanding_r
+            est_r = a_r + b_r * (uncached_r + queue_r / lanes)
+            sat_r = est_r + s_r * unstarted_r        (s_r: seconds per outstanding request)
 
-        is within ``factor`` of the least, in their order. The measured wait per
-        outstanding request s_r takes the saturation rule's place: it prices running and
-        unstarted requests alike, as the backend was seen to."""
+        admissible while est_r <= factor * min est and sat_r <= factor * min sat + s_r (one
+        unstarted request tolerated); when that leaves none, the replicas within the
+        saturation bound. Decoding requests do not count in est, as in prefill tokens."""
         lanes, get, n, bs = self.prefill_lanes, matches.get, num_prompt_tokens, block_size
         share = queue_share.get if queue_share else None
-        est = []
+        est, sat, tol = [], [], []
         for r in replicas:
             rid = r.replica_id
             c = costs(rid)
             u = n - bs * get(rid, 0)
             q = r.queued_prefill_tokens * (share(rid, 1.0) if share is not None else 1.0) / lanes
-            out = r.in_flight if r.in_flight > r.running + r.waiting else r.running + r.waiting
-            est.append(c.prefill_base_s + c.prefill_per_token_s * ((u if u > 0 else 0) + q) + c.per_outstanding_s * out)
+            e = c.prefill_base_s + c.prefill_per_token_s * ((u if u > 0 else 0) + q)
+            w = c.per_outstanding_s if self.wait_cost else 0.0
+            unstarted = (r.in_flight if r.in_flight > r.running + r.waiting else r.running + r.waiting) - r.running
+            est.append(e)
+            sat.append(e + w * unstarted if unstarted > 0 else e)
+            tol.append(w)
         cap = self.factor * min(est)
-        return [r for r, e in zip(replicas, est) if e <= cap]
+        sat_floor = self.factor * min(sat)
+        return ([r for r, e, x, t in zip(replicas, est, sat, tol) if e <= cap and x <= sat_floor + t]
+                or [r for r, x, t in zip(replicas, sat, tol) if x <= sat_floor + t])
 
     def _among_matches(self, replicas: Sequence[ReplicaLoad], num_prompt_tokens: int, block_size: int,
                        matches: Mapping[str, int], queue_share: Mapping[str, float] | None) -> list[ReplicaLoad] | None:
