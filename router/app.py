@@ -131,6 +131,9 @@ class RouterApp:
         if config.prefix_tokens_kept and hasattr(tokenizer, "split_tokens"):
             tokenizer = PrefixReusingTokenizer(tokenizer, config.prefix_tokens_kept)
         self.metrics = RouterMetrics()
+        if isinstance(tokenizer, PrefixReusingTokenizer):
+            for kind in ("hits", "misses", "reused_tokens", "kept_tokens", "mismatches"):
+                self.metrics.prefix_reuse.labels(kind).set_function(functools.partial(getattr, tokenizer, kind))
         self.metrics.insecure_transport.set(1 if config.insecure_transport() else 0)
         cluster_key = config.cluster_key_bytes()
         self.clients = ReplicaClients(

@@ -124,6 +124,13 @@ class RouterMetrics:
         )
         self.replicas = Gauge("unicache_router_replicas", "Live replicas", registry=r)
         self.redis_connected = Gauge("unicache_router_redis_connected", "1 when the Redis subscriber is connected", registry=r)
+        self.prefix_reuse = Gauge(
+            "unicache_router_prefix_reuse",
+            "Prompts tokenized reusing kept chat prefixes (router/request_path/prefix_tokens.py), by kind: hits (encodes that "
+            "reused a prefix), misses (encodes with message delimiters and nothing kept), reused_tokens (ids not encoded "
+            "again), kept_tokens (ids kept now), mismatches (1: a reuse differed from a whole encode; reuse is off)",
+            ["kind"], registry=r,
+        )
         self.insecure_transport = Gauge(
             "unicache_router_insecure_transport",
             "1 when this router talks to replicas without mutual TLS by the insecure_no_tls opt-out", registry=r,

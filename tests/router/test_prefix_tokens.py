@@ -90,3 +90,21 @@ def test_a_tokenizer_without_special_tokens_is_used_as_it_is():
     assert not reusing.enabled and reusing.encode("héllo") == list("héllo".encode()) and reusing.eos_token_id == 257
     with pytest.raises(ValueError, match="must be positive"):
         PrefixReusingTokenizer(ByteTokenizer(), max_tokens=0)
+
+
+async def test_the_router_reuses_prefixes_by_default_and_exports_its_counts(tmp_path):
+    from prometheus_client import generate_latest
+
+    from unicache.router.app import RouterApp
+    from tests.support.router_stack import config
+
+    path = write_chat_tokenizer(str(tmp_path / "chatml"), "chatml") + "/tokenizer.json"
+    app = RouterApp(config([], tokenizer=path))
+    assert isinstance(app.core.tokenizer, PrefixReusingTokenizer) and app.core.tokenizer.max_tokens == 1_000_000
+    tok = app.core.tokenizer.tokenizer
+    for messages in chat_turns(random.Random(5), 3, 20):
+        prompt = render_chat(messages, tok.chat_template)
+        assert app.core.encode(prompt) == tok.encode(prompt)
+    page = generate_latest(app.metrics.registry).decode()
+    assert 'unicache_router_prefix_reuse{kind="hits"} 2.0' in page and 'unicache_router_prefix_reuse{kind="misses"} 1.0' in page
+    assert not isinstance(RouterApp(config([], tokenizer=path, prefix_tokens_kept=0)).core.tokenizer, PrefixReusingTokenizer)
