@@ -114,7 +114,8 @@ def test_each_release_recording_translates_to_our_exact_hashes(release):
     s0, s1, s2 = hash_token_blocks(TOKENS, 4, cache_salt=salt)
     assert out[0] == [BlockStored(s0, None, 5.0, Tier.GPU), BlockStored(s1, s0, 5.0, Tier.GPU)]
     assert out[1] == [BlockStored(s2, s1, 5.0, Tier.GPU), BlockStored(s0, None, 5.0, Tier.HOST), BlockRemoved(s2, 5.0, Tier.GPU)]
-    lora = "sql" if "lora_name" in has else None  # 0.11 names no adapter: its blocks hash as the base model's
+    # 0.11 names only the adapter's lora_id: its blocks are kept apart from the base model's
+    lora = "sql" if "lora_name" in has else "lora-id:7"
     assert out[2] == [BlockStored(hash_block(ROOT_HASH, TOKENS[:4], block_extra_keys(0, None, lora)), None, 5.0, Tier.GPU)]
     assert out[3] == [AllBlocksCleared(5.0)]
     if "group_idx" not in has:

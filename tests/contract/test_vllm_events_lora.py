@@ -33,6 +33,13 @@ def test_an_adapters_blocks_hash_as_the_router_hashes_a_request_naming_it():
     assert len(set(hashes)) == 3 and hashes[2] == hash_token_blocks(toks, BS, cache_salt=salt)[0]
 
 
+def test_a_release_naming_only_the_lora_id_keeps_its_blocks_apart_from_the_base_models():
+    toks = list(range(8))
+    ev = VllmBlockStored([1, 2], None, toks, BS, lora_id=3)
+    assert translated([ev]) == hash_token_blocks(toks, BS, adapter_id="lora-id:3")
+    assert translated([ev])[0] != hash_token_blocks(toks, BS)[0]
+
+
 def test_an_adapter_without_a_salt_keys_every_block_by_its_name():
     toks = list(range(8))
     ev = VllmBlockStored([1, 2], None, toks, BS, lora_name="sql", extra_keys=[["sql"], ["sql"]])

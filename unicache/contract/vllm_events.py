@@ -286,6 +286,7 @@ class EventTranslator:
             else:
                 parent, first_index = entry.ours, 1  # any index > 0: the salt is on block 0 only
         extra = ev.extra_keys or []
+        adapter = _adapter(ev)
         full = self._full.get(tier, ())
         for i, vh in enumerate(ev.block_hashes):
             entry = self._table.get((vh, tier))
@@ -295,7 +296,7 @@ class EventTranslator:
                 index = first_index + i
                 salt = _salt(extra[i] if i < len(extra) else None, ev.lora_name) if index == 0 else None
                 tokens = ev.token_ids[i * bs : (i + 1) * bs]
-                ours = hash_block(parent, tokens, block_extra_keys(index, salt, ev.lora_name))
+                ours = hash_block(parent, tokens, block_extra_keys(index, salt, adapter))
                 entry = self._table[(vh, tier)] = _Entry(ours, 0, None if parent == ROOT_HASH else parent)
             entry.count += 1
             entry.groups[g] = entry.groups.get(g, 0) + 1
@@ -306,6 +307,15 @@ class EventTranslator:
                 out.append(BlockStored(entry.ours, entry.parent, now, tier))
             parent = entry.ours
         return True
+
+
+def _adapter(ev: VllmBlockStored) -> str | None:
+    """The adapter extra key of a stored block: vLLM's ``lora_name``. A release that publishes
+    only the deprecated ``lora_id`` gets ``lora-id:<id>``: no request names that, so its blocks
+    never pass for the base model's (a router hit it would not get)."""
+    if ev.lora_name:
+        return ev.lora_name
+    return f"lora-id:{ev.lora_id}" if ev.lora_id else None
 
 
 def _salt(keys: list | None, lora_name: str | None) -> bytes | None:
