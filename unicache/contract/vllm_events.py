@@ -551,8 +551,8 @@ class KVEventSubscriber:
         return got
 
     def close(self) -> None:
-        for shadow in self._async_shadows:
-            shadow._clear_io_state()  # the loop stops watching; the sockets close below
         self._sub.disable_monitor()
+        for shadow in self._async_shadows:
+            shadow.close(0)  # the loop stops watching it; it closes the socket it shadows
         self._monitor.close(0)
         self._sub.close(0)
