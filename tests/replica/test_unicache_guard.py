@@ -44,7 +44,7 @@ def recency_trace(n: int = 3000, distance: int = 6, blocks: int = 4) -> list[dic
 
 
 @pytest.mark.parametrize("usable, lru, unicache, unguarded", [
-    (60, 143712, 142992, 432),
+    (60, 143712, 143088, 432),
     (100, 143712, 143088, 912),
 ])
 def test_where_recency_wins_unicache_ties_lru(usable, lru, unicache, unguarded):
@@ -107,16 +107,29 @@ def test_shadow_is_bounded_by_the_most_blocks_cached():
 
 
 def test_lru_share_follows_the_windows_and_spreads_victims():
-    g = RecencyGuard(step=0.5, margin=0.01, min_lookups=10, decay=0.0, window=1)
-    g.lookups, g.shadow_hits, g.hits = 100, 30, 10
+    g = RecencyGuard(step=0.5, margin=0.01, min_lookups=10, decay=0.0, window=1, z=2.0)
+
+    def window(lookups: int, diffs: list[int]) -> None:
+        g.lookups = lookups
+        for d in diffs:
+            g._diff = d
+            g.on_request()  # each request's d is folded; window=1 ends a window each time
+
+    window(100, [3])  # one request: 3 > 0.01 * 100 but not > 2 * sqrt(9): noise
+    assert g.lru_share == 0.0
+    g.lookups, g.diff_sum, g.diff_sq = 100, 15.0, 45.0  # five requests of +3: 15 > 2 * sqrt(45)
     g.end_window()
     assert g.lru_share == 0.5
     assert [g.take_lru() for _ in range(4)] == [False, True, False, True]
-    g.lookups, g.shadow_hits, g.hits = 100, 10, 30  # UniCache ahead: back down
+    g.lookups, g.diff_sum, g.diff_sq = 100, -15.0, 45.0  # UniCache ahead: back down
     g.end_window()
     assert g.lru_share == 0.0 and not any(g.take_lru() for _ in range(5))
-    g.lookups, g.shadow_hits, g.hits = 5, 5, 0  # too few lookups: no move
-    g.on_request()
-    assert g.lru_share == 0.0
+    g.lru_share = 1.0
+    g.lookups, g.diff_sum, g.diff_sq = 100, 0.0, 0.0  # a tie: a slow drift back
+    g.end_window()
+    assert g.lru_share == 1.0 - 0.5 / 512
+    g.lookups, g.diff_sum, g.diff_sq = 5, 50.0, 50.0  # too few lookups: no move
+    g.end_window()
+    assert g.lru_share == 1.0 - 0.5 / 512
     with pytest.raises(ValueError):
         RecencyGuard(step=0)

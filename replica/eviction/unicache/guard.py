@@ -7,9 +7,12 @@ size), and counts, per window of requests, the hits the shadow would have had ag
 the hits the cache had. A request hits a block only through an unbroken prefix, so the
 shadow counts a hit only if the block's parent was one at its own last lookup. Each
 window moves ``lru_share`` (the fraction of victims taken from the head of the release
-order, as vLLM's own queue would) up by ``step`` when the shadow hit more than
-``margin`` of the lookups above the cache, down by ``step`` when it hit that much less,
-and down by ``step / 32`` in between, so class-aware eviction comes back when the two tie.
+order, as vLLM's own queue would) up by ``step`` when the shadow won, down by ``step``
+when the cache won, and down by ``step / 512`` in between, so class-aware eviction comes
+back when the two tie. A win is a difference in hits over ``margin`` of the lookups and
+over ``z`` standard deviations of a tie (a sign test over requests of the difference
+between the lookups only the shadow hit and those only the cache hit), so noise does not
+move it.
 
 The shadow LRU is vLLM's order up to two simplifications: blocks move to the front when
 looked up and when released (tail first), and blocks held by running requests are not
@@ -24,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -39,13 +43,14 @@ class RecencyGuard:
         min_lookups: windows with fewer (decayed) lookups leave ``lru_share`` as it is.
         decay: per-window decay of the counts (their memory, in windows).
         window: requests per window.
+        z: how many standard deviations of a tie a win must exceed.
     """
 
-    def __init__(self, step: float = 0.5, margin: float = 0.003, min_lookups: float = 64.0, decay: float = 0.7,
-                 window: int = 16):
+    def __init__(self, step: float = 1.0, margin: float = 0.003, min_lookups: float = 64.0, decay: float = 0.7,
+                 window: int = 8, z: float = 2.0):
         if not 0 < step <= 1 or margin < 0 or min_lookups < 0 or not 0 <= decay < 1 or window <= 0:
             raise ValueError("need 0 < step <= 1, margin >= 0, min_lookups >= 0, 0 <= decay < 1 and window > 0")
-        self.step, self.margin, self.min_lookups, self.decay, self.window = step, margin, min_lookups, decay, window
+        self.step, self.margin, self.min_lookups, self.decay, self.window, self.z = step, margin, min_lookups, decay, window, z
         self._requests = 0
         self.lru_share = 0.0
         self.capacity = 0
@@ -54,12 +59,17 @@ class RecencyGuard:
         self._copies: dict[BlockHash, int] = {}  # hash -> blocks of the cache holding it
         self._credit = 0.0
         self.lookups = self.shadow_hits = self.hits = 0.0  # this window's, decayed
+        # Per request d = (lookups only the shadow hit) - (only the cache hit); their sum
+        # and sum of squares this window, decayed. Blocks of one prompt hit or miss
+        # together, so requests, not blocks, are the independent trials.
+        self._diff = 0
+        self.diff_sum = self.diff_sq = 0.0
 
     # ------------------------------------------------------------ the cache's events
     def on_hit(self, h: BlockHash, parent: BlockHash | None) -> None:
         """A request took cached block ``h`` (a real hit)."""
         self.hits += 1.0
-        self._lookup(h, parent)
+        self._lookup(h, parent, True)
 
     def on_cached(self, h: BlockHash, parent: BlockHash | None, cached_blocks: int) -> None:
         """A block was computed and cached under ``h``; the cache now holds ``cached_blocks``."""
@@ -69,7 +79,7 @@ class RecencyGuard:
         if cached_blocks > self.capacity:
             self.capacity = cached_blocks
         if not n:
-            self._lookup(h, parent)
+            self._lookup(h, parent, False)
 
     def on_uncached(self, h: BlockHash) -> None:
         """A cached block under ``h`` left the cache."""
@@ -90,12 +100,16 @@ class RecencyGuard:
                 shadow[h] = False
         self._trim()
 
-    def _lookup(self, h: BlockHash, parent: BlockHash | None) -> None:
+    def _lookup(self, h: BlockHash, parent: BlockHash | None, real: bool) -> None:
         shadow = self._shadow
         self.lookups += 1.0
         hit = h in shadow and (parent is None or shadow.get(parent, False))
         if hit:
             self.shadow_hits += 1.0
+            if not real:
+                self._diff += 1
+        elif real:
+            self._diff -= 1
         shadow[h] = hit
         shadow.move_to_end(h)
         self._trim()
@@ -119,6 +133,11 @@ class RecencyGuard:
 
     def on_request(self) -> None:
         """A request arrived; every ``window`` of them ends a window."""
+        d = self._diff
+        if d:
+            self.diff_sum += d
+            self.diff_sq += d * d
+            self._diff = 0
         self._requests += 1
         if self._requests % self.window == 0:
             self.end_window()
@@ -128,14 +147,19 @@ class RecencyGuard:
         decay them."""
         n = self.lookups
         if n >= self.min_lookups:
-            diff = (self.shadow_hits - self.hits) / n
-            if diff > self.margin:
+            s = self.diff_sum
+            # A win must exceed the margin and z standard deviations of a tie (a sign
+            # test over requests: under a tie the sum of d has variance sum d^2).
+            bar = max(self.margin * n, self.z * math.sqrt(self.diff_sq))
+            if s > bar:
                 self.lru_share = min(1.0, self.lru_share + self.step)
-            elif diff < -self.margin:
+            elif -s > bar:
                 self.lru_share = max(0.0, self.lru_share - self.step)
             else:
-                self.lru_share = max(0.0, self.lru_share - self.step / 32)
+                self.lru_share = max(0.0, self.lru_share - self.step / 512)
         d = self.decay
         self.lookups *= d
         self.shadow_hits *= d
         self.hits *= d
+        self.diff_sum *= d
+        self.diff_sq *= d

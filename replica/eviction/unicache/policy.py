@@ -105,7 +105,7 @@ class UniCachePolicy(EvictionPolicy):
         evict_first_prior: float = 0.1,
         recency_guard: bool = True,
         guard_margin: float = 0.003,
-        guard_window: int = 16,
+        guard_window: int = 8,
     ):
         n = NUM_QUEUES * NUM_LANES
         priors = [evict_first_prior if LANE_QUEUE[lane] == EVICT_FIRST else 0.5 for lane in ALL_LANES]
