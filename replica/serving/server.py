@@ -31,7 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from unicache.contract.state_auth import CallCredential, StateSigner
 from unicache.plumbing.grpc_decode import add_servicer
-from unicache.plumbing.grpc_server import pending_call_options
+from unicache.plumbing.grpc_server import keepalive_server_options, pending_call_options
 from unicache.plumbing.tls import TlsFiles, grpc_server_credentials, hop_server_context
 from unicache.replica.engines.api import EngineInputError, EngineRequest
 from unicache.replica.serving.call_auth import ClusterAuthInterceptor
@@ -204,6 +204,7 @@ class ReplicaServer:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             *pending_call_options(max_pending_calls),
+            *keepalive_server_options(),
         ]
         # NOTE: with TLS the router proves itself by its client certificate in every
         # handshake: no bearer value is asked for (or could be replayed).

@@ -30,6 +30,7 @@ import grpc
 
 from unicache.contract.hop import HopAuth
 from unicache.contract.state_auth import CallCredential
+from unicache.plumbing.grpc_server import keepalive_channel_options
 from unicache.plumbing.tls import grpc_channel_options
 from unicache.v1 import common_pb2, replica_pb2, replica_pb2_grpc, router_pb2
 
@@ -133,6 +134,7 @@ class ReplicaClients:
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            *keepalive_channel_options(),
         ]
         self._channels: dict[str, tuple[grpc.aio.Channel, replica_pb2_grpc.ReplicaStub, grpc.aio.UnaryStreamMultiCallable]] = {}
         self.vllm = VllmClients()  # stock vLLM servers, addressed by their HTTP base URL

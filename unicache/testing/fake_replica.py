@@ -19,6 +19,7 @@ import grpc
 
 from unicache.contract.block_hash import hash_token_blocks, reusable_prompt_blocks
 from unicache.contract.state_auth import CALL_METADATA
+from unicache.plumbing.grpc_server import keepalive_server_options
 from unicache.plumbing.tls import TlsFiles, grpc_server_credentials, hop_server_context
 from unicache.replica.serving.call_error import GrpcGenerate, ReplicaCallError
 from unicache.replica.serving.hop_server import HopServer
@@ -81,7 +82,7 @@ class FakeReplica(GrpcGenerate, replica_pb2_grpc.ReplicaServicer):
         """Serve gRPC on a free port (or ``port``), and with ``hop`` the framed hop too
         (with ``cluster_key``: the handshake); with ``tls`` both serve mutual TLS only.
         ``metadata_keys`` records the metadata keys of every call received."""
-        self.server = grpc.aio.server(interceptors=[_MetadataRecorder(self)])
+        self.server = grpc.aio.server(interceptors=[_MetadataRecorder(self)], options=keepalive_server_options())  # as a replica
         replica_pb2_grpc.add_ReplicaServicer_to_server(self, self.server)
         where = f"127.0.0.1:{port}"
         self.port = self.server.add_secure_port(where, grpc_server_credentials(tls)) if tls else self.server.add_insecure_port(where)
