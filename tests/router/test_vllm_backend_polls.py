@@ -123,6 +123,20 @@ async def test_a_joined_backend_is_not_scraped_before_its_interval(joined):
     assert 59.0 < follower._next_due() <= 60.0  # the loop sleeps until the next scrape
 
 
+async def test_a_backend_in_doubt_that_cannot_be_reached_is_quarantined(joined):
+    follower, backend, cluster = joined
+    backend.status["/metrics"] = 503
+    await follower.poll()
+    assert follower.in_doubt
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    follower.clients.mock._transport = httpx.MockTransport(refuse)
+    await follower.poll()
+    assert (cluster.healthy("b"), follower.health_probes) == (False, 2)
+
+
 def test_the_scrape_interval_is_a_validated_setting():
     assert RouterConfig().backend_metrics_interval_s == 5.0
     with pytest.raises(UsageError, match="backend_metrics_interval_s must be positive"):

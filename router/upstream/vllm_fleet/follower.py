@@ -344,9 +344,15 @@ class BackendFollower:
         if not self.joined or self.in_doubt:
             if not (self.joined and not self.cluster.healthy(self.backend_id)):  # the prober probes a quarantined one
                 self.health_probes += 1
-                r = await client.get("/health", timeout=timeout)
-                if r.status_code != 200:
-                    why = f"/health answered {r.status_code}"
+                try:
+                    r = await client.get("/health", timeout=timeout)
+                    answer = str(r.status_code)
+                except httpx.HTTPError as exc:
+                    if not self.joined:
+                        raise
+                    answer = f"nothing ({type(exc).__name__})"  # unreachable: in doubt no more
+                if answer != "200":
+                    why = f"/health answered {answer}"
                     if not self.joined:
                         self._not_joined(why)
                     elif self.cluster.quarantine(self.backend_id):
