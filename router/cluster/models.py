@@ -107,6 +107,7 @@ class ServedModels:
         """The ids among ``replica_ids`` a request naming ``name`` may not go to."""
         backends = self._backends
         if name == self.alias or not name:
+            name = self.alias  # naming none is naming the router's own
             if self._one_model():
                 return frozenset()
             return frozenset(rid for rid in replica_ids if rid in backends and name not in backends[rid])

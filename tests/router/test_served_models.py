@@ -112,7 +112,7 @@ def test_each_name_has_its_group_and_the_alias_covers_a_fleet_of_one_model():
     assert m.outside("router-name", ids) == {"a", "b"}
     assert m.outside("qwen", ids) == {"solo", "a"}
     m.set_backend("b", [ModelCard("router-name")])
-    assert m.outside("router-name", ids) == {"a"}
+    assert m.outside("router-name", ids) == m.outside("", ids) == {"a"}
     m.drop_backend("b")
     assert m.outside("router-name", ids) == frozenset() and not m.knows("qwen")
 
