@@ -21,22 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from unicache.testing.procfs import session_pids as _session_pids
+
 READY = re.compile(r"^ready grpc=(\S+) http=(\S+) replicas=(\d+)$")
-
-
-def _session_pids(sid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # fields[0] is the state; session id is field 6 of stat, index 3 after the name.
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
 
 
 def _port_open(addr: str) -> bool:

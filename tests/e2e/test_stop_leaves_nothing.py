@@ -20,24 +20,9 @@ from pathlib import Path
 import pytest
 
 from unicache.plumbing.process_tree import Proc, alive, descendants
+from unicache.testing.procfs import session_processes as _session
 
 READY = re.compile(r"^ready grpc=(\S+) http=(\S+) replicas=(\d+)$")
-
-
-def _session(sid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every live (non-zombie) process of session ``sid``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            out.append((int(entry.name), cmd))
-    return out
 
 
 def _up(args: list[str], tmpdir: Path) -> subprocess.Popen:

@@ -34,3 +34,25 @@ def child_pids(pid: int) -> list[int]:
         if int(stat[1]) == pid and stat[0] != "Z" and b"resource_tracker" not in cmd:
             out.append(int(d.name))
     return sorted(out)
+
+
+def session_processes(sid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live (non-zombie) process of session ``sid``, by pid."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        # fields[0] is the state; the session id is field 6 of stat, index 3 after the name.
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append((int(entry.name), cmd))
+    return sorted(out)
+
+
+def session_pids(sid: int) -> list[int]:
+    """Pids of every live (non-zombie) process of session ``sid``."""
+    return [pid for pid, _ in session_processes(sid)]
