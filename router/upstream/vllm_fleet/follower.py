@@ -15,7 +15,9 @@ scrape (every ``metrics_interval_s``, 5 s by default). ``/health`` is asked only
 backend in doubt: a scrape failed and neither an event, a request's progress nor a
 ``/health`` answer came from it since the previous poll. It is asked ``health_interval_s``
 later; a failure quarantines the backend (the prober then takes over). Log lines say what
-changed (joined, a failure, answering again, quarantined), never that a poll ran.
+changed (joined, a failure, answering again, quarantined), never that a poll ran. The
+events stream is awaited on the event loop (``KVEventSubscriber.take_async``): no thread,
+no polling timeout, nothing done while it is idle.
 
 Invariants:
     * The index holds, for this backend, exactly the blocks its translated events stored
