@@ -209,7 +209,7 @@ class RouterConfig:
         default="", metadata={"help": "per-tenant overrides: JSON {tenant: {max_concurrent, max_prompt_tokens, tokens_per_minute}} or 'tenant.limit=N,...'"}
     )
     overload_backend_queue: int = field(
-        default=256, metadata={"help": "requests one backend may have queued (accepted, not started); 429 when every backend is full (0: no bound)"}
+        default=1024, metadata={"help": "requests one backend may have queued (accepted, not started); 429 when every backend is full (0: no bound)"}
     )
     overload_backend_queue_tokens: float = field(
         default=1.0, metadata={"help": "prompt tokens one backend may have queued, in multiples of its reported KV capacity in tokens (0: no bound)"}

@@ -86,7 +86,7 @@ class OverloadConfig:
         retry_after_s: the ``Retry-After`` of a refusal (0: from the fitted costs).
     """
 
-    backend_queue: int = 256
+    backend_queue: int = 1024  # a replica's own max_waiting default: both refuse at the same depth
     backend_queue_tokens: float = 1.0
     fleet_queue: int = 0
     fleet_queue_tokens: int = 0

@@ -111,7 +111,7 @@ def test_bad_settings_are_refused_by_name(name, value, msg):
 def test_settings_defaults_and_environment():
     cfg = build_config(env={})
     assert (cfg.overload_backend_queue, cfg.overload_backend_queue_tokens, cfg.overload_fleet_queue,
-            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s) == (256, 1.0, 0, 0, 0)
+            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s) == (1024, 1.0, 0, 0, 0)
     cfg = build_config(env={"UNICACHE_OVERLOAD_BACKEND_QUEUE": "8", "UNICACHE_OVERLOAD_RETRY_AFTER_S": "5"})
     assert (cfg.overload_backend_queue, cfg.overload_retry_after_s) == (8, 5)
 
@@ -151,9 +151,8 @@ def gen(stub, text: str = "hello there"):
 async def test_a_full_fleet_answers_429_and_resource_exhausted_with_retry_after(full_fleet):
     app, reps, stub, client = full_fleet
     held = [gen(stub), gen(stub)]
-    for call in held:
-        await call.read()  # one request streaming at each replica, held open
-    assert app.cluster.own_in_flight() == {"r0": 1, "r1": 1}
+    where = [(await call.read()).route.replica_id for call in held]  # one request streaming at each replica, held open
+    assert sorted(where) == ["r0", "r1"] and app.cluster.own_in_flight() == {"r0": 1, "r1": 1}
 
     with pytest.raises(grpc.aio.AioRpcError) as err:
         [m async for m in gen(stub)]
@@ -175,9 +174,10 @@ async def test_a_full_fleet_answers_429_and_resource_exhausted_with_retry_after(
     assert 'unicache_router_overload_rejections_total{bound="backends_full"} 3.0' in metrics
 
     reps[0].hold.set()  # r0's request finishes: its queue has room again
-    while await held[0].read() is not grpc.aio.EOF:
+    while await held[where.index("r0")].read() is not grpc.aio.EOF:
         pass
     await eventually(lambda: app.cluster.own_in_flight().get("r0", 0) == 0, "r0's request to finish")
+    reps[1].hold.set()  # NOTE: admission does not steer: round robin may still send it to r1
     msgs = [m async for m in gen(stub)]
-    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert msgs[0].route.replica_id == "r0"
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH  # admitted: r0 had room
+    assert app.core.overload.rejections.labels("backends_full")._value.get() == 3
