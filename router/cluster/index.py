@@ -172,6 +172,19 @@ class LocalityIndex(LocalityView):
         n = _walk(h.blocks, block_hashes, self._tick)
         return _window_limit(h.windows, block_hashes, n) if h.windows and n else n
 
+    def held_prefix(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading ``block_hashes`` the replica's entries hold, before any window cut and
+        without refreshing them (what a dispatch to it adds nothing pending for)."""
+        h = self._replicas.get(replica_id)
+        if h is None:
+            return 0
+        blocks, n = h.blocks, 0
+        for bh in block_hashes:
+            if bh not in blocks:
+                break
+            n += 1
+        return n
+
     def tier_run(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> TierRun:
         """The run of ``block_hashes[start:]`` that the replica's host tier and GPU
         entries hold together, its first block on the host (``LocalityView.tier_run``)."""

@@ -40,15 +40,22 @@ class PendingBlocks:
             (default 30).
         max_per_replica: bound on the hashes pending per replica (default 65,536).
         clock: seconds (default ``time.monotonic``).
+        held: how many leading hashes of a prompt a replica's index already holds
+            (``LocalityIndex.held_prefix``; None: none known). Those are not pending: no
+            event will confirm them (vLLM reports a reused block once, when it cached it),
+            and counting them past the index's match would undo what bounds that match
+            (a hybrid model's window groups).
     """
 
     def __init__(self, ttl_s: float = 30.0, max_per_replica: int = 65_536,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 held: Callable[[str, Sequence[BlockHash]], int] | None = None):
         if ttl_s <= 0 or max_per_replica <= 0:
             raise ValueError("ttl_s and max_per_replica must be positive")
         self.ttl_s = ttl_s
         self.max_per_replica = max_per_replica
         self.clock = clock
+        self.held = held
         self._by_replica: dict[str, OrderedDict[BlockHash, float]] = {}
         self._holders: dict[BlockHash, set[str]] = {}
         self._deadlines: deque[tuple[float, str, BlockHash]] = deque()  # every add, oldest first
@@ -61,7 +68,10 @@ class PendingBlocks:
         return bool(self._holders)
 
     def add(self, replica_id: str, hashes: Sequence[BlockHash]) -> None:
-        """``hashes`` were just routed to ``replica_id``."""
+        """``hashes`` were just routed to ``replica_id`` (the leading ones its index holds
+        are not pending)."""
+        if hashes and self.held is not None:
+            hashes = hashes[self.held(replica_id, hashes):]
         if not hashes:
             return
         now = self.clock()

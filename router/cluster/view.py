@@ -132,7 +132,7 @@ class ClusterView:
         self._on_change = on_change
         self._empty = EmptyView()
         # what this router just sent, until the backends' events confirm it (router/cluster/pending.py)
-        self.pending = PendingBlocks()
+        self.pending = PendingBlocks(held=getattr(index, "held_prefix", None))
         self._pending_views = (PendingView(index, self.pending), PendingView(self._empty, self.pending))
         index.on_stored = index.on_removed = self.pending.confirm
         self.removal_hooks: list[Callable[[str], None]] = []

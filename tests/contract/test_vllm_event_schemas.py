@@ -238,3 +238,24 @@ def test_the_follower_records_the_schema_and_hands_a_hybrid_backends_windows_to_
     f.apply([decode_batch(p) for p in payloads(release)])  # the same form again: not logged again
     lines = [r.getMessage() for r in caplog.records if "publishes KV events" in r.getMessage()]
     assert lines == [f"backend h publishes KV events in the {schema} form: {SCHEMAS[schema]}"]
+
+
+def test_a_dispatch_of_an_indexed_prefix_leaves_the_window_cut_alone():
+    """Routing a prompt whose blocks the index holds marks nothing pending: no event will
+    confirm them, and counting them past a hybrid backend's cut match would undo the cut
+    (vLLM would hit nothing where the router predicted the whole prefix)."""
+    from unicache.router.cluster.view import ClusterView
+    from unicache.router.routing.registry import make_routing_policy
+
+    index = LocalityIndex()
+    cluster = ClusterView(make_routing_policy("round_robin"), index)
+    cluster.backend_events = 1
+    u = hash_token_blocks(list(range(24)), 4)  # six blocks
+    index.apply_events_unchecked("h", u, [], [None, *u[:-1]])
+    index.set_windows("h", [(2, {u[4], u[5]})])
+    assert index.held_prefix("h", u) == 6 and index.held_prefix("h", u[:3] + [b"x" * 16]) == 3
+    cluster.pending.add("h", u)  # the whole prompt again: all held
+    cluster.pending.add("h", u[:5] + hash_token_blocks(list(range(20)) + [99] * 4, 4)[5:])  # 5 held, 1 new
+    assert len(cluster.pending) == 1
+    assert cluster.locality().prefix_matches(u[:5]) == {"h": 0}  # n=5 needs blocks 3, 4: block 3 is not in the window
+    assert cluster.locality().prefix_matches(u) == {"h": 6}
