@@ -79,7 +79,7 @@ def test_every_setting_has_flag_and_env(tmp_path):
         valid = {"routing_policy": "sglang", "http_parser": "h11", "event_loop": "asyncio", "memory_budget_mib": "128",
                  "shared_sessions": "on", "replica_transport": "grpc", "backends": "http://h:1,id=v",
                  "backend_discovery": "dns://vllm:8000?kv-events=5557", "redis_url": "rediss://h:1/0",
-                 "routing_options": "prefill_lanes=2"}  # checked names
+                 "routing_options": "prefill_lanes=2", "kv_events_listen": "tcp://*:5557"}  # checked names
         value = valid.get(f.name) or {"str": "v", "int": "3", "float": "1.5", "bool": "true"}[f.type]
         env = {f"UNICACHE_{f.name.upper()}": value}
         if f.name in TLS_TRIO:  # one needs the other two
