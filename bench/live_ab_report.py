@@ -140,9 +140,9 @@ def markdown(rep: dict) -> str:
                 f"{_s(r['ttft_p99_s'], 1000, '.1f')} | {_s(r['e2e_p50_s'], 1000, '.1f')} | "
                 f"{_s(r['router_cpu_ms_per_request'], 1, '.2f')} | {_s(r['router_idle_cpu_pct'], 1, '.1f')} | "
                 f"{r['requests']} | {r['failed']} |")
-    lines += ["", "| arm | goodput (rate scale) | sim goodput (GPU fit / calibrated) |", "|---|---|---|"]
+    lines += ["", "| arm | goodput (rate scale) | sim goodput (GPU fit / calibrated / fitted model) |", "|---|---|---|"]
     for name, a in rep["arms"].items():
-        sg = [(rep.get(k) or {}).get("arms", {}).get(name, {}).get("goodput") for k in ("sim", "sim_calibrated")]
+        sg = [(rep.get(k) or {}).get("arms", {}).get(name, {}).get("goodput") for k in ("sim", "sim_calibrated", "sim_fitted")]
         lines.append(f"| {name} | {a['goodput']:g} | {' / '.join('-' if g is None else format(g, 'g') for g in sg)} |")
     lines += ["", "95% bootstrap intervals over each (arm, rate)'s requests, all rounds pooled (bench/live_ab_stats.py); "
               "`ours` against each arm: better / worse only where the intervals do not overlap, else tie.", "",
