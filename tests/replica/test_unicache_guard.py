@@ -6,6 +6,7 @@ matter. Hit counts come from deterministic runs of the simulator's model of vLLM
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -45,7 +46,7 @@ def recency_trace(n: int = 3000, distance: int = 6, blocks: int = 4) -> list[dic
 
 @pytest.mark.parametrize("usable, lru, unicache, unguarded", [
     (60, 143712, 143088, 432),
-    (100, 143712, 143088, 912),
+    (100, 143712, 143120, 912),
 ])
 def test_where_recency_wins_unicache_ties_lru(usable, lru, unicache, unguarded):
     trace = prepared(recency_trace())
@@ -57,6 +58,32 @@ def test_where_recency_wins_unicache_ties_lru(usable, lru, unicache, unguarded):
     # points of LRU (the rest is the few windows before the guard sees the loss).
     assert (lru - unguarded) / queries > 0.35
     assert 0 <= (lru - unicache) / queries < 0.003
+
+
+def spiky_trace(n: int = 4000, p: float = 0.15, blocks: int = 20, seed: int = 1) -> list[dict]:
+    """Like ``recency_trace`` but sparse: one new prompt in seven (10-20 blocks) comes back
+    once, 5-30 prompts later. The evidence comes in rare whole-prompt spikes, so the guard
+    must remember hundreds of requests to tell it from noise."""
+    rng = random.Random(seed)
+    ids = iter(range(10**7))
+    rows, pending = [], []
+    for i in range(n):
+        prompt = [next(ids) for _ in range(rng.randint(blocks // 2, blocks))]
+        rows.append(prompt)
+        if rng.random() < p:
+            pending.append((i + rng.randint(5, 30), prompt))
+        rows += [q for due, q in pending if due <= i]
+        pending = [(due, q) for due, q in pending if due > i]
+    return [{"timestamp": 100 * i, "hash_ids": q, "input_length": len(q) * BS, "output_length": 2, "task": "qa"}
+            for i, q in enumerate(rows)]
+
+
+def test_sparse_evidence_still_moves_the_guard():
+    trace = prepared(spiky_trace())
+    lru, unicache = hits(trace, "lru", 200), hits(trace, "unicache", 200)
+    unguarded = hits(trace, "unicache", 200, recency_guard=False)
+    assert (lru[0], unicache[0], unguarded[0]) == (28800, 26336, 352)
+    assert 0 <= (lru[0] - unicache[0]) / lru[1] < 0.003
 
 
 def test_where_classes_matter_the_guard_keeps_the_wins():

@@ -46,7 +46,7 @@ class RecencyGuard:
         z: how many standard deviations of a tie a win must exceed.
     """
 
-    def __init__(self, step: float = 1.0, margin: float = 0.003, min_lookups: float = 64.0, decay: float = 0.7,
+    def __init__(self, step: float = 1.0, margin: float = 0.003, min_lookups: float = 64.0, decay: float = 0.98,
                  window: int = 8, z: float = 2.0):
         if not 0 < step <= 1 or margin < 0 or min_lookups < 0 or not 0 <= decay < 1 or window <= 0:
             raise ValueError("need 0 < step <= 1, margin >= 0, min_lookups >= 0, 0 <= decay < 1 and window > 0")
