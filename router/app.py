@@ -51,9 +51,9 @@ from unicache.router.request_path.prefix_tokens import PrefixReusingTokenizer
 from unicache.router.routing.base import RoutingPolicy, SharesRouterState
 from unicache.router.routing.registry import make_routing_policy, routing_policy_parameters
 from unicache.router.upstream.replica_client import ReplicaClients
+from unicache.router.upstream.vllm_fleet.events_listener import EventsListener
 from unicache.router.upstream.vllm_fleet.fleet import VllmFleet
 from unicache.v1 import router_pb2, router_pb2_grpc
-from unicache.router.upstream.vllm_fleet.events_listener import EventsListener
 
 log = logging.getLogger(__name__)
 

@@ -258,6 +258,10 @@ class RouterConfig:
             raise UsageError(f"backend_metrics_interval_s must be positive, got {self.backend_metrics_interval_s}")
         if self.prefix_tokens_kept < 0:
             raise UsageError(f"prefix_tokens_kept must be >= 0, got {self.prefix_tokens_kept}")
+        if self.kv_events_listen:
+            parse_listen(self.kv_events_listen)
+            if self.workers > 1:
+                raise UsageError("kv_events_listen binds one socket, which one process holds: run it with --workers 1")
         if self.memory_budget_mib < 64:
             raise UsageError(f"memory_budget_mib must be >= 64, got {self.memory_budget_mib}")
         if self.workers < 1:
@@ -278,10 +282,6 @@ class RouterConfig:
         self.check_redis()
 
     def check_redis(self) -> None:
-        if self.kv_events_listen:
-            parse_listen(self.kv_events_listen)
-            if self.workers > 1:
-                raise UsageError("kv_events_listen binds one socket, which one process holds: run it with --workers 1")
         """UsageError for Redis settings that cannot work while ``use_redis``: a URL that
         is not Redis, a TLS CA without ``rediss://``."""
         if self.use_redis and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

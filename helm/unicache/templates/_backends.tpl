@@ -118,7 +118,7 @@ as each pod publishes to one address: anything else fails the render.
 {{- end }}
 {{- end }}
 
-{{/* The router's ServiceAccount (only with an external selector: it reads EndpointSlices and pods). */}}
+{{/* The router's ServiceAccount (only with an external selector: it reads EndpointSlices). */}}
 {{- define "unicache.routerServiceAccount" -}}
 {{- include "unicache.componentName" (dict "ctx" . "component" "router") }}
 {{- end }}
