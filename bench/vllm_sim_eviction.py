@@ -106,6 +106,8 @@ def run_tune(args) -> str:
              "| trace | pool | lru | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
     sums = {k: 0.0 for k in variants}
     for c in tune_cases(args.mooncake):
+        if args.only and not any(word in c.name for word in args.only):
+            continue
         for f in args.fracs:
             lru = 100 * hit_ratio(c, "lru", f)
             r = {k: 100 * hit_ratio(c, "unicache", f, kw) for k, kw in variants.items()}
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--fracs", type=float, nargs="+", default=list(FRACS))
     p.add_argument("--variant", action="append", default=[], help="tune: NAME=JSON of UniCachePolicy keywords")
+    p.add_argument("--only", nargs="*", default=[], help="tune: the tuning traces whose name contains one of these")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     text = run_report(args) if args.mode == "report" else run_tune(args)
