@@ -111,17 +111,24 @@ def send_all(router_url: str, server_url: str, model: str, requests: list[LiveRe
 
 
 def simulate(requests: list[LiveRequest], tokens_per_id: int, labels: bool, pool: int) -> dict[str, float]:
-    """The simulator on the replay's requests. The router is sent session, task and
-    template, never the turn (it counts turns itself), so the simulator's classifier is
+    """The simulator on what each server saw: the router's one-token readiness probe
+    (``Router.wait_ready``; it moves UniCache's request count and step clock, not the hit
+    counters read after it), then the replay's requests. The router is sent session, task
+    and template, never the turn (it counts turns itself), so the simulator's classifier is
     not given the turn either."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "sim.jsonl"
-        write_sim_trace(requests, tokens_per_id, BS, path)
+        unique = write_sim_trace(requests, tokens_per_id, BS, path)
         rows = [json.loads(line) for line in path.read_text().splitlines()]
-        path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "turn"}) + "\n" for r in rows))
+        probe = {"timestamp": rows[0]["timestamp"], "input_length": 1, "output_length": 1, "hash_ids": [unique]}
+        path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "turn"}) + "\n" for r in [probe, *rows]))
         trace = prepare(read_trace(path), BS, ignore_labels=not labels)
     server = VllmServerModel(num_gpu_blocks=pool + 1, max_num_batched_tokens=MAX_BATCHED, step_clock_s=STEP_CLOCK_S)
-    return {p: VllmReplay(trace, p, server).run().hit_ratio for p in ("unicache", "lru")}
+    out = {}
+    for policy in ("unicache", "lru"):
+        res = VllmReplay(trace, policy, server).run()
+        out[policy] = res.hit_tokens / (res.query_tokens - 1)  # less the probe's one token
+    return out
 
 
 def run_window(model: str, source: str, start: int, trace: list[TraceRequest], labels: str, fracs: list[float],
