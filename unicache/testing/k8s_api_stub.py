@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from unicache.testing.loopback_asgi import LoopbackAsgi
 
 
 def endpoint(ip: str, pod: str, ready: bool | None = True, namespace: str = "default") -> dict:
@@ -69,22 +70,15 @@ class EndpointSliceApi:
         self._watchers: set[asyncio.Queue] = set()
         self.url = ""
         path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
-        self._server = uvicorn.Server(uvicorn.Config(
-            Starlette(routes=[Route(path, self._endpointslices)]), host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-        self._task: asyncio.Task | None = None
+        self._server = LoopbackAsgi(Starlette(routes=[Route(path, self._endpointslices)]))
 
     async def start(self) -> "EndpointSliceApi":
-        self._task = asyncio.create_task(self._server.serve())
-        while not self._server.started:
-            assert not self._task.done(), self._task.result()
-            await asyncio.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self._server.servers[0].sockets[0].getsockname()[1]}"
+        self.url = await self._server.start()
         return self
 
     async def stop(self) -> None:
         self.drop_watchers()
-        self._server.should_exit = True
-        await asyncio.gather(self._task, return_exceptions=True)
+        await self._server.stop()
 
     # --- what the test changes ------------------------------------------------------------
     def put(self, name: str, endpoints: list[dict], ports: list[tuple[str, int]], labels: dict[str, str]) -> None:
