@@ -212,7 +212,7 @@ class RouterConfig:
         default=1024, metadata={"help": "requests one backend may have queued (accepted, not started); 429 when every backend is full (0: no bound)"}
     )
     overload_backend_queue_tokens: float = field(
-        default=1.0, metadata={"help": "prompt tokens one backend may have queued, in multiples of its reported KV capacity in tokens (0: no bound)"}
+        default=4.0, metadata={"help": "prompt tokens one backend may have queued, in multiples of its reported KV capacity in tokens (0: no bound)"}
     )
     overload_fleet_queue: int = field(default=0, metadata={"help": "requests queued across the fleet before 429 (0: the sum of the backends' bounds)"})
     overload_fleet_queue_tokens: int = field(

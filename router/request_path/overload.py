@@ -87,7 +87,9 @@ class OverloadConfig:
     """
 
     backend_queue: int = 1024  # a replica's own max_waiting default: both refuse at the same depth
-    backend_queue_tokens: float = 1.0
+    # NOTE: 4 pools' worth: a queue of one pool turns over in one prefill wave, so a bound of
+    # 1 refused four concurrent long prompts on a small replica (unicache demo's flood).
+    backend_queue_tokens: float = 4.0
     fleet_queue: int = 0
     fleet_queue_tokens: int = 0
     retry_after_s: int = 0

@@ -111,7 +111,7 @@ def test_bad_settings_are_refused_by_name(name, value, msg):
 def test_settings_defaults_and_environment():
     cfg = build_config(env={})
     assert (cfg.overload_backend_queue, cfg.overload_backend_queue_tokens, cfg.overload_fleet_queue,
-            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s) == (1024, 1.0, 0, 0, 0)
+            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s) == (1024, 4.0, 0, 0, 0)
     cfg = build_config(env={"UNICACHE_OVERLOAD_BACKEND_QUEUE": "8", "UNICACHE_OVERLOAD_RETRY_AFTER_S": "5"})
     assert (cfg.overload_backend_queue, cfg.overload_retry_after_s) == (8, 5)
 
@@ -158,7 +158,7 @@ async def test_a_full_fleet_answers_429_and_resource_exhausted_with_retry_after(
         [m async for m in gen(stub)]
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.value.details() == ("overloaded: every backend's queue is full (2 backends; bounds: 1 requests, "
-                                   "1 x its KV capacity in tokens); retry after 3 s")
+                                   "4 x its KV capacity in tokens); retry after 3 s")
     trailers = dict(err.value.trailing_metadata())
     assert (trailers["retry-after"], trailers["grpc-retry-pushback-ms"]) == ("3", "3000")
 
