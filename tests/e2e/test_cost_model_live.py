@@ -21,6 +21,7 @@ import pytest
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.testing.polling import eventually
+from unicache.testing.procfs import child_pids
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
 from unicache.testing.vllm_servers import VllmServer, start_servers
 
@@ -38,21 +39,11 @@ def prompt(i: int) -> str:
 
 def engine_pids(server: VllmServer) -> list[int]:
     """The server's descendant processes (vLLM's engine core), not its API server."""
-    root = server.proc.pid
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(name))
-    out, todo = [], list(children.get(root, []))
+    out, todo = [], child_pids(server.proc.pid)
     while todo:
         pid = todo.pop()
         out.append(pid)
-        todo.extend(children.get(pid, []))
+        todo.extend(child_pids(pid))
     return out
 
 
