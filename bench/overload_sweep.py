@@ -2,10 +2,13 @@
 per multiple the share of requests refused with 429, the TTFT p99 of the admitted ones and
 the deadline expiries (the target: refusals, not expiries, and the admitted keep their TTFT).
 
-The capacity is the fleet's throughput when saturated: the first ``--synthetic`` requests
-of the generated mix sent all at once (successful requests per second), unless
-``--capacity-rps`` gives it. Each multiple ``k`` then replays the same requests at ``k``
-times that rate (``rate_scale`` = k x capacity / the mix's own rate).
+The capacity is the fleet's throughput when saturated: the first ``--capacity-requests``
+requests of the generated mix sent all at once (successful requests per second), unless
+``--capacity-rps`` gives it. Each multiple ``k`` then replays the ``--synthetic`` requests
+at ``k`` times that rate (``rate_scale`` = k x capacity / the mix's own rate). Every
+request declares its ``--timeout-s`` as OpenAI's SDK does (``x-stainless-read-timeout``),
+so the router may refuse at once what it predicts cannot start in time. A line per run
+(on stderr) says what it measured as it finishes.
 
     unicache up --replicas 2 --http-port 8000 &        # or any router endpoint
     .venv/bin/python -m bench.overload_sweep --endpoint http://127.0.0.1:8000 --synthetic 400 \\
@@ -20,9 +23,15 @@ import argparse
 import asyncio
 import json
 import math
+import sys
+import time
 
 from unicache.bench_client.client import BenchConfig, fit_to_context, run_bench, served_context, synthetic_requests
 from unicache.bench_client.stats import summarize
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def native_rps(requests) -> float:
@@ -61,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="unicache-default")
     p.add_argument("--multiples", default="1,2,4", help="loads as multiples of the capacity (default 1,2,4)")
     p.add_argument("--capacity-rps", type=float, default=0.0, help="the fleet's capacity (default 0: measured first)")
+    p.add_argument("--capacity-requests", type=int, default=100,
+                   help="requests sent at once to measure the capacity (default 100)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="client deadline per request (default 60)")
     p.add_argument("--out", help="write the figures as JSON")
     args = p.parse_args(argv)
@@ -77,14 +88,25 @@ def main(argv: list[str] | None = None) -> int:
     if capacity <= 0:
         burst = config()
         burst.rate_scale = math.inf
-        capacity = summarize(asyncio.run(run_bench(burst, requests)), burst.slo_ttft_s)["throughput_rps"]
+        say(f"capacity: {args.capacity_requests} requests at once ...")
+        t0 = time.perf_counter()
+        s = summarize(asyncio.run(run_bench(burst, requests[: args.capacity_requests])), burst.slo_ttft_s)
+        capacity = s["throughput_rps"]
+        say(f"capacity: {capacity:.2f} req/s ({s['succeeded']} of {s['requests']} answered, {time.perf_counter() - t0:.0f} s)")
         if capacity <= 0:
             raise SystemExit("no request succeeded when measuring the capacity")
-    rows = {f"{float(k):g}x": run_multiple(config(), requests, float(k) * capacity) for k in args.multiples.split(",")}
+    rows = {}
+    for k in args.multiples.split(","):
+        say(f"{float(k):g}x: {len(requests)} requests at {float(k) * capacity:.2f} req/s ...")
+        t0 = time.perf_counter()
+        r = rows[f"{float(k):g}x"] = run_multiple(config(), requests, float(k) * capacity)
+        say(f"{float(k):g}x: {r['succeeded']} answered, {r['refused']} refused, {r['deadline_expired']} expired, "
+            f"{r['other_failures']} other failures ({time.perf_counter() - t0:.0f} s)")
     print(table(capacity, rows))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump({"endpoint": args.endpoint, "synthetic": args.synthetic, "seed": args.seed, "capacity_rps": capacity,
+                       "timeout_s": args.timeout_s,
                        "runs": rows}, fh, indent=1)
     return 0
 

@@ -65,6 +65,7 @@ from unicache.router.frontends.openai_request import (
     DEFAULT_MAX_JSON_DEPTH,
     OpenAIRequest,
     check_model,
+    client_wait_budget_s,
     parse_body,
     parse_request,
     unimplemented_fields,
@@ -420,7 +421,8 @@ class HttpFrontDoor:
             # NOTE: one prompt goes to a vLLM backend as the client sent it, and vLLM's bytes
             # come back as they are; a batch is routed prompt by prompt and read as messages.
             relay = RelayRequest(request.url.path, body, req.stream, req.include_usage, passed) if len(preps) == 1 else None
-            agens = [core.forward(p, req.sampling, relay=relay) for p in preps]
+            budget = client_wait_budget_s(request.headers.get)
+            agens = [core.forward(p, req.sampling, relay=relay, wait_budget_s=budget) for p in preps]
             watch = _Watch(request.receive)
             firsts = await _first_messages(agens)
         except ClientDisconnect:

@@ -207,6 +207,29 @@ def routing_header(header: Callable[[str], str | None], name: str, param: str) -
     return value
 
 
+CLIENT_TIMEOUT_HEADERS = ("x-stainless-read-timeout", "x-stainless-timeout")
+
+
+def client_wait_budget_s(header: Callable[[str], str | None]) -> float | None:
+    """The seconds an HTTP client says it waits for an answer to start: the smaller of the
+    timeouts OpenAI's and other Stainless-generated SDKs send (``CLIENT_TIMEOUT_HEADERS``,
+    seconds), None when it sends none. A value that is not a positive finite number is
+    ignored: the SDKs send these on their own (one has sent the string ``NOT_GIVEN``), so
+    a malformed one must not fail a request the client never shaped."""
+    budget = None
+    for name in CLIENT_TIMEOUT_HEADERS:
+        raw = header(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if math.isfinite(value) and value > 0:
+            budget = value if budget is None else min(budget, value)
+    return budget
+
+
 def check_label(value: str, what: str, param: str) -> None:
     """400 for a label with control characters or longer than ``MAX_LABEL_CHARS``."""
     if len(value) > MAX_LABEL_CHARS:

@@ -48,7 +48,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -191,6 +191,7 @@ class Call:
     sampling: common_pb2.SamplingParams
     request_class: common_pb2.RequestClass
     relay: RelayRequest | None = None
+    wait_budget_s: float | None = None  # an HTTP client's declared timeout (OverloadGuard.wait_budget_s)
     _request: replica_pb2.GenerateRequest | None = None
 
     def request(self) -> replica_pb2.GenerateRequest:
@@ -387,7 +388,7 @@ class RouterCore:
 
     async def forward(
         self, prep: Prepared, sampling: common_pb2.SamplingParams, timeout_s: float | None = None,
-        relay: RelayRequest | None = None,
+        relay: RelayRequest | None = None, wait_budget_s: float | None = None,
     ) -> AsyncIterator[tuple[router_pb2.RouteInfo | None, replica_pb2.GenerateResponse | RelayHead | bytes]]:
         """Route and stream the replica's messages; the first pair carries the RouteInfo.
 
@@ -396,7 +397,9 @@ class RouterCore:
         ``relay``: the HTTP client's request, relayed as it is when a vLLM backend takes
         it: the first message is then a ``RelayHead`` and the rest vLLM's bytes
         (``unicache.router.upstream.vllm_fleet.relay``); ``relay.only_vllm`` offers the
-        policy vLLM backends only.
+        policy vLLM backends only. ``wait_budget_s``: an HTTP client's declared timeout
+        (``x-stainless-read-timeout``): no request is admitted that the fitted costs
+        predict cannot start within it (``OverloadGuard.check_wait``).
 
         Two steps: ``_first_message`` (choose, call, retry elsewhere until a replica sends
         its first message) and the streaming loop below (relay; never retried).
@@ -408,7 +411,7 @@ class RouterCore:
         # layer once, and the front door's own layers already cost per token.
         lease = self.admit(prep)
         try:
-            call = Call(prep, sampling, request_class_to_proto(prep.cls), relay)
+            call = Call(prep, sampling, request_class_to_proto(prep.cls), relay, wait_budget_s)
             deadline = prep.arrival + min(self.clients.forward_deadline_s, timeout_s if timeout_s is not None else float("inf"))
             attempt = await self._first_message(prep, call, deadline)
             rid = attempt.decision.replica_id
@@ -484,6 +487,9 @@ class RouterCore:
                 if last_error is not None:
                     raise last_error from None  # no other replica to retry on
                 raise
+            if not tried and self.overload is not None:  # before any token is computed
+                self.overload.check_wait(self._predicted_waits(prep, decision, outside),
+                                         self.overload.wait_budget_s(remaining, call.wait_budget_s))
             if tried:
                 self.metrics.retries.inc()
             try:
@@ -500,6 +506,19 @@ class RouterCore:
                     if worked > self.retry_replicas:
                         raise failed.error from None
                 last_error = failed.error
+
+    def _predicted_waits(self, prep: Prepared, decision: RouteDecision, outside: set[str]) -> Iterator[tuple[str, float, bool]]:
+        """(backend, predicted TTFT s, fitted) for the chosen backend with its cached
+        prefix, then lazily for every other live candidate with the whole prompt uncached
+        (what ``OverloadGuard.check_wait`` weighs)."""
+        rid = decision.replica_id
+        replicas = self.cluster.replicas
+        uncached = max(0, prep.routing.num_prompt_tokens - decision.matched_blocks * prep.routing.block_size)
+        yield (rid, *self.costs.predicted_ttft_s(rid, replicas[rid].load, uncached))
+        for load in self.cluster.loads():
+            other = load.replica_id
+            if other != rid and other not in outside:
+                yield (other, *self.costs.predicted_ttft_s(other, load, prep.routing.num_prompt_tokens))
 
     async def _attempt(self, prep: Prepared, call: Call, decision: RouteDecision, remaining_s: float) -> Attempt:
         """Call ``decision``'s replica (deadline ``remaining_s``) and wait for its first

@@ -71,19 +71,30 @@ class CostObserver:
     def __len__(self) -> int:
         return len(self._tracked)
 
+    def features(self, rid: str, load: ReplicaLoad | None) -> tuple[float, int, int]:
+        """(queued, outstanding, running) of a request dispatched to ``rid`` now, whose
+        load before counting it is ``load``: the terms of ``Costs.ttft_s`` beside its
+        uncached tokens (module docstring)."""
+        if load is None:
+            return 0.0, 0, 0
+        share = 1.0
+        if self.queue_shares is not None and load.queued_prefill_tokens:
+            share = (self.queue_shares() or {}).get(rid, 1.0)
+        return (load.queued_prefill_tokens * share / self.prefill_lanes,
+                max(load.in_flight, load.running + load.waiting), load.running)
+
+    def predicted_ttft_s(self, rid: str, load: ReplicaLoad | None, uncached: int) -> tuple[float, bool]:
+        """The TTFT ``rid``'s costs predict for a request of ``uncached`` prompt tokens
+        dispatched there now, and whether those costs are fitted (not the prior)."""
+        queued, outstanding, _ = self.features(rid, load)
+        costs = self.model.costs(rid)
+        return costs.ttft_s(uncached, queued, outstanding), costs.fitted
+
     def dispatched(self, request: RoutingRequest, decision: RouteDecision, load: ReplicaLoad | None) -> None:
         """``request`` is sent to ``decision.replica_id``, whose load (before counting this
         request) is ``load``."""
         rid = decision.replica_id
-        running = outstanding = 0
-        queued = 0.0
-        if load is not None:
-            running = load.running
-            outstanding = max(load.in_flight, load.running + load.waiting)
-            share = 1.0
-            if self.queue_shares is not None and load.queued_prefill_tokens:
-                share = (self.queue_shares() or {}).get(rid, 1.0)
-            queued = load.queued_prefill_tokens * share / self.prefill_lanes
+        queued, outstanding, running = self.features(rid, load)
         uncached = max(0, request.num_prompt_tokens - decision.matched_blocks * request.block_size)
         predicted = self.model.costs(rid).ttft_s(uncached, queued, outstanding)
         tracked = self._tracked

@@ -27,6 +27,15 @@ queue holding no tokens always takes one prompt, however long (the prompt limit 
 length: router/request_path/limits.py). With no live backend nothing is refused here (the
 request path answers "unavailable").
 
+A bound on the predicted wait (``check_wait``, once the policy has chosen): a request is
+refused when the time to first token the fitted costs predict (router/routing/cost_model.py)
+passes its wait budget at every live backend it may go to: the chosen one with the prefix
+it has cached, every other one with the whole prompt uncached. The budget is the earliest
+of ``max_wait_s``, what is left of the request's deadline (the router's forward deadline,
+a gRPC client's own), and an HTTP client's declared timeout (``client_wait_budget_s``).
+A backend whose costs are still the prior always has room: a guess refuses nothing. So a
+request the fleet cannot start in time is answered 429 at once instead of expiring later.
+
 ``Retry-After`` is ``retry_after_s`` when set, else the time to first token the cost model
 (router/routing/cost_model.py, fitted on the fleet) predicts for this prompt at the least
 loaded backend: about when the queue ahead of it has drained. Whole seconds, 1 to 60.
@@ -35,6 +44,7 @@ loaded backend: about when the queue ahead of it has drained. Whole seconds, 1 t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
@@ -45,7 +55,7 @@ from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cost_model import CostModel
 
 RETRY_AFTER_MAX_S = 60
-BOUNDS = ("backends_full", "fleet_requests", "fleet_tokens")
+BOUNDS = ("backends_full", "fleet_requests", "fleet_tokens", "wait")
 
 
 class Overloaded(RouterError):
@@ -84,6 +94,8 @@ class OverloadConfig:
         fleet_queue_tokens: prompt tokens queued across the fleet (0: the sum of the
             backends' token bounds).
         retry_after_s: the ``Retry-After`` of a refusal (0: from the fitted costs).
+        max_wait_s: the longest predicted time to first token admitted (0: only the
+            request's deadline bounds it).
     """
 
     backend_queue: int = 1024  # a replica's own max_waiting default: both refuse at the same depth
@@ -93,6 +105,7 @@ class OverloadConfig:
     fleet_queue: int = 0
     fleet_queue_tokens: int = 0
     retry_after_s: int = 0
+    max_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("backend_queue", "fleet_queue", "fleet_queue_tokens", "retry_after_s"):
@@ -101,6 +114,8 @@ class OverloadConfig:
                 raise UsageError(f"overload_{name} must be a non-negative integer, got {value!r}")
         if not math.isfinite(self.backend_queue_tokens) or self.backend_queue_tokens < 0:
             raise UsageError(f"overload_backend_queue_tokens must be a non-negative number, got {self.backend_queue_tokens!r}")
+        if not math.isfinite(self.max_wait_s) or self.max_wait_s < 0:
+            raise UsageError(f"overload_max_wait_s must be a non-negative number of seconds, got {self.max_wait_s!r}")
 
 
 def queued_requests(load: ReplicaLoad) -> int:
@@ -126,7 +141,7 @@ class OverloadGuard:
         self.rejections = Counter(
             "unicache_router_overload_rejections",
             "Requests refused with 429 / RESOURCE_EXHAUSTED by the overload bounds (router/request_path/overload.py), "
-            "by the bound that refused them (backends_full, fleet_requests, fleet_tokens)",
+            "by the bound that refused them (backends_full, fleet_requests, fleet_tokens, wait)",
             ["bound"], registry=registry or CollectorRegistry(),
         )
         for bound in BOUNDS:
@@ -166,6 +181,32 @@ class OverloadGuard:
         if bound_tokens and fleet_tokens and fleet_tokens + prompt_tokens > bound_tokens:
             self._refuse("fleet_tokens", f"the fleet has {fleet_tokens} prompt tokens queued; {prompt_tokens} more would pass "
                          f"its bound ({bound_tokens})", loads, prompt_tokens)
+
+    def wait_budget_s(self, remaining_s: float, client_s: float | None = None) -> float:
+        """The longest predicted wait a request may be admitted with: the earliest of
+        ``max_wait_s`` (when set), ``remaining_s`` of its deadline and ``client_s``, an HTTP
+        client's declared timeout (module docstring)."""
+        budget = remaining_s if client_s is None else min(remaining_s, client_s)
+        return min(budget, self.config.max_wait_s) if self.config.max_wait_s else budget
+
+    def check_wait(self, predictions: Iterable[tuple[str, float, bool]], budget_s: float) -> None:
+        """Raise ``Overloaded`` (bound ``wait``) when every one of ``predictions`` (backend
+        id, predicted TTFT s, whether its costs are fitted) is fitted and passes
+        ``budget_s``; an empty iterable refuses nothing. Consumed lazily: the first backend
+        with room ends the check."""
+        best_s = math.inf
+        seen = False
+        for rid, predicted_s, fitted in predictions:
+            if not fitted or predicted_s <= budget_s:
+                return
+            seen = True
+            best_s = min(best_s, predicted_s)
+        if not seen:
+            return
+        self.rejections.labels("wait").inc()
+        after = self.config.retry_after_s or min(RETRY_AFTER_MAX_S, max(1, math.ceil(best_s - budget_s)))
+        raise Overloaded(f"overloaded: every backend's predicted time to first token is past this request's wait budget "
+                         f"(best {best_s:.1f} s, budget {budget_s:.1f} s); retry after {after} s", after, "wait")
 
     def retry_after_s(self, loads: list[ReplicaLoad], prompt_tokens: int) -> int:
         """Whole seconds a refused client should wait (module docstring)."""

@@ -98,10 +98,58 @@ def test_rejections_are_counted_by_bound():
         "backends_full": 2, "fleet_requests": 1, "fleet_tokens": 0}
 
 
+def test_wait_bound_refuses_only_when_every_fitted_prediction_passes_the_budget():
+    g = guard(retry_after_s=0)
+    with pytest.raises(Overloaded) as err:
+        g.check_wait(iter([("a", 12.0, True), ("b", 14.2, True)]), 5.0)
+    assert (err.value.bound, err.value.retry_after_s) == ("wait", 7)  # best 12 s - budget 5 s
+    assert str(err.value) == ("overloaded: every backend's predicted time to first token is past this request's wait "
+                              "budget (best 12.0 s, budget 5.0 s); retry after 7 s")
+    g.check_wait(iter([("a", 12.0, True), ("b", 4.9, True)]), 5.0)  # b has room
+    g.check_wait(iter([("a", 12.0, True), ("b", 90.0, False)]), 5.0)  # b's costs are a guess: it has room
+    g.check_wait(iter([]), 5.0)  # no backend: the request path answers "unavailable"
+    assert g.rejections.labels("wait")._value.get() == 1
+
+
+def test_wait_bound_reads_the_predictions_lazily():
+    seen = []
+
+    def predictions():
+        for rid, wait in (("a", 1.0), ("b", 99.0)):
+            seen.append(rid)
+            yield rid, wait, True
+
+    guard().check_wait(predictions(), 5.0)
+    assert seen == ["a"]  # the chosen backend had room: no other was priced
+
+
+def test_wait_budget_is_the_earliest_of_setting_deadline_and_client_timeout():
+    assert guard(max_wait_s=30.0).wait_budget_s(300.0) == 30.0
+    assert guard(max_wait_s=30.0).wait_budget_s(12.0) == 12.0  # what is left of the deadline
+    assert guard(max_wait_s=30.0).wait_budget_s(300.0, 8.0) == 8.0  # the client's declared timeout
+    assert guard(max_wait_s=0).wait_budget_s(300.0) == 300.0  # switched off: the deadline alone
+
+
+def test_client_wait_budget_from_the_sdk_timeout_headers():
+    from unicache.router.frontends.openai_request import client_wait_budget_s
+
+    def headers(**h):
+        return {k.replace("_", "-"): v for k, v in h.items()}.get
+
+    assert client_wait_budget_s(headers()) is None
+    assert client_wait_budget_s(headers(x_stainless_read_timeout="600")) == 600.0
+    assert client_wait_budget_s(headers(x_stainless_read_timeout="60", x_stainless_timeout="20.5")) == 20.5
+    # sent by SDKs on their own: a malformed value is ignored, never an error
+    for bad in ("NOT_GIVEN", "-1", "0", "nan", "inf", ""):
+        assert client_wait_budget_s(headers(x_stainless_timeout=bad)) is None
+
+
 @pytest.mark.parametrize(("name", "value", "msg"), [
     ("backend_queue", -1, "overload_backend_queue must be a non-negative integer, got -1"),
     ("retry_after_s", 1.5, "overload_retry_after_s must be a non-negative integer, got 1.5"),
     ("backend_queue_tokens", -0.5, "overload_backend_queue_tokens must be a non-negative number, got -0.5"),
+    ("max_wait_s", -1.0, "overload_max_wait_s must be a non-negative number of seconds, got -1.0"),
+    ("max_wait_s", float("nan"), "overload_max_wait_s must be a non-negative number of seconds, got nan"),
 ])
 def test_bad_settings_are_refused_by_name(name, value, msg):
     with pytest.raises(UsageError, match=msg):
@@ -111,9 +159,10 @@ def test_bad_settings_are_refused_by_name(name, value, msg):
 def test_settings_defaults_and_environment():
     cfg = build_config(env={})
     assert (cfg.overload_backend_queue, cfg.overload_backend_queue_tokens, cfg.overload_fleet_queue,
-            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s) == (1024, 4.0, 0, 0, 0)
-    cfg = build_config(env={"UNICACHE_OVERLOAD_BACKEND_QUEUE": "8", "UNICACHE_OVERLOAD_RETRY_AFTER_S": "5"})
-    assert (cfg.overload_backend_queue, cfg.overload_retry_after_s) == (8, 5)
+            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s, cfg.overload_max_wait_s) == (1024, 4.0, 0, 0, 0, 30.0)
+    cfg = build_config(env={"UNICACHE_OVERLOAD_BACKEND_QUEUE": "8", "UNICACHE_OVERLOAD_RETRY_AFTER_S": "5",
+                            "UNICACHE_OVERLOAD_MAX_WAIT_S": "2.5"})
+    assert (cfg.overload_backend_queue, cfg.overload_retry_after_s, cfg.overload_max_wait_s) == (8, 5, 2.5)
 
 
 # ---------------------------------------------------------------- through the live router
@@ -181,3 +230,38 @@ async def test_a_full_fleet_answers_429_and_resource_exhausted_with_retry_after(
     msgs = [m async for m in gen(stub)]
     assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH  # admitted: r0 had room
     assert app.core.overload.rejections.labels("backends_full")._value.get() == 3
+
+
+async def test_a_request_the_fitted_costs_say_cannot_start_in_time_gets_429_at_once(full_fleet):
+    app, reps, stub, client = full_fleet
+    for rep in reps:
+        rep.hold.set()
+    # Fitted costs: 2 s per request outstanding at dispatch, nothing else.
+    model = CostModel.from_calibration({"version": 1, "backends": {
+        rid: {"prefill_base_s": 0.0, "prefill_per_token_s": 0.0, "per_outstanding_s": 2.0} for rid in ("r0", "r1")}})
+    app.core.costs.model = model
+    app.core.overload.config = OverloadConfig(backend_queue=0, backend_queue_tokens=0)  # the wait bound alone
+    body = {"prompt": "hi", "max_tokens": 2}
+    r = await client.post("/v1/completions", json=body, headers={"x-stainless-read-timeout": "5"})
+    assert r.status_code == 200  # idle: predicted 0 s
+    for rep in reps:
+        rep.hold.clear()
+    held = [gen(stub), gen(stub), gen(stub), gen(stub)]  # 2 outstanding at each: 4 s predicted there
+    for call in held:
+        await call.read()
+    r = await client.post("/v1/completions", json=body, headers={"x-stainless-read-timeout": "3"})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"  # best 4 s, budget 3 s
+    assert r.json()["error"]["message"] == ("overloaded: every backend's predicted time to first token is past this "
+                                            "request's wait budget (best 4.0 s, budget 3.0 s); retry after 1 s")
+    assert sum(len(rep.requests) for rep in reps) == 5  # the refused request reached no replica
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # a gRPC client's own deadline is its budget
+        [m async for m in stub.Generate(router_pb2.RouterGenerateRequest(
+            text="hi", sampling=common_pb2.SamplingParams(max_tokens=3)), timeout=3.5)]
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert app.core.overload.rejections.labels("wait")._value.get() == 2
+    for rep in reps:
+        rep.hold.set()
+    for call in held:
+        while await call.read() is not grpc.aio.EOF:
+            pass
