@@ -219,7 +219,7 @@ class RouterConfig:
         default=0, metadata={"help": "prompt tokens queued across the fleet before 429 (0: the sum of the backends' bounds)"}
     )
     overload_max_wait_s: float = field(
-        default=30.0, metadata={"help": "longest time to first token the fitted costs may predict for an admitted request, seconds; beyond it at every backend, 429 (0: only the request's deadline bounds it)"}
+        default=20.0, metadata={"help": "longest time to first token the fitted costs may predict for an admitted request, seconds; beyond it at every backend, 429 (0: only the request's deadline bounds it)"}
     )
     overload_retry_after_s: int = field(
         default=0, metadata={"help": "Retry-After of an overload refusal, seconds (0: the TTFT the fitted costs predict at the least loaded backend, 1-60)"}

@@ -62,6 +62,7 @@ from unicache.router.observability.metrics import RouterMetrics
 from unicache.router.request_path.auth import Authenticator
 from unicache.router.request_path.classifier import Labels, RequestClassifier
 from unicache.router.request_path.cost_observer import CostObserver
+from unicache.router.request_path.drain_rate import queued_requests
 from unicache.router.request_path.first_token import FirstTokenTimeout
 from unicache.router.request_path.limits import LimitExceeded, TenantLimiter
 from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState
@@ -317,6 +318,8 @@ class RouterCore:
         self.metrics.forget_replica(replica_id)
         self.clients.forget_replica(replica_id)
         self.costs.model.forget(replica_id)
+        if self.overload is not None:
+            self.overload.drains.forget(replica_id)
         if self.first_token_timeout is not None:
             self.first_token_timeout.forget(replica_id)
 
@@ -507,18 +510,19 @@ class RouterCore:
                         raise failed.error from None
                 last_error = failed.error
 
-    def _predicted_waits(self, prep: Prepared, decision: RouteDecision, outside: set[str]) -> Iterator[tuple[str, float, bool]]:
-        """(backend, predicted TTFT s, fitted) for the chosen backend with its cached
-        prefix, then lazily for every other live candidate with the whole prompt uncached
-        (what ``OverloadGuard.check_wait`` weighs)."""
+    def _predicted_waits(self, prep: Prepared, decision: RouteDecision, outside: set[str]) -> Iterator[tuple[str, float | None]]:
+        """(backend, ``OverloadGuard.predicted_wait_s``) for the chosen backend with its
+        cached prefix, then lazily for every other live candidate with the whole prompt
+        uncached (what ``OverloadGuard.check_wait`` weighs)."""
         rid = decision.replica_id
-        replicas = self.cluster.replicas
+        guard, costs = self.overload, self.costs
+        load = self.cluster.replicas[rid].load
         uncached = max(0, prep.routing.num_prompt_tokens - decision.matched_blocks * prep.routing.block_size)
-        yield (rid, *self.costs.predicted_ttft_s(rid, replicas[rid].load, uncached))
+        yield rid, guard.predicted_wait_s(rid, load, costs.predicted_ttft_s(rid, load, uncached))
         for load in self.cluster.loads():
             other = load.replica_id
             if other != rid and other not in outside:
-                yield (other, *self.costs.predicted_ttft_s(other, load, prep.routing.num_prompt_tokens))
+                yield other, guard.predicted_wait_s(other, load, costs.predicted_ttft_s(other, load, prep.routing.num_prompt_tokens))
 
     async def _attempt(self, prep: Prepared, call: Call, decision: RouteDecision, remaining_s: float) -> Attempt:
         """Call ``decision``'s replica (deadline ``remaining_s``) and wait for its first
@@ -576,6 +580,8 @@ class RouterCore:
         rec.last_message = time.monotonic()
         self.policy.on_first_token(prep.routing, rid)
         self.costs.first_token(prep.request_id)
+        if self.overload is not None:
+            self.overload.drains.started(rid, queued_requests(rec.load))
         if ftt is not None:
             ftt.observe(rid, now - t0)
         if streamed:

@@ -28,12 +28,15 @@ length: router/request_path/limits.py). With no live backend nothing is refused 
 request path answers "unavailable").
 
 A bound on the predicted wait (``check_wait``, once the policy has chosen): a request is
-refused when the time to first token the fitted costs predict (router/routing/cost_model.py)
+refused when the time to first token it should expect (``predicted_wait_s``: the larger of
+what the fitted costs predict, router/routing/cost_model.py, and the time the backend's
+queue takes to start at its measured drain rate, router/request_path/drain_rate.py)
 passes its wait budget at every live backend it may go to: the chosen one with the prefix
 it has cached, every other one with the whole prompt uncached. The budget is the earliest
 of ``max_wait_s``, what is left of the request's deadline (the router's forward deadline,
 a gRPC client's own), and an HTTP client's declared timeout (``client_wait_budget_s``).
-A backend whose costs are still the prior always has room: a guess refuses nothing. So a
+A backend with neither fitted costs nor a measured drain rate always has room: a guess
+refuses nothing. So a
 request the fleet cannot start in time is answered 429 at once instead of expiring later.
 
 ``Retry-After`` is ``retry_after_s`` when set, else the time to first token the cost model
@@ -51,6 +54,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from unicache.plumbing.errors import UsageError
 from unicache.router.request_path.core import RouterError
+from unicache.router.request_path.drain_rate import DrainRates, queued_requests
 from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cost_model import CostModel
 
@@ -105,7 +109,7 @@ class OverloadConfig:
     fleet_queue: int = 0
     fleet_queue_tokens: int = 0
     retry_after_s: int = 0
-    max_wait_s: float = 30.0
+    max_wait_s: float = 20.0
 
     def __post_init__(self) -> None:
         for name in ("backend_queue", "fleet_queue", "fleet_queue_tokens", "retry_after_s"):
@@ -116,11 +120,6 @@ class OverloadConfig:
             raise UsageError(f"overload_backend_queue_tokens must be a non-negative number, got {self.backend_queue_tokens!r}")
         if not math.isfinite(self.max_wait_s) or self.max_wait_s < 0:
             raise UsageError(f"overload_max_wait_s must be a non-negative number of seconds, got {self.max_wait_s!r}")
-
-
-def queued_requests(load: ReplicaLoad) -> int:
-    """What ``load``'s backend has accepted and not started."""
-    return max(load.waiting, load.in_flight - load.running, 0)
 
 
 class OverloadGuard:
@@ -138,6 +137,7 @@ class OverloadGuard:
         self.config = config
         self.block_size = block_size
         self.costs = costs
+        self.drains = DrainRates()
         self.rejections = Counter(
             "unicache_router_overload_rejections",
             "Requests refused with 429 / RESOURCE_EXHAUSTED by the overload bounds (router/request_path/overload.py), "
@@ -189,15 +189,26 @@ class OverloadGuard:
         budget = remaining_s if client_s is None else min(remaining_s, client_s)
         return min(budget, self.config.max_wait_s) if self.config.max_wait_s else budget
 
-    def check_wait(self, predictions: Iterable[tuple[str, float, bool]], budget_s: float) -> None:
+    def predicted_wait_s(self, rid: str, load: ReplicaLoad, model: tuple[float, bool]) -> float | None:
+        """The time to first token a request dispatched to ``rid`` (at ``load``) should
+        expect: the larger of the cost model's prediction ``model`` (seconds, fitted) and
+        the time its queued requests take to start at its measured drain rate
+        (``DrainRates``); None when neither is known yet (the prior's guess, no rate)."""
+        model_s, fitted = model
+        rate_known = self.drains.rate(rid) is not None
+        if not fitted and not rate_known:
+            return None
+        queue_s = self.drains.wait_s(rid, queued_requests(load)) if rate_known else 0.0
+        return max(model_s if fitted else 0.0, queue_s)
+
+    def check_wait(self, predictions: Iterable[tuple[str, float | None]], budget_s: float) -> None:
         """Raise ``Overloaded`` (bound ``wait``) when every one of ``predictions`` (backend
-        id, predicted TTFT s, whether its costs are fitted) is fitted and passes
-        ``budget_s``; an empty iterable refuses nothing. Consumed lazily: the first backend
-        with room ends the check."""
+        id, its ``predicted_wait_s``) is known and passes ``budget_s``; an empty iterable
+        refuses nothing. Consumed lazily: the first backend with room ends the check."""
         best_s = math.inf
         seen = False
-        for rid, predicted_s, fitted in predictions:
-            if not fitted or predicted_s <= budget_s:
+        for _rid, predicted_s in predictions:
+            if predicted_s is None or predicted_s <= budget_s:
                 return
             seen = True
             best_s = min(best_s, predicted_s)

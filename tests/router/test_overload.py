@@ -13,7 +13,8 @@ import pytest
 from unicache.plumbing.errors import UsageError
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.router.request_path.overload import Overloaded, OverloadConfig, OverloadGuard, queued_requests
+from unicache.router.request_path.drain_rate import DrainRates, queued_requests
+from unicache.router.request_path.overload import Overloaded, OverloadConfig, OverloadGuard
 from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cost_model import CostModel
 from unicache.testing.fake_replica import FakeReplica
@@ -98,15 +99,15 @@ def test_rejections_are_counted_by_bound():
         "backends_full": 2, "fleet_requests": 1, "fleet_tokens": 0}
 
 
-def test_wait_bound_refuses_only_when_every_fitted_prediction_passes_the_budget():
+def test_wait_bound_refuses_only_when_every_known_prediction_passes_the_budget():
     g = guard(retry_after_s=0)
     with pytest.raises(Overloaded) as err:
-        g.check_wait(iter([("a", 12.0, True), ("b", 14.2, True)]), 5.0)
+        g.check_wait(iter([("a", 12.0), ("b", 14.2)]), 5.0)
     assert (err.value.bound, err.value.retry_after_s) == ("wait", 7)  # best 12 s - budget 5 s
     assert str(err.value) == ("overloaded: every backend's predicted time to first token is past this request's wait "
                               "budget (best 12.0 s, budget 5.0 s); retry after 7 s")
-    g.check_wait(iter([("a", 12.0, True), ("b", 4.9, True)]), 5.0)  # b has room
-    g.check_wait(iter([("a", 12.0, True), ("b", 90.0, False)]), 5.0)  # b's costs are a guess: it has room
+    g.check_wait(iter([("a", 12.0), ("b", 4.9)]), 5.0)  # b has room
+    g.check_wait(iter([("a", 12.0), ("b", None)]), 5.0)  # nothing known of b: it has room
     g.check_wait(iter([]), 5.0)  # no backend: the request path answers "unavailable"
     assert g.rejections.labels("wait")._value.get() == 1
 
@@ -117,16 +118,49 @@ def test_wait_bound_reads_the_predictions_lazily():
     def predictions():
         for rid, wait in (("a", 1.0), ("b", 99.0)):
             seen.append(rid)
-            yield rid, wait, True
+            yield rid, wait
 
     guard().check_wait(predictions(), 5.0)
     assert seen == ["a"]  # the chosen backend had room: no other was priced
 
 
+def test_predicted_wait_is_the_larger_of_the_fit_and_the_queue_at_its_drain_rate():
+    g = guard()
+    now = [0.0]
+    g.drains = DrainRates(window=4, min_starts=3, clock=lambda: now[0])
+    load = ReplicaLoad("a", running=4, waiting=6, in_flight=10)  # 6 queued
+    assert g.predicted_wait_s("a", load, (2.0, False)) is None  # a guess and no rate: nothing known
+    assert g.predicted_wait_s("a", load, (2.0, True)) == 2.0  # the fit alone
+    for t in (0.0, 1.0, 2.0):
+        now[0] = t
+        g.drains.started("a", queued=3)
+    g.drains.started("a", queued=0)  # an idle backend's start shows the arrival rate: not counted
+    assert g.drains.rate("a") == 1.0  # 2 starts after the first in 2 s
+    assert g.predicted_wait_s("a", load, (2.0, True)) == 6.0  # 6 queued at 1 per second
+    assert g.predicted_wait_s("a", load, (9.0, True)) == 9.0
+    assert g.predicted_wait_s("a", load, (9.0, False)) == 6.0  # the prior's guess is not used
+    assert g.predicted_wait_s("a", ReplicaLoad("a", running=4, in_flight=4), (0.5, False)) == 0.0
+    now[0] = 4.0
+    g.drains.started("a", queued=1)
+    g.drains.started("a", queued=1)  # the window keeps the last 4: 1, 2, 4, 4
+    assert g.drains.rate("a") == 1.0
+    g.drains.forget("a")
+    assert g.drains.rate("a") is None
+
+
+def test_drain_rate_needs_a_span():
+    d = DrainRates(window=8, min_starts=2, clock=lambda: 5.0)
+    d.started("a", 1)
+    d.started("a", 1)
+    assert d.rate("a") is None and d.wait_s("a", 10) == 0.0  # two starts at one instant: no rate
+    with pytest.raises(ValueError):
+        DrainRates(window=4, min_starts=5)
+
+
 def test_wait_budget_is_the_earliest_of_setting_deadline_and_client_timeout():
-    assert guard(max_wait_s=30.0).wait_budget_s(300.0) == 30.0
-    assert guard(max_wait_s=30.0).wait_budget_s(12.0) == 12.0  # what is left of the deadline
-    assert guard(max_wait_s=30.0).wait_budget_s(300.0, 8.0) == 8.0  # the client's declared timeout
+    assert guard(max_wait_s=20.0).wait_budget_s(300.0) == 20.0
+    assert guard(max_wait_s=20.0).wait_budget_s(12.0) == 12.0  # what is left of the deadline
+    assert guard(max_wait_s=20.0).wait_budget_s(300.0, 8.0) == 8.0  # the client's declared timeout
     assert guard(max_wait_s=0).wait_budget_s(300.0) == 300.0  # switched off: the deadline alone
 
 
@@ -159,7 +193,7 @@ def test_bad_settings_are_refused_by_name(name, value, msg):
 def test_settings_defaults_and_environment():
     cfg = build_config(env={})
     assert (cfg.overload_backend_queue, cfg.overload_backend_queue_tokens, cfg.overload_fleet_queue,
-            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s, cfg.overload_max_wait_s) == (1024, 4.0, 0, 0, 0, 30.0)
+            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s, cfg.overload_max_wait_s) == (1024, 4.0, 0, 0, 0, 20.0)
     cfg = build_config(env={"UNICACHE_OVERLOAD_BACKEND_QUEUE": "8", "UNICACHE_OVERLOAD_RETRY_AFTER_S": "5",
                             "UNICACHE_OVERLOAD_MAX_WAIT_S": "2.5"})
     assert (cfg.overload_backend_queue, cfg.overload_retry_after_s, cfg.overload_max_wait_s) == (8, 5, 2.5)
