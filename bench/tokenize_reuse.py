@@ -1,5 +1,6 @@
-"""CPU the router spends tokenizing chats, with and without reusing recent prefixes
-(``unicache.router.request_path.prefix_tokens``), in interleaved rounds of one run.
+"""CPU the router spends tokenizing chats and completion prompts, with and without reusing
+recent prefixes (``unicache.router.request_path.prefix_tokens``), in interleaved rounds of
+one run.
 
 A workload of ``--chats`` chats of ``--turns`` turns (each message ``--words`` words; a
 client resends the whole history every turn, the chats interleaved as a router sees them)
@@ -12,11 +13,17 @@ ChatML / Qwen, Llama 3, and the project's word-level tiny Llama); their vocabula
 small, so a prompt has more tokens than a real model's would, and the figures are
 ratios, not a real tokenizer's milliseconds.
 
+``--workload completions`` instead tokenizes ``--chats`` x ``--turns`` completion prompts
+(with the tokenizer's special tokens, as the router encodes a completion) of ``--words``
+x 10 words each, three quarters of them one of ``--heads`` shared heads and the rest their
+own (the shape of ``bench.router_only``'s prompts workload).
+
 Reports per tokenizer: CPU ms per prompt whole and reusing, their ratio (median over
 rounds), the share of ids reused, and the kept ids.
 
 Run (from the repository root; take the figures on an idle machine):
-    .venv/bin/python -m bench.tokenize_reuse [--chats 20] [--turns 10] [--words 70] [--rounds 5] [--json OUT]
+    .venv/bin/python -m bench.tokenize_reuse [--workload chats|completions] [--chats 20] [--turns 10] [--words 70]
+        [--heads 8] [--rounds 5] [--json OUT]
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import time
 from unicache.contract.chat_template import render_chat
 from unicache.contract.tokenizer import HFTokenizer
 from unicache.router.request_path.prefix_tokens import PrefixReusingTokenizer
-from unicache.testing.chat_tokenizers import chat_turns, write_chat_tokenizer
+from unicache.testing.chat_tokenizers import chat_turns, chat_words, write_chat_tokenizer
 
 KINDS = ("chatml", "llama3", "words")
 
@@ -41,6 +48,15 @@ def workload(tok: HFTokenizer, kind: str, chats: int, turns: int, words: int, se
     rng = random.Random(seed)
     all_turns = [chat_turns(rng, turns, words, kind) for _ in range(chats)]
     return [render_chat(chat[t], tok.chat_template) for t in range(turns) for chat in all_turns]
+
+
+def completions(n: int, words: int, heads: int, seed: int = 0) -> list[str]:
+    """``n`` completion prompts of ``words`` x 10 words: a shared head (three quarters of
+    them, one of ``heads``) and a tail of their own."""
+    rng = random.Random(seed)
+    total = words * 10
+    shared = [chat_words(rng, total * 3 // 4) for _ in range(heads)]
+    return [shared[i % heads] + " " + chat_words(rng, total - total * 3 // 4) for i in range(n)]
 
 
 def cpu_ms(encode, prompts: list[str]) -> tuple[float, list[list[int]]]:
@@ -54,14 +70,20 @@ def cpu_ms(encode, prompts: list[str]) -> tuple[float, list[list[int]]]:
 def measure(kind: str, args) -> dict:
     with tempfile.TemporaryDirectory() as d:
         tok = HFTokenizer(write_chat_tokenizer(d, kind))
-    prompts = workload(tok, kind, args.chats, args.turns, args.words)
+    chats = args.workload == "chats"
+    prompts = (workload(tok, kind, args.chats, args.turns, args.words) if chats
+               else completions(args.chats * args.turns, args.words, args.heads))
+    special = not chats  # a completion prompt is encoded with the tokenizer's special tokens
     whole_ms, reuse_ms, ratios = [], [], []
     reusing = None
     for r in range(args.rounds):
         reusing = PrefixReusingTokenizer(tok)
         runs = {}
         for name in (("whole", "reuse") if r % 2 == 0 else ("reuse", "whole")):
-            encode = tok.encode if name == "whole" else reusing.encode
+            plain = tok.encode if name == "whole" else reusing.encode
+
+            def encode(p, plain=plain):
+                return plain(p, special)
             runs[name] = cpu_ms(encode, prompts)
         if runs["whole"][1] != runs["reuse"][1]:
             raise SystemExit(f"{kind}: reused ids differ from whole encodes")
@@ -70,7 +92,7 @@ def measure(kind: str, args) -> dict:
         ratios.append(runs["reuse"][0] / runs["whole"][0] if runs["whole"][0] else float("nan"))
     total = sum(len(ids) for ids in runs["whole"][1])
     return {
-        "tokenizer": kind, "prompts": len(prompts), "tokens_per_prompt": round(total / len(prompts)),
+        "tokenizer": kind, "workload": args.workload, "prompts": len(prompts), "tokens_per_prompt": round(total / len(prompts)),
         "whole_ms_per_prompt": round(statistics.median(whole_ms), 4), "reuse_ms_per_prompt": round(statistics.median(reuse_ms), 4),
         "cpu_ratio_reuse_over_whole": round(statistics.median(ratios), 3),
         "reused_share": round(reusing.reused_tokens / total, 3), "kept_tokens": reusing.kept_tokens,
@@ -80,6 +102,8 @@ def measure(kind: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=("chats", "completions"), default="chats")
+    ap.add_argument("--heads", type=int, default=8, help="shared heads of the completions workload")
     ap.add_argument("--chats", type=int, default=20)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--words", type=int, default=70, help="words per user message (the system prompt as many, answers a quarter)")

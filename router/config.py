@@ -174,8 +174,9 @@ class RouterConfig:
     checkpoint: str = field(default="", metadata={"help": "the replicas' checkpoint dir (only its tokenizer.json is read)"})
     prefix_tokens_kept: int = field(
         default=1_000_000,
-        metadata={"help": "token ids of recently seen chat prefixes kept (about 4 bytes each plus the text), so a chat's new "
-                          "turn tokenizes only its new part (router/request_path/prefix_tokens.py); 0: tokenize every prompt whole"},
+        metadata={"help": "token ids of recently seen prompt prefixes kept (about 4 bytes each plus the text), so a chat's new "
+                          "turn, or a completion prompt sharing a long head with a recent one, tokenizes only its new part "
+                          "(router/request_path/prefix_tokens.py); 0: tokenize every prompt whole"},
     )
     memory_budget_mib: int = field(
         default=256, metadata={"help": "RSS budget of one router process: the classifier's and the policy's tables are capped to fit it (router/memory.py)"}
@@ -219,7 +220,7 @@ class RouterConfig:
         default=0, metadata={"help": "prompt tokens queued across the fleet before 429 (0: the sum of the backends' bounds)"}
     )
     overload_max_wait_s: float = field(
-        default=20.0, metadata={"help": "longest time to first token the fitted costs may predict for an admitted request, seconds; beyond it at every backend, 429 (0: only the request's deadline bounds it)"}
+        default=20.0, metadata={"help": "longest expected time to first token of an admitted request, seconds (the fitted costs or the backend's queue at its measured drain rate); beyond it at every backend, 429 (0: only the request's deadline bounds it)"}
     )
     overload_retry_after_s: int = field(
         default=0, metadata={"help": "Retry-After of an overload refusal, seconds (0: the TTFT the fitted costs predict at the least loaded backend, 1-60)"}

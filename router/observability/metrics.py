@@ -126,8 +126,8 @@ class RouterMetrics:
         self.redis_connected = Gauge("unicache_router_redis_connected", "1 when the Redis subscriber is connected", registry=r)
         self.prefix_reuse = Gauge(
             "unicache_router_prefix_reuse",
-            "Prompts tokenized reusing kept chat prefixes (router/request_path/prefix_tokens.py), by kind: hits (encodes that "
-            "reused a prefix), misses (encodes with message delimiters and nothing kept), reused_tokens (ids not encoded "
+            "Prompts tokenized reusing kept prefixes (router/request_path/prefix_tokens.py), by kind: hits (encodes that "
+            "reused a prefix), misses (encodes with message delimiters or word cuts and nothing kept), reused_tokens (ids not encoded "
             "again), kept_tokens (ids kept now), mismatches (1: a reuse differed from a whole encode; reuse is off)",
             ["kind"], registry=r,
         )

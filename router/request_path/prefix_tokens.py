@@ -16,6 +16,17 @@ a kept prefix is looked up from the last cut backwards and checked against the t
 itself before use. Only ``add_special_tokens=False`` encodes (rendered chats) are served
 this way; anything else is encoded whole.
 
+A completion prompt has no such delimiters, but prompts often share a long head (a
+system text, a document, few-shot examples). It is cut at word boundaries instead: the
+first space between two word characters at or after every ``STRIDE`` characters. Byte-level
+BPE (GPT-2, Llama 3, Qwen), Metaspace and whitespace pre-tokenizers never join a word with
+the space before it into one token across such a point when the space starts the next
+word, so the ids of the whole are again those of the pieces; the cut points depend only on
+the text up to them, so two prompts sharing a head share its cuts. Every cut's prefix is
+kept (not only the last ones), and the ids of a prompt with special tokens added are the
+tokenizer's own special head (e.g. BOS) followed by the pieces' ids, where a self-test
+shows that is what the tokenizer does.
+
 Invariants:
     * ``encode`` returns exactly the wrapped tokenizer's ids for the same text; a startup
       self-test on the tokenizer's own special tokens and a full encode of every
@@ -35,6 +46,8 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 KEEP_CUTS = 2  # the last cuts of each text kept: the next turn resends at least one of them
+STRIDE = 1024  # characters between word-boundary cuts of a text without delimiters
+_WORD_CUT = re.compile(r"(?<=\w) (?=\w)")
 _PROBES = ("", "a", " a", "\n\n", "  x y", "Hello, world!", "123 456", "\u00e9t\u00e9 \u4e2d\u6587", "\ta\n b")
 
 
@@ -72,6 +85,12 @@ class PrefixReusingTokenizer:
         if self._cuts is not None and not self._self_test(splits):
             log.warning("tokenizer: cutting after its special tokens changes its ids; every prompt is tokenized whole")
             self._cuts = None
+        # NOTE: word cuts need the same guarantee as the delimiters' (split_tokens gives []
+        # for a tokenizer that treats its first piece apart), then a self-test of their own.
+        self._special_head: list[int] | None = None
+        self._word_cuts = self._cuts is not None and self._word_self_test()
+        if self._cuts is not None and not self._word_cuts:
+            log.info("tokenizer: cutting completion prompts at word boundaries changes its ids; they are tokenized whole")
 
     @property
     def enabled(self) -> bool:
@@ -92,10 +111,50 @@ class PrefixReusingTokenizer:
                         return False
         return True
 
+    def _word_self_test(self) -> bool:
+        """Cutting before the space of every probe's word boundary gives the ids of the
+        whole, and adding special tokens puts one fixed head before the plain ids."""
+        enc = self.tokenizer.encode
+        words = ("Hello", "a", "x1", "\u00e9t\u00e9", "world", "Zz", "the")
+        for left in _PROBES + words:
+            for right in words:
+                for head in ("", "a b. ", "x\n"):
+                    whole = head + left + "w " + right + " tail"
+                    cut = len(head + left + "w")
+                    if enc(whole) != enc(whole[:cut]) + enc(whole[cut:]):
+                        return False
+        special = enc("", True)
+        if any(enc(p, True) != special + enc(p) for p in _PROBES[1:] + words):
+            return False
+        self._special_head = special
+        return True
+
+    def _word_cut_points(self, text: str) -> list[int]:
+        """The first word-boundary cut at or after every ``STRIDE`` characters."""
+        cuts: list[int] = []
+        at = STRIDE
+        while at < len(text):
+            m = _WORD_CUT.search(text, at)
+            if m is None:
+                break
+            cuts.append(m.start())
+            at = m.start() + STRIDE
+        return cuts
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        if add_special_tokens or self._cuts is None:
+        if self._cuts is None:
             return self.tokenizer.encode(text, add_special_tokens)
+        if add_special_tokens:  # a completion prompt: word cuts, the tokenizer's own head
+            if not self._word_cuts:
+                return self.tokenizer.encode(text, True)
+            return self._special_head + self._encode_cut(text, self._word_cut_points(text), keep_all=True)
         cuts = [m.end() for m in self._cuts.finditer(text)]
+        return self._encode_cut(text, cuts, keep_all=False)
+
+    def _encode_cut(self, text: str, cuts: list[int], keep_all: bool) -> list[int]:
+        """``text``'s ids (no special tokens added), reusing the longest kept prefix that
+        ends at one of ``cuts``; keeps the prefixes at the new cuts (all of them, or the
+        last ``KEEP_CUTS``)."""
         if not cuts:
             return self.tokenizer.encode(text)
         keys: list[int] = []
@@ -114,7 +173,7 @@ class PrefixReusingTokenizer:
         enc = self.tokenizer.encode
         ids = array("I", self._kept[keys[found]].ids) if found >= 0 else array("I")
         start = cuts[found] if found >= 0 else 0
-        first_kept = max(found + 1, len(cuts) - KEEP_CUTS)
+        first_kept = found + 1 if keep_all else max(found + 1, len(cuts) - KEEP_CUTS)
         for i in range(found + 1, len(cuts)):  # the new cuts: encoded piece by piece from the last reused one
             if i < first_kept:
                 continue

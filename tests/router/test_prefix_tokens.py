@@ -12,7 +12,7 @@ import pytest
 from unicache.contract.chat_template import render_chat
 from unicache.contract.tokenizer import ByteTokenizer, HFTokenizer
 from unicache.router.request_path.prefix_tokens import PrefixReusingTokenizer
-from unicache.testing.chat_tokenizers import chat_turns, write_chat_tokenizer
+from unicache.testing.chat_tokenizers import chat_turns, chat_words, write_chat_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,7 @@ def test_chats_reuse_their_history_and_every_encode_is_the_tokenizers_own(tokeni
     tok = tokenizers[kind]
     assert tok.split_tokens() == cuts
     reusing = PrefixReusingTokenizer(tok, verify_every=1)  # every reuse checked against a whole encode too
+    as_completion = PrefixReusingTokenizer(tok, verify_every=1)
     assert reusing.enabled == bool(cuts)
     rng = random.Random(7)
     chats = [chat_turns(rng, 6, 40, kind) for _ in range(3)]
@@ -38,12 +39,42 @@ def test_chats_reuse_their_history_and_every_encode_is_the_tokenizers_own(tokeni
         for chat in chats:
             prompt = render_chat(chat[turn], tok.chat_template)
             assert reusing.encode(prompt) == tok.encode(prompt)
-            assert reusing.encode(prompt, add_special_tokens=True) == tok.encode(prompt, add_special_tokens=True)
+            # with special tokens added (as a completion prompt: its word cuts), in another instance
+            assert as_completion.encode(prompt, add_special_tokens=True) == tok.encode(prompt, add_special_tokens=True)
+    assert as_completion.mismatches == 0
     if cuts:  # each chat's first turn misses, every later one reuses
         assert (reusing.misses, reusing.hits, reusing.mismatches) == (3, 15, 0)
         assert reusing.reused_tokens > 0
     else:
         assert (reusing.misses, reusing.hits) == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["chatml", "llama3", "words", "metaspace"])
+def test_completion_prompts_sharing_a_head_reuse_it_and_every_encode_is_the_tokenizers_own(tokenizers, kind):
+    tok = tokenizers[kind]
+    reusing = PrefixReusingTokenizer(tok, verify_every=1)  # every reuse checked against a whole encode too
+    rng = random.Random(5)
+    heads = [chat_words(rng, 900) for _ in range(2)]  # ~5,000 characters: cuts at 1,024, 2,048, ...
+    for i in range(6):
+        prompt = heads[i % 2] + " " + chat_words(rng, 200)
+        assert reusing.encode(prompt, add_special_tokens=True) == tok.encode(prompt, add_special_tokens=True)
+        assert reusing.encode(prompt) == tok.encode(prompt)
+    if kind == "metaspace":  # no safe cut (SentencePiece's first piece): whole, nothing kept
+        assert (reusing.enabled, reusing.hits, reusing.misses, reusing.kept_tokens) == (False, 0, 0, 0)
+        return
+    # each head's first prompt misses, every later one reuses it (a plain encode, as a
+    # rendered chat's, has no delimiter here: it is tokenized whole, and not counted)
+    assert (reusing.misses, reusing.hits, reusing.mismatches) == (2, 4, 0)
+    assert reusing.reused_tokens >= 4 * len(tok.encode(heads[0])) * 3 // 4  # most of each head
+
+
+def test_word_cuts_fall_on_the_first_boundary_after_each_stride():
+    from unicache.router.request_path.prefix_tokens import STRIDE, PrefixReusingTokenizer as P
+
+    text = "a" * (STRIDE - 2) + " bb" + " c" * STRIDE  # spaces at 1,022, then 1,025, 1,027, ... 3,071
+    assert P._word_cut_points(None, text) == [STRIDE + 1, 2 * STRIDE + 1]  # before a space that starts a word
+    assert P._word_cut_points(None, "x" * 5000) == []  # no boundary: one piece
+    assert P._word_cut_points(None, "a " * 100) == []  # shorter than a stride
 
 
 def test_a_cut_the_self_test_sees_change_the_ids_turns_reuse_off(tokenizers):
