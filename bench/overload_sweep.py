@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         requests, _ = fit_to_context(requests, 16, context)
 
     capacity = args.capacity_rps
+    capacity_errors: dict = {}
     if capacity <= 0:
         burst = config()
         burst.rate_scale = math.inf
@@ -92,11 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         s = summarize(asyncio.run(run_bench(burst, requests[: args.capacity_requests])), burst.slo_ttft_s)
         capacity = s["throughput_rps"]
-        say(f"capacity: {capacity:.2f} req/s ({s['succeeded']} of {s['requests']} answered, {time.perf_counter() - t0:.0f} s)")
+        capacity_errors = s["errors"]
+        say(f"capacity: {capacity:.2f} req/s ({s['succeeded']} of {s['requests']} answered, {time.perf_counter() - t0:.0f} s"
+            f"{''.join(f', {kind}: {n}' for kind, n in capacity_errors.items())})")
         if capacity <= 0:
             raise SystemExit("no request succeeded when measuring the capacity")
     rows = {}
-    for k in args.multiples.split(","):
+    for k in [m for m in args.multiples.split(",") if m]:
         say(f"{float(k):g}x: {len(requests)} requests at {float(k) * capacity:.2f} req/s ...")
         t0 = time.perf_counter()
         r = rows[f"{float(k):g}x"] = run_multiple(config(), requests, float(k) * capacity)
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump({"endpoint": args.endpoint, "synthetic": args.synthetic, "seed": args.seed, "capacity_rps": capacity,
-                       "timeout_s": args.timeout_s,
+                       "timeout_s": args.timeout_s, "capacity_run_errors": capacity_errors,
                        "runs": rows}, fh, indent=1)
     return 0
 

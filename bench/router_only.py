@@ -126,6 +126,12 @@ def fleet_main(n: int, model_dir: str, pool_blocks: int, max_tokens: int, ports,
                 ids = list(tok.encode(render_chat(body.get("messages"), tok.chat_template), False))
             else:
                 prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                    prompt = prompt[0]  # a batch of one, as some routers forward a prompt
+                if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt)):
+                    self._send(writer, 400, "application/json", b'{"error":{"message":"prompt must be a string or token ids"}}')
+                    await writer.drain()
+                    return True
                 ids = prompt if isinstance(prompt, list) else list(tok.encode(prompt, True))
             salt = body.get("cache_salt")
             stored, removed, parent, cached, hit = [], [], None, 0, True

@@ -206,7 +206,8 @@ class RouterApp:
             ),
             overload=OverloadGuard(
                 OverloadConfig(config.overload_backend_queue, config.overload_backend_queue_tokens, config.overload_fleet_queue,
-                               config.overload_fleet_queue_tokens, config.overload_retry_after_s, config.overload_max_wait_s),
+                               config.overload_fleet_queue_tokens, config.overload_retry_after_s, config.overload_max_wait_s,
+                               config.overload_cold_queue),
                 config.block_size, self.cluster.cost_model, self.metrics.registry,
             ),
         )

@@ -35,8 +35,9 @@ passes its wait budget at every live backend it may go to: the chosen one with t
 it has cached, every other one with the whole prompt uncached. The budget is the earliest
 of ``max_wait_s``, what is left of the request's deadline (the router's forward deadline,
 a gRPC client's own), and an HTTP client's declared timeout (``client_wait_budget_s``).
-A backend with neither fitted costs nor a measured drain rate always has room: a guess
-refuses nothing. So a
+A backend with neither fitted costs nor a measured drain rate has room while it has fewer
+than ``cold_queue`` requests queued (bound ``cold`` beyond): a guess refuses nothing, and a
+burst at a fresh router is not all admitted before anything is measured. So a
 request the fleet cannot start in time is answered 429 at once instead of expiring later.
 
 ``Retry-After`` is ``retry_after_s`` when set, else the time to first token the cost model
@@ -59,7 +60,7 @@ from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cost_model import CostModel
 
 RETRY_AFTER_MAX_S = 60
-BOUNDS = ("backends_full", "fleet_requests", "fleet_tokens", "wait")
+BOUNDS = ("backends_full", "fleet_requests", "fleet_tokens", "wait", "cold")
 
 
 class Overloaded(RouterError):
@@ -100,6 +101,8 @@ class OverloadConfig:
         retry_after_s: the ``Retry-After`` of a refusal (0: from the fitted costs).
         max_wait_s: the longest predicted time to first token admitted (0: only the
             request's deadline bounds it).
+        cold_queue: requests one backend may have queued while its wait is not measured
+            yet (no fitted costs, no drain rate; 0: no bound).
     """
 
     backend_queue: int = 1024  # a replica's own max_waiting default: both refuse at the same depth
@@ -110,9 +113,10 @@ class OverloadConfig:
     fleet_queue_tokens: int = 0
     retry_after_s: int = 0
     max_wait_s: float = 20.0
+    cold_queue: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("backend_queue", "fleet_queue", "fleet_queue_tokens", "retry_after_s"):
+        for name in ("backend_queue", "fleet_queue", "fleet_queue_tokens", "retry_after_s", "cold_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UsageError(f"overload_{name} must be a non-negative integer, got {value!r}")
@@ -141,7 +145,7 @@ class OverloadGuard:
         self.rejections = Counter(
             "unicache_router_overload_rejections",
             "Requests refused with 429 / RESOURCE_EXHAUSTED by the overload bounds (router/request_path/overload.py), "
-            "by the bound that refused them (backends_full, fleet_requests, fleet_tokens, wait)",
+            "by the bound that refused them (backends_full, fleet_requests, fleet_tokens, wait, cold)",
             ["bound"], registry=registry or CollectorRegistry(),
         )
         for bound in BOUNDS:
@@ -193,11 +197,13 @@ class OverloadGuard:
         """The time to first token a request dispatched to ``rid`` (at ``load``) should
         expect: the larger of the cost model's prediction ``model`` (seconds, fitted) and
         the time its queued requests take to start at its measured drain rate
-        (``DrainRates``); None when neither is known yet (the prior's guess, no rate)."""
+        (``DrainRates``). When neither is known yet (the prior's guess, no rate): None
+        (room) while it has fewer than ``cold_queue`` requests queued, else infinite."""
         model_s, fitted = model
         rate_known = self.drains.rate(rid) is not None
-        if not fitted and not rate_known:
-            return None
+        if not fitted and not rate_known:  # nothing measured yet: only the cold bound applies
+            cold = self.config.cold_queue
+            return math.inf if cold and queued_requests(load) >= cold else None
         queue_s = self.drains.wait_s(rid, queued_requests(load)) if rate_known else 0.0
         return max(model_s if fitted else 0.0, queue_s)
 
@@ -214,6 +220,11 @@ class OverloadGuard:
             best_s = min(best_s, predicted_s)
         if not seen:
             return
+        if math.isinf(best_s):
+            self.rejections.labels("cold").inc()
+            after = self.config.retry_after_s or 1
+            raise Overloaded(f"overloaded: every backend has {self.config.cold_queue} requests queued and its wait is not "
+                             f"measured yet; retry after {after} s", after, "cold")
         self.rejections.labels("wait").inc()
         after = self.config.retry_after_s or min(RETRY_AFTER_MAX_S, max(1, math.ceil(best_s - budget_s)))
         raise Overloaded(f"overloaded: every backend's predicted time to first token is past this request's wait budget "

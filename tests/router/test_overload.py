@@ -112,6 +112,22 @@ def test_wait_bound_refuses_only_when_every_known_prediction_passes_the_budget()
     assert g.rejections.labels("wait")._value.get() == 1
 
 
+def test_a_backend_measured_in_nothing_has_room_up_to_the_cold_bound():
+    g = guard(retry_after_s=0, cold_queue=4)
+    assert g.predicted_wait_s("a", ReplicaLoad("a", in_flight=3), (9.0, False)) is None  # 3 queued: room
+    cold = ReplicaLoad("a", in_flight=4)
+    assert g.predicted_wait_s("a", cold, (9.0, False)) == float("inf")
+    assert g.predicted_wait_s("a", cold, (9.0, True)) == 9.0  # fitted: the wait bound decides
+    with pytest.raises(Overloaded) as err:
+        g.check_wait(iter([("a", float("inf")), ("b", float("inf"))]), 20.0)
+    assert (err.value.bound, err.value.retry_after_s) == ("cold", 1)
+    assert str(err.value) == ("overloaded: every backend has 4 requests queued and its wait is not measured yet; "
+                              "retry after 1 s")
+    g.check_wait(iter([("a", float("inf")), ("b", None)]), 20.0)  # b has room
+    assert guard(cold_queue=0).predicted_wait_s("a", ReplicaLoad("a", in_flight=10**6), (9.0, False)) is None  # off
+    assert g.rejections.labels("cold")._value.get() == 1
+
+
 def test_wait_bound_reads_the_predictions_lazily():
     seen = []
 
@@ -183,6 +199,7 @@ def test_client_wait_budget_from_the_sdk_timeout_headers():
     ("retry_after_s", 1.5, "overload_retry_after_s must be a non-negative integer, got 1.5"),
     ("backend_queue_tokens", -0.5, "overload_backend_queue_tokens must be a non-negative number, got -0.5"),
     ("max_wait_s", -1.0, "overload_max_wait_s must be a non-negative number of seconds, got -1.0"),
+    ("cold_queue", -2, "overload_cold_queue must be a non-negative integer, got -2"),
     ("max_wait_s", float("nan"), "overload_max_wait_s must be a non-negative number of seconds, got nan"),
 ])
 def test_bad_settings_are_refused_by_name(name, value, msg):
@@ -193,7 +210,8 @@ def test_bad_settings_are_refused_by_name(name, value, msg):
 def test_settings_defaults_and_environment():
     cfg = build_config(env={})
     assert (cfg.overload_backend_queue, cfg.overload_backend_queue_tokens, cfg.overload_fleet_queue,
-            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s, cfg.overload_max_wait_s) == (1024, 4.0, 0, 0, 0, 20.0)
+            cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s, cfg.overload_max_wait_s,
+            cfg.overload_cold_queue) == (1024, 4.0, 0, 0, 0, 20.0, 32)
     cfg = build_config(env={"UNICACHE_OVERLOAD_BACKEND_QUEUE": "8", "UNICACHE_OVERLOAD_RETRY_AFTER_S": "5",
                             "UNICACHE_OVERLOAD_MAX_WAIT_S": "2.5"})
     assert (cfg.overload_backend_queue, cfg.overload_retry_after_s, cfg.overload_max_wait_s) == (8, 5, 2.5)
