@@ -200,7 +200,10 @@ async def run_bench(cfg: BenchConfig, requests: list[TraceRequest], *, progress:
     gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     bar = tqdm(total=len(reqs), unit="req", disable=not progress, file=sys.stderr)
     base_ms = reqs[0].timestamp_ms if reqs else 0.0
-    limits = httpx.Limits(max_connections=cfg.max_concurrency or None, max_keepalive_connections=64)
+    # NOTE: idle connections expire before the server's 5 s keep-alive (uvicorn's default, the
+    # router's): at equal timeouts a request sent on a connection the server is closing
+    # fails with a ReadError (one in 400 at 4x the capacity in bench.overload_sweep).
+    limits = httpx.Limits(max_connections=cfg.max_concurrency or None, max_keepalive_connections=64, keepalive_expiry=2.0)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=cfg.timeout_s) as client:
         t0 = time.perf_counter()
 
