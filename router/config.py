@@ -223,7 +223,7 @@ class RouterConfig:
         default=20.0, metadata={"help": "longest expected time to first token of an admitted request, seconds (the fitted costs or the backend's queue at its measured drain rate); beyond it at every backend, 429 (0: only the request's deadline bounds it)"}
     )
     overload_cold_queue: int = field(
-        default=32, metadata={"help": "requests one backend may have queued while its wait is not measured yet (no fitted costs, no drain rate); 429 when every backend is there (0: no bound)"}
+        default=0, metadata={"help": "requests one backend may have queued while its wait is not measured yet (no fitted costs, no drain rate); 429 when every backend is there (0: no bound: a fresh router refuses nothing on a guess)"}
     )
     overload_retry_after_s: int = field(
         default=0, metadata={"help": "Retry-After of an overload refusal, seconds (0: the TTFT the fitted costs predict at the least loaded backend, 1-60)"}

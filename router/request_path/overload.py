@@ -35,9 +35,10 @@ passes its wait budget at every live backend it may go to: the chosen one with t
 it has cached, every other one with the whole prompt uncached. The budget is the earliest
 of ``max_wait_s``, what is left of the request's deadline (the router's forward deadline,
 a gRPC client's own), and an HTTP client's declared timeout (``client_wait_budget_s``).
-A backend with neither fitted costs nor a measured drain rate has room while it has fewer
-than ``cold_queue`` requests queued (bound ``cold`` beyond): a guess refuses nothing, and a
-burst at a fresh router is not all admitted before anything is measured. So a
+A backend with neither fitted costs nor a measured drain rate is never refused on a guess;
+with ``cold_queue`` set it has room until that many requests are queued there (bound
+``cold`` beyond), so a burst at a fresh router is not all admitted before anything is
+measured. So a
 request the fleet cannot start in time is answered 429 at once instead of expiring later.
 
 ``Retry-After`` is ``retry_after_s`` when set, else the time to first token the cost model
@@ -113,7 +114,7 @@ class OverloadConfig:
     fleet_queue_tokens: int = 0
     retry_after_s: int = 0
     max_wait_s: float = 20.0
-    cold_queue: int = 32
+    cold_queue: int = 0
 
     def __post_init__(self) -> None:
         for name in ("backend_queue", "fleet_queue", "fleet_queue_tokens", "retry_after_s", "cold_queue"):

@@ -211,7 +211,7 @@ def test_settings_defaults_and_environment():
     cfg = build_config(env={})
     assert (cfg.overload_backend_queue, cfg.overload_backend_queue_tokens, cfg.overload_fleet_queue,
             cfg.overload_fleet_queue_tokens, cfg.overload_retry_after_s, cfg.overload_max_wait_s,
-            cfg.overload_cold_queue) == (1024, 4.0, 0, 0, 0, 20.0, 32)
+            cfg.overload_cold_queue) == (1024, 4.0, 0, 0, 0, 20.0, 0)
     cfg = build_config(env={"UNICACHE_OVERLOAD_BACKEND_QUEUE": "8", "UNICACHE_OVERLOAD_RETRY_AFTER_S": "5",
                             "UNICACHE_OVERLOAD_MAX_WAIT_S": "2.5"})
     assert (cfg.overload_backend_queue, cfg.overload_retry_after_s, cfg.overload_max_wait_s) == (8, 5, 2.5)

@@ -107,7 +107,12 @@ class FakeVllm:
                 self._send(writer, *self._other(path))
             await writer.drain()
             return True
-        body = json.loads(raw)
+        try:
+            body = json.loads(raw)
+        except ValueError:  # e.g. a router's bodiless POST probe
+            self._send(writer, 400, "application/json", b'{"error":{"message":"the body is not JSON"}}')
+            await writer.drain()
+            return True
         self.bodies.append(body)
         self.paths.append(path)
         mode = self.mode
