@@ -50,7 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 from unicache.plumbing.redis_server import free_port
@@ -206,6 +206,7 @@ async def drive(port: int, reqs: list[tuple[str, dict, int]], rate: float, concu
     latencies: list[float] = []
     matched: list[int] = []  # this router's x-unicache-matched-tokens: its index at work
     failed = 0
+    errors: Counter = Counter()  # failures by kind: "http STATUS: message", "incomplete", an exception's name
     auth = f"Authorization: Bearer {KEY}\r\n".encode()
 
     async def one(path: str, body: dict, session: int) -> None:
@@ -227,15 +228,20 @@ async def drive(port: int, reqs: list[tuple[str, dict, int]], rate: float, concu
                 r.close()
             if "x-unicache-matched-tokens" in r.headers:
                 matched.append(int(r.headers["x-unicache-matched-tokens"]))
-            if r.status != 200 or not data.rstrip().endswith(b"[DONE]"):
+            if r.status != 200:
                 failed += 1
+                errors[f"http {r.status}: {data[:120].decode(errors='replace')}"] += 1
+            elif not data.rstrip().endswith(b"[DONE]"):
+                failed += 1
+                errors["incomplete"] += 1
             elif session >= 0:
                 for event in data.split(b"\n\n"):
                     if event.startswith(b"data: {"):
                         for choice in json.loads(event[6:]).get("choices") or ():
                             text.append((choice.get("delta") or {}).get("content") or "")
-        except Exception:  # noqa: BLE001 - counted as a failure
+        except Exception as exc:  # noqa: BLE001 - counted as a failure
             failed += 1
+            errors[type(exc).__name__] += 1
         latencies.append(time.perf_counter() - t0)
         if session >= 0:
             histories[session].append({"role": "assistant", "content": "".join(text)})
@@ -264,7 +270,7 @@ async def drive(port: int, reqs: list[tuple[str, dict, int]], rate: float, concu
     pool.close()
     lat = sorted(latencies)
     return {"p50_ms": round(1e3 * percentile(lat, 50), 3), "p99_ms": round(1e3 * percentile(lat, 99), 3),
-            "requests_per_s": round(len(reqs) / wall, 1), "failed": failed,
+            "requests_per_s": round(len(reqs) / wall, 1), "failed": failed, **({"errors": dict(errors)} if errors else {}),
             **({"matched_tokens_mean": round(statistics.fmean(matched), 1)} if matched else {})}
 
 
