@@ -62,7 +62,6 @@ from unicache.router.observability.metrics import RouterMetrics
 from unicache.router.request_path.auth import Authenticator
 from unicache.router.request_path.classifier import Labels, RequestClassifier
 from unicache.router.request_path.cost_observer import CostObserver
-from unicache.router.request_path.drain_rate import queued_requests
 from unicache.router.request_path.first_token import FirstTokenTimeout
 from unicache.router.request_path.limits import LimitExceeded, TenantLimiter
 from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState
@@ -553,6 +552,9 @@ class RouterCore:
         ftt = self.first_token_timeout if streamed else None
         first_timeout = ftt.timeout_s(rid) if ftt is not None else None
         use_timeout = first_timeout is not None and first_timeout < remaining_s
+        drains = self.overload.drains if self.overload is not None else None
+        if drains is not None:
+            drains.dispatched(rid)  # matched below by started, or abandoned on every failure path
         t0 = time.perf_counter()
         if relay is not None:
             stream = self.clients.vllm.relay(rec.address, relay, prep.adapter, prep.salt, call.request_class, remaining_s)
@@ -566,22 +568,22 @@ class RouterCore:
             if saving is not None:
                 await saving
         except grpc.aio.AioRpcError as exc:
-            self._end_attempt(prep, rid, stream)
+            self._end_unstarted(prep, rid, stream, drains)
             log.info("replica %s at %s failed before its first message: %s %s", rid, rec.address, exc.code().name, exc.details())
             raise self._failed_attempt(rid, grpc_failure(rid, exc, stream.timed_out), stream.timed_out) from None
         except UpstreamFailure as failure:
-            self._end_attempt(prep, rid, stream)
+            self._end_unstarted(prep, rid, stream, drains)
             log.info("backend %s at %s failed before its first message: %s", rid, rec.address, failure.detail)
             raise self._failed_attempt(rid, failure, stream.timed_out) from None
         except BaseException:
-            self._end_attempt(prep, rid, stream)
+            self._end_unstarted(prep, rid, stream, drains)
             raise
         now = time.perf_counter()
         rec.last_message = time.monotonic()
         self.policy.on_first_token(prep.routing, rid)
         self.costs.first_token(prep.request_id)
-        if self.overload is not None:
-            self.overload.drains.started(rid, queued_requests(rec.load))
+        if drains is not None:
+            drains.started(rid)
         if ftt is not None:
             ftt.observe(rid, now - t0)
         if streamed:
@@ -605,6 +607,13 @@ class RouterCore:
             log.warning("replica %s quarantined (%s) until it answers a probe", rid, "stalled" if stalled else "refused")
         error = RouterError(failure.kind, failure.message, failure.answer)
         return AttemptFailed(error, failure.retryable, failure.refused)
+
+    def _end_unstarted(self, prep: Prepared, rid: str, stream: ReplicaStream, drains) -> None:
+        """End an attempt that failed before its first message (``drains``: the overload
+        guard's, which counted it as unstarted, or None)."""
+        if drains is not None:
+            drains.abandoned(rid)
+        self._end_attempt(prep, rid, stream)
 
     def _end_attempt(self, prep: Prepared, rid: str, stream: ReplicaStream) -> None:
         """Close the call (cancelling it at the replica if unfinished) and uncount it."""

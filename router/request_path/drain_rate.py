@@ -2,19 +2,22 @@
 overload guard's predicted wait (router/request_path/overload.py).
 
 A backend serving its queue in order starts a queued request each time a running one
-ends, so a request joining behind ``k`` queued ones waits about ``k / rate``, where
+ends, so a request joining behind ``k`` unstarted ones waits about ``k / rate``, where
 ``rate`` is how many requests per second it starts *while it has a queue* (its service
-rate; starts at an idle backend only show the arrival rate, and are not counted). The
-router sees a start as a first token. ``DrainRates`` keeps, per backend, the times of the
-last ``window`` first tokens that arrived while that backend had requests queued, and
-gives ``(n - 1) / span`` over them once ``min_starts`` are in.
+rate). The router sees a start as a first token, and counts its own requests at each
+backend that have none yet (``unstarted``: exact, where a backend's reported running and
+waiting counts are a poll old). The time from one start to the next is a service interval
+only when the first left requests waiting: then the backend cannot have been idle in
+between. ``DrainRates`` keeps the last ``window`` such intervals per backend and gives
+their count over their sum once ``min_intervals`` are in; an idle gap never enters it.
 
 This is a queueing estimate, not a fit: where the backend batches, the time a queued
 request waits is not a line through lightly loaded observations (it is about zero until
 the batch is full, then grows with the queue), which the robust cost fit
 (router/routing/cost_model.py) weighs as outliers. The guard takes the larger of the two.
 
-Invariants: O(1) per start; at most ``window`` times per backend.
+Invariants: O(1) per call; at most ``window`` intervals per backend; ``unstarted(r)`` is
+never negative (every ``dispatched`` is matched by one ``started`` or ``abandoned``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from unicache.router.routing.base import ReplicaLoad
 
@@ -32,39 +36,70 @@ def queued_requests(load: ReplicaLoad) -> int:
     return max(load.waiting, load.in_flight - load.running, 0)
 
 
+@dataclass(slots=True)
+class _Backend:
+    intervals: deque = field(default_factory=deque)
+    total_s: float = 0.0  # sum of ``intervals``
+    unstarted: int = 0
+    last_start: float | None = None  # the last start that left requests waiting
+
+
 class DrainRates:
     """Per backend, requests started per second while it had a queue (module docstring).
 
     Args:
-        window: starts kept per backend (default 32).
-        min_starts: starts before a rate is given (default 8).
+        window: service intervals kept per backend (default 32).
+        min_intervals: intervals before a rate is given (default 8).
         clock: seconds (default ``time.monotonic``).
     """
 
-    def __init__(self, window: int = 32, min_starts: int = 8, clock: Callable[[], float] = time.monotonic):
-        if not 2 <= min_starts <= window:
-            raise ValueError("DrainRates needs 2 <= min_starts <= window")
+    def __init__(self, window: int = 32, min_intervals: int = 8, clock: Callable[[], float] = time.monotonic):
+        if not 1 <= min_intervals <= window:
+            raise ValueError("DrainRates needs 1 <= min_intervals <= window")
         self.window = window
-        self.min_starts = min_starts
+        self.min_intervals = min_intervals
         self.clock = clock
-        self._starts: dict[str, deque[float]] = {}
+        self._backends: dict[str, _Backend] = {}
 
-    def started(self, rid: str, queued: int) -> None:
-        """A request's first token from ``rid``, which had ``queued`` requests waiting then."""
-        if queued <= 0:
-            return
-        starts = self._starts.get(rid)
-        if starts is None:
-            starts = self._starts[rid] = deque(maxlen=self.window)
-        starts.append(self.clock())
+    def _backend(self, rid: str) -> _Backend:
+        b = self._backends.get(rid)
+        if b is None:
+            b = self._backends[rid] = _Backend()
+        return b
+
+    def dispatched(self, rid: str) -> None:
+        """One of this router's requests was sent to ``rid`` and has no first token yet."""
+        self._backend(rid).unstarted += 1
+
+    def abandoned(self, rid: str) -> None:
+        """A dispatched request ended before its first token (failed, refused, cancelled)."""
+        b = self._backends.get(rid)
+        if b is not None and b.unstarted > 0:
+            b.unstarted -= 1
+
+    def started(self, rid: str) -> None:
+        """A dispatched request's first token from ``rid``."""
+        b = self._backend(rid)
+        b.unstarted = max(0, b.unstarted - 1)
+        now = self.clock()
+        if b.last_start is not None:  # the previous start left requests waiting: busy since
+            gap = now - b.last_start
+            b.intervals.append(gap)
+            b.total_s += gap
+            if len(b.intervals) > self.window:
+                b.total_s -= b.intervals.popleft()
+        b.last_start = now if b.unstarted > 0 else None
+
+    def unstarted(self, rid: str) -> int:
+        b = self._backends.get(rid)
+        return b.unstarted if b is not None else 0
 
     def rate(self, rid: str) -> float | None:
-        """Requests ``rid`` starts per second while queued (None: too few starts seen)."""
-        starts = self._starts.get(rid)
-        if starts is None or len(starts) < self.min_starts:
+        """Requests ``rid`` starts per second while queued (None: too few intervals seen)."""
+        b = self._backends.get(rid)
+        if b is None or len(b.intervals) < self.min_intervals or b.total_s <= 0:
             return None
-        span = starts[-1] - starts[0]
-        return (len(starts) - 1) / span if span > 0 else None
+        return len(b.intervals) / b.total_s
 
     def wait_s(self, rid: str, queued: int) -> float:
         """Seconds until ``queued`` requests ahead at ``rid`` have started (0 when its
@@ -74,5 +109,15 @@ class DrainRates:
         rate = self.rate(rid)
         return queued / rate if rate else 0.0
 
+    def queued(self, rid: str, load: ReplicaLoad) -> int:
+        """Requests ahead of a new one at ``rid``: this router's unstarted ones there, or
+        the backend's reported waiting count (other routers' too) when that is larger."""
+        return max(self.unstarted(rid), load.waiting)
+
+    def intervals_s(self, rid: str) -> list[float]:
+        """``rid``'s service intervals kept, oldest first."""
+        b = self._backends.get(rid)
+        return list(b.intervals) if b is not None else []
+
     def forget(self, rid: str) -> None:
-        self._starts.pop(rid, None)
+        self._backends.pop(rid, None)

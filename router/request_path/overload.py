@@ -204,8 +204,8 @@ class OverloadGuard:
         rate_known = self.drains.rate(rid) is not None
         if not fitted and not rate_known:  # nothing measured yet: only the cold bound applies
             cold = self.config.cold_queue
-            return math.inf if cold and queued_requests(load) >= cold else None
-        queue_s = self.drains.wait_s(rid, queued_requests(load)) if rate_known else 0.0
+            return math.inf if cold and self.drains.queued(rid, load) >= cold else None
+        queue_s = self.drains.wait_s(rid, self.drains.queued(rid, load)) if rate_known else 0.0
         return max(model_s if fitted else 0.0, queue_s)
 
     def check_wait(self, predictions: Iterable[tuple[str, float | None]], budget_s: float) -> None:

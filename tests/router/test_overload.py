@@ -114,8 +114,8 @@ def test_wait_bound_refuses_only_when_every_known_prediction_passes_the_budget()
 
 def test_a_backend_measured_in_nothing_has_room_up_to_the_cold_bound():
     g = guard(retry_after_s=0, cold_queue=4)
-    assert g.predicted_wait_s("a", ReplicaLoad("a", in_flight=3), (9.0, False)) is None  # 3 queued: room
-    cold = ReplicaLoad("a", in_flight=4)
+    assert g.predicted_wait_s("a", ReplicaLoad("a", waiting=3), (9.0, False)) is None  # 3 queued: room
+    cold = ReplicaLoad("a", waiting=4)
     assert g.predicted_wait_s("a", cold, (9.0, False)) == float("inf")
     assert g.predicted_wait_s("a", cold, (9.0, True)) == 9.0  # fitted: the wait bound decides
     with pytest.raises(Overloaded) as err:
@@ -124,7 +124,10 @@ def test_a_backend_measured_in_nothing_has_room_up_to_the_cold_bound():
     assert str(err.value) == ("overloaded: every backend has 4 requests queued and its wait is not measured yet; "
                               "retry after 1 s")
     g.check_wait(iter([("a", float("inf")), ("b", None)]), 20.0)  # b has room
-    assert guard(cold_queue=0).predicted_wait_s("a", ReplicaLoad("a", in_flight=10**6), (9.0, False)) is None  # off
+    assert guard(cold_queue=0).predicted_wait_s("a", ReplicaLoad("a", waiting=10**6), (9.0, False)) is None  # off
+    for _ in range(4):
+        g.drains.dispatched("a")  # this router's own requests without a first token count too
+    assert g.predicted_wait_s("a", ReplicaLoad("a"), (9.0, False)) == float("inf")
     assert g.rejections.labels("cold")._value.get() == 1
 
 
@@ -143,34 +146,50 @@ def test_wait_bound_reads_the_predictions_lazily():
 def test_predicted_wait_is_the_larger_of_the_fit_and_the_queue_at_its_drain_rate():
     g = guard()
     now = [0.0]
-    g.drains = DrainRates(window=4, min_starts=3, clock=lambda: now[0])
-    load = ReplicaLoad("a", running=4, waiting=6, in_flight=10)  # 6 queued
+    g.drains = DrainRates(window=4, min_intervals=2, clock=lambda: now[0])
+    load = ReplicaLoad("a", running=4, waiting=6, in_flight=10)  # reports 6 waiting
     assert g.predicted_wait_s("a", load, (2.0, False)) is None  # a guess and no rate: nothing known
     assert g.predicted_wait_s("a", load, (2.0, True)) == 2.0  # the fit alone
-    for t in (0.0, 1.0, 2.0):
+    for _ in range(4):
+        g.drains.dispatched("a")
+    for t in (0.0, 1.0, 2.0):  # three starts, each leaving requests waiting: two service intervals
         now[0] = t
-        g.drains.started("a", queued=3)
-    g.drains.started("a", queued=0)  # an idle backend's start shows the arrival rate: not counted
-    assert g.drains.rate("a") == 1.0  # 2 starts after the first in 2 s
-    assert g.predicted_wait_s("a", load, (2.0, True)) == 6.0  # 6 queued at 1 per second
+        g.drains.started("a")
+    assert (g.drains.rate("a"), g.drains.unstarted("a")) == (1.0, 1)
+    assert g.predicted_wait_s("a", load, (2.0, True)) == 6.0  # 6 waiting (more than our 1) at 1 per second
     assert g.predicted_wait_s("a", load, (9.0, True)) == 9.0
     assert g.predicted_wait_s("a", load, (9.0, False)) == 6.0  # the prior's guess is not used
-    assert g.predicted_wait_s("a", ReplicaLoad("a", running=4, in_flight=4), (0.5, False)) == 0.0
-    now[0] = 4.0
-    g.drains.started("a", queued=1)
-    g.drains.started("a", queued=1)  # the window keeps the last 4: 1, 2, 4, 4
-    assert g.drains.rate("a") == 1.0
+    assert g.predicted_wait_s("a", ReplicaLoad("a"), (0.5, False)) == 1.0  # our one unstarted request
+    now[0] = 2.5
+    g.drains.started("a")  # the last one: the queue is empty after it
+    now[0] = 100.0
+    g.drains.dispatched("a")
+    g.drains.dispatched("a")
+    g.drains.started("a")  # after an idle gap: 97.5 s is no service interval
+    now[0] = 100.5
+    g.drains.started("a")
+    assert g.drains.intervals_s("a") == [1.0, 1.0, 0.5, 0.5]
     g.drains.forget("a")
-    assert g.drains.rate("a") is None
+    assert g.drains.rate("a") is None and g.drains.unstarted("a") == 0
 
 
-def test_drain_rate_needs_a_span():
-    d = DrainRates(window=8, min_starts=2, clock=lambda: 5.0)
-    d.started("a", 1)
-    d.started("a", 1)
-    assert d.rate("a") is None and d.wait_s("a", 10) == 0.0  # two starts at one instant: no rate
+def test_unstarted_counts_are_matched_by_starts_and_abandons():
+    d = DrainRates(window=8, min_intervals=1, clock=lambda: 5.0)
+    d.dispatched("a")
+    d.dispatched("a")
+    d.abandoned("a")  # failed before its first token
+    assert d.unstarted("a") == 1
+    d.started("a")
+    d.abandoned("a")  # never below zero
+    d.abandoned("b")  # a backend never seen
+    assert (d.unstarted("a"), d.unstarted("b"), d.rate("a")) == (0, 0, None)
+    d.dispatched("a")
+    d.dispatched("a")
+    d.started("a")
+    d.started("a")  # at the same instant: a zero interval gives no rate
+    assert d.rate("a") is None and d.wait_s("a", 10) == 0.0
     with pytest.raises(ValueError):
-        DrainRates(window=4, min_starts=5)
+        DrainRates(window=4, min_intervals=5)
 
 
 def test_wait_budget_is_the_earliest_of_setting_deadline_and_client_timeout():
