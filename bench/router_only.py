@@ -135,9 +135,11 @@ def fleet_main(n: int, model_dir: str, pool_blocks: int, max_tokens: int, ports,
                 ids = prompt if isinstance(prompt, list) else list(tok.encode(prompt, True))
             salt = body.get("cache_salt")
             stored, removed, parent, cached, hit = [], [], None, 0, True
+            chain: list[int] = []
             for i in range(len(ids) // BLOCK_SIZE):
                 block = tuple(ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
                 h = hash((parent, block, salt if i == 0 else None)) & 0x7FFFFFFFFFFFFFFF
+                chain.append(h)
                 if h in self.cache:
                     self.cache.move_to_end(h)
                     cached += BLOCK_SIZE if hit else 0
@@ -146,9 +148,14 @@ def fleet_main(n: int, model_dir: str, pool_blocks: int, max_tokens: int, ports,
                     self.cache[h] = None
                     stored.append(VllmBlockStored([h], parent, list(block), BLOCK_SIZE,
                                                   extra_keys=[[salt]] if i == 0 and salt else None))
-                    while len(self.cache) > pool_blocks:
-                        removed.append(self.cache.popitem(last=False)[0])
                 parent = h
+            # NOTE: as vLLM frees a finished request's blocks tail first, a chain's head is the
+            # most recently used and its tail goes first: a block never outlives its parent
+            # (evicting heads first made the router reset its index on unknown parents).
+            for h in reversed(chain):
+                self.cache.move_to_end(h)
+            while len(self.cache) > pool_blocks:
+                removed.append(self.cache.popitem(last=False)[0])
             body["prompt"] = ids  # the usage's prompt_tokens
             self.cached_tokens = cached
             if stored or removed:
