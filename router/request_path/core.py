@@ -61,7 +61,7 @@ from unicache.router.cluster.view import ClusterView, ReplicaRecord
 from unicache.router.observability.metrics import RouterMetrics
 from unicache.router.request_path.auth import Authenticator
 from unicache.router.request_path.classifier import Labels, RequestClassifier
-from unicache.router.request_path.cost_observer import CostObserver
+from unicache.router.request_path.cost_observer import CostObserver, uncached_tokens
 from unicache.router.request_path.first_token import FirstTokenTimeout
 from unicache.router.request_path.limits import LimitExceeded, TenantLimiter
 from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState
@@ -516,8 +516,7 @@ class RouterCore:
         rid = decision.replica_id
         guard, costs = self.overload, self.costs
         load = self.cluster.replicas[rid].load
-        uncached = max(0, prep.routing.num_prompt_tokens - decision.matched_blocks * prep.routing.block_size)
-        yield rid, guard.predicted_wait_s(rid, load, costs.predicted_ttft_s(rid, load, uncached))
+        yield rid, guard.predicted_wait_s(rid, load, costs.predicted_ttft_s(rid, load, uncached_tokens(prep.routing, decision)))
         for load in self.cluster.loads():
             other = load.replica_id
             if other != rid and other not in outside:

@@ -44,6 +44,11 @@ class _Tracked:
     uncached: int = -1  # from usage
 
 
+def uncached_tokens(request: RoutingRequest, decision: RouteDecision) -> int:
+    """The prompt tokens of ``request`` that ``decision``'s backend has not cached."""
+    return max(0, request.num_prompt_tokens - decision.matched_blocks * request.block_size)
+
+
 class CostObserver:
     """Feeds ``model`` from the request path (module docstring).
 
@@ -95,8 +100,7 @@ class CostObserver:
         request) is ``load``."""
         rid = decision.replica_id
         queued, outstanding, running = self.features(rid, load)
-        uncached = max(0, request.num_prompt_tokens - decision.matched_blocks * request.block_size)
-        predicted = self.model.costs(rid).ttft_s(uncached, queued, outstanding)
+        predicted = self.model.costs(rid).ttft_s(uncached_tokens(request, decision), queued, outstanding)
         tracked = self._tracked
         tracked.pop(request.request_id, None)
         tracked[request.request_id] = _Tracked(rid, self.clock(), queued, outstanding, running, predicted)

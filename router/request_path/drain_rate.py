@@ -30,12 +30,6 @@ from dataclasses import dataclass, field
 from unicache.router.routing.base import ReplicaLoad
 
 
-def queued_requests(load: ReplicaLoad) -> int:
-    """What ``load``'s backend has accepted and not started: ``max(waiting, in_flight -
-    running)`` (a backend that reports no running count counts all it has in flight)."""
-    return max(load.waiting, load.in_flight - load.running, 0)
-
-
 @dataclass(slots=True)
 class _Backend:
     intervals: deque = field(default_factory=deque)

@@ -38,8 +38,8 @@ a gRPC client's own), and an HTTP client's declared timeout (``client_wait_budge
 A backend with neither fitted costs nor a measured drain rate is never refused on a guess;
 with ``cold_queue`` set it has room until that many requests are queued there (bound
 ``cold`` beyond), so a burst at a fresh router is not all admitted before anything is
-measured. So a
-request the fleet cannot start in time is answered 429 at once instead of expiring later.
+measured. So a request the fleet cannot start in time is answered 429 at once instead of
+expiring later.
 
 ``Retry-After`` is ``retry_after_s`` when set, else the time to first token the cost model
 (router/routing/cost_model.py, fitted on the fleet) predicts for this prompt at the least
@@ -56,7 +56,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from unicache.plumbing.errors import UsageError
 from unicache.router.request_path.core import RouterError
-from unicache.router.request_path.drain_rate import DrainRates, queued_requests
+from unicache.router.request_path.drain_rate import DrainRates
 from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cost_model import CostModel
 
@@ -125,6 +125,12 @@ class OverloadConfig:
             raise UsageError(f"overload_backend_queue_tokens must be a non-negative number, got {self.backend_queue_tokens!r}")
         if not math.isfinite(self.max_wait_s) or self.max_wait_s < 0:
             raise UsageError(f"overload_max_wait_s must be a non-negative number of seconds, got {self.max_wait_s!r}")
+
+
+def queued_requests(load: ReplicaLoad) -> int:
+    """What ``load``'s backend has accepted and not started: ``max(waiting, in_flight -
+    running)`` (a backend that reports no running count counts all it has in flight)."""
+    return max(load.waiting, load.in_flight - load.running, 0)
 
 
 class OverloadGuard:

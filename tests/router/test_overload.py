@@ -13,8 +13,8 @@ import pytest
 from unicache.plumbing.errors import UsageError
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
-from unicache.router.request_path.drain_rate import DrainRates, queued_requests
-from unicache.router.request_path.overload import Overloaded, OverloadConfig, OverloadGuard
+from unicache.router.request_path.drain_rate import DrainRates
+from unicache.router.request_path.overload import Overloaded, OverloadConfig, OverloadGuard, queued_requests
 from unicache.router.routing.base import ReplicaLoad
 from unicache.router.routing.cost_model import CostModel
 from unicache.testing.fake_replica import FakeReplica
