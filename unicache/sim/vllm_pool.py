@@ -10,7 +10,9 @@ policy, in the same order with the same arguments:
       blocks are the policy's candidates. vLLM's own queue keeps every uncached free block
       ahead of every cached one, so ``lru`` here is vLLM's own order exactly;
     * a request frees its block table in reverse (tail first); cached blocks reach the
-      policy in that order (``on_release_many``, positions in the table);
+      policy in that order (``on_release_many``, positions in the table): the cached free
+      blocks are the plug-in's own ``PoolCandidates`` (``replica/eviction/pool_candidates.py``),
+      so the policy hears the same calls by construction;
     * full blocks are cached as soon as their tokens are scheduled, decode blocks too;
       partial blocks never are;
     * no de-duplication: a block computed again (a fully cached prompt recomputes its last
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from unicache.contract.block_hash import BlockHash
 from unicache.contract.request_class import RequestClass
 from unicache.replica.eviction.base import EvictionPolicy
+from unicache.replica.eviction.pool_candidates import PoolCandidates
 
 
 class VllmBlockPool:
@@ -51,11 +54,13 @@ class VllmBlockPool:
         self._uncached: deque[int] = deque(range(1, num_gpu_blocks))
         self.ref = [0] * num_gpu_blocks
         self.hash: list[BlockHash | None] = [None] * num_gpu_blocks
-        self._told: list[BlockHash | None] = [None] * num_gpu_blocks  # the hash the policy knows
-        self._candidate = bytearray(num_gpu_blocks)
+        self._cands = PoolCandidates(policy, num_gpu_blocks)
         # hash -> the blocks cached under it, first cached first (dict as an ordered set)
         self._map: dict[BlockHash, dict[int, None]] = {}
-        self.evictions = 0
+
+    @property
+    def evictions(self) -> int:
+        return self._cands.evictions
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,12 +88,8 @@ class VllmBlockPool:
         """A request takes hit blocks: free ones leave the queue (the policy's ``on_access``)."""
         now = self.clock()
         for b in block_ids:
-            if self.ref[b] == 0:
-                if self._candidate[b]:
-                    self._candidate[b] = 0
-                    self.policy.on_access(b, cls, now)
-                else:
-                    self._uncached.remove(b)  # NOTE: a hit block always has a hash; never here
+            if self.ref[b] == 0 and not self._cands.take_back(b, cls, now):
+                self._uncached.remove(b)  # a hit block always has a hash: never here
             self.ref[b] += 1
 
     def get_new_blocks(self, n: int) -> list[int]:
@@ -98,13 +99,7 @@ class VllmBlockPool:
         k = min(n, len(self._uncached))
         out = [self._uncached.popleft() for _ in range(k)]
         if k < n:
-            victims = self.policy.pop_victims(n - k)
-            if len(victims) != n - k:
-                raise RuntimeError(f"policy {self.policy.name} gave {len(victims)} victims, {n - k} needed")
-            for v in victims:
-                assert self._candidate[v], f"policy returned block {v}, which is not free"
-                self._candidate[v] = 0
-                self._told[v] = None
+            for v in self._cands.evict(n - k):
                 h = self.hash[v]
                 blocks = self._map[h]
                 del blocks[v]
@@ -112,7 +107,6 @@ class VllmBlockPool:
                     del self._map[h]
                 self.hash[v] = None
                 out.append(v)
-            self.evictions += len(victims)
         for b in out:
             self.ref[b] = 1
         return out
@@ -127,9 +121,7 @@ class VllmBlockPool:
                 assert self.hash[b] is None, "a cached block's hash never changes"
                 self.hash[b] = h
                 self._map.setdefault(h, {})[b] = None
-            if self._told[b] != h:
-                self._told[b] = h
-                self.policy.on_cached(b, h, table[i - 1] if i > 0 else -1, now)
+            self._cands.tell_cached(b, h, table[i - 1] if i > 0 else -1, now)
 
     def free(self, table: list[int], cls: RequestClass, num_prompt_blocks: int) -> None:
         """A request's blocks released tail first: uncached ones to the front of the free
@@ -149,8 +141,7 @@ class VllmBlockPool:
             else:
                 released.append(b)
                 positions.append(pos)
-                self._candidate[b] = 1
         if first:
             self._uncached.extendleft(reversed(first))  # prepend_n: first[0] at the front
         if released:
-            self.policy.on_release_many(released, positions, cls, len(table), num_prompt_blocks, now)
+            self._cands.release_many(released, positions, cls, len(table), num_prompt_blocks, now)

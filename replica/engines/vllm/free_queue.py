@@ -14,12 +14,13 @@ so vLLM's prefix cache stays consistent.
 
 Invariants:
     * Every free block (ref_cnt 0, not the null block) is in exactly one of: the uncached
-      list (vLLM's own linked list, no hash) or the policy's candidates (hash set);
+      list (vLLM's own linked list, no hash) or the policy's candidates
+      (``replica/eviction/pool_candidates.py``, which the simulator's pool shares);
       ``num_free_blocks == uncached.num_free_blocks + len(policy)``.
     * Uncached blocks are handed out before any cached one: a cached block is evicted only
       when no never-cached free block is left.
-    * The side tables (release context, the hash the policy was told, candidate flags) are
-      lists indexed by block id: bounded by the pool size, O(1) per operation.
+    * The side tables (blocks, release context) are lists indexed by block id: bounded by
+      the pool size, O(1) per operation.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, get
 from unicache.contract.block_hash import BlockHash
 from unicache.contract.request_class import SINGLE_TURN, RequestClass
 from unicache.replica.eviction.base import EvictionPolicy
+from unicache.replica.eviction.pool_candidates import PoolCandidates
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,11 +79,13 @@ class PolicyFreeQueue:
         self._blocks: list[KVCacheBlock | None] = [None] * num_blocks
         for b in free_blocks:
             self._blocks[b.block_id] = b
-        self._candidate = bytearray(num_blocks)  # 1: the block is one of the policy's candidates
-        self._told: list[BlockHash | None] = [None] * num_blocks  # hash the policy knows
+        self._cands = PoolCandidates(policy, num_blocks)
         self._release: list[ReleaseContext | None] = [None] * num_blocks
         self.access_cls: RequestClass = SINGLE_TURN  # class of the request being allocated
-        self.evictions = 0
+
+    @property
+    def evictions(self) -> int:
+        return self._cands.evictions
 
     # ------------------------------------------------------------ vLLM's interface
     @property
@@ -98,24 +102,12 @@ class PolicyFreeQueue:
         k = min(n, self._uncached.num_free_blocks)
         out = self._uncached.popleft_n(k) if k else []
         if k < n:
-            victims = self.policy.pop_victims(n - k)
-            if len(victims) != n - k:
-                raise RuntimeError(f"policy {self.policy.name} gave {len(victims)} victims, {n - k} needed")
-            for vid in victims:
-                assert self._candidate[vid], f"policy returned block {vid}, which is not free"
-                self._candidate[vid] = 0
-                self._told[vid] = None
-                out.append(self._blocks[vid])
-            self.evictions += len(victims)
+            out.extend(self._blocks[vid] for vid in self._cands.evict(n - k))
         return out
 
     def remove(self, block: KVCacheBlock) -> None:
         """A free block is taken back by a request (a prefix-cache hit)."""
-        bid = block.block_id
-        if self._candidate[bid]:
-            self._candidate[bid] = 0
-            self.policy.on_access(bid, self.access_cls, self.clock())
-        else:
+        if not self._cands.take_back(block.block_id, self.access_cls, self.clock()):
             self._uncached.remove(block)
 
     def append(self, block: KVCacheBlock) -> None:
@@ -138,15 +130,13 @@ class PolicyFreeQueue:
             if h is None:
                 uncached.append(block)
                 continue
-            if self._told[bid] != h:
-                self._tell_cached(bid, h, -1, now)
+            self._cands.tell_cached(bid, h, -1, now)
             ctx = self._release[bid] or _UNKNOWN_RELEASE
             if ctx is not run_ctx and run:
                 self._release_run(run, run_ctx, now)
                 run = []
             run_ctx = ctx
             run.append(bid)
-            self._candidate[bid] = 1
         if run:
             self._release_run(run, run_ctx, now)
         if uncached:
@@ -164,7 +154,7 @@ class PolicyFreeQueue:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Uncached free blocks in reuse order, then the candidates by id (tests; O(pool))."""
-        cands = [b for b in self._blocks if b is not None and self._candidate[b.block_id]]
+        cands = [b for b in self._blocks if b is not None and self._cands.is_candidate(b.block_id)]
         return self._uncached.get_all_free_blocks() + cands
 
     # ------------------------------------------------------------ our hooks
@@ -185,20 +175,14 @@ class PolicyFreeQueue:
                 continue
             self._blocks[block.block_id] = block
             h = self._hash_of(block)
-            if h is None or self._told[block.block_id] == h:
+            if h is None:
                 continue
             parent = blocks[i - 1].block_id if i > 0 and not blocks[i - 1].is_null else -1
-            self._tell_cached(block.block_id, h, parent, now)
+            self._cands.tell_cached(block.block_id, h, parent, now)
 
     def on_reset(self) -> None:
         """vLLM dropped every hash (``reset_prefix_cache``): candidates become uncached."""
-        moved = []
-        for bid, flag in enumerate(self._candidate):
-            if flag:
-                self.policy.on_removed(bid)
-                self._candidate[bid] = 0
-                moved.append(self._blocks[bid])
-        self._told = [None] * len(self._told)
+        moved = [self._blocks[bid] for bid in self._cands.drop_all()]
         if moved:
             self._uncached.append_n(moved)
 
@@ -211,12 +195,6 @@ class PolicyFreeQueue:
         key = block.block_hash
         return None if key is None else BlockHash(bytes(get_block_hash(key)))
 
-    def _tell_cached(self, bid: int, h: BlockHash, parent: int, now: float) -> None:
-        if self._told[bid] is not None:
-            self.policy.on_removed(bid)  # the block's content changed under another hash
-        self._told[bid] = h
-        self.policy.on_cached(bid, h, parent, now)
-
     def _release_run(self, ids: list[int], ctx: ReleaseContext, now: float) -> None:
         positions = [ctx.positions.get(bid, 0) for bid in ids]
-        self.policy.on_release_many(ids, positions, ctx.cls, ctx.num_blocks, ctx.num_prompt_blocks, now)
+        self._cands.release_many(ids, positions, ctx.cls, ctx.num_blocks, ctx.num_prompt_blocks, now)
