@@ -2,8 +2,8 @@
 sglang-router and smg, CPU per request, added latency and requests/s per core (issue 44).
 
 The backends are fake vLLM OpenAI servers (``unicache.testing.fake_vllm`` with vLLM's KV
-events: each request's full prompt blocks published as ``BlockStored`` on ZMQ, with a
-replay socket, and evicted LRU from a pool of ``--pool-blocks``; usage reports the cached
+events: the full prompt blocks a request adds to the cache published as one ``BlockStored``
+per run of new blocks, as vLLM's ``cache_full_blocks`` does, on ZMQ, with a replay socket, and evicted LRU from a pool of ``--pool-blocks``; usage reports the cached
 tokens), all in one process of their own, streaming ``--max-tokens`` tokens per answer at
 once: the routers' own costs are what is left. Every router runs in its own process with
 its cache-aware policy (this one: ``unicache router --backend URL,kv-events=...,replay=...``,
@@ -112,6 +112,15 @@ def fleet_main(n: int, model_dir: str, pool_blocks: int, max_tokens: int, ports,
         def _other(self, path: str) -> tuple[int, str, bytes]:
             return 200, "application/json", info  # the peers' model-info probes
 
+        @staticmethod
+        def _stored(run: list[int], chain: list[int], ids: list[int], salt: str | None) -> "VllmBlockStored":
+            """One event for a run of consecutive new blocks, as vLLM's ``cache_full_blocks``
+            publishes every block a request step caches in one ``BlockStored``."""
+            first = run[0]
+            return VllmBlockStored([chain[i] for i in run], chain[first - 1] if first else None,
+                                   list(ids[first * BLOCK_SIZE:(run[-1] + 1) * BLOCK_SIZE]), BLOCK_SIZE,
+                                   extra_keys=[[salt] if i == 0 and salt else None for i in run] if salt else None)
+
         async def _serve_replay(self) -> None:
             while True:
                 ident, _, start = await self.replay.recv_multipart()
@@ -136,6 +145,7 @@ def fleet_main(n: int, model_dir: str, pool_blocks: int, max_tokens: int, ports,
             salt = body.get("cache_salt")
             stored, removed, parent, cached, hit = [], [], None, 0, True
             chain: list[int] = []
+            run: list[int] = []  # block indices of the run of new blocks being stored
             for i in range(len(ids) // BLOCK_SIZE):
                 block = tuple(ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
                 h = hash((parent, block, salt if i == 0 else None)) & 0x7FFFFFFFFFFFFFFF
@@ -143,12 +153,16 @@ def fleet_main(n: int, model_dir: str, pool_blocks: int, max_tokens: int, ports,
                 if h in self.cache:
                     self.cache.move_to_end(h)
                     cached += BLOCK_SIZE if hit else 0
+                    if run:
+                        stored.append(self._stored(run, chain, ids, salt))
+                        run = []
                 else:
                     hit = False
                     self.cache[h] = None
-                    stored.append(VllmBlockStored([h], parent, list(block), BLOCK_SIZE,
-                                                  extra_keys=[[salt]] if i == 0 and salt else None))
+                    run.append(i)
                 parent = h
+            if run:
+                stored.append(self._stored(run, chain, ids, salt))
             # NOTE: as vLLM frees a finished request's blocks tail first, a chain's head is the
             # most recently used and its tail goes first: a block never outlives its parent
             # (evicting heads first made the router reset its index on unknown parents).
