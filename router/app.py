@@ -36,7 +36,7 @@ from unicache.router.cluster.view import ClusterView
 from unicache.router.config import RouterConfig, resolve_tokenizer_path, shares_sessions
 from unicache.router.frontends.grpc_service import RouterServicer
 from unicache.router.frontends.http_api import HttpFrontDoor
-from unicache.router.frontends.http_server import HttpLimits, parser_protocol, uvicorn_config
+from unicache.router.frontends.http_server import HttpLimits, QuietServer, parser_protocol, uvicorn_config
 from unicache.router.memory import TableCaps
 from unicache.router.observability.history import ClusterHistory
 from unicache.router.observability.metrics import RouterMetrics
@@ -279,7 +279,7 @@ class RouterApp:
         sock.listen(1024)
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
-        self._uvicorn = uvicorn.Server(uvicorn_config(self.http.app, self.http_limits, self._http_protocol))
+        self._uvicorn = QuietServer(uvicorn_config(self.http.app, self.http_limits, self._http_protocol))
         self._uvicorn.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._tasks.append(asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="router-http"))
         while not self._uvicorn.started:

@@ -40,12 +40,6 @@ def serve(cfg: RouterConfig) -> None:
     from unicache.router.app import RouterApp
     from unicache.router.frontends.http_server import loop_factory
 
-    # NOTE: httpx logs every request at INFO: the backends' background polls would fill the
-    # router's log with one line each. The router logs what changed instead (--log-level
-    # debug keeps them).
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-
     async def main() -> None:
         # NOTE: the app is built on the running loop. Built before it (as this command
         # once did), grpc.aio bound itself to a loop of its own choosing: under uvloop the

@@ -10,6 +10,8 @@ the cluster view. Client requests never serve as probes.
 
 Invariants:
     * At most one probe per replica is in flight; each has a deadline (``timeout_for``).
+    * With nothing quarantined the task sleeps until ``ClusterView.quarantine`` wakes it:
+      an idle router's loop is not woken ten times a second for an empty schedule.
     * A probe's result applies only to the address it probed (a replica that restarted on
       a new address meanwhile was already released by its heartbeat).
 """
@@ -31,7 +33,8 @@ class QuarantineProber:
     clients: ``ReplicaClients`` (its ``probe`` is the probe, on the transport requests take).
     timeout_for: replica id -> deadline of its probe (seconds): the router passes the
         replica's first-token timeout.
-    tick_s: longest sleep between looks at the schedule (default 0.1 s).
+    tick_s: longest sleep between looks at the schedule while a replica is quarantined
+        (default 0.1 s).
     """
 
     def __init__(self, cluster: ClusterView, clients, timeout_for: Callable[[str], float], tick_s: float = 0.1):
@@ -72,8 +75,16 @@ class QuarantineProber:
 
     async def run(self) -> None:
         """Probe forever (cancel to stop)."""
-        while True:
-            await self.probe_due()
-            nxt = self.cluster.next_probe_at()
-            wait = self.tick_s if nxt is None else min(self.tick_s, max(0.0, nxt - self.cluster.clock()))
-            await asyncio.sleep(wait)
+        quarantined = asyncio.Event()
+        self.cluster.on_quarantine.append(quarantined.set)
+        try:
+            while True:
+                await self.probe_due()
+                quarantined.clear()  # before reading the schedule: a quarantine after this wakes the wait
+                nxt = self.cluster.next_probe_at()
+                if nxt is None:
+                    await quarantined.wait()
+                else:
+                    await asyncio.sleep(min(self.tick_s, max(0.0, nxt - self.cluster.clock())))
+        finally:
+            self.cluster.on_quarantine.remove(quarantined.set)

@@ -120,6 +120,7 @@ class ClusterView:
         self.quarantine_initial_s = quarantine_initial_s
         self.quarantine_max_s = quarantine_max_s
         self.clock = clock
+        self.on_quarantine: list[Callable[[], None]] = []  # called when a replica is newly quarantined (the prober's wake-up)
         self.replicas: dict[str, ReplicaRecord] = {}
         self.redis_connected = False
         self.backend_events = 0  # vLLM backends whose own KV events feed the index
@@ -265,6 +266,8 @@ class ClusterView:
         self._healthy = None
         rec.probe_backoff_s = self.quarantine_initial_s
         rec.probe_at = self.clock() + rec.probe_backoff_s
+        for wake in self.on_quarantine:
+            wake()
         return True
 
     def probes_due(self) -> list[tuple[str, str]]:

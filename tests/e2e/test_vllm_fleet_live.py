@@ -31,7 +31,7 @@ from unicache.plumbing.redis_server import free_port
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.router.upstream.vllm_fleet.follower import BackendFollower
-from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
+from unicache.router.upstream.vllm_fleet.http_stream import BackendUnreachable, VllmClients
 from unicache.router.upstream.vllm_fleet.spec import parse_backend
 from unicache.testing.polling import eventually
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
@@ -297,13 +297,13 @@ async def test_a_backend_that_is_not_vllm_is_one_clear_line(router, caplog):
     clients = VllmClients()
     try:
         caplog.set_level(logging.WARNING, logger="unicache.router.upstream.vllm_fleet.follower")
-        for spec, words in [(dead, "unreachable (ConnectError)"), (not_vllm, "not a vLLM")]:
+        for spec, words in [(dead, "unreachable (cannot connect"), (not_vllm, "not a vLLM")]:
             f = BackendFollower(spec, app.cluster, clients, BS)
             for _ in range(3):
                 try:
                     await f.poll_once()
-                except httpx.HTTPError as exc:
-                    f._not_joined(f"unreachable ({type(exc).__name__})")
+                except BackendUnreachable as exc:
+                    f._not_joined(f"unreachable ({exc})")
             assert not f.joined and words in f.problem
             lines = [r.getMessage() for r in caplog.records if spec.backend_id in r.getMessage() and "not routable" in r.getMessage()]
             assert len(lines) == 1, lines  # once, not once per poll

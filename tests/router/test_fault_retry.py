@@ -118,6 +118,27 @@ async def test_quarantine_probes_with_bounded_exponential_backoff_until_the_repl
     assert cluster.next_probe_at() == 13.0
 
 
+async def test_the_prober_sleeps_until_a_quarantine_wakes_it():
+    cluster = ClusterView(RoundRobinPolicy(), LocalityIndex(), quarantine_initial_s=0.05)
+    cluster.upsert("r0", "addr-r0")
+    probes = FakeProbes()
+    probes.up["addr-r0"] = True
+    prober = QuarantineProber(cluster, probes, timeout_for=lambda rid: 1.0, tick_s=3600.0)  # a tick never ends it
+    task = asyncio.create_task(prober.run())
+    await asyncio.sleep(0.2)
+    assert probes.calls == [] and len(cluster.on_quarantine) == 1  # asleep, nothing probed
+    assert cluster.quarantine("r0")
+    for _ in range(100):
+        if cluster.healthy("r0"):
+            break
+        await asyncio.sleep(0.05)
+    assert cluster.healthy("r0") and probes.calls == [("addr-r0", 1.0)]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cluster.on_quarantine == []  # a stopped prober leaves no wake-up behind
+
+
 async def test_a_probe_result_for_an_old_address_is_ignored():
     now = [0.0]
     cluster = ClusterView(RoundRobinPolicy(), LocalityIndex(), clock=lambda: now[0])

@@ -259,3 +259,33 @@ async def test_a_router_bug_in_generation_is_a_500_in_openai_shape_and_logged(ro
         r = await client.get(path)
         assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     assert rep.served == []
+
+
+async def test_the_server_ticks_once_a_second_and_stops_at_once():
+    """``QuietServer``: no 0.1 s wake-ups while idle, and setting ``should_exit`` ends the
+    main loop without waiting out a tick (one of an hour here)."""
+    import uvicorn
+
+    from unicache.router.frontends.http_server import QuietServer
+
+    async def app(scope, receive, send):  # noqa: ARG001 - never called
+        raise AssertionError("no request is sent")
+
+    server = QuietServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    server.TICK_S = 3600.0
+    ticks = []
+    original = server.on_tick
+
+    async def counting(counter):
+        ticks.append(counter)
+        return await original(counter)
+
+    server.on_tick = counting
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    assert ticks == [0]  # uvicorn's own loop would have ticked three more times
+    server.should_exit = True
+    await asyncio.wait_for(task, 10)
+    assert ticks == [0, 10] and server.server_state.default_headers[0][0] == b"date"

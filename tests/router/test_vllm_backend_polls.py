@@ -1,14 +1,15 @@
 """What the router asks of a vLLM backend in the background (router/upstream/vllm_fleet/follower.py):
 ``/health``, ``/v1/models`` and ``/metrics`` to join; then only ``/metrics`` (and ``/v1/models``
 when due), ``/health`` only for a backend in doubt, a failed ``/health`` quarantining it, and
-one log line per change, never per poll. The backend is an ``httpx.MockTransport``."""
+one log line per change, never per poll. The backend answers ``VllmClients.get`` in process."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-import httpx
+import json
+
 import pytest
 
 from unicache.plumbing.errors import UsageError
@@ -17,7 +18,7 @@ from unicache.router.cluster.view import ClusterView
 from unicache.router.config import RouterConfig
 from unicache.router.routing.registry import make_routing_policy
 from unicache.router.upstream.vllm_fleet.follower import BackendFollower
-from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
+from unicache.router.upstream.vllm_fleet.http_stream import BackendUnreachable, PolledAnswer, VllmClients
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec
 
 URL = "http://127.0.0.1:1"
@@ -35,16 +36,19 @@ class FakeBackend:
     def __init__(self):
         self.status = {"/health": 200, "/v1/models": 200, "/metrics": 200}
         self.asked: list[str] = []
+        self.reachable = True
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
+    def __call__(self, path: str) -> PolledAnswer:
         self.asked.append(path)
+        if not self.reachable:
+            raise BackendUnreachable("cannot connect: ConnectionRefusedError")
         code = self.status[path]
         if code != 200:
-            return httpx.Response(code)
+            return PolledAnswer(code, "text/plain", b"")
         if path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model", "root": "m", "parent": None}]})
-        return httpx.Response(200, text=METRICS if path == "/metrics" else "")
+            listed = {"object": "list", "data": [{"id": "m", "object": "model", "root": "m", "parent": None}]}
+            return PolledAnswer(200, "application/json", json.dumps(listed).encode())
+        return PolledAnswer(200, "text/plain", METRICS.encode() if path == "/metrics" else b"")
 
     def take(self) -> list[str]:
         asked, self.asked = self.asked, []
@@ -54,10 +58,11 @@ class FakeBackend:
 class MockClients(VllmClients):
     def __init__(self, backend: FakeBackend):
         super().__init__()
-        self.mock = httpx.AsyncClient(base_url=URL, transport=httpx.MockTransport(backend))
+        self.backend = backend
 
-    def client(self, url: str) -> httpx.AsyncClient:
-        return self.mock
+    async def get(self, url: str, path: str, timeout_s: float) -> PolledAnswer:
+        assert url == URL and timeout_s > 0
+        return self.backend(path)
 
 
 @pytest.fixture
@@ -69,7 +74,7 @@ async def joined():
     await follower.poll()
     assert (follower.joined, backend.take()) == (True, ["/health", "/v1/models", "/metrics"])
     yield follower, backend, cluster
-    await clients.mock.aclose()
+    await clients.close()
 
 
 async def test_a_joined_backend_is_only_scraped_and_its_models_read_when_due(joined):
@@ -129,10 +134,7 @@ async def test_a_backend_in_doubt_that_cannot_be_reached_is_quarantined(joined):
     await follower.poll()
     assert follower.in_doubt
 
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
-
-    follower.clients.mock._transport = httpx.MockTransport(refuse)
+    backend.reachable = False
     await follower.poll()
     assert (cluster.healthy("b"), follower.health_probes) == (False, 2)
 

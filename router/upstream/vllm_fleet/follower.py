@@ -38,10 +38,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from unicache.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -51,7 +51,7 @@ from unicache.router.cluster.index import LocalityIndex
 from unicache.router.cluster.models import cards_from_models_list
 from unicache.router.cluster.view import ClusterView
 from unicache.router.upstream.vllm_fleet.events_listener import EventsListener
-from unicache.router.upstream.vllm_fleet.http_stream import VllmClients
+from unicache.router.upstream.vllm_fleet.http_stream import BackendUnreachable, VllmClients
 from unicache.router.upstream.vllm_fleet.spec import BackendSpec
 
 log = logging.getLogger(__name__)
@@ -317,8 +317,8 @@ class BackendFollower:
         in doubt, else ``/metrics`` (and ``/v1/models`` when due)."""
         try:
             await self.poll_once()
-        except httpx.HTTPError as exc:
-            self._failed(f"unreachable ({type(exc).__name__})")
+        except BackendUnreachable as exc:
+            self._failed(f"unreachable ({exc})")
         self._polled_at = time.monotonic()
 
     def _alive_since_last_poll(self) -> bool:
@@ -341,18 +341,17 @@ class BackendFollower:
             self.in_doubt = True
 
     async def poll_once(self) -> None:
-        client = self.clients.client(self.spec.url)
+        url = self.spec.url
         timeout = max(self.health_interval_s, 2.0)
         if not self.joined or self.in_doubt:
             if not (self.joined and not self.cluster.healthy(self.backend_id)):  # the prober probes a quarantined one
                 self.health_probes += 1
                 try:
-                    r = await client.get("/health", timeout=timeout)
-                    answer = str(r.status_code)
-                except httpx.HTTPError as exc:
+                    answer = str((await self.clients.get(url, "/health", timeout)).status)
+                except BackendUnreachable as exc:
                     if not self.joined:
                         raise
-                    answer = f"nothing ({type(exc).__name__})"  # unreachable: in doubt no more
+                    answer = f"nothing ({exc})"  # unreachable: in doubt no more
                 if answer != "200":
                     why = f"/health answered {answer}"
                     if not self.joined:
@@ -364,16 +363,16 @@ class BackendFollower:
                 self.in_doubt = False
         if not self.joined or time.monotonic() - self._models_asked_at >= self.models_interval_s:
             self._models_asked_at = time.monotonic()
-            if not await self._read_models(client, timeout) and not self.joined:
+            if not await self._read_models(timeout) and not self.joined:
                 return
         if self.joined and not self.in_doubt and time.monotonic() - self._scraped_at < self.metrics_interval_s:
             return  # woken for /v1/models only
         self._scraped_at = time.monotonic()
-        r = await client.get("/metrics", timeout=timeout)
-        if r.status_code != 200:
-            self._failed(f"/metrics answered {r.status_code}")
+        r = await self.clients.get(url, "/metrics", timeout)
+        if r.status != 200:
+            self._failed(f"/metrics answered {r.status}")
             return
-        stats = parse_vllm_metrics(r.text)
+        stats = parse_vllm_metrics(r.body.decode("utf-8", "replace"))
         if "block_size" not in stats:
             self._failed("/metrics has no vllm:cache_config_info: not a vLLM server")
             return
@@ -420,12 +419,18 @@ class BackendFollower:
                 self.subscriber.endpoint.split(" ")[0].rpartition(":")[2], self.subscriber.topics[0])
         return True
 
-    async def _read_models(self, client: httpx.AsyncClient, timeout: float) -> bool:
+    async def _read_models(self, timeout: float) -> bool:
         """Record the base models and LoRA adapters ``/v1/models`` lists (adapters loaded
         or unloaded at run time show up here); False when it lists none (a joined backend
         keeps what it listed before)."""
-        r = await client.get("/v1/models", timeout=timeout)
-        data = r.json().get("data") if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json") else None
+        r = await self.clients.get(self.spec.url, "/v1/models", timeout)
+        data = None
+        if r.status == 200 and r.content_type.startswith("application/json"):
+            try:
+                listed = json.loads(r.body)
+            except ValueError:
+                listed = None
+            data = listed.get("data") if isinstance(listed, dict) else None
         cards = cards_from_models_list(data) if isinstance(data, list) else []
         bases = [card.name for card in cards if not card.is_adapter]
         if not bases:

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 
 import grpc
-import httpx
 
 from unicache.contract.vllm_events import EXTRA_ARGS_KEY, class_to_vllm, salt_to_vllm
 from unicache.router.upstream.replica_stream import rpc_error
@@ -227,10 +227,25 @@ class VllmHttpStream(BackendCall):
             raise
 
 
+@dataclass(slots=True, frozen=True)
+class PolledAnswer:
+    """A backend's whole answer to one of the router's own GETs (``/health``,
+    ``/v1/models``, ``/metrics``)."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+
+class BackendUnreachable(Exception):
+    """A poll got no answer: no connection, a connection lost, or its deadline passed;
+    the message says which."""
+
+
 class VllmClients:
     """HTTP clients of the vLLM backends, by base URL, with each one's served model name:
-    requests go through ``HttpPool`` (``pool``), the followers' polls through httpx
-    (``client``).
+    requests and the followers' polls (``get``) share each backend's ``HttpPool``
+    (``pool``).
 
     Args:
         max_connections: connections kept per backend (default 256).
@@ -238,8 +253,6 @@ class VllmClients:
 
     def __init__(self, max_connections: int = 256):
         self.max_connections = max_connections
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._clients: dict[str, httpx.AsyncClient] = {}
         self._pools: dict[str, HttpPool] = {}
         self.models: dict[str, str] = {}  # base URL -> the model name it serves
 
@@ -257,12 +270,22 @@ class VllmClients:
         body = relay_body(req, adapter or self.models.get(url, ""), salt, request_class)
         return VllmRelay(self.pool(url), req, body, timeout_s)
 
-    def client(self, url: str) -> httpx.AsyncClient:
-        c = self._clients.get(url)
-        if c is None:
-            # NOTE: no overall timeout here: each stream enforces the request's deadline.
-            c = self._clients[url] = httpx.AsyncClient(base_url=url, limits=self._limits, timeout=httpx.Timeout(None, connect=5.0))
-        return c
+    async def get(self, url: str, path: str, timeout_s: float) -> PolledAnswer:
+        """GET ``path`` of the backend at ``url``, read whole within ``timeout_s``; raises
+        ``BackendUnreachable`` when no answer came."""
+        r = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                r = await self.pool(url).request("GET", path)
+                body = await r.read()
+        except HttpError as exc:
+            raise BackendUnreachable(str(exc)) from None
+        except TimeoutError:
+            raise BackendUnreachable(f"no answer within {timeout_s:g}s") from None
+        finally:
+            if r is not None:
+                r.close()
+        return PolledAnswer(r.status, r.headers.get("content-type", ""), body)
 
     def generate(self, url: str, request: replica_pb2.GenerateRequest, timeout_s: float) -> VllmHttpStream:
         model = self.models.get(url, "")
@@ -270,23 +293,14 @@ class VllmClients:
 
     async def probe(self, url: str, timeout_s: float) -> None:
         """vLLM's ``/health``; raises ``AioRpcError(UNAVAILABLE)`` unless it answers 200."""
-        r = None
         try:
-            async with asyncio.timeout(timeout_s):
-                r = await self.pool(url).request("GET", "/health")
-                await r.read()
-        except (HttpError, TimeoutError) as exc:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend health check failed: {type(exc).__name__}") from None
-        finally:
-            if r is not None:
-                r.close()
-        if r.status != 200:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend health check answered {r.status}")
+            answer = await self.get(url, "/health", timeout_s)
+        except BackendUnreachable as exc:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend health check failed: {exc}") from None
+        if answer.status != 200:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"backend health check answered {answer.status}")
 
     async def close(self) -> None:
         for p in self._pools.values():
             p.close()
         self._pools.clear()
-        clients = list(self._clients.values())
-        self._clients.clear()
-        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
