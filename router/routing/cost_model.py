@@ -44,6 +44,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 HUBER_K = 1.5  # residuals beyond this many robust standard deviations are down-weighted
 _IRLS_ROUNDS = 4
 CALIBRATION_VERSION = 1
@@ -101,12 +103,6 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
 class RobustFit:
     """y = c[0] + sum_j c[j+1] * x[j], Huber-weighted least squares over a ring buffer
     (module docstring). ``prior``: the coefficients before data and for features that
@@ -151,20 +147,16 @@ class RobustFit:
 
     def refit(self) -> None:
         self._since = 0
-        xs, ys = self._xs, self._ys
-        if len(ys) < 3:
+        if len(self._ys) < 3:
             return
+        xs = np.asarray(self._xs, dtype=float)
         k = len(self.prior) - 1
         # features that vary in the window are fitted; the others keep their prior
-        active = []
-        for j in range(k):
-            col = [x[j] for x in xs]
-            lo, hi = min(col), max(col)
-            if hi - lo > 1e-9 * max(1.0, abs(hi)):
-                active.append(j)
+        lo, hi = xs.min(axis=0), xs.max(axis=0)
+        active = [j for j in range(k) if hi[j] - lo[j] > 1e-9 * max(1.0, abs(hi[j]))]
         zeroed: list[int] = []
         while True:
-            coef = self._irls(active, zeroed)
+            coef = self._irls(xs, active, zeroed)
             if coef is None:
                 return
             neg = [j for j in active if coef[j + 1] < 0.0]
@@ -175,39 +167,30 @@ class RobustFit:
         coef[0] = max(0.0, coef[0])
         self.coef = coef
 
-    def _irls(self, active: list[int], zeroed: list[int]) -> list[float] | None:
-        xs, ys = self._xs, self._ys
+    def _irls(self, xs: np.ndarray, active: list[int], zeroed: list[int]) -> list[float] | None:
+        """Huber IRLS on the window (``xs``: its features, one row per observation); the
+        p x p normal equations are accumulated by numpy and solved by ``_solve``."""
         prior = [0.0 if j - 1 in zeroed else p for j, p in enumerate(self.prior)]
         fixed = [j for j in range(len(prior) - 1) if j not in active]
         # y less the prior's share of the features not fitted
-        yy = [y - sum(prior[j + 1] * x[j] for j in fixed) for x, y in zip(xs, ys)]
-        rows = [(1.0, *(x[j] for j in active)) for x in xs]
-        p = len(active) + 1
-        w = [1.0] * len(yy)
+        yy = np.asarray(self._ys, dtype=float)
+        if fixed:
+            yy = yy - xs[:, fixed] @ np.asarray([prior[j + 1] for j in fixed])
+        rows = np.column_stack([np.ones(len(yy)), xs[:, active]])
+        w = np.ones(len(yy))
         beta = None
         for _ in range(_IRLS_ROUNDS):
-            m = [[0.0] * p for _ in range(p)]
-            v = [0.0] * p
-            for row, y, wi in zip(rows, yy, w):
-                for i in range(p):
-                    wri = wi * row[i]
-                    v[i] += wri * y
-                    mi = m[i]
-                    for j in range(i, p):
-                        mi[j] += wri * row[j]
-            for i in range(p):
-                for j in range(i):
-                    m[i][j] = m[j][i]
-            sol = _solve(m, v)
+            wr = rows * w[:, None]
+            sol = _solve((wr.T @ rows).tolist(), (wr.T @ yy).tolist())
             if sol is None:
                 break
             beta = sol
-            res = [y - sum(b * r for b, r in zip(beta, row)) for row, y in zip(rows, yy)]
-            scale = 1.4826 * _median([abs(r) for r in res])
+            res = np.abs(yy - rows @ np.asarray(beta))
+            scale = 1.4826 * float(np.median(res))
             if scale <= 0.0:
                 break
             cut = HUBER_K * scale
-            w = [1.0 if abs(r) <= cut else cut / abs(r) for r in res]
+            w = np.where(res <= cut, 1.0, cut / np.maximum(res, cut))
         if beta is None:
             return None
         coef = list(prior)
