@@ -89,6 +89,7 @@ class UniCachePolicy(EvictionPolicy):
             order (False: UniCache's own order always).
         guard_margin: the hit-ratio difference (share of lookups) the guard acts on.
         guard_window: requests per guard window.
+        guard_decay: per-window decay of the guard's counts (their memory, in windows).
     """
 
     host_tier_policy = HostUniCachePolicy
@@ -106,6 +107,7 @@ class UniCachePolicy(EvictionPolicy):
         recency_guard: bool = True,
         guard_margin: float = 0.003,
         guard_window: int = 8,
+        guard_decay: float = 0.98,
     ):
         n = NUM_QUEUES * NUM_LANES
         priors = [evict_first_prior if LANE_QUEUE[lane] == EVICT_FIRST else 0.5 for lane in ALL_LANES]
@@ -133,7 +135,7 @@ class UniCachePolicy(EvictionPolicy):
         self._queue_hits = [0] * NUM_QUEUES
         # The recency guard: candidates in release order (vLLM's LRU order) and each
         # cached block's parent, for the shadow LRU's prefix rule.
-        self.guard = RecencyGuard(margin=guard_margin, window=guard_window) if recency_guard else None
+        self.guard = RecencyGuard(margin=guard_margin, window=guard_window, decay=guard_decay) if recency_guard else None
         self._order: OrderedDict[int, None] = OrderedDict()
         self._parent: dict[int, int] = {}
 
