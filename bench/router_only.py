@@ -173,7 +173,9 @@ def fleet_main(n: int, model_dir: str, pool_blocks: int, max_tokens: int, ports,
             body["prompt"] = ids  # the usage's prompt_tokens
             self.cached_tokens = cached
             if stored or removed:
-                events = stored + ([VllmBlockRemoved(removed)] if removed else [])
+                # NOTE: vLLM evicts a block when it allocates its replacement, before the
+                # replacement is filled and cached: removals come first.
+                events = ([VllmBlockRemoved(removed)] if removed else []) + stored
                 payload = msgspec.msgpack.encode(VllmEventBatch(time.time(), events))
                 seq, self.seq = self.seq, self.seq + 1
                 self.kept[seq] = payload

@@ -96,6 +96,17 @@ def test_unknown_parent_or_impossible_claim_resets_the_table():
     assert t.translate(batch(VllmAllBlocksCleared())) == [AllBlocksCleared(0.0)]
 
 
+def test_a_batch_that_stores_before_it_removes_is_judged_at_its_end():
+    """A full pool's batch may name its new blocks before the ones they replace: only what
+    the table holds once the batch is applied is held against the pool's size."""
+    t = EventTranslator(clock=lambda: 0.0, max_entries=2)
+    t.translate(batch(stored([1, 2], None, list(range(8)))))
+    out = t.translate(batch(stored([3], 2, list(range(8, 12))), VllmBlockRemoved([1], medium="GPU")))
+    assert AllBlocksCleared(0.0) not in out and len(t) == 2 and t.lost == 0
+    out = t.translate(batch(stored([4], 3, list(range(12, 16)))))  # three held: more than the pool
+    assert out[-1] == AllBlocksCleared(0.0) and len(t) == 0 and t.lost == 1
+
+
 def test_events_fill_the_index_exactly():
     index = LocalityIndex()
     t = EventTranslator(clock=lambda: 0.0)

@@ -217,3 +217,17 @@ async def test_the_deadline_ends_a_relayed_stream_and_the_backends_request():
         assert 1 <= len(events) - 3 <= 8 and events[-2] == "data: [DONE]"
         await eventually(lambda: fake.disconnected == 1, "the backend saw the router hang up")
         assert app.cluster.healthy("v0")  # a slow answer is not a dead backend
+
+
+async def test_the_fake_vllm_answers_a_line_that_is_not_http_with_400_and_closes():
+    """A peer router's bare probe (no request line) gets vLLM's 400, not a server traceback."""
+    fake = await FakeVllm([model_card("m")]).start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", fake.port)
+        writer.write(b"\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n") and answer.endswith(b"Invalid HTTP request received.")
+    finally:
+        await fake.stop()

@@ -28,7 +28,8 @@ Invariants:
       other media ("STORAGE", ...) are not indexed.
     * ``schema`` is the form (``vllm_event_schema.SCHEMAS``) of the last batch with events.
     * Its size is bounded by vLLM's pool sizes (``max_entries`` caps it: a stream that
-      claims more is an impossible claim and resets the table).
+      claims more at the end of a batch is an impossible claim and resets the table; within
+      a batch a publisher may store before it removes).
     * A batch that cannot be translated (a parent never seen: events were lost beyond what
       replay still holds) counts in ``lost`` and the table restarts empty after an
       ``AllBlocksCleared``: a consumer forgets this server's blocks rather than trusting a
@@ -204,7 +205,16 @@ class EventTranslator:
             else:
                 self._apply(ev, now, out)
         self._run(deferred, now, out)
+        if self.max_entries and len(self._table) > self.max_entries:
+            self._lose(now, out)
         return out
+
+    def _lose(self, now: float, out: list[KVEvent]) -> None:
+        """What was translated cannot be trusted: the table restarts empty and the
+        consumer is told every block is gone."""
+        self.lost += 1
+        self._clear()
+        out.append(AllBlocksCleared(now))
 
     def _role(self, ev) -> tuple[str, int]:
         g = ev.group_idx
@@ -235,10 +245,8 @@ class EventTranslator:
                     full.add(ev.group_idx)
                     if len(full) > 1:
                         self._hide_all(tier, now, out)  # a new full group holds none of them yet
-            if not self._stored(ev, tier, role, now, out) or (self.max_entries and len(self._table) > self.max_entries):
-                self.lost += 1
-                self._clear()
-                out.append(AllBlocksCleared(now))
+            if not self._stored(ev, tier, role, now, out):
+                self._lose(now, out)
             return
         g = ev.group_idx
         for vh in ev.block_hashes:

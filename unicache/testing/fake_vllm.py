@@ -73,7 +73,12 @@ class FakeVllm:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                method, path, _ = head.split(b"\r\n", 1)[0].decode().split(" ", 2)
+                request_line = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+                if len(request_line) != 3:  # not HTTP (a peer router's bare probe): answered as vLLM's server would
+                    self._send(writer, 400, "text/plain", b"Invalid HTTP request received.")
+                    await writer.drain()
+                    break
+                method, path, _ = request_line
                 length = 0
                 for line in head.split(b"\r\n")[1:]:
                     name, _, value = line.partition(b":")
