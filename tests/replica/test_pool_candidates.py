@@ -7,28 +7,11 @@ import pytest
 
 from unicache.contract.block_hash import BlockHash
 from unicache.contract.request_class import SINGLE_TURN
-from unicache.replica.eviction.lru import LRUPolicy
 from unicache.replica.eviction.pool_candidates import PoolCandidates
 
+from tests.support.recording_policy import RecordingLRU
+
 H1, H2 = BlockHash(b"\x01" * 16), BlockHash(b"\x02" * 16)
-
-
-class RecordingLRU(LRUPolicy):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def on_cached(self, block_id, block_hash, parent_id, now):
-        self.calls.append(("cached", block_id, parent_id))
-        super().on_cached(block_id, block_hash, parent_id, now)
-
-    def on_access(self, block_id, cls, now):
-        self.calls.append(("access", block_id))
-        super().on_access(block_id, cls, now)
-
-    def on_removed(self, block_id):
-        self.calls.append(("removed", block_id))
-        super().on_removed(block_id)
 
 
 def released(policy: RecordingLRU, *ids: int) -> PoolCandidates:
@@ -64,7 +47,7 @@ def test_a_hit_takes_a_candidate_back_and_leaves_other_blocks_to_the_caller():
     cands = released(policy, 1, 2)
     assert cands.take_back(2, SINGLE_TURN, 2.0) is True
     assert cands.take_back(5, SINGLE_TURN, 2.0) is False  # never released: the caller's uncached list
-    assert policy.calls[-1] == ("access", 2)
+    assert policy.calls[-1] == ("access", 2, SINGLE_TURN)
     assert cands.evict(1) == [1]
 
 

@@ -12,31 +12,9 @@ from unicache.replica.engines.vllm import version
 from unicache.replica.engines.vllm.free_queue import PolicyFreeQueue
 from unicache.replica.eviction.lru import LRUPolicy
 
+from tests.support.recording_policy import RecordingLRU
+
 CHAT = RequestClass(tenant="t", session_id="s1", turn=0, task=Task.CHAT)
-
-
-class RecordingLRU(LRUPolicy):
-    """LRU that records every call the queue makes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def on_cached(self, block_id, block_hash, parent_id, now):
-        self.calls.append(("cached", block_id, parent_id))
-        super().on_cached(block_id, block_hash, parent_id, now)
-
-    def on_release_many(self, block_ids, positions, cls, num_blocks, num_prompt_blocks, now):
-        self.calls.append(("release", list(block_ids), list(positions), cls, num_blocks, num_prompt_blocks))
-        super().on_release_many(block_ids, positions, cls, num_blocks, num_prompt_blocks, now)
-
-    def on_access(self, block_id, cls, now):
-        self.calls.append(("access", block_id, cls))
-        super().on_access(block_id, cls, now)
-
-    def on_removed(self, block_id):
-        self.calls.append(("removed", block_id))
-        super().on_removed(block_id)
 
 
 def make_queue(n: int = 9):
