@@ -277,15 +277,18 @@ class RouterHandle:
     async def probe(self, rid: str, text: str, max_tokens: int = 4) -> Reply:
         """Send one request through the router while every other replica is quarantined
         (with no probe due), so it must go to ``rid``; the others are restored after."""
-        others = [r for r in self.cluster.replicas.values() if r.replica_id != rid]
+        cluster = self.cluster
+        others = [r for r in cluster.replicas.values() if r.replica_id != rid]
         saved = [(r.quarantined, r.probe_at) for r in others]
         for r in others:
             r.quarantined, r.probe_at = True, float("inf")
+        cluster._healthy = None  # the flags changed under the view's cached list of healthy replicas
         try:
             return await self.generate(text, max_tokens)
         finally:
             for r, (quarantined, probe_at) in zip(others, saved):
                 r.quarantined, r.probe_at = quarantined, probe_at
+            cluster._healthy = None
 
     # ---------------------------------------------------------------- state
     @property
