@@ -402,6 +402,10 @@ class QuietServer(uvicorn.Server):
 
     TICK_S = 1.0
 
+    def __init__(self, config: uvicorn.Config):
+        self._exit_requested = asyncio.Event()  # before uvicorn's __init__ sets should_exit
+        super().__init__(config)
+
     @property
     def should_exit(self) -> bool:
         return self._should_exit
@@ -410,21 +414,14 @@ class QuietServer(uvicorn.Server):
     def should_exit(self, value: bool) -> None:
         self._should_exit = value
         if value:
-            self._exit_requested().set()
-
-    def _exit_requested(self) -> asyncio.Event:
-        event = self.__dict__.get("_exit_event")
-        if event is None:
-            event = self._exit_event = asyncio.Event()
-        return event
+            self._exit_requested.set()
 
     async def main_loop(self) -> None:
         counter = 0
-        exit_requested = self._exit_requested()
         while not await self.on_tick(counter):
             counter = (counter + 10) % 864000  # on_tick refreshes the Date header when counter % 10 == 0
             try:
-                await asyncio.wait_for(exit_requested.wait(), self.TICK_S)
+                await asyncio.wait_for(self._exit_requested.wait(), self.TICK_S)
             except TimeoutError:
                 pass
 
