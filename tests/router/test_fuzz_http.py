@@ -177,7 +177,7 @@ def expected(c: dict) -> int:
     bad |= not num_ok(f["seed"], True, 0, 2**64 - 1)
     stop = f["stop"]
     bad |= not (stop in (MISSING, None) or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)))
-    bad |= f["stream"] not in (MISSING, None, True, False)
+    bad |= not any(f["stream"] is v for v in (MISSING, None, True, False))  # by identity: 0 == False is no boolean
     options = f["stream_options"]
     if options not in (MISSING, None):  # only with stream: true; only include_usage (a boolean)
         bad |= f["stream"] is not True or not isinstance(options, dict)
