@@ -18,22 +18,34 @@ the times between streamed messages) and, for stock vLLM servers, from their his
 ``vllm:time_per_output_token_seconds``). ``a_r + b_r * u`` is the prefill of the uncached
 part, ``b_r * q + s_r * o`` the time to drain what is running and queued there.
 
-The fit (``RobustFit``) is Huber-weighted least squares over the last ``window``
-observations (a ring buffer, so it follows change: after ``window`` observations of a
-new regime the old one is gone), refit every ``refit_every`` observations with a fixed
-number of reweighting rounds: O(window / refit_every) = O(1) work per observation,
-amortised. A residual beyond ``HUBER_K`` robust standard deviations (from the median
-absolute deviation) weighs 1/|r|, so a stall or a cold start moves a coefficient little.
-A feature that does not vary in the window is not fitted: its coefficient stays at the
-prior and its part is taken out of y first. Coefficients are never negative (a negative
-slope is set to 0 and the rest refit). Until ``min_observations`` arrive a backend's
-costs are the prior: the mean of the fitted backends' costs when some are fitted, else
-``PRIOR``.
+The fleet shares one shape and each backend has one speed (``FleetFit``): the fit of
+``a, b, s`` (and of ``c, d``) is one Huber-weighted least squares over every backend's
+last ``window`` observations together (ring buffers, so it follows change: after
+``window`` observations of a new regime the old one is gone), and backend r's costs are
+that shape times its scale k_r: how far the mean log ratio of its measured to predicted
+times lies from the fleet's, soft-thresholded by ``SCALE_Z`` standard errors
+(``speed_scale``). Two backends
+that are alike are priced alike, whatever the noise of their few observations (fitted
+apart, two identical vLLM servers had been given prefill bases of 0.069 s and 0.147 s
+and one drew the traffic); a backend that is slower beyond noise (another GPU, a
+throttled engine, a larger model) is priced slower by what it is beyond it. The price:
+backends that differ in shape, not only in speed, share one shape.
+
+The shape is refit every ``refit_every`` observations per backend with a fixed number of
+reweighting rounds: O(window / refit_every) work per observation, amortised. A residual
+beyond ``HUBER_K`` robust standard deviations (from the median absolute deviation)
+weighs 1/|r|, so a stall or a cold start moves a coefficient little. A feature that does
+not vary in the windows is not fitted: its coefficient stays at the prior and its part is
+taken out of y first. Coefficients are never negative (a negative slope is set to 0 and
+the rest refit). Until ``min_observations`` arrive from the fleet every backend's costs
+are the prior ``PRIOR``; a backend with fewer of its own is priced as the fleet's shape.
 
 Invariants:
     * A backend's state is bounded: two ring buffers of ``window`` observations.
+    * Backends whose speeds do not differ beyond noise (``SCALE_Z`` standard errors) have
+      equal costs, exactly.
     * ``costs(r)`` never raises and never returns a negative coefficient.
-    * ``uniform`` is True while no backend is fitted: every backend is priced alike, and
+    * ``uniform`` is True while nothing is fitted: every backend is priced alike, and
       ``cache_aware`` decides exactly as with prefill-token units (docs/routing.md).
 """
 
@@ -47,6 +59,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 HUBER_K = 1.5  # residuals beyond this many robust standard deviations are down-weighted
+SCALE_Z = 3.0  # a backend's speed differs from the fleet's beyond this many standard errors (a 0.3% false alarm)
 _IRLS_ROUNDS = 4
 CALIBRATION_VERSION = 1
 
@@ -103,35 +116,27 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-class RobustFit:
-    """y = c[0] + sum_j c[j+1] * x[j], Huber-weighted least squares over a ring buffer
-    (module docstring). ``prior``: the coefficients before data and for features that
-    do not vary in the window.
+class _Ring:
+    """A backend's last ``window`` observations (x, y), oldest overwritten first.
 
-    Invariant: ``coef`` holds len(prior) non-negative floats; the buffer holds at most
-    ``window`` observations, oldest overwritten first."""
+    Invariant: at most ``window`` observations; ``count`` is every one accepted ever."""
 
-    __slots__ = ("prior", "coef", "window", "refit_every", "_xs", "_ys", "_next", "_since", "count")
+    __slots__ = ("window", "_xs", "_ys", "_next", "count")
 
-    def __init__(self, prior: Sequence[float], window: int = 128, refit_every: int = 8):
-        if window < 4 or refit_every < 1:
-            raise ValueError("window must be >= 4 and refit_every >= 1")
-        self.prior = tuple(float(p) for p in prior)
-        self.coef = list(self.prior)
+    def __init__(self, window: int):
         self.window = window
-        self.refit_every = refit_every
         self._xs: list[tuple[float, ...]] = []
         self._ys: list[float] = []
         self._next = 0
-        self._since = 0
-        self.count = 0  # observations ever
+        self.count = 0
 
     def __len__(self) -> int:
         return len(self._ys)
 
-    def add(self, x: Sequence[float], y: float) -> None:
+    def add(self, x: Sequence[float], y: float) -> bool:
+        """Keep (x, y); False (nothing kept) when a value is not finite."""
         if not (math.isfinite(y) and all(math.isfinite(v) for v in x)):
-            return
+            return False
         row = tuple(float(v) for v in x)
         if len(self._ys) < self.window:
             self._xs.append(row)
@@ -141,83 +146,187 @@ class RobustFit:
             self._ys[self._next] = float(y)
             self._next = (self._next + 1) % self.window
         self.count += 1
+        return True
+
+
+def huber_fit(xs: np.ndarray, ys: np.ndarray, prior: Sequence[float]) -> list[float] | None:
+    """Coefficients c of y = c[0] + sum_j c[j+1] * x[j] (module docstring's fit): Huber
+    IRLS over the rows of ``xs``; a feature that does not vary keeps its ``prior`` and its
+    part is taken out of y first; a negative slope is set to 0 and the rest refit; the
+    intercept is clamped at 0. None when the rows cannot determine a fit."""
+    if len(ys) < 3:
+        return None
+    k = len(prior) - 1
+    lo, hi = xs.min(axis=0), xs.max(axis=0)
+    active = [j for j in range(k) if hi[j] - lo[j] > 1e-9 * max(1.0, abs(hi[j]))]
+    zeroed: list[int] = []
+    while True:
+        coef = _irls(xs, ys, prior, active, zeroed)
+        if coef is None:
+            return None
+        neg = [j for j in active if coef[j + 1] < 0.0]
+        if not neg:
+            break
+        active = [j for j in active if j not in neg]
+        zeroed.extend(neg)
+    coef[0] = max(0.0, coef[0])
+    return coef
+
+
+def _irls(xs: np.ndarray, ys: np.ndarray, prior: Sequence[float], active: list[int],
+          zeroed: list[int]) -> list[float] | None:
+    """Huber IRLS (``huber_fit``); the p x p normal equations are accumulated by numpy and
+    solved by ``_solve``."""
+    prior = [0.0 if j - 1 in zeroed else float(p) for j, p in enumerate(prior)]
+    fixed = [j for j in range(len(prior) - 1) if j not in active]
+    # y less the prior's share of the features not fitted
+    yy = ys
+    if fixed:
+        yy = yy - xs[:, fixed] @ np.asarray([prior[j + 1] for j in fixed])
+    rows = np.column_stack([np.ones(len(yy)), xs[:, active]])
+    w = np.ones(len(yy))
+    beta = None
+    for _ in range(_IRLS_ROUNDS):
+        wr = rows * w[:, None]
+        sol = _solve((wr.T @ rows).tolist(), (wr.T @ yy).tolist())
+        if sol is None:
+            break
+        beta = sol
+        res = np.abs(yy - rows @ np.asarray(beta))
+        scale = 1.4826 * float(np.median(res))
+        if scale <= 0.0:
+            break
+        cut = HUBER_K * scale
+        w = np.where(res <= cut, 1.0, cut / np.maximum(res, cut))
+    if beta is None:
+        return None
+    coef = list(prior)
+    coef[0] = beta[0]
+    for b, j in zip(beta[1:], active):
+        coef[j + 1] = b
+    return coef
+
+
+def log_ratios(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    """log(measured / predicted) of the rows where both are positive."""
+    ok = (predicted > 1e-9) & (measured > 1e-9)
+    return np.log(measured[ok] / predicted[ok])
+
+
+def speed_scale(own: np.ndarray, rest: np.ndarray, z: float = SCALE_Z) -> float:
+    """How much slower (> 1) or faster (< 1) a backend is than the fleet: exp of the
+    difference between the mean of its log ratios ``own`` (measured / the shape's
+    prediction) and the fleet's (``own`` and ``rest`` together), soft-thresholded by ``z``
+    standard errors of that difference: 1.0 unless it lies beyond the noise, else the
+    part beyond it. A backend alone in the fleet, or one with fewer than 3 rows (or a
+    rest of fewer than 2), has 1.0. Measured against the fleet's mean, not the shape's
+    prediction, so what the robust shape leaves out for every backend alike (stalls)
+    does not count as speed."""
+    n, m = len(own), len(rest)
+    if n < 3 or m < 2:
+        return 1.0
+    mean_own, mean_rest = float(own.mean()), float(rest.mean())
+    diff = m / (n + m) * (mean_own - mean_rest)  # own's mean less the fleet's
+    se = m / (n + m) * math.sqrt(float(own.var(ddof=1)) / n + float(rest.var(ddof=1)) / m)
+    excess = abs(diff) - z * se
+    return math.exp(math.copysign(excess, diff)) if excess > 0.0 else 1.0
+
+
+class FleetFit:
+    """y ~ k_r * (c[0] + sum_j c[j+1] * x[j]): one shape ``coef`` for the whole fleet,
+    fitted on every backend's window together, and one speed ``scale`` per backend
+    (``speed_scale``), so identical backends are priced identically until their
+    measurements differ beyond noise, and a backend that gets slower is priced so.
+
+    Refit every ``refit_every`` observations per backend (``refit_every`` times the
+    number of backends in all), when the fleet reaches ``min_observations`` and when a
+    backend does: O(window / refit_every) numpy work per observation, amortised.
+
+    Invariants: ``coef`` holds len(prior) non-negative floats (the prior until
+    ``fitted``); ``scales`` holds a positive float for each backend with
+    ``min_observations`` or more, and only for those."""
+
+    __slots__ = ("prior", "coef", "window", "refit_every", "min_observations", "rings", "scales", "fitted",
+                 "_since", "count")
+
+    def __init__(self, prior: Sequence[float], window: int = 128, refit_every: int = 8, min_observations: int = 16):
+        if window < 4 or refit_every < 1 or min_observations < 1:
+            raise ValueError("window must be >= 4, refit_every and min_observations >= 1")
+        self.prior = tuple(float(p) for p in prior)
+        self.coef = list(self.prior)
+        self.window = window
+        self.refit_every = refit_every
+        self.min_observations = min_observations
+        self.rings: dict[str, _Ring] = {}
+        self.scales: dict[str, float] = {}
+        self.fitted = False
+        self._since = 0
+        self.count = 0  # observations ever, all backends
+
+    def ring(self, rid: str) -> _Ring:
+        r = self.rings.get(rid)
+        if r is None:
+            r = self.rings[rid] = _Ring(self.window)
+        return r
+
+    def add(self, rid: str, x: Sequence[float], y: float) -> bool:
+        """One observation of ``rid``; True when it refit the fleet."""
+        ring = self.ring(rid)
+        if not ring.add(x, y):
+            return False
+        self.count += 1
         self._since += 1
-        if self._since >= self.refit_every:
+        if (self._since >= self.refit_every * len(self.rings) or ring.count == self.min_observations
+                or self.count == self.min_observations):
             self.refit()
+            return True
+        return False
+
+    def forget(self, rid: str) -> None:
+        self.rings.pop(rid, None)
+        self.scales.pop(rid, None)
 
     def refit(self) -> None:
+        """The fleet's shape on every window, then each fitted backend's scale."""
         self._since = 0
-        if len(self._ys) < 3:
+        if self.count < self.min_observations:
             return
-        xs = np.asarray(self._xs, dtype=float)
-        k = len(self.prior) - 1
-        # features that vary in the window are fitted; the others keep their prior
-        lo, hi = xs.min(axis=0), xs.max(axis=0)
-        active = [j for j in range(k) if hi[j] - lo[j] > 1e-9 * max(1.0, abs(hi[j]))]
-        zeroed: list[int] = []
-        while True:
-            coef = self._irls(xs, active, zeroed)
-            if coef is None:
-                return
-            neg = [j for j in active if coef[j + 1] < 0.0]
-            if not neg:
-                break
-            active = [j for j in active if j not in neg]
-            zeroed.extend(neg)
-        coef[0] = max(0.0, coef[0])
-        self.coef = coef
-
-    def _irls(self, xs: np.ndarray, active: list[int], zeroed: list[int]) -> list[float] | None:
-        """Huber IRLS on the window (``xs``: its features, one row per observation); the
-        p x p normal equations are accumulated by numpy and solved by ``_solve``."""
-        prior = [0.0 if j - 1 in zeroed else p for j, p in enumerate(self.prior)]
-        fixed = [j for j in range(len(prior) - 1) if j not in active]
-        # y less the prior's share of the features not fitted
-        yy = np.asarray(self._ys, dtype=float)
-        if fixed:
-            yy = yy - xs[:, fixed] @ np.asarray([prior[j + 1] for j in fixed])
-        rows = np.column_stack([np.ones(len(yy)), xs[:, active]])
-        w = np.ones(len(yy))
-        beta = None
-        for _ in range(_IRLS_ROUNDS):
-            wr = rows * w[:, None]
-            sol = _solve((wr.T @ rows).tolist(), (wr.T @ yy).tolist())
-            if sol is None:
-                break
-            beta = sol
-            res = np.abs(yy - rows @ np.asarray(beta))
-            scale = 1.4826 * float(np.median(res))
-            if scale <= 0.0:
-                break
-            cut = HUBER_K * scale
-            w = np.where(res <= cut, 1.0, cut / np.maximum(res, cut))
-        if beta is None:
-            return None
-        coef = list(prior)
-        coef[0] = beta[0]
-        for b, j in zip(beta[1:], active):
-            coef[j + 1] = b
-        return coef
+        rings = [r for r in self.rings.values() if len(r)]
+        if not rings:
+            return
+        xs = np.asarray([x for r in rings for x in r._xs], dtype=float)
+        ys = np.asarray([y for r in rings for y in r._ys], dtype=float)
+        coef = huber_fit(xs, ys, self.prior)
+        if coef is None:
+            return
+        self.coef, self.fitted = coef, True
+        c = np.asarray(coef[1:])
+        logs = {rid: log_ratios(coef[0] + np.asarray(r._xs, dtype=float) @ c, np.asarray(r._ys, dtype=float))
+                for rid, r in self.rings.items() if len(r)}
+        self.scales = {}
+        for rid, own in logs.items():
+            if self.rings[rid].count >= self.min_observations:
+                rest = [v for other, v in logs.items() if other != rid]
+                self.scales[rid] = speed_scale(own, np.concatenate(rest) if rest else own[:0])
 
 
 @dataclass(slots=True)
-class _Backend:
-    ttft: RobustFit
-    itl: RobustFit
+class _Errors:
     abs_error_s: float = 0.0  # EMA of |predicted - measured TTFT|
     rel_error: float = 0.0  # EMA of |predicted - measured| / measured
     errors: int = 0
 
 
 class CostModel:
-    """Per-backend ``Costs``, learned from observations (module docstring).
+    """Per-backend ``Costs``, learned from observations (module docstring): the fleet's
+    shape times each backend's speed (``FleetFit``), for TTFT and for decode.
 
     Args:
-        window: observations each fit keeps (default 128).
-        refit_every: observations between refits (default 8).
-        min_observations: TTFT observations before a backend's fit replaces the prior
-            (default 16).
-        prior: the costs of a backend before it is fitted while no other is (``PRIOR``).
+        window: observations each backend's window keeps (default 128).
+        refit_every: observations per backend between refits (default 8).
+        min_observations: TTFT observations before the fleet's fit replaces the prior, and
+            before a backend gets a speed of its own (default 16).
+        prior: the costs before anything is fitted (``PRIOR``).
         frozen: observations are ignored (a calibration: ``from_calibration``).
     """
 
@@ -230,31 +339,22 @@ class CostModel:
         self.min_observations = min_observations
         self.prior = prior
         self.frozen = frozen
-        self._backends: dict[str, _Backend] = {}
+        p = prior
+        self._ttft = FleetFit((p.prefill_base_s, p.prefill_per_token_s, p.per_outstanding_s), window, refit_every,
+                              min_observations)
+        self._itl = FleetFit((p.decode_base_s, p.decode_per_seq_s), window, refit_every, min_observations)
+        self._errors: dict[str, _Errors] = {}
         self._fixed: dict[str, Costs] = {}  # a calibration's costs
         self._cache: dict[str, Costs] | None = None
         self._fleet: Costs | None = None
 
     # -- observations --------------------------------------------------------------------
-    def _backend(self, rid: str) -> _Backend:
-        b = self._backends.get(rid)
-        if b is None:
-            p = self.prior
-            b = self._backends[rid] = _Backend(
-                RobustFit((p.prefill_base_s, p.prefill_per_token_s, p.per_outstanding_s), self.window, self.refit_every),
-                RobustFit((p.decode_base_s, p.decode_per_seq_s), self.window, self.refit_every))
-        return b
-
     def observe_ttft(self, rid: str, ttft_s: float, uncached: float, queued: float = 0.0, outstanding: float = 0.0) -> None:
         """A request's measured TTFT on ``rid`` with its uncached prompt tokens, the
         uncached tokens queued ahead per lane and the requests outstanding at dispatch."""
         if self.frozen or ttft_s < 0:
             return
-        fit = self._backend(rid).ttft
-        fit.add((uncached + queued, outstanding), ttft_s)
-        if fit.count == self.min_observations and fit._since:
-            fit.refit()  # the fit replaces the prior from now on
-        if fit._since == 0:
+        if self._ttft.add(rid, (uncached + queued, outstanding), ttft_s):
             self._invalidate()
 
     def observe_prefill(self, rid: str, prefill_s: float, uncached: float) -> None:
@@ -266,16 +366,16 @@ class CostModel:
         """A mean time per output token, decoded in batches of about ``batch``."""
         if self.frozen or itl_s < 0:
             return
-        fit = self._backend(rid).itl
-        fit.add((batch,), itl_s)
-        if fit._since == 0:
+        if self._itl.add(rid, (batch,), itl_s):
             self._invalidate()
 
     def observe_error(self, rid: str, predicted_s: float, measured_s: float) -> None:
         """Record the prediction error of one TTFT (exponential average, weight 1/16)."""
         if measured_s <= 0:
             return
-        b = self._backend(rid)
+        b = self._errors.get(rid)
+        if b is None:
+            b = self._errors[rid] = _Errors()
         err = abs(predicted_s - measured_s)
         w = 1.0 / 16 if b.errors >= 16 else 1.0 / (b.errors + 1)
         b.abs_error_s += w * (err - b.abs_error_s)
@@ -283,7 +383,12 @@ class CostModel:
         b.errors += 1
 
     def forget(self, rid: str) -> None:
-        if self._backends.pop(rid, None) is not None or self._fixed.pop(rid, None) is not None:
+        known = rid in self._ttft.rings or rid in self._itl.rings or rid in self._fixed
+        self._ttft.forget(rid)
+        self._itl.forget(rid)
+        self._errors.pop(rid, None)
+        self._fixed.pop(rid, None)
+        if known:
             self._invalidate()
 
     # -- reading -------------------------------------------------------------------------
@@ -293,13 +398,16 @@ class CostModel:
     def _fitted(self) -> dict[str, Costs]:
         if self._cache is None:
             out = dict(self._fixed)
-            for rid, b in self._backends.items():
-                if rid in out or b.ttft.count < self.min_observations:
-                    continue
-                (a, pb, s), (c, d) = b.ttft.coef, b.itl.coef
-                out[rid] = Costs(a, pb, s, c, d, True, len(b.ttft))
+            ttft, itl = self._ttft, self._itl
+            (a, pb, s), (c, d) = ttft.coef, itl.coef
+            for rid, k in ttft.scales.items():
+                if rid not in out:
+                    ki = itl.scales.get(rid, 1.0)
+                    out[rid] = Costs(k * a, k * pb, k * s, ki * c, ki * d, True, len(ttft.rings[rid]))
             self._cache = out
-            if out:
+            if ttft.fitted:
+                self._fleet = Costs(a, pb, s, c, d, False, 0)
+            elif out:
                 n = len(out)
                 vals = list(out.values())
                 self._fleet = Costs(sum(c.prefill_base_s for c in vals) / n, sum(c.prefill_per_token_s for c in vals) / n,
@@ -311,22 +419,27 @@ class CostModel:
 
     @property
     def uniform(self) -> bool:
-        """No backend is fitted: every backend is priced with one prior."""
-        return not self._fitted()
+        """Nothing is fitted: every backend is priced with one prior."""
+        return not self._fitted() and self._fleet is None
 
     def costs(self, rid: str) -> Costs:
-        """``rid``'s fitted costs, else the fleet's mean, else the prior."""
+        """``rid``'s fitted costs, else the fleet's (its shape, or a calibration's mean),
+        else the prior."""
         c = self._fitted().get(rid)
         if c is not None:
             return c
         return self._fleet if self._fleet is not None else self.prior
 
+    def speed(self, rid: str) -> float:
+        """``rid``'s TTFT scale against the fleet's shape (1.0 until it differs beyond noise)."""
+        return self._ttft.scales.get(rid, 1.0)
+
     def backends(self) -> list[str]:
-        return sorted(set(self._backends) | set(self._fixed))
+        return sorted(set(self._ttft.rings) | set(self._itl.rings) | set(self._errors) | set(self._fixed))
 
     def error(self, rid: str) -> tuple[float, float, int]:
         """(mean absolute error s, mean relative error, predictions scored) of ``rid``."""
-        b = self._backends.get(rid)
+        b = self._errors.get(rid)
         return (b.abs_error_s, b.rel_error, b.errors) if b is not None else (0.0, 0.0, 0)
 
     def snapshot(self) -> dict[str, dict]:
@@ -343,7 +456,7 @@ class CostModel:
         return out
 
     def mean_costs(self) -> Costs:
-        """The mean of the fitted backends' costs (the prior when none is fitted)."""
+        """The fleet's costs: the fitted shape, else a calibration's mean, else the prior."""
         self._fitted()
         return self._fleet if self._fleet is not None else self.prior
 

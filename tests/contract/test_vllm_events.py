@@ -221,10 +221,10 @@ def test_vllm_histograms_feed_the_cost_model_between_scrapes():
             after["tpot_sum"], after["tpot_count"], after["running"]) == (1.5, 14.0, 6000.0, 1400.0, 2.6, 120.0, 4.0)
     model = CostModel()
     observe_histograms(model, "b", before, after)
-    b = model._backends["b"]
+    ttft, itl = model._ttft.rings["b"], model._itl.rings["b"]
     # 4 requests prefilled in 0.5 s over 600 uncached tokens: 0.125 s at 150 tokens, nothing ahead
-    assert b.ttft._xs == [(150.0, 0.0)] and b.ttft._ys == [pytest.approx(0.125)]
-    assert b.itl._xs == [(4.0,)] and b.itl._ys == [pytest.approx(0.03)]
+    assert ttft._xs == [(150.0, 0.0)] and ttft._ys == [pytest.approx(0.125)]
+    assert itl._xs == [(4.0,)] and itl._ys == [pytest.approx(0.03)]
 
 
 def test_an_impossible_claim_drops_the_backends_blocks():

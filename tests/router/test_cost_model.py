@@ -13,7 +13,9 @@ from unicache.router.cluster.index import LocalityIndex
 from unicache.router.request_path.cost_observer import CostObserver
 from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
 from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
-from unicache.router.routing.cost_model import PRIOR, CostModel, Costs, RobustFit
+import numpy as np
+
+from unicache.router.routing.cost_model import PRIOR, CostModel, Costs, FleetFit, huber_fit, speed_scale
 from unicache.v1 import common_pb2, replica_pb2
 
 BS = 16
@@ -63,14 +65,67 @@ def test_prior_until_enough_observations_then_the_fleet_mean_for_the_others():
 
 
 def test_a_feature_that_does_not_vary_keeps_its_prior_and_slopes_never_go_negative():
-    fit = RobustFit((0.0, 1e-4, 0.02), window=16, refit_every=4)
-    for u in range(16):
-        fit.add((100.0 * u, 0.0), 0.005 + 3e-4 * 100.0 * u)  # outstanding always 0
-    assert fit.coef[0] == pytest.approx(0.005) and fit.coef[1] == pytest.approx(3e-4) and fit.coef[2] == 0.02
-    fit = RobustFit((0.0, 1e-4, 0.02), window=16, refit_every=4)
-    for u in range(16):
-        fit.add((100.0 * u, float(u % 4)), 0.5 - 1e-4 * 100.0 * u)  # faster with more tokens: impossible
-    assert fit.coef[1] == 0.0 and all(c >= 0.0 for c in fit.coef)
+    us = np.arange(16.0) * 100.0
+    coef = huber_fit(np.column_stack([us, np.zeros(16)]), 0.005 + 3e-4 * us, (0.0, 1e-4, 0.02))  # outstanding always 0
+    assert coef[0] == pytest.approx(0.005) and coef[1] == pytest.approx(3e-4) and coef[2] == 0.02
+    coef = huber_fit(np.column_stack([us, np.arange(16.0) % 4]), 0.5 - 1e-4 * us, (0.0, 1e-4, 0.02))  # impossible
+    assert coef[1] == 0.0 and all(c >= 0.0 for c in coef)
+
+
+def test_identical_backends_are_priced_identically_despite_noise_and_stalls():
+    """Two backends with the same costs, seen under different loads with 5% noise and a
+    stall each now and then: one fleet shape, both speeds exactly 1, equal costs."""
+    model = CostModel()
+    rng = random.Random(11)
+    for i in range(400):
+        for rid, lo, hi in (("r0", 0, 2), ("r1", 2, 8)):  # r1 always busier
+            u, o = rng.randint(0, 2000), rng.randint(lo, hi)
+            y = (0.05 + 1e-4 * u + 0.06 * o) * rng.uniform(0.95, 1.05) + (1.5 if i % 37 == 0 else 0.0)
+            model.observe_ttft(rid, y, u, 0, o)
+    c0, c1 = model.costs("r0"), model.costs("r1")
+    assert c0.fitted and c1.fitted and model.speed("r0") == model.speed("r1") == 1.0
+    assert (c0.prefill_base_s, c0.prefill_per_token_s, c0.per_outstanding_s) == (
+        c1.prefill_base_s, c1.prefill_per_token_s, c1.per_outstanding_s)
+    assert c0.prefill_base_s == pytest.approx(0.05, rel=0.1) and c0.per_outstanding_s == pytest.approx(0.06, rel=0.1)
+
+
+def test_a_backend_slower_beyond_noise_gets_its_speed_and_one_that_slows_is_followed():
+    model = CostModel(window=64)
+    rng = random.Random(12)
+
+    def feed_both(n: int, slow_factor: float) -> None:
+        for _ in range(n):
+            for rid, f in (("fast", 1.0), ("slow", slow_factor)):
+                u, o = rng.randint(0, 2000), rng.randint(0, 4)
+                model.observe_ttft(rid, f * (0.02 + 2e-4 * u + 0.03 * o) * rng.uniform(0.9, 1.1), u, 0, o)
+
+    feed_both(100, 1.0)
+    assert model.speed("fast") == model.speed("slow") == 1.0
+    feed_both(64, 2.0)  # "slow" got twice as slow: within one window its speed says so
+    # each speed is short of the truth by 3 standard errors (the soft threshold): ~0.05 here
+    ratio = model.speed("slow") / model.speed("fast")
+    assert 1.7 < ratio < 2.0
+    assert model.costs("slow").ttft_s(500, 0, 1) == pytest.approx(ratio * model.costs("fast").ttft_s(500, 0, 1))
+
+
+def test_speed_scale_is_one_inside_the_noise_and_the_part_beyond_it_outside():
+    rng = np.random.default_rng(1)
+    assert speed_scale(rng.normal(0.0, 0.5, 100), rng.normal(0.0, 0.5, 100)) == 1.0
+    own, rest = np.tile([0.6, 0.8], 50), np.tile([-0.1, 0.1], 50)  # means 0.7 and 0.0, sd 0.1005 each
+    # own less the fleet's mean: 0.35; its standard error: 0.5 * sqrt(2 * 0.1005**2 / 100)
+    se = 0.5 * np.sqrt(2 * np.var(own, ddof=1) / 100)
+    assert speed_scale(own, rest) == pytest.approx(np.exp(0.35 - 3 * se))
+    assert speed_scale(rest, own) == pytest.approx(1 / speed_scale(own, rest))
+    assert speed_scale(own, rest[:1]) == 1.0 and speed_scale(own[:2], rest) == 1.0  # too few rows
+    assert speed_scale(own, own[:0]) == 1.0  # alone in the fleet
+
+
+def test_the_fleet_refits_every_refit_every_observations_per_backend():
+    fit = FleetFit((0.0, 1e-4), window=16, refit_every=4, min_observations=4)
+    refits = [fit.add(f"r{i % 2}", (float(i),), 0.01 + 1e-3 * i) for i in range(20)]
+    # the fleet's 4th observation fits it; then every 8 (4 per backend, 2 backends)
+    assert [i for i, r in enumerate(refits) if r] == [3, 6, 7, 15]  # r0 and r1 reach 4 at 6 and 7
+    assert fit.coef == pytest.approx([0.01, 1e-3]) and fit.scales == {"r0": 1.0, "r1": 1.0}
 
 
 def test_calibration_round_trip_and_refusals(tmp_path):
@@ -125,14 +180,14 @@ def test_observer_feeds_ttft_with_usage_itl_and_the_prediction_error():
     last = replica_pb2.GenerateResponse(usage=common_pb2.Usage(prompt_tokens=160, cached_tokens=48))
     obs.message("q1", last)
     obs.finished("q1")
-    b = model._backends["r1"]
-    assert b.ttft._xs == [(112.0 + 100.0, 3.0)] and b.ttft._ys == [pytest.approx(0.25)]
-    assert b.itl._xs == [(3.0,)] and b.itl._ys == [pytest.approx(0.05)]
+    ttft, itl = model._ttft.rings["r1"], model._itl.rings["r1"]
+    assert ttft._xs == [(112.0 + 100.0, 3.0)] and ttft._ys == [pytest.approx(0.25)]
+    assert itl._xs == [(3.0,)] and itl._ys == [pytest.approx(0.05)]
     assert len(obs) == 0
     # a request that never had its first token feeds nothing
     obs.dispatched(_request("q2", 2), RouteDecision("r1", "load"), load)
     obs.finished("q2")
-    assert len(b.ttft._ys) == 1 and len(obs) == 0
+    assert len(ttft._ys) == 1 and len(obs) == 0
 
 
 def _index(holdings: dict[str, int]) -> LocalityIndex:
