@@ -53,6 +53,7 @@ class ReplicaRecord:
     probe_backoff_s: float = 0.0  # interval before that probe (doubles per failed probe)
     last_message: float = 0.0  # time.monotonic() of its last message to this router (any stream)
     in_flight: int = 0  # this router's requests on the replica, not finished yet
+    reported_own: int = 0  # of this router's requests in flight when the last load report came, not finished since
     peer_in_flight: int = 0  # the cluster's other routers' (their latest terms-exchange batch)
     routed: int = 0
     load: ReplicaLoad | None = None  # what policies see: rewritten in place per heartbeat, in_flight kept current
@@ -239,6 +240,7 @@ class ClusterView:
         if hb is not None:
             load.running, load.waiting, load.queued_prefill_tokens = hb.running, hb.waiting, hb.queued_prefill_tokens
             load.free_blocks, load.capacity_blocks = hb.cache.free_blocks, hb.cache.capacity_blocks
+            rec.reported_own = rec.in_flight
         load.in_flight = rec.all_in_flight
 
     def set_external_load(self, replica_id: str, running: int, waiting: int, free_blocks: int, capacity_blocks: int) -> None:
@@ -249,6 +251,7 @@ class ClusterView:
             load = rec.load
             load.running, load.waiting = running, waiting
             load.free_blocks, load.capacity_blocks = free_blocks, capacity_blocks
+            rec.reported_own = rec.in_flight
 
     def healthy(self, replica_id: str) -> bool:
         rec = self.replicas.get(replica_id)
@@ -301,11 +304,23 @@ class ClusterView:
             rec.routed += 1
 
     def finished(self, replica_id: str) -> None:
+        """One of this router's requests on ``replica_id`` ended. A load report (heartbeat,
+        ``/metrics``: up to its interval old) counted the requests of ours then in flight;
+        as each of those ends it comes off the report's running (else waiting) count, so a
+        stale report does not keep a replica looking busier than it is until the next one.
+        Invariant: ``reported_own <= in_flight``, and the counts never go below 0."""
         rec = self.replicas.get(replica_id)
         if rec is not None and rec.in_flight > 0:
             rec.in_flight -= 1
             self._in_flight_total -= 1
-            rec.load.in_flight = rec.all_in_flight
+            load = rec.load
+            load.in_flight = rec.all_in_flight
+            if rec.reported_own > 0:
+                rec.reported_own -= 1
+                if load.running > 0:
+                    load.running -= 1
+                elif load.waiting > 0:
+                    load.waiting -= 1
 
     def total_in_flight(self) -> int:
         """This router's requests in flight (what its ``max_in_flight`` bounds), on the

@@ -42,6 +42,31 @@ def test_loads_follow_heartbeats_in_flight_membership_and_quarantine():
     assert [l.replica_id for l in cv.loads()] == ["c"]
 
 
+def test_a_report_forgets_our_requests_as_they_end_until_the_next_one():
+    """A /metrics scrape (every 5 s by default) saw 3 running and 1 waiting with 3 of our
+    requests in flight: as those end they come off its counts, so a stale scrape does not
+    keep the backend looking busy; a request sent after the scrape takes nothing off."""
+    cv = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
+    cv.upsert("v", "http://127.0.0.1:1")
+    for _ in range(3):
+        cv.started("v")
+    cv.set_external_load("v", 3, 1, 10, 100)
+    cv.started("v")  # after the scrape: not in its counts
+    load = cv.replicas["v"].load
+    assert (load.running, load.waiting, load.in_flight, load.outstanding) == (3, 1, 4, 4)
+    cv.finished("v")
+    cv.finished("v")
+    assert (load.running, load.waiting, load.outstanding) == (1, 1, 2)
+    cv.finished("v")
+    cv.finished("v")  # the one sent after the scrape: the waiting one is another router's
+    assert (load.running, load.waiting, load.in_flight, load.outstanding) == (0, 1, 0, 1)
+    cv.set_external_load("v", 2, 0, 10, 100)  # a new scrape is taken as it is
+    assert (load.running, load.waiting) == (2, 0)
+    cv.started("v")
+    cv.finished("v")
+    assert (load.running, load.waiting) == (2, 0)
+
+
 def test_total_in_flight_is_the_sum_over_the_replicas_still_known():
     cv = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
     cv.upsert("a", "h:1")
@@ -71,7 +96,10 @@ def test_kept_loads_list_is_always_what_a_fresh_filter_gives(ops):
     heartbeat, quarantine, in-flight and peer-count changes it must hold exactly the
     healthy replicas' current load objects, by id, with the fields their records say."""
     cv = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
+    at_beat: dict[str, int] = {}  # rid -> our requests in flight when its last heartbeat came
+    ended: dict[str, int] = {}  # rid -> our requests ended since
     for op, rid, k in ops:
+        before = cv.replicas[rid].in_flight if rid in cv.replicas else 0
         if op == "beat":
             cv.upsert(rid, f"h:{rid}", beat(rid, k, 10 * k))
         elif op == "static":
@@ -90,11 +118,25 @@ def test_kept_loads_list_is_always_what_a_fresh_filter_gives(ops):
             cv.finished(rid)
         else:
             cv.set_peer_in_flight({rid: k})
+        if op in ("beat", "restart"):
+            at_beat[rid], ended[rid] = cv.replicas[rid].in_flight, 0
+        elif op == "finish" and before > 0:
+            ended[rid] = ended.get(rid, 0) + 1
+        elif op == "remove":
+            at_beat.pop(rid, None)
         got = cv.loads()
         recs = [cv.replicas[r] for r in sorted(cv.replicas) if not cv.replicas[r].quarantined]
         assert [id(x) for x in got] == [id(r.load) for r in recs]
-        expected = [(r.replica_id, *((r.heartbeat.running, r.heartbeat.waiting, r.heartbeat.queued_prefill_tokens,
-                                      r.heartbeat.cache.free_blocks) if r.heartbeat is not None else (0, 0, 0, 0)),
+
+        def reported(r):
+            """The heartbeat's running and waiting less our requests it counted that ended since."""
+            hb = r.heartbeat
+            gone = min(ended.get(r.replica_id, 0), at_beat.get(r.replica_id, 0))
+            off_running = min(gone, hb.running)
+            return hb.running - off_running, max(0, hb.waiting - (gone - off_running))
+
+        expected = [(r.replica_id, *((*reported(r), r.heartbeat.queued_prefill_tokens, r.heartbeat.cache.free_blocks)
+                                     if r.heartbeat is not None else (0, 0, 0, 0)),
                      r.in_flight + r.peer_in_flight) for r in recs]
         assert view(got) == expected
         assert [x.capacity_blocks for x in got] == [r.heartbeat.cache.capacity_blocks if r.heartbeat is not None else 0 for r in recs]
