@@ -295,13 +295,30 @@ class ClusterView:
             rec.probe_backoff_s = min(rec.probe_backoff_s * 2, self.quarantine_max_s)
             rec.probe_at = self.clock() + rec.probe_backoff_s
 
-    def started(self, replica_id: str) -> None:
+    def started(self, replica_id: str, prompt_tokens: int = 0) -> None:
+        """One of this router's requests, of ``prompt_tokens`` prompt tokens, was sent to
+        ``replica_id``. A stock vLLM server reports no queued prompt tokens; there the
+        router counts its own requests' until each one's ``prefilled``."""
         rec = self.replicas.get(replica_id)
         if rec is not None:
             rec.in_flight += 1
             self._in_flight_total += 1
-            rec.load.in_flight = rec.all_in_flight
+            load = rec.load
+            load.in_flight = rec.all_in_flight
             rec.routed += 1
+            if prompt_tokens and rec.kind == "vllm":
+                load.queued_prefill_tokens += prompt_tokens
+
+    def prefilled(self, replica_id: str, prompt_tokens: int) -> None:
+        """The request ``started`` with ``prompt_tokens`` sent its first token, or ended
+        without one: it leaves a vLLM server's queued prompt tokens (never below 0).
+        Invariant: called once per ``started`` request, so a vLLM server's
+        ``queued_prefill_tokens`` is the prompt tokens of this router's requests there
+        without a first token yet."""
+        rec = self.replicas.get(replica_id)
+        if rec is not None and prompt_tokens and rec.kind == "vllm":
+            load = rec.load
+            load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - prompt_tokens)
 
     def finished(self, replica_id: str) -> None:
         """One of this router's requests on ``replica_id`` ended. A load report (heartbeat,

@@ -30,7 +30,8 @@ Invariants:
       are passed on; a vLLM server's own HTTP answer to a relayed request (its status
       and body) reaches the HTTP client as it is (``RouterError.answer``).
     * Every routed request is matched by exactly one ``cluster.finished`` and one
-      ``policy.on_request_finished`` (in a finally), including cancellation.
+      ``policy.on_request_finished`` (in a finally), including cancellation, and by
+      exactly one ``cluster.prefilled``: at its first message, or as it ends without one.
     * A request with an explicit session id is decided on the cluster's record of the
       session's latest turn (``unicache.router.cluster.session_store``, when the router has one
       and Redis is up): it is imported into the policy before the first choice, and the
@@ -534,7 +535,7 @@ class RouterCore:
         rec = self.cluster.replicas[rid]
         self.costs.dispatched(prep.routing, decision, rec.load)  # the load before this request
         self.cluster.pending.add(rid, prep.routing.block_hashes)  # known at once, before any event
-        self.cluster.started(rid)
+        self.cluster.started(rid, prep.routing.num_prompt_tokens)
         self.policy.on_request_routed(prep.routing, decision)
         saving = None
         if prep.shared_session is not None and self.cluster.redis_connected:
@@ -579,6 +580,7 @@ class RouterCore:
             raise
         now = time.perf_counter()
         rec.last_message = time.monotonic()
+        self.cluster.prefilled(rid, prep.routing.num_prompt_tokens)
         self.policy.on_first_token(prep.routing, rid)
         self.costs.first_token(prep.request_id)
         if drains is not None:
@@ -612,6 +614,7 @@ class RouterCore:
         guard's, which counted it as unstarted, or None)."""
         if drains is not None:
             drains.abandoned(rid)
+        self.cluster.prefilled(rid, prep.routing.num_prompt_tokens)
         self._end_attempt(prep, rid, stream)
 
     def _end_attempt(self, prep: Prepared, rid: str, stream: ReplicaStream) -> None:

@@ -11,7 +11,8 @@ or ``/metrics``, and the requests routers have in flight there):
 * requests: ``max(waiting, in_flight - running)``, what it has accepted and not started
   (a backend that reports no running count counts all it has in flight);
 * tokens: ``queued_prefill_tokens``, the prompt tokens of its requests without a first
-  token (our replicas report it; a vLLM backend's is 0, its request bound applies).
+  token (our replicas report it; for a stock vLLM server, which does not, the router
+  counts its own requests': ``ClusterView.prefilled``).
 
 Bounds (``OverloadConfig``; 0 switches a bound off):
 

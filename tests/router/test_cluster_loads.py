@@ -141,3 +141,25 @@ def test_kept_loads_list_is_always_what_a_fresh_filter_gives(ops):
         assert view(got) == expected
         assert [x.capacity_blocks for x in got] == [r.heartbeat.cache.capacity_blocks if r.heartbeat is not None else 0 for r in recs]
         assert cv.loads() is got  # kept until something changes
+
+
+def test_a_vllm_servers_queued_prompt_tokens_are_the_routers_own_without_a_first_token():
+    """vLLM reports no queue of prompt tokens: the router counts its requests' from
+    dispatch to their first token (or their end without one); a replica's come from its
+    heartbeat and are left alone."""
+    cv = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
+    cv.upsert("v", "http://127.0.0.1:1")
+    cv.upsert("r", "h:1", beat("r", 0, 10))
+    cv.started("v", 700)
+    cv.started("v", 300)
+    cv.started("r", 500)
+    load = cv.replicas["v"].load
+    assert (load.queued_prefill_tokens, cv.replicas["r"].load.queued_prefill_tokens) == (1000, 7)
+    cv.prefilled("v", 700)  # its first token
+    cv.prefilled("r", 500)
+    assert (load.queued_prefill_tokens, cv.replicas["r"].load.queued_prefill_tokens) == (300, 7)
+    cv.set_external_load("v", 2, 0, 10, 100)  # a scrape does not touch it
+    assert load.queued_prefill_tokens == 300
+    cv.prefilled("v", 300)
+    cv.prefilled("v", 300)  # never below 0
+    assert load.queued_prefill_tokens == 0

@@ -125,6 +125,8 @@ async def test_a_refusing_backend_is_quarantined_and_another_serves():
         assert not app.cluster.healthy("v0") and app.cluster.healthy("v1")
         assert sample(app, "unicache_router_quarantines_total", replica="v0") == 1
         assert app.cluster.replicas["v0"].in_flight == app.cluster.replicas["v1"].in_flight == 0
+        # the refused attempts and the served ones left no queued prompt tokens behind
+        assert app.cluster.replicas["v0"].load.queued_prefill_tokens == app.cluster.replicas["v1"].load.queued_prefill_tokens == 0
         # Every backend refuses: the router's own 503, naming no address.
         fakes[1].mode = "refuse"
         r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers=KEY)
@@ -139,6 +141,7 @@ async def test_a_stalled_backend_is_cut_at_its_first_token_timeout_and_another_s
         assert r.status_code == 200 and r.headers["x-unicache-replica"] == "v1"
         assert len(fakes[0].bodies) == 1 and not app.cluster.healthy("v0")
         assert sample(app, "unicache_router_first_token_timeouts_total", replica="v0") == 1
+        assert app.cluster.replicas["v0"].load.queued_prefill_tokens == app.cluster.replicas["v1"].load.queued_prefill_tokens == 0
 
 
 async def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_event():
@@ -162,6 +165,7 @@ async def test_a_client_leaving_closes_the_backends_connection():
                     break  # the first token: then hang up
         await eventually(lambda: fake.disconnected == 1, "the backend saw the router hang up")
         await eventually(lambda: app.cluster.replicas["v0"].in_flight == 0, "the router ended the request")
+        assert app.cluster.replicas["v0"].load.queued_prefill_tokens == 0
 
 
 async def test_parameters_only_vllm_interprets_go_only_to_vllm_backends():
