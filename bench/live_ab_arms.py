@@ -30,8 +30,9 @@ SALT_SECRET = "live-ab"
 @dataclass(frozen=True, slots=True)
 class Arm:
     """One arm. ``eviction``: the servers it fronts (``unicache``: UniCache inside vLLM;
-    None: vLLM's own order). ``policy``: our router's ``--routing-policy`` (None for a
-    peer). ``sim``: the (router, eviction policy) the simulator predicts it with."""
+    None: vLLM's own order). ``policy``: our router's ``--routing-policy``, or a peer's
+    ``--policy`` (None: ``cache_aware``). ``sim``: the (router, eviction policy) the
+    simulator predicts it with."""
 
     name: str
     eviction: str | None
@@ -44,7 +45,7 @@ class Arm:
 class Peer:
     """A peer router: its pinned requirement, the distribution and entry point it installs,
     and how its command line starts (the rest is common: host, port, worker URLs,
-    ``--policy cache_aware``, a free Prometheus port)."""
+    ``--policy`` (the arm's, else ``cache_aware``), a free Prometheus port)."""
 
     requirement: str
     dist: str
@@ -59,6 +60,8 @@ ARMS: dict[str, Arm] = {
     "vllm-router": Arm("vllm-router", eviction=None, peer="vllm-router"),
     "sglang-router": Arm("sglang-router", eviction=None, peer="sglang-router"),
     "smg": Arm("smg", eviction=None, peer="smg"),
+    # a peer's round robin beside ours: what the path costs apart from the policy
+    "vllm-router-rr": Arm("vllm-router-rr", eviction=None, policy="round_robin", peer="vllm-router"),
 }
 
 PEERS: dict[str, Peer] = {
@@ -127,7 +130,7 @@ class Router:
         else:
             peer = PEERS[arm.peer]
             cmd = [str(venv / peer.entry[0]), *peer.entry[1:], "--host", "127.0.0.1", "--port", str(self.port),
-                   "--worker-urls", *urls, "--policy", "cache_aware", "--prometheus-port", str(free_port())]
+                   "--worker-urls", *urls, "--policy", arm.policy or "cache_aware", "--prometheus-port", str(free_port())]
         self.cmd = cmd
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
