@@ -1,5 +1,6 @@
 """Each backend's costs in seconds, learned live: prefill time against uncached tokens,
-the wait per request outstanding ahead, and decode step time against batch size.
+the wait per request outstanding ahead, and decode step time against batch size; one
+shape fitted on the whole fleet, times each backend's speed where it differs beyond noise.
 
 The router prices a routing decision in the fleet's own time (docs/routing.md, "cost
 model"). Per backend r it keeps a robust windowed fit of
@@ -22,9 +23,9 @@ The fleet shares one shape and each backend has one speed (``FleetFit``): the fi
 ``a, b, s`` (and of ``c, d``) is one Huber-weighted least squares over every backend's
 last ``window`` observations together (ring buffers, so it follows change: after
 ``window`` observations of a new regime the old one is gone), and backend r's costs are
-that shape times its scale k_r: how far the mean log ratio of its measured to predicted
-times lies from the fleet's, soft-thresholded by ``SCALE_Z`` standard errors
-(``speed_scale``). Two backends
+that shape times its scale k_r: how far the mean log ratio of its latest measured to
+predicted times (the last quarter of its window) lies from the fleet's, soft-thresholded
+by ``SCALE_Z`` standard errors (``speed_scale``). Two backends
 that are alike are priced alike, whatever the noise of their few observations (fitted
 apart, two identical vLLM servers had been given prefill bases of 0.069 s and 0.147 s
 and one drew the traffic); a backend that is slower beyond noise (another GPU, a
@@ -148,12 +149,20 @@ class _Ring:
         self.count += 1
         return True
 
+    def recent(self, n: int) -> tuple[list[tuple[float, ...]], list[float]]:
+        """The last ``n`` observations kept (x rows and y), oldest first."""
+        xs, ys, k = self._xs, self._ys, self._next
+        if len(ys) == self.window and k:
+            xs, ys = xs[k:] + xs[:k], ys[k:] + ys[:k]
+        return xs[-n:], ys[-n:]
+
 
 def huber_fit(xs: np.ndarray, ys: np.ndarray, prior: Sequence[float]) -> list[float] | None:
     """Coefficients c of y = c[0] + sum_j c[j+1] * x[j] (module docstring's fit): Huber
     IRLS over the rows of ``xs``; a feature that does not vary keeps its ``prior`` and its
-    part is taken out of y first; a negative slope is set to 0 and the rest refit; the
-    intercept is clamped at 0. None when the rows cannot determine a fit."""
+    part is taken out of y first, as does the last of features that vary only together
+    (collinear); a negative slope is set to 0 and the rest refit; the intercept is clamped
+    at 0. None when not even the intercept can be fitted (fewer than 3 rows)."""
     if len(ys) < 3:
         return None
     k = len(prior) - 1
@@ -163,7 +172,12 @@ def huber_fit(xs: np.ndarray, ys: np.ndarray, prior: Sequence[float]) -> list[fl
     while True:
         coef = _irls(xs, ys, prior, active, zeroed)
         if coef is None:
-            return None
+            if not active:
+                return None
+            # features that vary together (every prompt alike: the queue ahead grows with
+            # the requests ahead) cannot be told apart: the last keeps its prior
+            active = active[:-1]
+            continue
         neg = [j for j in active if coef[j + 1] < 0.0]
         if not neg:
             break
@@ -235,8 +249,9 @@ def speed_scale(own: np.ndarray, rest: np.ndarray, z: float = SCALE_Z) -> float:
 class FleetFit:
     """y ~ k_r * (c[0] + sum_j c[j+1] * x[j]): one shape ``coef`` for the whole fleet,
     fitted on every backend's window together, and one speed ``scale`` per backend
-    (``speed_scale``), so identical backends are priced identically until their
-    measurements differ beyond noise, and a backend that gets slower is priced so.
+    (``speed_scale`` on each backend's latest ``speed_window`` observations), so identical
+    backends are priced identically until their measurements differ beyond noise, and a
+    backend that gets slower is priced so within ``speed_window`` answers.
 
     Refit every ``refit_every`` observations per backend (``refit_every`` times the
     number of backends in all), when the fleet reaches ``min_observations`` and when a
@@ -246,8 +261,8 @@ class FleetFit:
     ``fitted``); ``scales`` holds a positive float for each backend with
     ``min_observations`` or more, and only for those."""
 
-    __slots__ = ("prior", "coef", "window", "refit_every", "min_observations", "rings", "scales", "fitted",
-                 "_since", "count")
+    __slots__ = ("prior", "coef", "window", "refit_every", "min_observations", "speed_window", "rings", "scales",
+                 "fitted", "_since", "count")
 
     def __init__(self, prior: Sequence[float], window: int = 128, refit_every: int = 8, min_observations: int = 16):
         if window < 4 or refit_every < 1 or min_observations < 1:
@@ -257,6 +272,9 @@ class FleetFit:
         self.window = window
         self.refit_every = refit_every
         self.min_observations = min_observations
+        # a speed is judged on each backend's latest quarter-window (at least
+        # min_observations): a backend that slows is priced so within a few dozen answers
+        self.speed_window = max(min_observations, window // 4)
         self.rings: dict[str, _Ring] = {}
         self.scales: dict[str, float] = {}
         self.fitted = False
@@ -301,8 +319,11 @@ class FleetFit:
             return
         self.coef, self.fitted = coef, True
         c = np.asarray(coef[1:])
-        logs = {rid: log_ratios(coef[0] + np.asarray(r._xs, dtype=float) @ c, np.asarray(r._ys, dtype=float))
-                for rid, r in self.rings.items() if len(r)}
+        logs = {}
+        for rid, r in self.rings.items():
+            if len(r):
+                xs, ys = r.recent(self.speed_window)
+                logs[rid] = log_ratios(coef[0] + np.asarray(xs, dtype=float) @ c, np.asarray(ys, dtype=float))
         self.scales = {}
         for rid, own in logs.items():
             if self.rings[rid].count >= self.min_observations:

@@ -79,8 +79,11 @@ def test_a_missing_peer_is_refused_with_one_line_that_says_how_to_install_it(tmp
 
 
 def test_every_peer_arm_sees_vllms_own_order_and_has_no_sim_twin():
-    assert {a.name for a in ARMS.values() if a.peer} == {"vllm-router", "sglang-router", "smg"}
+    assert {a.name for a in ARMS.values() if a.peer} == {"vllm-router", "sglang-router", "smg", "vllm-router-rr"}
     assert all(a.eviction is None and a.sim is None for a in ARMS.values() if a.peer)
+    # a peer's policy is its --policy: cache_aware unless the arm names another
+    assert {a.name: a.policy for a in ARMS.values() if a.peer} == {
+        "vllm-router": None, "sglang-router": None, "smg": None, "vllm-router-rr": "round_robin"}
     assert [a.name for a in ARMS.values() if a.eviction == "unicache"] == ["ours"]
 
 
