@@ -24,7 +24,7 @@ The fleet shares one shape and each backend has one speed (``FleetFit``): the fi
 last ``window`` observations together (ring buffers, so it follows change: after
 ``window`` observations of a new regime the old one is gone), and backend r's costs are
 that shape times its scale k_r: how far the mean log ratio of its latest measured to
-predicted times (the last quarter of its window) lies from the fleet's, soft-thresholded
+predicted times (the last eighth of its window) lies from the fleet's, soft-thresholded
 by ``SCALE_Z`` standard errors (``speed_scale``). Two backends
 that are alike are priced alike, whatever the noise of their few observations (fitted
 apart, two identical vLLM servers had been given prefill bases of 0.069 s and 0.147 s
@@ -272,9 +272,10 @@ class FleetFit:
         self.window = window
         self.refit_every = refit_every
         self.min_observations = min_observations
-        # a speed is judged on each backend's latest quarter-window (at least
-        # min_observations): a backend that slows is priced so within a few dozen answers
-        self.speed_window = max(min_observations, window // 4)
+        # a speed is judged on each backend's latest eighth of a window (at least
+        # min_observations): a backend that slows, and so draws few requests, is priced so
+        # within a dozen or two of its answers
+        self.speed_window = max(min_observations, window // 8)
         self.rings: dict[str, _Ring] = {}
         self.scales: dict[str, float] = {}
         self.fitted = False

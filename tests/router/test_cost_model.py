@@ -103,7 +103,7 @@ def test_a_backend_slower_beyond_noise_gets_its_speed_and_one_that_slows_is_foll
     assert model.speed("fast") == model.speed("slow") == 1.0
     feed_both(64, 2.0)  # "slow" got twice as slow: within one window its speed says so
     # each speed is short of the truth by 3 standard errors (the soft threshold) of its
-    # latest 16 observations (a quarter of this window): ~0.1 here
+    # latest 16 observations (min_observations): ~0.1 here
     ratio = model.speed("slow") / model.speed("fast")
     assert 1.6 < ratio < 2.0
     assert model.costs("slow").ttft_s(500, 0, 1) == pytest.approx(ratio * model.costs("fast").ttft_s(500, 0, 1))
@@ -262,7 +262,7 @@ def test_features_that_vary_only_together_still_give_a_fit():
     assert model.costs("r1").fitted
 
 
-def test_the_speed_is_judged_on_each_backends_latest_quarter_window():
+def test_the_speed_is_judged_on_each_backends_latest_eighth_of_a_window():
     from unicache.router.routing.cost_model import _Ring
 
     ring = _Ring(8)
@@ -270,11 +270,11 @@ def test_the_speed_is_judged_on_each_backends_latest_quarter_window():
         ring.add((float(i),), float(i))
     assert ring.recent(3) == ([(8.0,), (9.0,), (10.0,)], [8.0, 9.0, 10.0])  # in time order across the wrap
     assert ring.recent(20)[1] == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
-    model = CostModel()  # window 128: speeds on the last 32
+    model = CostModel()  # window 128: speeds on the last 16
     rng = random.Random(13)
     for i in range(160):
         for rid in ("a", "b"):
-            f = 3.0 if rid == "b" and i >= 128 else 1.0  # b slows for its last 32 answers
+            f = 3.0 if rid == "b" and i >= 144 else 1.0  # b slows for its last 16 answers
             u, o = rng.randint(0, 2000), rng.randint(0, 4)
             model.observe_ttft(rid, f * (0.02 + 2e-4 * u + 0.03 * o) * rng.uniform(0.9, 1.1), u, 0, o)
     assert model.speed("b") / model.speed("a") > 2.5
