@@ -56,6 +56,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -227,7 +228,30 @@ def log_ratios(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
     return np.log(measured[ok] / predicted[ok])
 
 
-def speed_scale(own: np.ndarray, rest: np.ndarray, z: float = SCALE_Z) -> float:
+class Moments(NamedTuple):
+    """Count, sum and sum of squares of some values: what a mean and a variance need, and
+    what can be taken off a total (``minus``)."""
+
+    n: int
+    total: float
+    squares: float
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Moments:
+        return cls(len(values), float(values.sum()), float((values * values).sum()))
+
+    def minus(self, other: Moments) -> Moments:
+        return Moments(self.n - other.n, self.total - other.total, self.squares - other.squares)
+
+    def mean(self) -> float:
+        return self.total / self.n
+
+    def var(self) -> float:
+        """The sample variance (n - 1 in the denominator; never below 0)."""
+        return max(0.0, (self.squares - self.total * self.total / self.n) / (self.n - 1))
+
+
+def speed_scale(own: Moments, rest: Moments, z: float = SCALE_Z) -> float:
     """How much slower (> 1) or faster (< 1) a backend is than the fleet: exp of the
     difference between the mean of its log ratios ``own`` (measured / the shape's
     prediction) and the fleet's (``own`` and ``rest`` together), soft-thresholded by ``z``
@@ -236,12 +260,11 @@ def speed_scale(own: np.ndarray, rest: np.ndarray, z: float = SCALE_Z) -> float:
     rest of fewer than 2), has 1.0. Measured against the fleet's mean, not the shape's
     prediction, so what the robust shape leaves out for every backend alike (stalls)
     does not count as speed."""
-    n, m = len(own), len(rest)
+    n, m = own.n, rest.n
     if n < 3 or m < 2:
         return 1.0
-    mean_own, mean_rest = float(own.mean()), float(rest.mean())
-    diff = m / (n + m) * (mean_own - mean_rest)  # own's mean less the fleet's
-    se = m / (n + m) * math.sqrt(float(own.var(ddof=1)) / n + float(rest.var(ddof=1)) / m)
+    diff = m / (n + m) * (own.mean() - rest.mean())  # own's mean less the fleet's
+    se = m / (n + m) * math.sqrt(own.var() / n + rest.var() / m)
     excess = abs(diff) - z * se
     return math.exp(math.copysign(excess, diff)) if excess > 0.0 else 1.0
 
@@ -320,16 +343,17 @@ class FleetFit:
             return
         self.coef, self.fitted = coef, True
         c = np.asarray(coef[1:])
-        logs = {}
+        moments = {}
         for rid, r in self.rings.items():
             if len(r):
-                xs, ys = r.recent(self.speed_window)
-                logs[rid] = log_ratios(coef[0] + np.asarray(xs, dtype=float) @ c, np.asarray(ys, dtype=float))
-        self.scales = {}
-        for rid, own in logs.items():
-            if self.rings[rid].count >= self.min_observations:
-                rest = [v for other, v in logs.items() if other != rid]
-                self.scales[rid] = speed_scale(own, np.concatenate(rest) if rest else own[:0])
+                recent_xs, recent_ys = r.recent(self.speed_window)
+                moments[rid] = Moments.of(log_ratios(coef[0] + np.asarray(recent_xs, dtype=float) @ c,
+                                                     np.asarray(recent_ys, dtype=float)))
+        # the fleet's totals once; each backend's rest is the totals less its own: O(fleet)
+        fleet = Moments(sum(m.n for m in moments.values()), sum(m.total for m in moments.values()),
+                        sum(m.squares for m in moments.values()))
+        self.scales = {rid: speed_scale(own, fleet.minus(own)) for rid, own in moments.items()
+                       if self.rings[rid].count >= self.min_observations}
 
 
 @dataclass(slots=True)

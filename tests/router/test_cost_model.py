@@ -15,7 +15,7 @@ from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequ
 from unicache.router.routing.cache_aware.policy import CacheAwarePolicy
 import numpy as np
 
-from unicache.router.routing.cost_model import PRIOR, CostModel, Costs, FleetFit, huber_fit, speed_scale
+from unicache.router.routing.cost_model import PRIOR, CostModel, Costs, FleetFit, Moments, huber_fit, speed_scale
 from unicache.v1 import common_pb2, replica_pb2
 
 BS = 16
@@ -111,14 +111,18 @@ def test_a_backend_slower_beyond_noise_gets_its_speed_and_one_that_slows_is_foll
 
 def test_speed_scale_is_one_inside_the_noise_and_the_part_beyond_it_outside():
     rng = np.random.default_rng(1)
-    assert speed_scale(rng.normal(0.0, 0.5, 100), rng.normal(0.0, 0.5, 100)) == 1.0
+    assert speed_scale(Moments.of(rng.normal(0.0, 0.5, 100)), Moments.of(rng.normal(0.0, 0.5, 100))) == 1.0
     own, rest = np.tile([0.6, 0.8], 50), np.tile([-0.1, 0.1], 50)  # means 0.7 and 0.0, sd 0.1005 each
     # own less the fleet's mean: 0.35; its standard error: 0.5 * sqrt(2 * 0.1005**2 / 100)
     se = 0.5 * np.sqrt(2 * np.var(own, ddof=1) / 100)
-    assert speed_scale(own, rest) == pytest.approx(np.exp(0.35 - 3 * se))
-    assert speed_scale(rest, own) == pytest.approx(1 / speed_scale(own, rest))
-    assert speed_scale(own, rest[:1]) == 1.0 and speed_scale(own[:2], rest) == 1.0  # too few rows
-    assert speed_scale(own, own[:0]) == 1.0  # alone in the fleet
+    mo, mr = Moments.of(own), Moments.of(rest)
+    assert speed_scale(mo, mr) == pytest.approx(np.exp(0.35 - 3 * se))
+    assert speed_scale(mr, mo) == pytest.approx(1 / speed_scale(mo, mr))
+    assert speed_scale(mo, Moments.of(rest[:1])) == 1.0 and speed_scale(Moments.of(own[:2]), mr) == 1.0  # too few rows
+    assert speed_scale(mo, Moments(0, 0.0, 0.0)) == 1.0  # alone in the fleet
+    # the rest taken off the fleet's totals is the rest's own moments
+    both = Moments.of(np.concatenate([own, rest])).minus(mo)
+    assert (both.n, both.mean(), both.var()) == pytest.approx((mr.n, mr.mean(), mr.var()))
 
 
 def test_the_fleet_refits_every_refit_every_observations_per_backend():
