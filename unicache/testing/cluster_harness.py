@@ -279,16 +279,17 @@ class RouterHandle:
         (with no probe due), so it must go to ``rid``; the others are restored after."""
         cluster = self.cluster
         others = [r for r in cluster.replicas.values() if r.replica_id != rid]
-        saved = [(r.quarantined, r.probe_at) for r in others]
+        saved = [(r.quarantined, r.probe_at, r.probe_backoff_s) for r in others]
         for r in others:
-            r.quarantined, r.probe_at = True, float("inf")
-        cluster._healthy = None  # the flags changed under the view's cached list of healthy replicas
+            cluster.quarantine(r.replica_id)  # out of routing (one already out keeps its schedule)
+            r.probe_at = float("inf")  # and no probe brings it back meanwhile
         try:
             return await self.generate(text, max_tokens)
         finally:
-            for r, (quarantined, probe_at) in zip(others, saved):
-                r.quarantined, r.probe_at = quarantined, probe_at
-            cluster._healthy = None
+            for r, (quarantined, probe_at, backoff) in zip(others, saved):
+                if not quarantined:
+                    cluster.probe_succeeded(r.replica_id)
+                r.probe_at, r.probe_backoff_s = probe_at, backoff
 
     # ---------------------------------------------------------------- state
     @property
