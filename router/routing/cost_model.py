@@ -39,7 +39,9 @@ weighs 1/|r|, so a stall or a cold start moves a coefficient little. A feature t
 not vary in the windows is not fitted: its coefficient stays at the prior and its part is
 taken out of y first. Coefficients are never negative (a negative slope is set to 0 and
 the rest refit). Until ``min_observations`` arrive from the fleet every backend's costs
-are the prior ``PRIOR``; a backend with fewer of its own is priced as the fleet's shape.
+are the prior ``PRIOR``; a backend with fewer of its own is priced as the fleet's shape
+times the median speed of those with a speed (``FleetFit.typical_scale``), so a newcomer
+is never priced out before it has answered enough to be judged.
 
 Invariants:
     * A backend's state is bounded: two ring buffers of ``window`` observations.
@@ -328,6 +330,13 @@ class FleetFit:
         self.rings.pop(rid, None)
         self.scales.pop(rid, None)
 
+    def typical_scale(self) -> float:
+        """The median of the backends' speeds (1.0 while none has one): what a backend
+        without enough observations of its own is priced at."""
+        if not self.scales:
+            return 1.0
+        return float(np.median(list(self.scales.values())))
+
     def refit(self) -> None:
         """The fleet's shape on every window, then each fitted backend's scale."""
         self._since = 0
@@ -452,7 +461,12 @@ class CostModel:
                     out[rid] = Costs(k * a, k * pb, k * s, ki * c, ki * d, True, len(ttft.rings[rid]))
             self._cache = out
             if ttft.fitted:
-                self._fleet = Costs(a, pb, s, c, d, False, 0)
+                # a backend without a speed of its own yet is priced as the fleet's typical one
+                # (the median speed): priced at the bare shape, a newcomer whose few first
+                # answers were slow (a cold engine) stood above a fast-measured peer and drew
+                # nothing more, so it never got the answers that would have priced it
+                k, ki = ttft.typical_scale(), itl.typical_scale()
+                self._fleet = Costs(k * a, k * pb, k * s, ki * c, ki * d, False, 0)
             elif out:
                 n = len(out)
                 vals = list(out.values())
@@ -469,8 +483,8 @@ class CostModel:
         return not self._fitted() and self._fleet is None
 
     def costs(self, rid: str) -> Costs:
-        """``rid``'s fitted costs, else the fleet's (its shape, or a calibration's mean),
-        else the prior."""
+        """``rid``'s fitted costs, else the fleet's (its shape times the median speed, or
+        a calibration's mean), else the prior."""
         c = self._fitted().get(rid)
         if c is not None:
             return c
@@ -502,7 +516,8 @@ class CostModel:
         return out
 
     def mean_costs(self) -> Costs:
-        """The fleet's costs: the fitted shape, else a calibration's mean, else the prior."""
+        """The fleet's costs: the fitted shape times the median speed, else a
+        calibration's mean, else the prior."""
         self._fitted()
         return self._fleet if self._fleet is not None else self.prior
 

@@ -109,6 +109,28 @@ def test_a_backend_slower_beyond_noise_gets_its_speed_and_one_that_slows_is_foll
     assert model.costs("slow").ttft_s(500, 0, 1) == pytest.approx(ratio * model.costs("fast").ttft_s(500, 0, 1))
 
 
+def test_a_backend_without_a_speed_of_its_own_is_priced_as_the_typical_one_not_the_bare_shape():
+    """CI's starved backend: "b" answered a few requests slowly (a cold engine), "a" many
+    quickly. Priced at the bare shape "b" stood 2.5x above "a" and drew nothing more; it
+    is priced as the median speed of the backends that have one ("a"'s) until its own."""
+    model = CostModel()
+    rng = random.Random(13)
+    for _ in range(6):
+        u = rng.randint(100, 200)
+        model.observe_ttft("b", 3.0 * (0.01 + 1e-4 * u) * rng.uniform(0.95, 1.05), u, 0, 0)
+    for _ in range(40):
+        u, o = rng.randint(100, 200), rng.randint(0, 3)
+        model.observe_ttft("a", (0.01 + 1e-4 * u + 0.005 * o) * rng.uniform(0.95, 1.05), u, 0, o)
+    a, b = model.costs("a"), model.costs("b")
+    assert a.fitted and not b.fitted and model.speed("a") < 1.0  # "a" is faster than the fleet's mean
+    assert b.ttft_s(160, 0, 1) == pytest.approx(a.ttft_s(160, 0, 1))
+    assert model.costs("new") == b  # never seen at all: the same
+    for _ in range(16):  # once "b" has enough answers of its own, they price it
+        u = rng.randint(100, 200)
+        model.observe_ttft("b", 3.0 * (0.01 + 1e-4 * u) * rng.uniform(0.95, 1.05), u, 0, 0)
+    assert model.costs("b").fitted and model.costs("b").ttft_s(160, 0, 0) > 2.0 * model.costs("a").ttft_s(160, 0, 0)
+
+
 def test_speed_scale_is_one_inside_the_noise_and_the_part_beyond_it_outside():
     rng = np.random.default_rng(1)
     assert speed_scale(Moments.of(rng.normal(0.0, 0.5, 100)), Moments.of(rng.normal(0.0, 0.5, 100))) == 1.0
