@@ -20,7 +20,9 @@ another arm is a tie where the intervals overlap (``bench.live_ab_stats``). Two 
 (``--regime``): decode-heavy (32 tokens per hash id, 16 output tokens) and prefill-heavy
 (96 tokens per hash id, 2 output tokens). Every server answered the same warm-up requests
 once before the first run. Measured per arm and rate: TTFT p50/p90/p99 and E2E of
-streamed requests, the prefix-cache hit ratio from every server's
+streamed requests, the mean TTFT at the client beside the servers' own
+(``vllm:time_to_first_token_seconds`` deltas: their difference is the router path's
+share), the prefix-cache hit ratio from every server's
 ``vllm:prefix_cache_{hits,queries}_total`` deltas, the router process tree's CPU per
 request, failed requests, and goodput: the highest rate scale whose TTFT p90 stays within
 ``--slo-multiple`` x the unloaded TTFT (the median TTFT of cold median-length prompts sent
@@ -207,17 +209,17 @@ def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx:
         i0, t0 = tree_cpu_s(router.proc.pid), time.perf_counter()
         time.sleep(IDLE_WINDOW_S)
         idle = (tree_cpu_s(router.proc.pid) - i0) / (time.perf_counter() - t0)
-        h0, q0 = fleet_counters(urls)
+        before = fleet_counters(urls)
         c0 = tree_cpu_s(router.proc.pid)
         outcomes = asyncio.run(replay(router.url, SERVED, ctx["requests"], ctx["keys"], rate, ctx["timeout_s"],
                                       on_done=lambda: bar.update(1)))
         c1 = tree_cpu_s(router.proc.pid)
-        h1, q1 = fleet_counters(urls)
+        counted = fleet_counters(urls).minus(before)
         calibration = fitted_costs(router.url) if arm.peer is None and arm.policy == "cache_aware" else None
     finally:
         router.stop()
-    return {"outcomes": outcomes, "hits": h1 - h0, "queries": q1 - q0, "cpu_s": c1 - c0, "idle_cpu": idle,
-            "calibration": calibration}
+    return {"outcomes": outcomes, "hits": counted.hits, "queries": counted.queries, "cpu_s": c1 - c0, "idle_cpu": idle,
+            "server_ttft_sum_s": counted.ttft_sum_s, "server_ttft_count": counted.ttft_count, "calibration": calibration}
 
 
 def fitted_costs(router_url: str) -> dict | None:

@@ -14,6 +14,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import httpx
 import psutil
@@ -106,17 +107,56 @@ async def replay(url: str, model: str, requests: list[LiveRequest], keys: dict[s
         return list(await asyncio.gather(*tasks))
 
 
+def _metrics(url: str, timeout_s: float) -> str:
+    return httpx.get(f"{url}/metrics", timeout=timeout_s).text
+
+
 def prefix_counters(url: str, timeout_s: float = 10.0) -> tuple[float, float]:
     """(hits, queries) of a vLLM server's ``vllm:prefix_cache_{hits,queries}_total``
     (prompt tokens, summed over label sets)."""
-    stats = parse_vllm_metrics(httpx.get(f"{url}/metrics", timeout=timeout_s).text)
+    stats = parse_vllm_metrics(_metrics(url, timeout_s))
     return stats.get("prefix_hits", 0.0), stats.get("prefix_queries", 0.0)
 
 
-def fleet_counters(urls: list[str]) -> tuple[float, float]:
-    """``prefix_counters`` summed over servers."""
-    pairs = [prefix_counters(u) for u in urls]
-    return sum(h for h, _ in pairs), sum(q for _, q in pairs)
+TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
+
+
+def histogram_totals(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of histogram ``name`` on a Prometheus page, over its label sets."""
+    total = count = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        series = head.partition("{")[0]
+        if series == f"{name}_sum":
+            total += float(value)
+        elif series == f"{name}_count":
+            count += float(value)
+    return total, count
+
+
+class FleetCounters(NamedTuple):
+    """What the servers count, summed over them: prefix-cache hits and queries (prompt
+    tokens), and their own TTFT histogram's sum (s) and count: the time each request
+    spent inside vLLM until its first token, without the router's part."""
+
+    hits: float
+    queries: float
+    ttft_sum_s: float
+    ttft_count: float
+
+    def minus(self, before: FleetCounters) -> FleetCounters:
+        return FleetCounters(*(a - b for a, b in zip(self, before)))
+
+
+def fleet_counters(urls: list[str], timeout_s: float = 10.0) -> FleetCounters:
+    """``FleetCounters`` of the servers at ``urls``, one scrape each."""
+    out = FleetCounters(0.0, 0.0, 0.0, 0.0)
+    for u in urls:
+        text = _metrics(u, timeout_s)
+        stats = parse_vllm_metrics(text)
+        out = FleetCounters(out.hits + stats.get("prefix_hits", 0.0), out.queries + stats.get("prefix_queries", 0.0),
+                            *(a + b for a, b in zip(out[2:], histogram_totals(text, TTFT_HISTOGRAM))))
+    return out
 
 
 def tree_cpu_s(pid: int) -> float:

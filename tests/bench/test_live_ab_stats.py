@@ -35,7 +35,8 @@ def _runs(ttft_s: float, cached: int, n: int = 40) -> list[dict]:
 
     outs = [Outcome(i, ttft_s=ttft_s + 0.001 * (i % 5), e2e_s=ttft_s + 0.1, cached_tokens=cached, prompt_tokens=100, tokens=4)
             for i in range(n)]
-    return [{"outcomes": outs, "hits": cached * n, "queries": 100 * n, "cpu_s": 0.1, "idle_cpu": 0.0}]
+    return [{"outcomes": outs, "hits": cached * n, "queries": 100 * n, "cpu_s": 0.1, "idle_cpu": 0.0,
+             "server_ttft_sum_s": 0.045 * n, "server_ttft_count": n}]
 
 
 def test_the_report_gives_intervals_and_calls_overlaps_ties():
@@ -60,4 +61,23 @@ def test_the_report_gives_intervals_and_calls_overlaps_ties():
     md = markdown(rep)
     assert "| ours | 1 | 0.400 | - / 0.410 | 52.0 | 54.0 | - / - / 70.0 |" in md
     assert "| round-robin | 1 | [0.400, 0.400] | [81, 83] | [83, 84] | tie / better / better |" in md
+    # client TTFT mean 52 ms (50-54 in equal parts) beside vLLM's own 45 ms
+    assert "| 54.0 | 52.0 / 45.0 | 150.0 |" in next(line for line in md.splitlines() if line.startswith("| ours | 1 "))
     assert "Regime: decode-heavy." in md and "the cost model our router fitted live" in md
+
+
+def test_the_servers_ttft_histogram_is_summed_over_label_sets():
+    from bench.live_ab_client import TTFT_HISTOGRAM, FleetCounters, histogram_totals
+
+    page = "\n".join([
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="a"} 3.0',
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="a"} 4.0',
+        'vllm:time_to_first_token_seconds_sum{engine="0",model_name="a"} 0.5',
+        'vllm:time_to_first_token_seconds_count{engine="1",model_name="a"} 2.0',
+        'vllm:time_to_first_token_seconds_sum{engine="1",model_name="a"} 0.25',
+        'vllm:time_to_first_token_seconds_created{engine="1"} 1.7e9',
+        'vllm:e2e_request_latency_seconds_sum{engine="0"} 9.0',
+    ])
+    assert histogram_totals(page, TTFT_HISTOGRAM) == (0.75, 6.0)
+    assert FleetCounters(5, 10, 1.0, 8).minus(FleetCounters(1, 2, 0.25, 2)) == (4, 8, 0.75, 6)
