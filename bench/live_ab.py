@@ -20,9 +20,10 @@ another arm is a tie where the intervals overlap (``bench.live_ab_stats``). Two 
 (``--regime``): decode-heavy (32 tokens per hash id, 16 output tokens) and prefill-heavy
 (96 tokens per hash id, 2 output tokens). Every server answered the same warm-up requests
 once before the first run. Measured per arm and rate: TTFT p50/p90/p99 and E2E of
-streamed requests, the mean TTFT at the client beside the servers' own
-(``vllm:time_to_first_token_seconds`` deltas: their difference is the router path's
-share), the prefix-cache hit ratio from every server's
+streamed requests, the mean TTFT at the client beside our router's own (its
+``unicache_router_ttft_seconds``: from a request's preparation to vLLM's first bytes)
+and the servers' (``vllm:time_to_first_token_seconds`` deltas): what lies between is the
+router path's share, the prefix-cache hit ratio from every server's
 ``vllm:prefix_cache_{hits,queries}_total`` deltas, the router process tree's CPU per
 request, failed requests, and goodput: the highest rate scale whose TTFT p90 stays within
 ``--slo-multiple`` x the unloaded TTFT (the median TTFT of cold median-length prompts sent
@@ -58,7 +59,7 @@ import httpx
 
 from unicache.sim.timing import TimingModel
 from bench.live_ab_arms import ARMS, PEER_VENV, PEERS, Router, install_peers, missing_peers, peer_version
-from bench.live_ab_client import fleet_counters, replay, send, tree_cpu_s
+from bench.live_ab_client import fleet_counters, histogram_totals, replay, send, tree_cpu_s
 from bench.live_ab_report import arm_fields, markdown, plot, rate_fields, sim_prediction, verdicts
 from bench.live_ab_workload import LiveRequest, api_keys, build_requests, unique_blocks, write_sim_trace
 from bench.paths import REPO
@@ -216,10 +217,18 @@ def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx:
         c1 = tree_cpu_s(router.proc.pid)
         counted = fleet_counters(urls).minus(before)
         calibration = fitted_costs(router.url) if arm.peer is None and arm.policy == "cache_aware" else None
+        router_ttft = router_ttft_totals(router.url) if arm.peer is None else (0.0, 0.0)
     finally:
         router.stop()
     return {"outcomes": outcomes, "hits": counted.hits, "queries": counted.queries, "cpu_s": c1 - c0, "idle_cpu": idle,
-            "server_ttft_sum_s": counted.ttft_sum_s, "server_ttft_count": counted.ttft_count, "calibration": calibration}
+            "server_ttft_sum_s": counted.ttft_sum_s, "server_ttft_count": counted.ttft_count,
+            "router_ttft_sum_s": router_ttft[0], "router_ttft_count": router_ttft[1], "calibration": calibration}
+
+
+def router_ttft_totals(router_url: str) -> tuple[float, float]:
+    """(sum s, count) of our router's own TTFT histogram (from a request's preparation,
+    after its body was read, to the backend's first bytes) over the router's life."""
+    return histogram_totals(httpx.get(f"{router_url}/metrics", timeout=10).text, ROUTER_TTFT_HISTOGRAM)
 
 
 def fitted_costs(router_url: str) -> dict | None:
@@ -228,6 +237,9 @@ def fitted_costs(router_url: str) -> dict | None:
     r = httpx.get(f"{router_url}/v1/cluster/costs", timeout=10)
     cal = r.json() if r.status_code == 200 else None
     return cal if cal and cal.get("backends") else None
+
+
+ROUTER_TTFT_HISTOGRAM = "unicache_router_ttft_seconds"
 
 
 def main(argv: list[str] | None = None) -> int:

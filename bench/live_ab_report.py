@@ -18,7 +18,7 @@ from unicache.sim.metrics import percentile
 
 RATE_FIELDS = ("hit_ratio", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p90_s", "goodput",
                "router_cpu_ms_per_request", "requests", "failed", "hit_ratio_ci", "ttft_p50_ci_s", "ttft_p90_ci_s",
-               "ttft_mean_s", "server_ttft_mean_s")
+               "ttft_mean_s", "router_ttft_mean_s", "server_ttft_mean_s")
 # (field, its interval, lower is better) of the figures compared arm against arm
 COMPARED = (("hit_ratio", "hit_ratio_ci", False), ("ttft_p50_s", "ttft_p50_ci_s", True), ("ttft_p90_s", "ttft_p90_ci_s", True))
 
@@ -37,14 +37,17 @@ def rate_fields(runs: list[dict], rate_scale: float, slo_s: float) -> dict:
     p90 = _pct(ttft, 90)
     failed = len(outcomes) - len(ok)
     server_n = sum(r.get("server_ttft_count", 0.0) for r in runs)
+    router_n = sum(r.get("router_ttft_count", 0.0) for r in runs)
     return {
         "rate_scale": rate_scale,
         "hit_ratio": sum(r["hits"] for r in runs) / queries if queries else 0.0,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": p90, "ttft_p99_s": _pct(ttft, 99),
         "e2e_p50_s": _pct(e2e, 50), "e2e_p90_s": _pct(e2e, 90),
-        # the mean TTFT at the client beside the servers' own (vLLM's TTFT histogram, from
-        # the request's arrival in vLLM): their difference is what the router's path adds
+        # the mean TTFT at the client beside our router's own (from the request's
+        # preparation; streamed requests only, as the replay's) and the servers' (vLLM's TTFT
+        # histogram, from the request's arrival in vLLM): what lies between is the path's
         "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
+        "router_ttft_mean_s": sum(r.get("router_ttft_sum_s", 0.0) for r in runs) / router_n if router_n else None,
         "server_ttft_mean_s": sum(r.get("server_ttft_sum_s", 0.0) for r in runs) / server_n if server_n else None,
         "goodput": rate_scale if p90 is not None and p90 <= slo_s and failed == 0 else 0.0,
         "router_cpu_ms_per_request": 1000.0 * sum(r["cpu_s"] for r in runs) / max(1, len(outcomes)),
@@ -128,7 +131,7 @@ def markdown(rep: dict) -> str:
         f"Regime: {rep.get('regime', '-')}.",
         "",
         "| arm | rate | hit ratio | sim hit ratio (GPU fit / fitted model) | TTFT p50 ms | TTFT p90 ms | "
-        "sim TTFT p90 ms (GPU fit / calibrated / fitted model) | TTFT p99 ms | TTFT mean ms: client / in vLLM | "
+        "sim TTFT p90 ms (GPU fit / calibrated / fitted model) | TTFT p99 ms | TTFT mean ms: client / router / in vLLM | "
         "E2E p50 ms | router CPU ms/req | router idle CPU % | requests | failed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -144,6 +147,7 @@ def markdown(rep: dict) -> str:
                 f"{_s(s.get('ttft_p90_s'), 1000, '.1f')} / {_s(c.get('ttft_p90_s'), 1000, '.1f')} / "
                 f"{_s(f.get('ttft_p90_s'), 1000, '.1f')} | "
                 f"{_s(r['ttft_p99_s'], 1000, '.1f')} | {_s(r.get('ttft_mean_s'), 1000, '.1f')} / "
+                f"{_s(r.get('router_ttft_mean_s'), 1000, '.1f')} / "
                 f"{_s(r.get('server_ttft_mean_s'), 1000, '.1f')} | {_s(r['e2e_p50_s'], 1000, '.1f')} | "
                 f"{_s(r['router_cpu_ms_per_request'], 1, '.2f')} | {_s(r['router_idle_cpu_pct'], 1, '.1f')} | "
                 f"{r['requests']} | {r['failed']} |")
