@@ -103,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-sim", action="store_true", help="skip the simulator's prediction")
     p.add_argument("--peer-venv", default=str(PEER_VENV), help=f"the peers' virtual environment (default {PEER_VENV.relative_to(REPO)})")
     p.add_argument("--install-peers", default=None, metavar="NAMES", help=f"pip-install these peers ({', '.join(PEERS)}) into --peer-venv and exit unless --trace is given")
+    p.add_argument("--router-priority", type=int, default=0, metavar="NICE",
+                   help="every arm's router process runs at this nice value (default 0, the servers' own; a negative "
+                        "one needs root): on a machine whose cores the vLLM engines share with the router, -10 has the "
+                        "router run as soon as it can, as a router pod with cores of its own does")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     tokens, outputs = REGIMES[args.regime]
@@ -201,7 +205,8 @@ def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx:
     servers = fleets[arm.eviction]
     urls = [s.url for s in servers]
     router = Router(arm, [s.backend for s in servers], urls, ctx["model_dir"], SERVED, ctx["block_size"], ctx["keys"],
-                    ctx["venv"], os.path.join(ctx["tmp"], f"router-{arm_name}-{rate:g}-{time.monotonic_ns()}.log"))
+                    ctx["venv"], os.path.join(ctx["tmp"], f"router-{arm_name}-{rate:g}-{time.monotonic_ns()}.log"),
+                    priority=ctx["router_priority"])
     try:
         router.wait_ready(SERVED, next(iter(ctx["keys"].values())))
         reset_caches(all_urls)
@@ -307,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             unloaded_s, decode_s = asyncio.run(unloaded(plain.url, SERVED, probes[len(everyone):]))
             reset_caches(all_urls)
             ctx = {"model_dir": model_dir, "block_size": bs, "keys": keys, "venv": venv, "tmp": tmp,
-                   "requests": requests, "timeout_s": args.timeout_s}
+                   "requests": requests, "timeout_s": args.timeout_s, "router_priority": args.router_priority}
             runs: dict[tuple[str, float], list[dict]] = {}
             bar = tqdm(total=args.rounds * len(arms) * len(rates) * len(requests), unit="req", file=sys.stderr,
                        disable=args.no_progress, desc="live A/B")
@@ -325,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m bench.live_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "host": platform.node(),
             "cpus": os.cpu_count(), "commit": git_commit(REPO), "trace": args.trace, "trace_name": Path(args.trace).name,
-            "regime": args.regime, "servers": args.servers, "device": args.device, "model_dir": args.model_dir or "tiny random-weight Llama",
+            "regime": args.regime, "router_priority": args.router_priority, "servers": args.servers, "device": args.device, "model_dir": args.model_dir or "tiny random-weight Llama",
             "requests_per_run": len(requests), "tenants": len(keys), "tokens_per_id": args.tokens_per_id,
             "block_size": bs, "max_model_len": max_len, "pool_frac": args.pool_frac, "pool_blocks": pool_blocks,
             "unique_blocks": unique, "max_output_tokens": args.max_output_tokens, "rates": rates, "rounds": args.rounds,

@@ -111,8 +111,9 @@ class Router:
     """One router process in front of ``urls``; ``url`` is where requests go."""
 
     def __init__(self, arm: Arm, backends: list[str], urls: list[str], model_dir: str, served: str, block_size: int,
-                 keys: dict[str, str], venv: Path, log_path: str, extra_args: tuple[str, ...] = ()):
-        """``extra_args``: more flags for this router (ours only; later flags win)."""
+                 keys: dict[str, str], venv: Path, log_path: str, extra_args: tuple[str, ...] = (), priority: int = 0):
+        """``extra_args``: more flags for this router (ours only; later flags win);
+        ``priority``: the router process's nice value (every thread it starts inherits it)."""
         self.arm, self.port = arm, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.n = len(urls)
@@ -133,7 +134,8 @@ class Router:
                    "--worker-urls", *urls, "--policy", arm.policy or "cache_aware", "--prometheus-port", str(free_port())]
         self.cmd = cmd
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=(lambda: os.setpriority(os.PRIO_PROCESS, 0, priority)) if priority else None)
 
     def wait_ready(self, model: str, key: str, timeout_s: float = 120.0) -> None:
         """Until the router knows every server (ours: ``/v1/cluster/state``) and a one-word

@@ -128,7 +128,8 @@ def markdown(rep: dict) -> str:
         "",
         f"Peers: {', '.join(f'{k} {v}' for k, v in rep['peers'].items()) or 'none run'}; vLLM {rep['vllm_version']}.",
         "",
-        f"Regime: {rep.get('regime', '-')}.",
+        f"Regime: {rep.get('regime', '-')}." + (f" Every router at nice {rep['router_priority']} (the servers at 0)."
+                                                 if rep.get("router_priority") else ""),
         "",
         "| arm | rate | hit ratio | sim hit ratio (GPU fit / fitted model) | TTFT p50 ms | TTFT p90 ms | "
         "sim TTFT p90 ms (GPU fit / calibrated / fitted model) | TTFT p99 ms | TTFT mean ms: client / router / in vLLM | "
