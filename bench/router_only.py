@@ -364,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unicache-workers", default="1", help="this router's worker counts, one run each (e.g. 1,2,4)")
     ap.add_argument("--install-peers", default="", help="install these peers into --peer-venv, then exit")
     ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--json", default=None, help="also write the report's JSON to this file (bench.ab_commits' {out})")
     args = ap.parse_args(argv)
     venv = Path(args.peer_venv)
     if args.install_peers:
@@ -456,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {key} | {name} | {cpu} | {per_core} | {s['p50_ms']:.3f} / {s['p99_ms']:.3f} | {added} "
                          f"| {s['requests_per_s']:.0f} | {s['failed']} |")
     write_report(Path(args.out_dir), "router_only", report, "\n".join(lines) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if all(s["failed"] == 0 for rows in summary.values() for s in rows.values()) else 1
 
 
