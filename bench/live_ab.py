@@ -23,7 +23,8 @@ once before the first run. Measured per arm and rate: TTFT p50/p90/p99 and E2E o
 streamed requests, the mean TTFT at the client beside our router's own (its
 ``unicache_router_ttft_seconds``: from a request's preparation to vLLM's first bytes)
 and the servers' (``vllm:time_to_first_token_seconds`` deltas): what lies between is the
-router path's share, the prefix-cache hit ratio from every server's
+router path's share; the router's run-queue wait per request (its threads runnable but
+without a core: ``/proc/PID/task/*/schedstat``), the prefix-cache hit ratio from every server's
 ``vllm:prefix_cache_{hits,queries}_total`` deltas, the router process tree's CPU per
 request, failed requests, and goodput: the highest rate scale whose TTFT p90 stays within
 ``--slo-multiple`` x the unloaded TTFT (the median TTFT of cold median-length prompts sent
@@ -59,7 +60,7 @@ import httpx
 
 from unicache.sim.timing import TimingModel
 from bench.live_ab_arms import ARMS, PEER_VENV, PEERS, Router, install_peers, missing_peers, peer_version
-from bench.live_ab_client import fleet_counters, histogram_totals, replay, send, tree_cpu_s
+from bench.live_ab_client import fleet_counters, histogram_totals, replay, send, tree_cpu_s, tree_runqueue_wait_s
 from bench.live_ab_report import arm_fields, markdown, plot, rate_fields, sim_prediction, verdicts
 from bench.live_ab_workload import LiveRequest, api_keys, build_requests, unique_blocks, write_sim_trace
 from bench.paths import REPO
@@ -216,16 +217,17 @@ def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx:
         time.sleep(IDLE_WINDOW_S)
         idle = (tree_cpu_s(router.proc.pid) - i0) / (time.perf_counter() - t0)
         before = fleet_counters(urls)
-        c0 = tree_cpu_s(router.proc.pid)
+        c0, w0 = tree_cpu_s(router.proc.pid), tree_runqueue_wait_s(router.proc.pid)
         outcomes = asyncio.run(replay(router.url, SERVED, ctx["requests"], ctx["keys"], rate, ctx["timeout_s"],
                                       on_done=lambda: bar.update(1)))
-        c1 = tree_cpu_s(router.proc.pid)
+        c1, w1 = tree_cpu_s(router.proc.pid), tree_runqueue_wait_s(router.proc.pid)
         counted = fleet_counters(urls).minus(before)
         calibration = fitted_costs(router.url) if arm.peer is None and arm.policy == "cache_aware" else None
         router_ttft = router_ttft_totals(router.url) if arm.peer is None else (0.0, 0.0)
     finally:
         router.stop()
     return {"outcomes": outcomes, "hits": counted.hits, "queries": counted.queries, "cpu_s": c1 - c0, "idle_cpu": idle,
+            "runqueue_wait_s": max(0.0, w1 - w0),
             "server_ttft_sum_s": counted.ttft_sum_s, "server_ttft_count": counted.ttft_count,
             "router_ttft_sum_s": router_ttft[0], "router_ttft_count": router_ttft[1], "calibration": calibration}
 

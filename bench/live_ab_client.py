@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -174,3 +175,27 @@ def tree_cpu_s(pid: int) -> float:
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def tree_runqueue_wait_s(pid: int) -> float:
+    """Seconds the live threads of process ``pid`` and its descendants have spent runnable
+    but waiting for a core (the second field of each ``/proc/PID/task/TID/schedstat``):
+    what sharing the cores with the engines costs a router, apart from its own CPU."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total_ns = 0
+    for p in procs:
+        try:
+            tids = os.listdir(f"/proc/{p.pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                    total_ns += int(f.read().split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    return total_ns / 1e9

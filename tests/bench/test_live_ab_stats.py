@@ -36,7 +36,8 @@ def _runs(ttft_s: float, cached: int, n: int = 40) -> list[dict]:
     outs = [Outcome(i, ttft_s=ttft_s + 0.001 * (i % 5), e2e_s=ttft_s + 0.1, cached_tokens=cached, prompt_tokens=100, tokens=4)
             for i in range(n)]
     return [{"outcomes": outs, "hits": cached * n, "queries": 100 * n, "cpu_s": 0.1, "idle_cpu": 0.0,
-             "server_ttft_sum_s": 0.045 * n, "server_ttft_count": n, "router_ttft_sum_s": 0.048 * n, "router_ttft_count": n}]
+             "server_ttft_sum_s": 0.045 * n, "server_ttft_count": n, "router_ttft_sum_s": 0.048 * n, "router_ttft_count": n,
+             "runqueue_wait_s": 0.002 * n}]
 
 
 def test_the_report_gives_intervals_and_calls_overlaps_ties():
@@ -62,7 +63,8 @@ def test_the_report_gives_intervals_and_calls_overlaps_ties():
     assert "| ours | 1 | 0.400 | - / 0.410 | 52.0 | 54.0 | - / - / 70.0 |" in md
     assert "| round-robin | 1 | [0.400, 0.400] | [81, 83] | [83, 84] | tie / better / better |" in md
     # client TTFT mean 52 ms (50-54 in equal parts) beside the router's 48 and vLLM's own 45 ms
-    assert "| 54.0 | 52.0 / 48.0 / 45.0 | 150.0 |" in next(line for line in md.splitlines() if line.startswith("| ours | 1 "))
+    # ... and 2.5 ms of CPU, 2.0 ms of run-queue wait per request
+    assert "| 54.0 | 52.0 / 48.0 / 45.0 | 150.0 | 2.50 | 2.0 | 0.0 |" in next(line for line in md.splitlines() if line.startswith("| ours | 1 "))
     assert "Regime: decode-heavy." in md and "the cost model our router fitted live" in md
 
 
@@ -81,3 +83,15 @@ def test_the_servers_ttft_histogram_is_summed_over_label_sets():
     ])
     assert histogram_totals(page, TTFT_HISTOGRAM) == (0.75, 6.0)
     assert FleetCounters(5, 10, 1.0, 8).minus(FleetCounters(1, 2, 0.25, 2)) == (4, 8, 0.75, 6)
+
+
+def test_a_process_trees_run_queue_wait_is_read_from_schedstat():
+    import os
+
+    from bench.live_ab_client import tree_runqueue_wait_s
+
+    with open(f"/proc/{os.getpid()}/schedstat") as f:
+        own = int(f.read().split()[1]) / 1e9
+    # this process's threads (and no child) together waited at least what its main thread did
+    assert tree_runqueue_wait_s(os.getpid()) >= own * 0.999
+    assert tree_runqueue_wait_s(2 ** 22 + 1) == 0.0  # no such process
