@@ -160,15 +160,19 @@ def fleet_counters(urls: list[str], timeout_s: float = 10.0) -> FleetCounters:
     return out
 
 
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` and its live descendants."""
+def process_tree(pid: int) -> list[psutil.Process]:
+    """Process ``pid`` and its live descendants ([] when it is gone)."""
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0
+        return []
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants."""
     total = 0.0
-    for p in procs:
+    for p in process_tree(pid):
         try:
             t = p.cpu_times()
             total += t.user + t.system
@@ -181,13 +185,8 @@ def tree_runqueue_wait_s(pid: int) -> float:
     """Seconds the live threads of process ``pid`` and its descendants have spent runnable
     but waiting for a core (the second field of each ``/proc/PID/task/TID/schedstat``):
     what sharing the cores with the engines costs a router, apart from its own CPU."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
     total_ns = 0
-    for p in procs:
+    for p in process_tree(pid):
         try:
             tids = os.listdir(f"/proc/{p.pid}/task")
         except OSError:
