@@ -68,6 +68,7 @@ class EndpointSliceApi:
         self.requests: list[dict] = []
         self.refuse = 0  # an HTTP status every request gets instead (403: the service account lacks the Role)
         self._watchers: set[asyncio.Queue] = set()
+        self._stopping = False  # a watch that arrives while stopping ends at once
         self.url = ""
         path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
         self._server = LoopbackAsgi(Starlette(routes=[Route(path, self._endpointslices)]))
@@ -77,6 +78,9 @@ class EndpointSliceApi:
         return self
 
     async def stop(self) -> None:
+        # NOTE: a client that reconnects between the drop and the server's stop would hold a
+        # watch the stop waits for (a CI teardown hung 300 s): later watches end at once.
+        self._stopping = True
         self.drop_watchers()
         await self._server.stop()
 
@@ -144,6 +148,8 @@ class EndpointSliceApi:
                 if version > since:
                     queue.put_nowait((kind, obj))
         self._watchers.add(queue)
+        if self._stopping:
+            queue.put_nowait(None)
 
         async def events():
             try:
