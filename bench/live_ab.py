@@ -72,6 +72,7 @@ SERVED = "live-ab"
 REGIMES = {"decode-heavy": (32, 16), "prefill-heavy": (96, 2)}
 IDLE_WINDOW_S = 2.0
 KV_DTYPE_BYTES = 2  # vLLM keeps KV in bf16/fp16 here (the tiny Llama: 512 bytes a token)
+ROUTER_TTFT_HISTOGRAM = "unicache_router_ttft_seconds"  # our router's own TTFT: preparation to first bytes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -244,9 +245,6 @@ def fitted_costs(router_url: str) -> dict | None:
     r = httpx.get(f"{router_url}/v1/cluster/costs", timeout=10)
     cal = r.json() if r.status_code == 200 else None
     return cal if cal and cal.get("backends") else None
-
-
-ROUTER_TTFT_HISTOGRAM = "unicache_router_ttft_seconds"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,17 +108,6 @@ async def replay(url: str, model: str, requests: list[LiveRequest], keys: dict[s
         return list(await asyncio.gather(*tasks))
 
 
-def _metrics(url: str, timeout_s: float) -> str:
-    return httpx.get(f"{url}/metrics", timeout=timeout_s).text
-
-
-def prefix_counters(url: str, timeout_s: float = 10.0) -> tuple[float, float]:
-    """(hits, queries) of a vLLM server's ``vllm:prefix_cache_{hits,queries}_total``
-    (prompt tokens, summed over label sets)."""
-    stats = parse_vllm_metrics(_metrics(url, timeout_s))
-    return stats.get("prefix_hits", 0.0), stats.get("prefix_queries", 0.0)
-
-
 TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
 
 
@@ -136,7 +125,7 @@ def histogram_totals(text: str, name: str) -> tuple[float, float]:
 
 
 class FleetCounters(NamedTuple):
-    """What the servers count, summed over them: prefix-cache hits and queries (prompt
+    """What vLLM servers count, summed over them: prefix-cache hits and queries (prompt
     tokens), and their own TTFT histogram's sum (s) and count: the time each request
     spent inside vLLM until its first token, without the router's part."""
 
@@ -145,18 +134,33 @@ class FleetCounters(NamedTuple):
     ttft_sum_s: float
     ttft_count: float
 
+    def plus(self, other: FleetCounters) -> FleetCounters:
+        return FleetCounters(*(a + b for a, b in zip(self, other)))
+
     def minus(self, before: FleetCounters) -> FleetCounters:
         return FleetCounters(*(a - b for a, b in zip(self, before)))
 
 
+def server_counters(url: str, timeout_s: float = 10.0) -> FleetCounters:
+    """``FleetCounters`` of the one vLLM server at ``url`` (one ``/metrics`` scrape)."""
+    text = httpx.get(f"{url}/metrics", timeout=timeout_s).text
+    stats = parse_vllm_metrics(text)
+    return FleetCounters(stats.get("prefix_hits", 0.0), stats.get("prefix_queries", 0.0),
+                         *histogram_totals(text, TTFT_HISTOGRAM))
+
+
+def prefix_counters(url: str, timeout_s: float = 10.0) -> tuple[float, float]:
+    """(hits, queries) of a vLLM server's ``vllm:prefix_cache_{hits,queries}_total``
+    (prompt tokens, summed over label sets)."""
+    counters = server_counters(url, timeout_s)
+    return counters.hits, counters.queries
+
+
 def fleet_counters(urls: list[str], timeout_s: float = 10.0) -> FleetCounters:
-    """``FleetCounters`` of the servers at ``urls``, one scrape each."""
+    """``server_counters`` summed over the servers at ``urls``."""
     out = FleetCounters(0.0, 0.0, 0.0, 0.0)
     for u in urls:
-        text = _metrics(u, timeout_s)
-        stats = parse_vllm_metrics(text)
-        out = FleetCounters(out.hits + stats.get("prefix_hits", 0.0), out.queries + stats.get("prefix_queries", 0.0),
-                            *(a + b for a, b in zip(out[2:], histogram_totals(text, TTFT_HISTOGRAM))))
+        out = out.plus(server_counters(u, timeout_s))
     return out
 
 

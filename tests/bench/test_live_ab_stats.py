@@ -83,6 +83,7 @@ def test_the_servers_ttft_histogram_is_summed_over_label_sets():
     ])
     assert histogram_totals(page, TTFT_HISTOGRAM) == (0.75, 6.0)
     assert FleetCounters(5, 10, 1.0, 8).minus(FleetCounters(1, 2, 0.25, 2)) == (4, 8, 0.75, 6)
+    assert FleetCounters(5, 10, 1.0, 8).plus(FleetCounters(1, 2, 0.25, 2)) == (6, 12, 1.25, 10)
 
 
 def test_a_process_trees_run_queue_wait_is_read_from_schedstat():
