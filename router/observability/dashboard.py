@@ -69,7 +69,8 @@ DASHBOARD_HTML = """<!doctype html>
 <h2>Costs <small style="font-weight:normal;color:#666">(learned per backend: TTFT = base + per token &times; (uncached + queued tokens) + per request &times; outstanding)</small></h2>
 <table id="costs">
  <thead><tr><th>replica</th><th>fitted</th><th>prefill base ms</th><th>prefill &mu;s / token</th><th>ms / outstanding request</th>
- <th>decode ms / step (base + per seq)</th><th>TTFT error (mean, relative)</th><th>predictions</th></tr></thead>
+ <th>decode ms / step (base + per seq)</th><th>TTFT error (mean, relative)</th><th>predictions</th>
+<th title="above 1: a request there has waited for its first token beyond the prediction's noise, and its TTFT costs are raised by this factor">overdue</th></tr></thead>
  <tbody id="cost-rows"></tbody>
 </table>
 <h2>Cluster <span id="span" style="font-weight:normal;color:#666"></span></h2>
@@ -188,7 +189,8 @@ function drawState(s) {
     return `<tr><td>${esc(x.info.replica_id)}</td><td>${k.fitted ? 'yes' : 'prior'}</td><td>${ms(k.prefill_base_s)}</td>` +
            `<td>${((k.prefill_per_token_s || 0) * 1e6).toFixed(1)}</td><td>${ms(k.per_outstanding_s)}</td>` +
            `<td>${ms(k.decode_base_s)} + ${ms(k.decode_per_seq_s)}</td>` +
-           `<td>${ms(k.ttft_abs_error_s)} ms, ${((k.ttft_rel_error || 0) * 100).toFixed(0)}%</td><td>${k.predictions || 0}</td></tr>`;
+           `<td>${ms(k.ttft_abs_error_s)} ms, ${((k.ttft_rel_error || 0) * 100).toFixed(0)}%</td><td>${k.predictions || 0}</td>` +
+           `<td class="${(k.overdue_factor || 1) > 1 ? 'bad' : ''}">&times;${(k.overdue_factor || 1).toFixed(2)}</td></tr>`;
   }).join('');
 }
 async function refresh() {

@@ -152,6 +152,12 @@ class RouterMetrics:
             "|predicted - measured| time to first token per request, the prediction made at dispatch by the cost model",
             ["replica"], buckets=TTFT_BUCKETS, registry=r,
         )
+        self.backend_overdue_factor = Gauge(
+            "unicache_router_backend_overdue_factor",
+            "Above 1 while a request on the backend has waited for its first token beyond the prediction's noise: its "
+            "TTFT costs are raised by this factor (1: none)",
+            ["replica"], registry=r,
+        )
         self.ttft_prediction_rel_error = Gauge(
             "unicache_router_ttft_prediction_relative_error",
             "Mean |predicted - measured| / measured TTFT per backend (exponential average over about 16 requests)",
@@ -195,7 +201,8 @@ class RouterMetrics:
         per_replica = (
             self.replica_hit_ratio, self.replica_used_blocks, self.replica_free_blocks,
             self.replica_load, self.replica_in_flight, self.indexed_blocks, self.replica_quarantined,
-            self.replica_queue_share, self.backend_cost, self.backend_cost_fitted, self.ttft_prediction_rel_error,
+            self.replica_queue_share, self.backend_cost, self.backend_cost_fitted, self.backend_overdue_factor,
+            self.ttft_prediction_rel_error,
         )
         for g in per_replica:
             g.clear()
@@ -205,6 +212,7 @@ class RouterMetrics:
             for term in ("prefill_base", "prefill_per_token", "per_outstanding", "decode_base", "decode_per_seq"):
                 self.backend_cost.labels(rid, term).set(row[term + "_s"])
             self.backend_cost_fitted.labels(rid).set(1 if row["fitted"] else 0)
+            self.backend_overdue_factor.labels(rid).set(row["overdue_factor"])
             self.ttft_prediction_rel_error.labels(rid).set(row["ttft_rel_error"])
         policy = cluster.policy
         shares = policy.queue_shares() if isinstance(policy, SharesRouterState) else None

@@ -533,7 +533,11 @@ class RouterCore:
         """
         rid = decision.replica_id
         rec = self.cluster.replicas[rid]
-        self.costs.dispatched(prep.routing, decision, rec.load)  # the load before this request
+        relay = call.relay if rec.kind == "vllm" else None
+        # NOTE: an unstreamed answer relayed from vLLM comes whole at the end: its wait is
+        # the whole generation, neither a first token nor a stall (the deadline bounds it).
+        streamed = relay is None or relay.stream
+        self.costs.dispatched(prep.routing, decision, rec.load, streamed)  # the load before this request
         self.cluster.pending.add(rid, prep.routing.block_hashes)  # known at once, before any event
         self.cluster.started(rid, prep.routing.num_prompt_tokens)
         self.policy.on_request_routed(prep.routing, decision)
@@ -545,10 +549,6 @@ class RouterCore:
                 # first message is passed on (so it never delays the request itself).
                 saving = asyncio.ensure_future(self.sessions.save(prep.shared_session, record))
         self.metrics.labelled(self.metrics.decisions, decision.reason, rid).inc()
-        relay = call.relay if rec.kind == "vllm" else None
-        # NOTE: an unstreamed answer relayed from vLLM comes whole at the end: its wait is
-        # the whole generation, neither a first token nor a stall (the deadline bounds it).
-        streamed = relay is None or relay.stream
         ftt = self.first_token_timeout if streamed else None
         first_timeout = ftt.timeout_s(rid) if ftt is not None else None
         use_timeout = first_timeout is not None and first_timeout < remaining_s

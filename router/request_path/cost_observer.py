@@ -13,12 +13,26 @@ at dispatch) and, when it streamed tokens after the first, one inter-token obser
 ``first_token`` the TTFT the model predicted at dispatch is scored against the measured
 one (``CostModel.observe_error`` and the ``on_error`` callback: the router's metric).
 
+A backend that stops answering gives no observation, so the observer also watches the
+requests still waiting for their first token: at most every ``overdue_every_s``, at a
+dispatch, each backend's largest log(waited / predicted) beyond
+``CostModel.overdue_threshold`` becomes its overdue factor (``CostModel.set_overdue``),
+and the next decisions price it so. An answer, or the end of the request, takes it off
+at the next look.
+Only a prediction in the model's fitted seconds is watched, and only a streamed answer.
+An unstreamed answer comes whole at the end: its wait is the whole generation, not a
+TTFT. It is not watched and its prediction is not scored; its TTFT observation is the
+whole wait less the decode of its other completion tokens at the model's inter-token
+time (``Costs.itl_s``), when that leaves a positive time.
+
 Invariant: at most ``max_tracked`` requests are tracked (oldest dropped first), each
-O(1) per call.
+O(1) per call but the overdue look, O(requests waiting for a first token) at most every
+``overdue_every_s``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,6 +56,8 @@ class _Tracked:
     tokens_after_first: int = 0
     messages: int = 0
     uncached: int = -1  # from usage
+    streamed: bool = True  # False: the answer came whole, and first_at is its end
+    completion_tokens: int = 0  # from usage
 
 
 def uncached_tokens(request: RoutingRequest, decision: RouteDecision) -> int:
@@ -59,19 +75,25 @@ class CostObserver:
         on_error: called with (replica id, predicted s, measured s) per first token.
         clock: seconds (default ``time.perf_counter``).
         max_tracked: bound on the requests tracked at once.
+        overdue_every_s: the least time between two looks at the waiting requests.
     """
 
     def __init__(self, model: CostModel, prefill_lanes: int = 4,
                  queue_shares: Callable[[], dict[str, float] | None] | None = None,
                  on_error: Callable[[str, float, float], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, max_tracked: int = 100_000):
+                 clock: Callable[[], float] = time.perf_counter, max_tracked: int = 100_000,
+                 overdue_every_s: float = 0.1):
         self.model = model
         self.prefill_lanes = max(1, prefill_lanes)
         self.queue_shares = queue_shares
         self.on_error = on_error
         self.clock = clock
         self.max_tracked = max_tracked
+        self.overdue_every_s = overdue_every_s
         self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
+        # the tracked requests waiting for a first token with a prediction in seconds
+        self._waiting: dict[str, _Tracked] = {}
+        self._overdue_at = -math.inf
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -95,25 +117,51 @@ class CostObserver:
         costs = self.model.costs(rid)
         return costs.ttft_s(uncached, queued, outstanding), costs.fitted
 
-    def dispatched(self, request: RoutingRequest, decision: RouteDecision, load: ReplicaLoad | None) -> None:
+    def dispatched(self, request: RoutingRequest, decision: RouteDecision, load: ReplicaLoad | None,
+                   streamed: bool = True) -> None:
         """``request`` is sent to ``decision.replica_id``, whose load (before counting this
-        request) is ``load``."""
+        request) is ``load``; ``streamed``: its first token is seen when it comes (False:
+        the answer comes whole, module docstring)."""
+        now = self.clock()
+        if now - self._overdue_at >= self.overdue_every_s:
+            self._overdue_at = now
+            self.refresh_overdue(now)
         rid = decision.replica_id
+        model = self.model
         queued, outstanding, running = self.features(rid, load)
-        predicted = self.model.costs(rid).ttft_s(uncached_tokens(request, decision), queued, outstanding)
-        tracked = self._tracked
-        tracked.pop(request.request_id, None)
-        tracked[request.request_id] = _Tracked(rid, self.clock(), queued, outstanding, running, predicted)
+        predicted = model.costs(rid).ttft_s(uncached_tokens(request, decision), queued, outstanding)
+        tracked, rq = self._tracked, request.request_id
+        if tracked.pop(rq, None) is not None:
+            self._waiting.pop(rq, None)
+        t = tracked[rq] = _Tracked(rid, now, queued, outstanding, running, predicted, streamed=streamed)
+        if streamed and predicted > 0.0 and not model.uniform:
+            self._waiting[rq] = t
         while len(tracked) > self.max_tracked:
-            tracked.popitem(last=False)
+            self._waiting.pop(tracked.popitem(last=False)[0], None)
+
+    def refresh_overdue(self, now: float) -> None:
+        """Each backend's overdue factor from the requests waiting for their first token
+        at ``now`` (module docstring)."""
+        threshold = self.model.overdue_threshold()
+        factors: dict[str, float] = {}
+        if threshold is not None:
+            log = math.log
+            for t in self._waiting.values():
+                excess = log((now - t.dispatched_at) / t.predicted_s) - threshold if now > t.dispatched_at else 0.0
+                if excess > 0.0 and excess > factors.get(t.replica_id, 0.0):
+                    factors[t.replica_id] = excess
+        self.model.set_overdue({rid: math.exp(x) for rid, x in factors.items()})
 
     def first_token(self, request_id: str) -> None:
         t = self._tracked.get(request_id)
         if t is None:
             return
+        self._waiting.pop(request_id, None)
         now = self.clock()
         t.first_at = t.last_at = now
         t.ttft_s = now - t.dispatched_at
+        if not t.streamed:
+            return
         self.model.observe_error(t.replica_id, t.predicted_s, t.ttft_s)
         if self.on_error is not None:
             self.on_error(t.replica_id, t.predicted_s, t.ttft_s)
@@ -138,13 +186,18 @@ class CostObserver:
         t = self._tracked.get(request_id)
         if t is not None:
             t.uncached = max(0, prompt_tokens - cached_tokens)
+            t.completion_tokens = completion_tokens
 
     def finished(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
         t = self._tracked.pop(request_id, None)
         if t is None or t.ttft_s < 0:
             return
         model = self.model
-        if t.uncached >= 0:
-            model.observe_ttft(t.replica_id, t.ttft_s, t.uncached, t.queued, t.outstanding)
+        ttft = t.ttft_s
+        if not t.streamed and t.completion_tokens > 1:
+            ttft -= (t.completion_tokens - 1) * model.costs(t.replica_id).itl_s(t.running + 1)
+        if t.uncached >= 0 and ttft > 0.0:
+            model.observe_ttft(t.replica_id, ttft, t.uncached, t.queued, t.outstanding)
         if t.tokens_after_first > 0 and t.last_at > t.first_at:
             model.observe_itl(t.replica_id, (t.last_at - t.first_at) / t.tokens_after_first, t.running + 1)

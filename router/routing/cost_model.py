@@ -43,11 +43,23 @@ are the prior ``PRIOR``; a backend with fewer of its own is priced as the fleet'
 times the median speed of those with a speed (``FleetFit.typical_scale``), so a newcomer
 is never priced out before it has answered enough to be judged.
 
+A backend can also be slow without answering: a stalled or throttled engine holds the
+requests sent to it, so its few answers arrive late or never and a fit of answers alone
+cannot price it. The request path therefore reports each backend's longest overdue wait
+(``set_overdue``): while a request there has waited for its first token longer than its
+prediction by more than the fleet's noise (``overdue_threshold``: the mean log ratio of
+measured to predicted TTFT plus ``SCALE_Z`` standard deviations of one request), its TTFT
+costs are raised by the part beyond that noise. The wait is a lower bound on that
+request's TTFT (it is censored), so the price only grows while it waits and falls back
+when it is answered; a calibration and the fleet's fit never see it.
+
 Invariants:
     * A backend's state is bounded: two ring buffers of ``window`` observations.
     * Backends whose speeds do not differ beyond noise (``SCALE_Z`` standard errors) have
       equal costs, exactly.
     * ``costs(r)`` never raises and never returns a negative coefficient.
+    * An overdue factor is >= 1 and raises only the TTFT terms of ``costs(r)``, never
+      ``to_calibration``, ``assigned`` or the fit.
     * ``uniform`` is True while nothing is fitted: every backend is priced alike, and
       ``cache_aware`` decides exactly as with prefill-token units (docs/routing.md).
 """
@@ -57,7 +69,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -95,6 +107,12 @@ class Costs:
 
     def itl_s(self, batch: float) -> float:
         return self.decode_base_s + self.decode_per_seq_s * batch
+
+    def slower(self, factor: float) -> Costs:
+        """These costs with every TTFT term times ``factor`` (the decode terms unchanged)."""
+        return replace(self, prefill_base_s=factor * self.prefill_base_s,
+                       prefill_per_token_s=factor * self.prefill_per_token_s,
+                       per_outstanding_s=factor * self.per_outstanding_s)
 
 
 # 2**-13 s per token (0.12 ms): a power of two, so pricing in it or in tokens orders and
@@ -287,7 +305,7 @@ class FleetFit:
     ``min_observations`` or more, and only for those."""
 
     __slots__ = ("prior", "coef", "window", "refit_every", "min_observations", "speed_window", "rings", "scales",
-                 "fitted", "_since", "count")
+                 "fitted", "spread", "_since", "count")
 
     def __init__(self, prior: Sequence[float], window: int = 128, refit_every: int = 8, min_observations: int = 16):
         if window < 4 or refit_every < 1 or min_observations < 1:
@@ -304,6 +322,9 @@ class FleetFit:
         self.rings: dict[str, _Ring] = {}
         self.scales: dict[str, float] = {}
         self.fitted = False
+        # the log ratios (measured / the shape's prediction) of every backend's latest
+        # observations at the last refit: the noise of one prediction
+        self.spread: Moments | None = None
         self._since = 0
         self.count = 0  # observations ever, all backends
 
@@ -361,6 +382,7 @@ class FleetFit:
         # the fleet's totals once; each backend's rest is the totals less its own: O(fleet)
         fleet = Moments(sum(m.n for m in moments.values()), sum(m.total for m in moments.values()),
                         sum(m.squares for m in moments.values()))
+        self.spread = fleet if fleet.n >= 3 else None
         self.scales = {rid: speed_scale(own, fleet.minus(own)) for rid, own in moments.items()
                        if self.rings[rid].count >= self.min_observations}
 
@@ -400,7 +422,9 @@ class CostModel:
         self._itl = FleetFit((p.decode_base_s, p.decode_per_seq_s), window, refit_every, min_observations)
         self._errors: dict[str, _Errors] = {}
         self._fixed: dict[str, Costs] = {}  # a calibration's costs
+        self._overdue: dict[str, float] = {}  # set_overdue: factors > 1 only
         self._cache: dict[str, Costs] | None = None
+        self._priced: dict[str, Costs] | None = None  # _cache with the overdue factors
         self._fleet: Costs | None = None
 
     # -- observations --------------------------------------------------------------------
@@ -437,18 +461,46 @@ class CostModel:
         b.rel_error += w * (err / measured_s - b.rel_error)
         b.errors += 1
 
+    def overdue_threshold(self) -> float | None:
+        """The log of measured / predicted TTFT beyond which one request's wait is more
+        than the fleet's noise: the mean log ratio of the fleet's latest observations plus
+        ``SCALE_Z`` standard deviations. None while the fleet's TTFT is not fitted (its
+        predictions are the prior's, not seconds) or is frozen."""
+        spread = self._ttft.spread
+        if self.frozen or not self._ttft.fitted or spread is None:
+            return None
+        return spread.mean() + SCALE_Z * math.sqrt(spread.var())
+
+    def set_overdue(self, factors: Mapping[str, float]) -> None:
+        """Each backend's overdue factor (module docstring), replacing the last: its TTFT
+        costs are multiplied by it; a backend not named (or with a factor <= 1) has none.
+        Ignored by a frozen model."""
+        if self.frozen:
+            return
+        new = {rid: float(f) for rid, f in factors.items() if f > 1.0}
+        if new != self._overdue:
+            self._overdue = new
+            self._priced = None
+
+    def overdue(self, rid: str) -> float:
+        """``rid``'s overdue factor (1.0: none)."""
+        return self._overdue.get(rid, 1.0)
+
     def forget(self, rid: str) -> None:
-        known = rid in self._ttft.rings or rid in self._itl.rings or rid in self._fixed
+        known = (rid in self._ttft.rings or rid in self._itl.rings or rid in self._fixed
+                 or rid in self._overdue)
         self._ttft.forget(rid)
         self._itl.forget(rid)
         self._errors.pop(rid, None)
         self._fixed.pop(rid, None)
+        self._overdue.pop(rid, None)
         if known:
             self._invalidate()
 
     # -- reading -------------------------------------------------------------------------
     def _invalidate(self) -> None:
         self._cache = None
+        self._priced = None
 
     def _fitted(self) -> dict[str, Costs]:
         if self._cache is None:
@@ -477,6 +529,20 @@ class CostModel:
                 self._fleet = None
         return self._cache
 
+    def _with_overdue(self) -> dict[str, Costs]:
+        """``_fitted`` with each overdue backend's costs raised (a backend without costs
+        of its own: the fleet's, raised); the same dict while nothing is overdue."""
+        if self._priced is None:
+            fitted = self._fitted()
+            if self._overdue and self._fleet is not None:
+                priced = dict(fitted)
+                for rid, f in self._overdue.items():
+                    priced[rid] = fitted.get(rid, self._fleet).slower(f)
+                self._priced = priced
+            else:
+                self._priced = fitted
+        return self._priced
+
     @property
     def uniform(self) -> bool:
         """Nothing is fitted: every backend is priced with one prior."""
@@ -484,8 +550,8 @@ class CostModel:
 
     def costs(self, rid: str) -> Costs:
         """``rid``'s fitted costs, else the fleet's (its shape times the median speed, or
-        a calibration's mean), else the prior."""
-        c = self._fitted().get(rid)
+        a calibration's mean), else the prior; times its overdue factor, if any."""
+        c = self._with_overdue().get(rid)
         if c is not None:
             return c
         return self._fleet if self._fleet is not None else self.prior
@@ -510,6 +576,7 @@ class CostModel:
             c = self.costs(rid)
             row = asdict(c)
             row["fitted"] = rid in self._fitted()
+            row["overdue_factor"] = self.overdue(rid)
             ae, re_, n = self.error(rid)
             row.update(ttft_abs_error_s=ae, ttft_rel_error=re_, predictions=n)
             out[rid] = row

@@ -4,11 +4,13 @@ policy (``cache_aware``, priced by the live cost model). After a warm-up in whic
 backends are fitted, one server's engine is throttled (its processes other than the API
 server stopped 9/10 of the time, SIGSTOP / SIGCONT) while four clients keep sending
 prompts that share nothing; after the next 16 answers the throttled backend gets a
-smaller share of the new requests than the other, and the model never prices it below
-the other. (That it prices it higher once it has answered 16 requests under the throttle
-is the unit test's, tests/router/test_cost_model.py: here the throttled server, steered
-away by the requests it holds, answered 10 of 240 requests on a machine half as fast, too
-few for its speed to be judged.)
+smaller share of the new requests than the other; while it is throttled the model prices
+it above the other at some point (a request held there past its prediction's noise:
+``CostModel.set_overdue``), and it never prices it below the other. (That its fitted
+speed says so once it has answered 16 requests under the throttle is the unit test's,
+tests/router/test_cost_model.py: here the throttled server, steered away by the requests
+it holds, answered 10 of 240 requests on a machine half as fast, too few for its speed to
+be judged.)
 
 No timing is asserted: only which backend each request went to, and the fitted costs'
 order."""
@@ -70,15 +72,16 @@ async def throttle(pids: list[int], stop: asyncio.Event) -> None:
 
 
 async def send(client: httpx.AsyncClient, numbers: list[int], out: list[tuple[int, str]]) -> None:
-    """``CLIENTS`` clients send the prompts numbered ``numbers`` one after another each;
-    ``out`` gets (number, backend) in the order the answers came."""
+    """``CLIENTS`` clients send the prompts numbered ``numbers`` one after another each,
+    streamed (a request waiting for its first token is what prices a backend that holds
+    it); ``out`` gets (number, backend) in the order the answers came."""
     queue = list(numbers)
 
     async def one_client() -> None:
         while queue:
             i = queue.pop(0)
             r = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt(i), "max_tokens": 4,
-                                                           "temperature": 0}, headers={"authorization": "Bearer k"})
+                                                           "temperature": 0, "stream": True}, headers={"authorization": "Bearer k"})
             assert r.status_code == 200, r.text
             out.append((i, r.headers["x-unicache-replica"]))
 
@@ -120,15 +123,25 @@ async def test_a_throttled_backend_draws_fewer_new_requests(servers):
             assert {b for _, b in warm} == {"a", "b"}
             stop = asyncio.Event()
             throttler = asyncio.create_task(throttle(engine_pids(slow), stop))
+            ratios: list[float] = []  # b's price over a's while b is throttled
+
+            async def watch() -> None:
+                while not stop.is_set():
+                    ratios.append(model.costs("b").ttft_s(160, 0, 1) / model.costs("a").ttft_s(160, 0, 1))
+                    await asyncio.sleep(0.05)
+
+            watcher = asyncio.create_task(watch())
             try:
                 throttled: list[tuple[int, str]] = []
                 await send(client, list(range(1000, 1048)), throttled)
             finally:
                 stop.set()
                 await throttler
+                await watcher
         later = [b for _, b in throttled[16:]]
         share_b = later.count("b") / len(later)
         assert share_b < 0.5, (share_b, throttled, model.snapshot())
+        assert max(ratios) > 1.0, (ratios, model.snapshot())
         a, b = model.costs("a"), model.costs("b")
         assert b.ttft_s(160, 0, 1) >= a.ttft_s(160, 0, 1), model.snapshot()
     finally:

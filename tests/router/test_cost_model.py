@@ -3,6 +3,7 @@ feeds it from the request path, and cache_aware prices decisions in its seconds.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -304,3 +305,80 @@ def test_the_speed_is_judged_on_each_backends_latest_eighth_of_a_window():
             u, o = rng.randint(0, 2000), rng.randint(0, 4)
             model.observe_ttft(rid, f * (0.02 + 2e-4 * u + 0.03 * o) * rng.uniform(0.9, 1.1), u, 0, o)
     assert model.speed("b") / model.speed("a") > 2.5
+
+
+def _two_alike(rng: random.Random) -> CostModel:
+    """A model fitted on two identical backends "a" and "b" with 10% noise."""
+    model = CostModel(window=64)
+    for _ in range(64):
+        for rid in ("a", "b"):
+            u, o = rng.randint(0, 2000), rng.randint(0, 4)
+            model.observe_ttft(rid, (0.02 + 2e-4 * u + 0.03 * o) * rng.uniform(0.9, 1.1), u, 0, o)
+    return model
+
+
+def test_a_request_waiting_beyond_its_predictions_noise_prices_its_backend_up_until_it_is_answered():
+    """A stalled backend answers nothing, so no observation prices it: the request it holds
+    does, by the part of its wait beyond the fleet's noise, and only while it waits."""
+    model = _two_alike(random.Random(14))
+    assert model.costs("a") == model.costs("b") and model.overdue("b") == 1.0
+    threshold = model.overdue_threshold()
+    assert threshold is not None and 0.0 < threshold < math.log(1.5)  # 10% noise: one request's 3 sd
+    clock = Clock()
+    obs = CostObserver(model, clock=clock)
+    idle = ReplicaLoad("b")
+    obs.dispatched(_request("stuck", 10), RouteDecision("b", "load"), idle)
+    predicted = model.costs("b").ttft_s(10 * BS, 0.0, 0)
+    clock.t += 1.1 * predicted  # late, but inside the noise
+    obs.dispatched(_request("n1", 10), RouteDecision("a", "load"), ReplicaLoad("a"))
+    obs.first_token("n1")  # "a" answers at once
+    assert model.overdue("b") == 1.0
+    clock.t += 20 * predicted - 1.1 * predicted  # 20x its prediction: beyond it
+    obs.dispatched(_request("n2", 10), RouteDecision("a", "load"), ReplicaLoad("a"))
+    obs.first_token("n2")  # "a" answers at once
+    factor = math.exp(math.log(20.0) - threshold)
+    assert model.overdue("b") == pytest.approx(factor) and model.overdue("a") == 1.0
+    a, b = model.costs("a"), model.costs("b")
+    assert b.ttft_s(160, 0, 1) == pytest.approx(factor * a.ttft_s(160, 0, 1))
+    assert (b.decode_base_s, b.decode_per_seq_s) == (a.decode_base_s, a.decode_per_seq_s)
+    assert model.snapshot()["b"]["overdue_factor"] == pytest.approx(factor)
+    # never in what is fitted or written down
+    assert model.to_calibration()["backends"]["a"] == model.to_calibration()["backends"]["b"]
+    obs.first_token("stuck")
+    obs.dispatched(_request("n3", 10), RouteDecision("a", "load"), ReplicaLoad("a"))
+    obs.first_token("n3")  # "a" answers at once
+    assert model.overdue("b") > 1.0  # looked at most every overdue_every_s: not yet
+    clock.t += 1.5 * obs.overdue_every_s
+    obs.dispatched(_request("n4", 10), RouteDecision("a", "load"), ReplicaLoad("a"))
+    obs.first_token("n4")  # "a" answers at once
+    assert model.overdue("b") == 1.0 and model.costs("a") == model.costs("b")
+
+
+def test_no_wait_is_overdue_under_the_prior_an_unstreamed_answer_is_not_watched_and_a_frozen_model_is_never_raised():
+    clock = Clock()
+    prior = CostModel()
+    obs = CostObserver(prior, clock=clock)
+    obs.dispatched(_request("q", 10), RouteDecision("b", "load"), ReplicaLoad("b"))
+    clock.t += 100.0
+    obs.dispatched(_request("q2", 10), RouteDecision("a", "load"), ReplicaLoad("a"))
+    assert prior.overdue_threshold() is None and prior.overdue("b") == 1.0 and prior.uniform
+
+    model = _two_alike(random.Random(15))
+    obs = CostObserver(model, clock=clock)
+    errors_before = model.error("b")
+    obs.dispatched(_request("whole", 10), RouteDecision("b", "load"), ReplicaLoad("b", running=2), streamed=False)
+    clock.t += 100.0
+    obs.dispatched(_request("q3", 10), RouteDecision("a", "load"), ReplicaLoad("a"))
+    obs.first_token("q3")
+    assert model.overdue("b") == 1.0  # an unstreamed answer's wait is not watched
+    obs.first_token("whole")  # the whole answer
+    assert model.error("b") == errors_before  # its wait is not a TTFT to score
+    obs.usage("whole", prompt_tokens=160, cached_tokens=32, completion_tokens=11)
+    itl = model.costs("b").itl_s(3)
+    obs.finished("whole")
+    xs, ys = model._ttft.rings["b"].recent(1)
+    assert xs == [(128.0, 2.0)] and ys == [pytest.approx(100.0 - 10 * itl)]
+
+    frozen = CostModel.from_calibration(model.to_calibration())
+    frozen.set_overdue({"b": 5.0})
+    assert frozen.overdue("b") == 1.0 and frozen.overdue_threshold() is None

@@ -107,7 +107,7 @@ class ReplicaState(_message.Message):
     def __init__(self, info: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., cache: _Optional[_Union[_common_pb2.CacheState, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., costs: _Optional[_Union[BackendCosts, _Mapping]] = ...) -> None: ...
 
 class BackendCosts(_message.Message):
-    __slots__ = ("prefill_base_s", "prefill_per_token_s", "per_outstanding_s", "decode_base_s", "decode_per_seq_s", "fitted", "observations", "ttft_abs_error_s", "ttft_rel_error", "predictions")
+    __slots__ = ("prefill_base_s", "prefill_per_token_s", "per_outstanding_s", "decode_base_s", "decode_per_seq_s", "fitted", "observations", "ttft_abs_error_s", "ttft_rel_error", "predictions", "overdue_factor")
     PREFILL_BASE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     PER_OUTSTANDING_S_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class BackendCosts(_message.Message):
     TTFT_ABS_ERROR_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    OVERDUE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     prefill_base_s: float
     prefill_per_token_s: float
     per_outstanding_s: float
@@ -128,7 +129,8 @@ class BackendCosts(_message.Message):
     ttft_abs_error_s: float
     ttft_rel_error: float
     predictions: int
-    def __init__(self, prefill_base_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., per_outstanding_s: _Optional[float] = ..., decode_base_s: _Optional[float] = ..., decode_per_seq_s: _Optional[float] = ..., fitted: _Optional[bool] = ..., observations: _Optional[int] = ..., ttft_abs_error_s: _Optional[float] = ..., ttft_rel_error: _Optional[float] = ..., predictions: _Optional[int] = ...) -> None: ...
+    overdue_factor: float
+    def __init__(self, prefill_base_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., per_outstanding_s: _Optional[float] = ..., decode_base_s: _Optional[float] = ..., decode_per_seq_s: _Optional[float] = ..., fitted: _Optional[bool] = ..., observations: _Optional[int] = ..., ttft_abs_error_s: _Optional[float] = ..., ttft_rel_error: _Optional[float] = ..., predictions: _Optional[int] = ..., overdue_factor: _Optional[float] = ...) -> None: ...
 
 class ClusterState(_message.Message):
     __slots__ = ("replicas", "redis_connected", "routing_policy")
