@@ -274,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tqdm import tqdm
 
-    from unicache.testing.vllm_servers import VllmServer, start_servers
+    from unicache.testing.vllm_servers import VllmServer, exit_on_termination, start_servers
     from unicache.sim.trace import read_trace
+
+    exit_on_termination()  # killed, it still stops its servers and routers
 
     t_start = time.perf_counter()
     rates = sorted(float(r) for r in args.rates.split(","))

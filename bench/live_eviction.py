@@ -42,7 +42,7 @@ from unicache.sim.trace import TraceRequest, parse_trace_line, read_trace
 from unicache.sim.vllm_replay import VllmReplay, VllmServerModel
 from unicache.sim.workload import generate
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
-from unicache.testing.vllm_servers import VllmServer, start_servers
+from unicache.testing.vllm_servers import VllmServer, exit_on_termination, start_servers
 from bench.live_ab_arms import ARMS, PEER_VENV, Router
 from bench.live_ab_client import prefix_counters
 from bench.live_ab_workload import LiveRequest, api_keys, build_requests, unique_blocks, write_sim_trace
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=float, default=1200.0, help="seconds of generated arrivals")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    exit_on_termination()  # killed, it still stops its servers
     model = write_tiny_llama(tempfile.mkdtemp(prefix="tiny-llama-"), max_position=65536)
     log_dir = tempfile.mkdtemp(prefix="live-eviction-")
     rows: list[Row] = []

@@ -34,7 +34,7 @@ from unicache.router.app import RouterApp
 from unicache.router.config import build_config
 from unicache.testing.polling import eventually
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
-from unicache.testing.vllm_servers import VllmServer, start_servers
+from unicache.testing.vllm_servers import VllmServer, exit_on_termination, start_servers
 
 BS = 32
 
@@ -155,6 +155,7 @@ def main() -> None:
     p.add_argument("--json", default="", help="write the raw result here")
     p.add_argument("--out", default="", help="write the markdown summary here")
     args = p.parse_args()
+    exit_on_termination()  # killed, it still stops its servers
     result = asyncio.run(run(args))
     command = "python -m bench.vllm_fleet " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in ("", None) and k not in ("json", "out"))
     text = markdown(result, command)

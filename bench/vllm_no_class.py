@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from unicache.sim.trace import read_trace
 from unicache.testing.tiny_hf_model import WORDS, write_tiny_llama
-from unicache.testing.vllm_servers import VllmServer, start_servers
+from unicache.testing.vllm_servers import VllmServer, exit_on_termination, start_servers
 from bench.live_ab_client import prefix_counters
 from bench.live_ab_workload import build_requests, unique_blocks
 
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--max-output", type=int, default=4)
     p.add_argument("--out", default="")
     args = p.parse_args()
+    exit_on_termination()  # killed, it still stops its servers
 
     requests = build_requests(read_trace(args.trace), list(WORDS), args.tokens_per_id, args.max_output, max_requests=args.max_requests)
     unique = unique_blocks(requests, args.tokens_per_id, BS)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -153,11 +153,17 @@ class _EventStream(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
-        watch = self.watch
+        watch, body = self.watch, self.body_iterator
         try:
+            # NOTE: the body is started before anything is sent: closing an async generator
+            # that never started runs none of its code, so a client gone before the first
+            # send would leave the upstream calls to the garbage collector.
+            first = await anext(body, None)
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if first is not None:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+                async for chunk in body:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             watch.close()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
@@ -165,7 +171,7 @@ class _EventStream(Response):
                 raise
         finally:
             watch.close()
-            await self.body_iterator.aclose()  # runs its finally if it never started or was left at a yield
+            await body.aclose()  # runs its finally where it was left at a yield
 
 
 async def _first_messages(agens: list) -> list[tuple[Any, replica_pb2.GenerateResponse]]:
@@ -460,7 +466,12 @@ class HttpFrontDoor:
         echo = [self._echo_text(p, ids) for p, ids in zip(req.prompts, token_ids)] if req.echo else None
         messages = _merged(agens, firsts)
         if req.stream:
-            return _EventStream(self._sse(req, messages, agens, rid, created, echo, api), watch, headers)
+            async def close() -> None:
+                await messages.aclose()
+                await _close_all(agens)
+
+            body = self._sse(req, messages, agens, rid, created, echo)
+            return _EventStream(self._counted_events(body, close, api), watch, headers)
         try:
             return await self._collect(req, messages, agens, rid, created, echo, headers, api)
         except asyncio.CancelledError:
@@ -475,7 +486,7 @@ class HttpFrontDoor:
         """vLLM's answer as it came, with the router's headers: its events as they arrive,
         or its whole body."""
         if stream:
-            return _EventStream(self._relay_events(agen, head.data, api), watch, headers)
+            return _EventStream(self._counted_events(self._relay_events(agen, head.data), agen.aclose, api), watch, headers)
         try:
             async for _ in agen:  # the call ends: its usage counted, its connection kept
                 pass
@@ -490,15 +501,18 @@ class HttpFrontDoor:
         self._count(api, "ok")
         return Response(head.data, media_type=head.content_type, headers=headers)
 
-    async def _relay_events(self, agen, first: bytes, api: str) -> AsyncIterator[bytes]:
-        """The relayed event stream; a backend failing mid-way ends it with an error event."""
-        outcome = "cancelled"  # as in _sse: an end that reaches no outcome is the client leaving
+    async def _counted_events(self, body: AsyncIterator[bytes], close: Callable[[], Awaitable[None]],
+                              api: str) -> AsyncIterator[bytes]:
+        """``body``'s server-sent events, its outcome counted under ``api``: a failure the
+        client may be told of (``MAPPED``) ends the stream with an error event and
+        ``[DONE]``; an end that reaches no outcome is the client going away (Starlette
+        cancels the response, or closes this generator): "cancelled", not an error.
+        ``body`` and then ``close`` (what it reads from) are closed however it ends."""
+        outcome = "cancelled"
         try:
             try:
-                if first:
-                    yield first
-                async for _, data in agen:
-                    yield data
+                async for event in body:
+                    yield event
                 outcome = "ok"
             except MAPPED as exc:
                 err = to_api_error(exc)
@@ -509,8 +523,17 @@ class HttpFrontDoor:
             outcome = "error"
             raise
         finally:
-            await agen.aclose()
+            await body.aclose()
+            await close()
             self._count(api, outcome)
+
+    @staticmethod
+    async def _relay_events(agen, first: bytes) -> AsyncIterator[bytes]:
+        """vLLM's own event stream, relayed as it came (``first``: its first bytes)."""
+        if first:
+            yield first
+        async for _, data in agen:
+            yield data
 
     def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.core.tokenizer.decode(ids)
@@ -581,53 +604,38 @@ class HttpFrontDoor:
         self._count(api, "ok")
         return JSONResponse(out, headers=headers)
 
-    async def _sse(self, req: OpenAIRequest, messages, agens, rid, created, echo, api) -> AsyncIterator[bytes]:
+    async def _sse(self, req: OpenAIRequest, messages, agens, rid, created, echo) -> AsyncIterator[bytes]:
+        """The router's own messages as OpenAI's stream chunks, then the usage (if asked)
+        and ``[DONE]``."""
         n = req.sampling.n or 1
         usage = UsageTally(len(agens))
         started: set[int] = set()
         offsets: dict[int, int] = {}
         want_logprobs = req.logprobs is not None
-        # Ends that reach no outcome below are the client going away (Starlette cancels
-        # the response, or closes this generator): "cancelled", not an error.
-        outcome = "cancelled"
         events = StreamChunks(rid, created, req.model or self.model_name, req.chat, req.include_usage)
-        try:
-            try:
-                async for i, msg in messages:
-                    c = i * n + msg.index
-                    usage.add(i, c, msg)
-                    text = msg.text
-                    first = c not in started
-                    if first:
-                        started.add(c)
-                        if echo:
-                            text = echo[i] + text
-                        offsets[c] = len(text) - len(msg.text)
-                    lp = None
-                    if want_logprobs:
-                        if req.chat:
-                            lp = {"content": chat_logprobs(msg, self.token_text)}
-                        else:
-                            part = CompletionLogprobs(offsets[c])
-                            part.add(msg, self.token_text)
-                            offsets[c] = part.offset
-                            lp = part.as_dict()
-                    yield events.choice(c, text, FINISH.get(msg.finish_reason), lp, first)
-                if req.include_usage:
-                    yield events.usage(usage.as_dict())
-                outcome = "ok"
-            except MAPPED as exc:
-                err = to_api_error(exc)
-                outcome = err.outcome
-                yield sse_error_event(err)
-            yield b"data: [DONE]\n\n"
-        except Exception:
-            outcome = "error"
-            raise
-        finally:
-            await messages.aclose()
-            await _close_all(agens)
-            self._count(api, outcome)
+        async for i, msg in messages:
+            c = i * n + msg.index
+            usage.add(i, c, msg)
+            text = msg.text
+            first = c not in started
+            if first:
+                started.add(c)
+                if echo:
+                    text = echo[i] + text
+                offsets[c] = len(text) - len(msg.text)
+            lp = None
+            if want_logprobs:
+                if req.chat:
+                    lp = {"content": chat_logprobs(msg, self.token_text)}
+                else:
+                    part = CompletionLogprobs(offsets[c])
+                    part.add(msg, self.token_text)
+                    offsets[c] = part.offset
+                    lp = part.as_dict()
+            yield events.choice(c, text, FINISH.get(msg.finish_reason), lp, first)
+        if req.include_usage:
+            yield events.usage(usage.as_dict())
+        yield b"data: [DONE]\n\n"
 
 
 def _internal_error() -> Response:

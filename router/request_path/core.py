@@ -62,10 +62,10 @@ from unicache.router.cluster.view import ClusterView, ReplicaRecord
 from unicache.router.observability.metrics import RouterMetrics
 from unicache.router.request_path.auth import Authenticator
 from unicache.router.request_path.classifier import Labels, RequestClassifier
-from unicache.router.request_path.cost_observer import CostObserver, uncached_tokens
+from unicache.router.request_path.cost_observer import CostObserver
 from unicache.router.request_path.first_token import FirstTokenTimeout
 from unicache.router.request_path.limits import LimitExceeded, TenantLimiter
-from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState
+from unicache.router.routing.base import RouteDecision, RoutingRequest, SharesRouterState, uncached_tokens
 from unicache.router.routing.keys import session_key
 from unicache.router.upstream.replica_client import RETRYABLE, ReplicaClients, ReplicaStream
 from unicache.router.upstream.replica_stream import UpstreamAnswer, UpstreamFailure

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest
+from unicache.router.routing.base import ReplicaLoad, RouteDecision, RoutingRequest, uncached_tokens
 from unicache.router.routing.cost_model import CostModel
 
 
@@ -58,11 +58,6 @@ class _Tracked:
     uncached: int = -1  # from usage
     streamed: bool = True  # False: the answer came whole, and first_at is its end
     completion_tokens: int = 0  # from usage
-
-
-def uncached_tokens(request: RoutingRequest, decision: RouteDecision) -> int:
-    """The prompt tokens of ``request`` that ``decision``'s backend has not cached."""
-    return max(0, request.num_prompt_tokens - decision.matched_blocks * request.block_size)
 
 
 class CostObserver:

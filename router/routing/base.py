@@ -100,6 +100,12 @@ class RouteDecision:
     score: float = 0.0
 
 
+def uncached_tokens(request: RoutingRequest, decision: RouteDecision) -> int:
+    """The prompt tokens of ``request`` that ``decision``'s replica has not cached (its
+    index match counted in whole blocks; never negative)."""
+    return max(0, request.num_prompt_tokens - decision.matched_blocks * request.block_size)
+
+
 @dataclass(slots=True)
 class SessionRecord:
     """A session's latest turn as a policy remembers it, in the form routers share

@@ -10,6 +10,8 @@ Its pool is pinned by bytes (``kv_cache_bytes``), so a workload can overflow it.
 Invariants:
     * Only loopback is ever connected to; a server's output goes to its ``log_path``.
     * ``stop`` ends the server and everything it started (its process group), always.
+    * A benchmark that calls ``exit_on_termination`` stops its servers when it is killed
+      by SIGTERM or SIGHUP, as on Ctrl-C (not on SIGKILL, which nothing can catch).
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ import httpx
 from unicache.plumbing.redis_server import free_port
 
 SCHEDULER_CLS = "unicache.replica.engines.vllm.scheduler.UniCacheScheduler"
+
+
+def exit_on_termination() -> None:
+    """Make SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread, as
+    Ctrl-C raises KeyboardInterrupt: a benchmark killed by them then runs its ``finally``
+    blocks and stops its servers. Without it they outlive it: each server runs in a session
+    of its own, which no signal sent to the benchmark reaches. Call it from ``main``."""
+
+    def on_signal(signum: int, _frame) -> None:  # noqa: ANN001
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
 
 
 def vllm_server_args(

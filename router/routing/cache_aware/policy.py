@@ -137,6 +137,7 @@ from unicache.contract.block_hash import BlockHash
 from unicache.router.routing.cache_aware.admission import TTFTAdmission
 from unicache.router.routing.base import (
     LocalityView, ReplicaLoad, RouteDecision, RoutedEvent, RoutingPolicy, RoutingRequest, SessionRecord, replica_id_of,
+    uncached_tokens,
 )
 from unicache.router.routing.cache_aware.candidates import CandidateWindow
 from unicache.router.routing.cache_aware.decaying import DecayingTotals
@@ -658,7 +659,7 @@ class CacheAwarePolicy(RoutingPolicy):
             self._remember_session(key, _Session(rid, request.block_hashes, self._routed, confirmed))
         inflow = self._inflow
         inflow.decay(self._decay)
-        new_tokens = max(0, request.num_prompt_tokens - decision.matched_blocks * request.block_size)
+        new_tokens = uncached_tokens(request, decision)
         inflow.add(rid, new_tokens)
         if self._outbox is not None:
             self._outbox.append(RoutedEvent(rid, new_tokens, blocks, prev_rid, prev_share))
