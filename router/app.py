@@ -183,6 +183,7 @@ class RouterApp:
                 is_known=self.cluster.replicas.__contains__, interval_s=config.terms_interval_s,
                 counter=self.metrics.terms_exchange, cluster=self.cluster,
             )
+        costs = cost_observer(self.cluster, self.policy, self.metrics)
         self.core = RouterCore(
             self.cluster,
             self.auth,
@@ -199,7 +200,7 @@ class RouterApp:
             first_token_timeout=first_token,
             retry_replicas=config.retry_replicas,
             sessions=self.sessions,
-            costs=cost_observer(self.cluster, self.policy, self.metrics),
+            costs=costs,
             limits=limiter_from_config(
                 config.tenant_max_concurrent, config.tenant_max_prompt_tokens, config.tenant_tokens_per_minute, config.tenant_limits,
                 fleet_context=functools.partial(fleet_context, self.cluster),
@@ -208,7 +209,7 @@ class RouterApp:
                 OverloadConfig(config.overload_backend_queue, config.overload_backend_queue_tokens, config.overload_fleet_queue,
                                config.overload_fleet_queue_tokens, config.overload_retry_after_s, config.overload_max_wait_s,
                                config.overload_cold_queue),
-                config.block_size, self.cluster.cost_model, self.metrics.registry,
+                config.block_size, costs.predicted_ttft_s, self.metrics.registry,
             ),
         )
         # NOTE: without a first-token timeout a probe gets the forward deadline's share a

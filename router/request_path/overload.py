@@ -42,15 +42,17 @@ with ``cold_queue`` set it has room until that many requests are queued there (b
 measured. So a request the fleet cannot start in time is answered 429 at once instead of
 expiring later.
 
-``Retry-After`` is ``retry_after_s`` when set, else the time to first token the cost model
-(router/routing/cost_model.py, fitted on the fleet) predicts for this prompt at the least
-loaded backend: about when the queue ahead of it has drained. Whole seconds, 1 to 60.
+``Retry-After`` is ``retry_after_s`` when set, else the least time to first token the
+request path predicts for this prompt, uncached, at a live backend (``predict``: the cost
+observer's ``predicted_ttft_s``, the same prediction the wait bound weighs, from the costs
+router/routing/cost_model.py fits on the fleet): about when the queue ahead of it has
+drained. Whole seconds, 1 to 60.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
@@ -59,7 +61,6 @@ from unicache.plumbing.errors import UsageError
 from unicache.router.request_path.core import RouterError
 from unicache.router.request_path.drain_rate import DrainRates
 from unicache.router.routing.base import ReplicaLoad
-from unicache.router.routing.cost_model import CostModel
 
 RETRY_AFTER_MAX_S = 60
 BOUNDS = ("backends_full", "fleet_requests", "fleet_tokens", "wait", "cold")
@@ -140,15 +141,18 @@ class OverloadGuard:
     Args:
         config: the bounds.
         block_size: tokens per KV block (a backend's capacity is reported in blocks).
-        costs: the fleet's cost model (the derived ``Retry-After``).
+        predict: (backend id, its load, uncached prompt tokens) -> (predicted TTFT s,
+            whether fitted): the request path's prediction (``CostObserver.predicted_ttft_s``),
+            for the derived ``Retry-After``; None: 1 s.
         registry: where ``unicache_router_overload_rejections_total{bound}`` is counted.
     """
 
-    def __init__(self, config: OverloadConfig, block_size: int, costs: CostModel | None = None,
+    def __init__(self, config: OverloadConfig, block_size: int,
+                 predict: Callable[[str, ReplicaLoad, int], tuple[float, bool]] | None = None,
                  registry: CollectorRegistry | None = None):
         self.config = config
         self.block_size = block_size
-        self.costs = costs
+        self.predict = predict
         self.drains = DrainRates()
         self.rejections = Counter(
             "unicache_router_overload_rejections",
@@ -242,10 +246,10 @@ class OverloadGuard:
         """Whole seconds a refused client should wait (module docstring)."""
         if self.config.retry_after_s:
             return self.config.retry_after_s
-        if self.costs is None:
+        predict = self.predict
+        if predict is None:
             return 1
-        wait = min(self.costs.costs(load.replica_id).ttft_s(prompt_tokens, load.queued_prefill_tokens, queued_requests(load))
-                   for load in loads)
+        wait = min(predict(load.replica_id, load, prompt_tokens)[0] for load in loads)
         return min(RETRY_AFTER_MAX_S, max(1, math.ceil(wait)))
 
     def _refuse(self, bound: str, why: str, loads: list[ReplicaLoad], prompt_tokens: int) -> None:

@@ -13,6 +13,7 @@ import pytest
 from unicache.plumbing.errors import UsageError
 from unicache.router.app import RouterApp
 from unicache.router.config import build_config
+from unicache.router.request_path.cost_observer import CostObserver
 from unicache.router.request_path.drain_rate import DrainRates
 from unicache.router.request_path.overload import Overloaded, OverloadConfig, OverloadGuard, queued_requests
 from unicache.router.routing.base import ReplicaLoad
@@ -24,7 +25,7 @@ from unicache.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 def guard(**cfg) -> OverloadGuard:
     cfg.setdefault("retry_after_s", 3)
-    return OverloadGuard(OverloadConfig(**cfg), block_size=16, costs=CostModel())
+    return OverloadGuard(OverloadConfig(**cfg), block_size=16, predict=CostObserver(CostModel()).predicted_ttft_s)
 
 
 def refusal(g: OverloadGuard, loads: list[ReplicaLoad], prompt: int) -> tuple[str, int] | None:
@@ -81,9 +82,11 @@ def test_no_bound_at_all_when_switched_off():
 
 
 def test_retry_after_is_the_predicted_wait_at_the_least_loaded_backend():
-    g = OverloadGuard(OverloadConfig(backend_queue=1, backend_queue_tokens=0), block_size=16, costs=CostModel())
-    # Prior costs: 2**-13 s per prompt or queued token, 128 tokens' worth per queued request.
-    a = ReplicaLoad("a", in_flight=1, queued_prefill_tokens=3 * 8192)  # (8192 + 24576) / 8192 + 1/64 = 4.02 s
+    # the request path's prediction: the prior's 2**-13 s per prompt token and per queued
+    # token per prefill lane (4), 128 tokens' worth per request outstanding there
+    g = OverloadGuard(OverloadConfig(backend_queue=1, backend_queue_tokens=0), block_size=16,
+                      predict=CostObserver(CostModel()).predicted_ttft_s)
+    a = ReplicaLoad("a", in_flight=1, queued_prefill_tokens=3 * 8192)  # (8192 + 24576 / 4) / 8192 + 1/64 = 1.77 s
     b = ReplicaLoad("b", in_flight=2)  # 8192 / 8192 + 2/64 = 1.03 s
     assert g.retry_after_s([a, b], 8192) == 2
     assert refusal(g, [a, b], 8192) == ("backends_full", 2)
