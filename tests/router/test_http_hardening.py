@@ -289,3 +289,33 @@ async def test_the_server_ticks_once_a_second_and_stops_at_once():
     server.should_exit = True
     await asyncio.wait_for(task, 10)
     assert ticks == [0, 10] and server.server_state.default_headers[0][0] == b"date"
+
+
+async def test_an_event_stream_whose_client_is_gone_before_the_first_send_still_closes_its_body():
+    """Closing an async generator that never started runs none of its code: the response
+    starts the body before its first send, so the upstream calls behind it are closed
+    however early the client goes."""
+    from unicache.router.frontends.http_api import _EventStream, _Watch
+
+    closed = []
+
+    async def body():
+        try:
+            yield b"data: 1\n\n"
+            yield b"data: 2\n\n"
+        finally:
+            closed.append(True)
+
+    never = asyncio.Event()
+
+    async def receive():
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("client gone")
+
+    response = _EventStream(body(), _Watch(receive), {})
+    with pytest.raises(OSError, match="client gone"):
+        await response(None, receive, send)
+    assert closed == [True]
