@@ -47,8 +47,8 @@ A backend can also be slow without answering: a stalled or throttled engine hold
 requests sent to it, so its few answers arrive late or never and a fit of answers alone
 cannot price it. The request path therefore reports each backend's longest overdue wait
 (``set_overdue``): while a request there has waited for its first token longer than its
-prediction by more than the fleet's noise (``overdue_threshold``: the mean log ratio of
-measured to predicted TTFT plus ``SCALE_Z`` standard deviations of one request), its TTFT
+prediction by more than the fleet's noise (``overdue_threshold``: the median log ratio of
+measured to predicted TTFT plus ``SCALE_Z`` robust standard deviations), its TTFT
 costs are raised by the part beyond that noise. The wait is a lower bound on that
 request's TTFT (it is censored), so the price only grows while it waits and falls back
 when it is answered; a calibration and the fleet's fit never see it.
@@ -77,6 +77,7 @@ import numpy as np
 HUBER_K = 1.5  # residuals beyond this many robust standard deviations are down-weighted
 SCALE_Z = 3.0  # a backend's speed differs from the fleet's beyond this many standard errors (a 0.3% false alarm)
 _IRLS_ROUNDS = 4
+MAD_TO_SD = 1.4826  # a normal distribution's standard deviation per median absolute deviation
 CALIBRATION_VERSION = 1
 
 
@@ -228,7 +229,7 @@ def _irls(xs: np.ndarray, ys: np.ndarray, prior: Sequence[float], active: list[i
             break
         beta = sol
         res = np.abs(yy - rows @ np.asarray(beta))
-        scale = 1.4826 * float(np.median(res))
+        scale = MAD_TO_SD * float(np.median(res))
         if scale <= 0.0:
             break
         cut = HUBER_K * scale
@@ -305,7 +306,7 @@ class FleetFit:
     ``min_observations`` or more, and only for those."""
 
     __slots__ = ("prior", "coef", "window", "refit_every", "min_observations", "speed_window", "rings", "scales",
-                 "fitted", "spread", "_since", "count")
+                 "fitted", "noise", "_since", "count")
 
     def __init__(self, prior: Sequence[float], window: int = 128, refit_every: int = 8, min_observations: int = 16):
         if window < 4 or refit_every < 1 or min_observations < 1:
@@ -322,9 +323,9 @@ class FleetFit:
         self.rings: dict[str, _Ring] = {}
         self.scales: dict[str, float] = {}
         self.fitted = False
-        # the log ratios (measured / the shape's prediction) of every backend's latest
-        # observations at the last refit: the noise of one prediction
-        self.spread: Moments | None = None
+        # (median, robust standard deviation) of the log ratios of measured to the shape's
+        # predicted values over every window at the last refit: one prediction's noise
+        self.noise: tuple[float, float] | None = None
         self._since = 0
         self.count = 0  # observations ever, all backends
 
@@ -373,6 +374,12 @@ class FleetFit:
             return
         self.coef, self.fitted = coef, True
         c = np.asarray(coef[1:])
+        # NOTE: robust (median, MAD): a stall or a cold start in the window would widen a
+        # standard deviation until no wait counted as overdue
+        lr = log_ratios(coef[0] + xs @ c, ys)
+        if len(lr) >= 3:
+            center = float(np.median(lr))
+            self.noise = (center, MAD_TO_SD * float(np.median(np.abs(lr - center))))
         moments = {}
         for rid, r in self.rings.items():
             if len(r):
@@ -382,7 +389,6 @@ class FleetFit:
         # the fleet's totals once; each backend's rest is the totals less its own: O(fleet)
         fleet = Moments(sum(m.n for m in moments.values()), sum(m.total for m in moments.values()),
                         sum(m.squares for m in moments.values()))
-        self.spread = fleet if fleet.n >= 3 else None
         self.scales = {rid: speed_scale(own, fleet.minus(own)) for rid, own in moments.items()
                        if self.rings[rid].count >= self.min_observations}
 
@@ -463,13 +469,14 @@ class CostModel:
 
     def overdue_threshold(self) -> float | None:
         """The log of measured / predicted TTFT beyond which one request's wait is more
-        than the fleet's noise: the mean log ratio of the fleet's latest observations plus
-        ``SCALE_Z`` standard deviations. None while the fleet's TTFT is not fitted (its
-        predictions are the prior's, not seconds) or is frozen."""
-        spread = self._ttft.spread
-        if self.frozen or not self._ttft.fitted or spread is None:
+        than the fleet's noise: the median log ratio of the fleet's windows plus ``SCALE_Z``
+        robust standard deviations (1.4826 x the median absolute deviation). None while
+        the fleet's TTFT is not fitted (its predictions are the prior's, not seconds) or
+        is frozen."""
+        noise = self._ttft.noise
+        if self.frozen or not self._ttft.fitted or noise is None:
             return None
-        return spread.mean() + SCALE_Z * math.sqrt(spread.var())
+        return noise[0] + SCALE_Z * noise[1]
 
     def set_overdue(self, factors: Mapping[str, float]) -> None:
         """Each backend's overdue factor (module docstring), replacing the last: its TTFT
