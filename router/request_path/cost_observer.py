@@ -143,7 +143,7 @@ class CostObserver:
             log = math.log
             for t in self._waiting.values():
                 excess = log((now - t.dispatched_at) / t.predicted_s) - threshold if now > t.dispatched_at else 0.0
-                if excess > 0.0 and excess > factors.get(t.replica_id, 0.0):
+                if excess > factors.get(t.replica_id, 0.0):  # only a positive excess counts
                     factors[t.replica_id] = excess
         self.model.set_overdue({rid: math.exp(x) for rid, x in factors.items()})
 
