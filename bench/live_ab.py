@@ -60,7 +60,7 @@ import httpx
 
 from unicache.sim.timing import TimingModel
 from bench.live_ab_arms import ARMS, PEER_VENV, PEERS, Router, install_peers, missing_peers, peer_version
-from bench.live_ab_client import fleet_counters, histogram_totals, replay, send, tree_cpu_s, tree_runqueue_wait_s
+from bench.live_ab_client import counter_total, fleet_counters, histogram_totals, replay, send, tree_cpu_s, tree_runqueue_wait_s
 from bench.live_ab_report import arm_fields, markdown, plot, rate_fields, sim_prediction, verdicts
 from bench.live_ab_workload import LiveRequest, api_keys, build_requests, unique_blocks, write_sim_trace
 from bench.paths import REPO
@@ -73,6 +73,7 @@ REGIMES = {"decode-heavy": (32, 16), "prefill-heavy": (96, 2)}
 IDLE_WINDOW_S = 2.0
 KV_DTYPE_BYTES = 2  # vLLM keeps KV in bf16/fp16 here (the tiny Llama: 512 bytes a token)
 ROUTER_TTFT_HISTOGRAM = "unicache_router_ttft_seconds"  # our router's own TTFT: preparation to first bytes
+ROUTER_OVERDUE_COUNTER = "unicache_router_backend_overdue_seconds_total"  # time backends were priced overdue
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -219,24 +220,23 @@ def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx:
         idle = (tree_cpu_s(router.proc.pid) - i0) / (time.perf_counter() - t0)
         before = fleet_counters(urls)
         c0, w0 = tree_cpu_s(router.proc.pid), tree_runqueue_wait_s(router.proc.pid)
+        r0 = time.perf_counter()
         outcomes = asyncio.run(replay(router.url, SERVED, ctx["requests"], ctx["keys"], rate, ctx["timeout_s"],
                                       on_done=lambda: bar.update(1)))
+        replay_s = time.perf_counter() - r0
         c1, w1 = tree_cpu_s(router.proc.pid), tree_runqueue_wait_s(router.proc.pid)
         counted = fleet_counters(urls).minus(before)
         calibration = fitted_costs(router.url) if arm.peer is None and arm.policy == "cache_aware" else None
-        router_ttft = router_ttft_totals(router.url) if arm.peer is None else (0.0, 0.0)
+        page = httpx.get(f"{router.url}/metrics", timeout=10).text if arm.peer is None else ""
     finally:
         router.stop()
+    router_ttft = histogram_totals(page, ROUTER_TTFT_HISTOGRAM)
     return {"outcomes": outcomes, "hits": counted.hits, "queries": counted.queries, "cpu_s": c1 - c0, "idle_cpu": idle,
-            "runqueue_wait_s": max(0.0, w1 - w0),
+            "runqueue_wait_s": max(0.0, w1 - w0), "replay_s": replay_s, "backends": len(servers),
+            # our router's time priced overdue, summed over its backends (its life: the replay and the probe)
+            "router_overdue_s": counter_total(page, ROUTER_OVERDUE_COUNTER) if arm.peer is None else None,
             "server_ttft_sum_s": counted.ttft_sum_s, "server_ttft_count": counted.ttft_count,
             "router_ttft_sum_s": router_ttft[0], "router_ttft_count": router_ttft[1], "calibration": calibration}
-
-
-def router_ttft_totals(router_url: str) -> tuple[float, float]:
-    """(sum s, count) of our router's own TTFT histogram (from a request's preparation,
-    after its body was read, to the backend's first bytes) over the router's life."""
-    return histogram_totals(httpx.get(f"{router_url}/metrics", timeout=10).text, ROUTER_TTFT_HISTOGRAM)
 
 
 def fitted_costs(router_url: str) -> dict | None:

@@ -124,6 +124,16 @@ def histogram_totals(text: str, name: str) -> tuple[float, float]:
     return total, count
 
 
+def counter_total(text: str, name: str) -> float:
+    """Counter ``name`` on a Prometheus page, summed over its label sets."""
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.partition("{")[0] == name:
+            total += float(value)
+    return total
+
+
 class FleetCounters(NamedTuple):
     """What vLLM servers count, summed over them: prefix-cache hits and queries (prompt
     tokens), and their own TTFT histogram's sum (s) and count: the time each request

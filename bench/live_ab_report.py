@@ -18,7 +18,8 @@ from unicache.sim.metrics import percentile
 
 RATE_FIELDS = ("hit_ratio", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p90_s", "goodput",
                "router_cpu_ms_per_request", "requests", "failed", "hit_ratio_ci", "ttft_p50_ci_s", "ttft_p90_ci_s",
-               "ttft_mean_s", "router_ttft_mean_s", "server_ttft_mean_s", "router_wait_ms_per_request")
+               "ttft_mean_s", "router_ttft_mean_s", "server_ttft_mean_s", "router_wait_ms_per_request",
+               "router_overdue_share")
 # (field, its interval, lower is better) of the figures compared arm against arm
 COMPARED = (("hit_ratio", "hit_ratio_ci", False), ("ttft_p50_s", "ttft_p50_ci_s", True), ("ttft_p90_s", "ttft_p90_ci_s", True))
 
@@ -54,6 +55,10 @@ def rate_fields(runs: list[dict], rate_scale: float, slo_s: float) -> dict:
         # the router's threads runnable without a core (the engines hold them) over the replay
         "router_wait_ms_per_request": (1000.0 * sum(r["runqueue_wait_s"] for r in runs) / max(1, len(outcomes))
                                        if all("runqueue_wait_s" in r for r in runs) else None),
+        # our router: the share of its backends' time over the replays it priced them overdue
+        # (router/request_path/cost_observer.py); None for a peer or a run that predates it
+        "router_overdue_share": (sum(r["router_overdue_s"] for r in runs) / sum(r["replay_s"] * r["backends"] for r in runs)
+                                 if all(r.get("router_overdue_s") is not None and r.get("replay_s") for r in runs) else None),
         "requests": len(outcomes), "failed": failed,
         "router_idle_cpu_pct": 100.0 * sum(r["idle_cpu"] for r in runs) / len(runs),
         "hit_ratio_rounds": [r["hits"] / r["queries"] if r["queries"] else 0.0 for r in runs],
@@ -136,8 +141,9 @@ def markdown(rep: dict) -> str:
         "",
         "| arm | rate | hit ratio | sim hit ratio (GPU fit / fitted model) | TTFT p50 ms | TTFT p90 ms | "
         "sim TTFT p90 ms (GPU fit / calibrated / fitted model) | TTFT p99 ms | TTFT mean ms: client / router / in vLLM | "
-        "E2E p50 ms | router CPU ms/req | router run-queue wait ms/req | router idle CPU % | requests | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "E2E p50 ms | router CPU ms/req | router run-queue wait ms/req | router idle CPU % | backend time priced overdue % "
+        "| requests | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in rep["arms"].items():
         sim = {r["rate_scale"]: r for r in rep.get("sim", {}).get("arms", {}).get(name, {}).get("rates", [])}
@@ -154,7 +160,7 @@ def markdown(rep: dict) -> str:
                 f"{_s(r.get('router_ttft_mean_s'), 1000, '.1f')} / "
                 f"{_s(r.get('server_ttft_mean_s'), 1000, '.1f')} | {_s(r['e2e_p50_s'], 1000, '.1f')} | "
                 f"{_s(r['router_cpu_ms_per_request'], 1, '.2f')} | {_s(r.get('router_wait_ms_per_request'), 1, '.1f')} | "
-                f"{_s(r['router_idle_cpu_pct'], 1, '.1f')} | "
+                f"{_s(r['router_idle_cpu_pct'], 1, '.1f')} | {_s(r.get('router_overdue_share'), 100, '.1f')} | "
                 f"{r['requests']} | {r['failed']} |")
     lines += ["", "| arm | goodput (rate scale) | sim goodput (GPU fit / calibrated / fitted model) |", "|---|---|---|"]
     for name, a in rep["arms"].items():

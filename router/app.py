@@ -69,7 +69,8 @@ def cost_observer(cluster: ClusterView, policy: RoutingPolicy, metrics: RouterMe
         policy.set_cost_model(cluster.cost_model)
     config = getattr(policy, "config", None)
     shares = policy.queue_shares if isinstance(policy, SharesRouterState) else None
-    return CostObserver(cluster.cost_model, getattr(config, "prefill_lanes", 4), shares, metrics.observe_prediction)
+    return CostObserver(cluster.cost_model, getattr(config, "prefill_lanes", 4), shares, metrics.observe_prediction,
+                        on_overdue=metrics.observe_overdue)
 
 
 def build_policy(name: str, caps: TableCaps | None = None, options: dict | None = None) -> RoutingPolicy:

@@ -158,6 +158,12 @@ class RouterMetrics:
             "TTFT costs are raised by this factor (1: none)",
             ["replica"], registry=r,
         )
+        self.backend_overdue_seconds = Counter(
+            "unicache_router_backend_overdue_seconds_total",
+            "Seconds the backend was priced overdue (its overdue factor above 1): how often the router steered away "
+            "from requests held beyond the prediction's noise",
+            ["replica"], registry=r,
+        )
         self.ttft_prediction_rel_error = Gauge(
             "unicache_router_ttft_prediction_relative_error",
             "Mean |predicted - measured| / measured TTFT per backend (exponential average over about 16 requests)",
@@ -167,7 +173,7 @@ class RouterMetrics:
         # Position of the ``replica`` label in each counter that has one.
         self._replica_label_at = {
             self.decisions: 1, self.cached_tokens: 0, self.computed_tokens: 0, self.first_token_timeouts: 0, self.quarantines: 0, self.broken_streams: 0,
-            self.replica_ttft: 0, self.ttft_prediction_error: 0,
+            self.replica_ttft: 0, self.ttft_prediction_error: 0, self.backend_overdue_seconds: 0,
         }
 
     def labelled(self, metric, *values: str):
@@ -185,6 +191,10 @@ class RouterMetrics:
     def observe_prediction(self, replica_id: str, predicted_s: float, measured_s: float) -> None:
         """One TTFT the cost model predicted at dispatch against the measured one."""
         self.labelled(self.ttft_prediction_error, replica_id).observe(abs(predicted_s - measured_s))
+
+    def observe_overdue(self, replica_id: str, seconds: float) -> None:
+        """``replica_id`` was priced overdue for ``seconds`` more."""
+        self.labelled(self.backend_overdue_seconds, replica_id).inc(seconds)
 
     def forget_replica(self, replica_id: str) -> None:
         """Remove every counter series labelled with ``replica_id`` (it left the cluster);

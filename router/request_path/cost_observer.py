@@ -18,7 +18,9 @@ requests still waiting for their first token: at most every ``overdue_every_s``,
 dispatch, each backend's largest log(waited / predicted) beyond
 ``CostModel.overdue_threshold`` becomes its overdue factor (``CostModel.set_overdue``),
 and the next decisions price it so. An answer, or the end of the request, takes it off
-at the next look.
+at the next look. The time between two looks counts, for each backend the earlier look
+priced overdue, as time priced overdue (``overdue_s`` and the ``on_overdue`` callback:
+the router's counter), so an operator sees how often the pricing acted.
 Only a prediction in the model's fitted seconds is watched, and only a streamed answer.
 An unstreamed answer comes whole at the end: its wait is the whole generation, not a
 TTFT. It is not watched and its prediction is not scored; its TTFT observation is the
@@ -71,13 +73,15 @@ class CostObserver:
         clock: seconds (default ``time.perf_counter``).
         max_tracked: bound on the requests tracked at once.
         overdue_every_s: the least time between two looks at the waiting requests.
+        on_overdue: called with (replica id, seconds) for each backend priced overdue
+            since the previous look, at each look.
     """
 
     def __init__(self, model: CostModel, prefill_lanes: int = 4,
                  queue_shares: Callable[[], dict[str, float] | None] | None = None,
                  on_error: Callable[[str, float, float], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, max_tracked: int = 100_000,
-                 overdue_every_s: float = 0.1):
+                 overdue_every_s: float = 0.1, on_overdue: Callable[[str, float], None] | None = None):
         self.model = model
         self.prefill_lanes = max(1, prefill_lanes)
         self.queue_shares = queue_shares
@@ -89,6 +93,10 @@ class CostObserver:
         # the tracked requests waiting for a first token with a prediction in seconds
         self._waiting: dict[str, _Tracked] = {}
         self._overdue_at = -math.inf
+        self.on_overdue = on_overdue
+        self._priced_overdue: tuple[str, ...] = ()  # the backends the last look priced overdue
+        self._looked_at = 0.0
+        self.overdue_s: dict[str, float] = {}  # seconds each backend was priced overdue
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -136,7 +144,15 @@ class CostObserver:
 
     def refresh_overdue(self, now: float) -> None:
         """Each backend's overdue factor from the requests waiting for their first token
-        at ``now`` (module docstring)."""
+        at ``now`` (module docstring); the time since the previous look counted for the
+        backends it priced overdue."""
+        if self._priced_overdue:
+            since = now - self._looked_at
+            for rid in self._priced_overdue:
+                self.overdue_s[rid] = self.overdue_s.get(rid, 0.0) + since
+                if self.on_overdue is not None:
+                    self.on_overdue(rid, since)
+        self._looked_at = now
         threshold = self.model.overdue_threshold()
         factors: dict[str, float] = {}
         if threshold is not None:
@@ -146,6 +162,7 @@ class CostObserver:
                 if excess > factors.get(t.replica_id, 0.0):  # only a positive excess counts
                     factors[t.replica_id] = excess
         self.model.set_overdue({rid: math.exp(x) for rid, x in factors.items()})
+        self._priced_overdue = tuple(rid for rid in factors if self.model.overdue(rid) > 1.0)
 
     def first_token(self, request_id: str) -> None:
         t = self._tracked.get(request_id)

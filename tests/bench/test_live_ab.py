@@ -24,7 +24,7 @@ from bench import live_ab
 from bench.live_ab_arms import ARMS
 
 RATE_FIELDS = {"rate_scale", "hit_ratio", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "goodput",
-               "router_cpu_ms_per_request", "requests", "failed"}
+               "router_cpu_ms_per_request", "requests", "failed", "router_overdue_share"}
 ARM_FIELDS = (RATE_FIELDS - {"rate_scale"}) | {"rates"}
 
 

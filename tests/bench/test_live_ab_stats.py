@@ -37,7 +37,7 @@ def _runs(ttft_s: float, cached: int, n: int = 40) -> list[dict]:
             for i in range(n)]
     return [{"outcomes": outs, "hits": cached * n, "queries": 100 * n, "cpu_s": 0.1, "idle_cpu": 0.0,
              "server_ttft_sum_s": 0.045 * n, "server_ttft_count": n, "router_ttft_sum_s": 0.048 * n, "router_ttft_count": n,
-             "runqueue_wait_s": 0.002 * n}]
+             "runqueue_wait_s": 0.002 * n, "replay_s": 10.0, "backends": 2, "router_overdue_s": 0.5}]
 
 
 def test_the_report_gives_intervals_and_calls_overlaps_ties():
@@ -63,13 +63,15 @@ def test_the_report_gives_intervals_and_calls_overlaps_ties():
     assert "| ours | 1 | 0.400 | - / 0.410 | 52.0 | 54.0 | - / - / 70.0 |" in md
     assert "| round-robin | 1 | [0.400, 0.400] | [81, 83] | [83, 84] | tie / better / better |" in md
     # client TTFT mean 52 ms (50-54 in equal parts) beside the router's 48 and vLLM's own 45 ms
-    # ... and 2.5 ms of CPU, 2.0 ms of run-queue wait per request
-    assert "| 54.0 | 52.0 / 48.0 / 45.0 | 150.0 | 2.50 | 2.0 | 0.0 |" in next(line for line in md.splitlines() if line.startswith("| ours | 1 "))
+    # ... and 2.5 ms of CPU, 2.0 ms of run-queue wait per request; its 2 backends priced
+    # overdue for 0.5 s of their 2 x 10 s: 2.5%
+    assert arms["ours"]["router_overdue_share"] == pytest.approx(0.025)
+    assert "| 54.0 | 52.0 / 48.0 / 45.0 | 150.0 | 2.50 | 2.0 | 0.0 | 2.5 |" in next(line for line in md.splitlines() if line.startswith("| ours | 1 "))
     assert "Regime: decode-heavy." in md and "the cost model our router fitted live" in md
 
 
 def test_the_servers_ttft_histogram_is_summed_over_label_sets():
-    from bench.live_ab_client import TTFT_HISTOGRAM, FleetCounters, histogram_totals
+    from bench.live_ab_client import TTFT_HISTOGRAM, FleetCounters, counter_total, histogram_totals
 
     page = "\n".join([
         "# TYPE vllm:time_to_first_token_seconds histogram",
@@ -82,6 +84,8 @@ def test_the_servers_ttft_histogram_is_summed_over_label_sets():
         'vllm:e2e_request_latency_seconds_sum{engine="0"} 9.0',
     ])
     assert histogram_totals(page, TTFT_HISTOGRAM) == (0.75, 6.0)
+    counters = 'x_total{replica="a"} 1.5\nx_total{replica="b"} 2.0\nx_created{replica="a"} 1.7e9\nxx_total 9.0'
+    assert counter_total(counters, "x_total") == 3.5 and counter_total("", "x_total") == 0.0
     assert FleetCounters(5, 10, 1.0, 8).minus(FleetCounters(1, 2, 0.25, 2)) == (4, 8, 0.75, 6)
     assert FleetCounters(5, 10, 1.0, 8).plus(FleetCounters(1, 2, 0.25, 2)) == (6, 12, 1.25, 10)
 

@@ -325,7 +325,8 @@ def test_a_request_waiting_beyond_its_predictions_noise_prices_its_backend_up_un
     threshold = model.overdue_threshold()
     assert threshold is not None and 0.0 < threshold < math.log(1.5)  # 10% noise: one request's 3 sd
     clock = Clock()
-    obs = CostObserver(model, clock=clock)
+    counted: list[tuple[str, float]] = []
+    obs = CostObserver(model, clock=clock, on_overdue=lambda rid, s: counted.append((rid, s)))
     idle = ReplicaLoad("b")
     obs.dispatched(_request("stuck", 10), RouteDecision("b", "load"), idle)
     predicted = model.costs("b").ttft_s(10 * BS, 0.0, 0)
@@ -352,6 +353,12 @@ def test_a_request_waiting_beyond_its_predictions_noise_prices_its_backend_up_un
     obs.dispatched(_request("n4", 10), RouteDecision("a", "load"), ReplicaLoad("a"))
     obs.first_token("n4")  # "a" answers at once
     assert model.overdue("b") == 1.0 and model.costs("a") == model.costs("b")
+    # the time between the look that priced b overdue and the one that took it off counts
+    assert counted == [("b", pytest.approx(1.5 * obs.overdue_every_s))]
+    assert obs.overdue_s == {"b": pytest.approx(1.5 * obs.overdue_every_s)}
+    clock.t += 10.0
+    obs.dispatched(_request("n5", 10), RouteDecision("a", "load"), ReplicaLoad("a"))
+    assert len(counted) == 1  # nothing priced overdue since: nothing more counted
 
 
 def test_no_wait_is_overdue_under_the_prior_an_unstreamed_answer_is_not_watched_and_a_frozen_model_is_never_raised():
