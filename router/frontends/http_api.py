@@ -70,7 +70,7 @@ from unicache.router.frontends.openai_request import (
     parse_request,
     unimplemented_fields,
 )
-from unicache.router.frontends.http_server import TIMED_OUT_SCOPE_KEY  # set when the guard closed for a body timeout (and logged it)
+from unicache.router.frontends.http_server import DISCONNECT_HOOKS_SCOPE_KEY, TIMED_OUT_SCOPE_KEY
 from unicache.router.frontends.openai_response import FINISH, CompletionLogprobs, StreamChunks, TokenText, UsageTally, base, chat_logprobs
 from unicache.router.upstream.vllm_fleet.relay import RelayHead, RelayRequest
 from unicache.v1 import replica_pb2
@@ -97,9 +97,10 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 class _Watch:
-    """Cancels the request's task when its client disconnects: one watcher task for the
-    whole request (waiting for the first messages, collecting a body, or streaming one),
-    where a task per phase cost two tasks each.
+    """Cancels the request's task when its client disconnects, for the whole request
+    (waiting for the first messages, collecting a body, or streaming one). On the router's
+    own server (``http_server``) the connection's loss runs a hook the watch leaves in the
+    scope; elsewhere one watcher task reads ``receive`` for ``http.disconnect``.
 
     The code it guards catches ``asyncio.CancelledError`` and calls ``caught()``: True
     means the client went away (the task is un-cancelled; the caller answers 499), False
@@ -111,19 +112,27 @@ class _Watch:
 
     __slots__ = ("task", "gone", "closed", "_watcher")
 
-    def __init__(self, receive):
+    def __init__(self, scope, receive):  # noqa: ANN001
         self.task = asyncio.current_task()
         self.gone = False
         self.closed = False
-        self._watcher = asyncio.create_task(self._watch(receive))
+        hooks = scope.get(DISCONNECT_HOOKS_SCOPE_KEY)
+        if hooks is not None:
+            hooks.append(self._disconnected)
+            self._watcher = None
+        else:
+            self._watcher = asyncio.create_task(self._watch(receive))
+
+    def _disconnected(self) -> None:
+        if not self.closed:
+            self.gone = True
+            self.task.cancel()
 
     async def _watch(self, receive) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if not self.closed:
-                    self.gone = True
-                    self.task.cancel()
+                self._disconnected()
                 return
 
     def caught(self) -> bool:
@@ -135,7 +144,8 @@ class _Watch:
 
     def close(self) -> None:
         self.closed = True
-        self._watcher.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 class _EventStream(Response):
@@ -426,10 +436,12 @@ class HttpFrontDoor:
                 return self._echo_only(req, token_ids, preps[0].request_id, api)
             # NOTE: one prompt goes to a vLLM backend as the client sent it, and vLLM's bytes
             # come back as they are; a batch is routed prompt by prompt and read as messages.
-            relay = RelayRequest(request.url.path, body, req.stream, req.include_usage, passed) if len(preps) == 1 else None
+            # (vLLM's own path for the API, whatever root path the client reached it under)
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            relay = RelayRequest(path, body, req.stream, req.include_usage, passed) if len(preps) == 1 else None
             budget = client_wait_budget_s(request.headers.get)
             agens = [core.forward(p, req.sampling, relay=relay, wait_budget_s=budget) for p in preps]
-            watch = _Watch(request.receive)
+            watch = _Watch(request.scope, request.receive)
             firsts = await _first_messages(agens)
         except ClientDisconnect:
             if not request.scope.get(TIMED_OUT_SCOPE_KEY):

@@ -54,7 +54,10 @@ from unicache.router.frontends.openai_errors import ApiError
 
 log = logging.getLogger(__name__)
 
-TIMED_OUT_SCOPE_KEY = "unicache.timed_out"
+TIMED_OUT_SCOPE_KEY = "unicache.timed_out"  # set when the guard closed for a body timeout (and logged it)
+# A request's scope holds this list on this server: callables run when its connection is
+# lost before its response completed (the app's disconnect watch, without a task of its own)
+DISCONNECT_HOOKS_SCOPE_KEY = "unicache.on_disconnect"
 LINGER_S = 2.0  # how long a refused connection's remaining input is read and dropped
 
 
@@ -244,6 +247,10 @@ def guarded_protocol(limits: HttpLimits, base: type | None = None) -> type:
                 else:
                     del table.per_peer[peer]
             super().connection_lost(exc)
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                for hook in cycle.scope.get(DISCONNECT_HOOKS_SCOPE_KEY) or ():
+                    hook()
 
         def data_received(self, data: bytes) -> None:
             if self._guard_refused:
@@ -268,6 +275,7 @@ def guarded_protocol(limits: HttpLimits, base: type | None = None) -> type:
                     # NOTE: a pipelined request, parsed while this one was answered, is
                     # under way now: the connection holds a request, it is not idle.
                     self._guard_cycle = cycle
+                    cycle.scope[DISCONNECT_HOOKS_SCOPE_KEY] = []
                     if cycle.more_body:
                         self._guard_arm("body", limits.body_timeout_s)
                     else:
@@ -343,6 +351,7 @@ def guarded_protocol(limits: HttpLimits, base: type | None = None) -> type:
             cycle = self.cycle
             if self._guard_phase == "head" and cycle is not None and cycle is not self._guard_cycle:
                 self._guard_cycle = cycle
+                cycle.scope[DISCONNECT_HOOKS_SCOPE_KEY] = []  # before the app's task first runs
                 if cycle.more_body:
                     self._guard_arm("body", limits.body_timeout_s)
                 else:

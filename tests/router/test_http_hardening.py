@@ -315,7 +315,7 @@ async def test_an_event_stream_whose_client_is_gone_before_the_first_send_still_
     async def send(message):
         raise OSError("client gone")
 
-    response = _EventStream(body(), _Watch(receive), {})
+    response = _EventStream(body(), _Watch({}, receive), {})
     with pytest.raises(OSError, match="client gone"):
         await response(None, receive, send)
     assert closed == [True]

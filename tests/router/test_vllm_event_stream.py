@@ -169,6 +169,29 @@ async def test_an_idle_stream_waits_on_the_loop_without_a_thread():
         await server.close()
 
 
+async def test_batches_that_arrive_between_takes_are_taken_without_a_new_signal():
+    """A zmq socket's FD signals a change, not a waiting message: batches that arrived while
+    nobody waited (their signal already seen by the loop) are still taken at once."""
+    server = FakeVllmEvents()
+    sub = KVEventSubscriber(*server.endpoints)
+    try:
+        while not sub.connected:
+            assert await sub.take_async(5.0) == []
+        await server.subscribed()
+        await server.publish(marked(0))
+        assert [b.ts for b in await asyncio.wait_for(sub.take_async(), 10)] == [0.0]
+        await server.publish(marked(1))
+        await server.publish(marked(2))
+        await asyncio.sleep(0.2)  # both arrive, and the loop sees their signal, before the next take
+        got: list[float] = []
+        while len(got) < 2:  # no deadline: a take that missed them would wait for good
+            got.extend(b.ts for b in await asyncio.wait_for(sub.take_async(), 10))
+        assert got == [1.0, 2.0] and not sub.broken
+    finally:
+        sub.close()
+        await server.close()
+
+
 def follower_for(server: FakeVllmEvents, stale_after_s: float = 10.0) -> tuple[BackendFollower, ClusterView]:
     cluster = ClusterView(make_routing_policy("round_robin"), LocalityIndex())
     spec = BackendSpec("b", "http://127.0.0.1:1", *server.endpoints)

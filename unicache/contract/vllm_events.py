@@ -38,6 +38,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -369,8 +370,10 @@ class KVEventSubscriber:
         self._poller = zmq.Poller()
         self._poller.register(self._sub, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
-        self._async_poller = None  # zmq.asyncio.Poller over the same sockets (take_async's)
-        self._async_shadows: list = []
+        # take_async's wake-up: set by the event loop's readers of the two sockets' FDs
+        # (registered once, at the first take_async), cleared before each wait
+        self._wake: asyncio.Event | None = None
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
         self.endpoint = endpoint
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_ms = replay_timeout_ms
@@ -410,34 +413,55 @@ class KVEventSubscriber:
     async def take_async(self, timeout_s: float | None = None) -> list[VllmEventBatch]:
         """``take`` on the event loop: waits (up to ``timeout_s``; None: until the stream
         has something) without a thread, and replays without blocking the loop."""
-        import zmq.asyncio
-
         self.broken = False
         out: list[VllmEventBatch] = []
         if self._catch_up:
             self._catch_up = False
             self.next_seq = None
             out.extend(await self._replay_async(0, 1 << 62, catch_up=True))
-        if self._async_poller is None:
-            self._async_poller = zmq.asyncio.Poller()
-            for sock in (self._sub, self._monitor):
-                shadow = zmq.asyncio.Socket.from_socket(sock)
-                self._async_shadows.append(shadow)
-                self._async_poller.register(shadow, zmq.POLLIN)
         if not out:
-            await self._async_poller.poll(None if timeout_s is None else max(1, int(timeout_s * 1000)))
+            await self._readable(timeout_s)
         frames = 0
-        while frames < self.MAX_FRAMES_PER_TAKE and self._poller.poll(0):
+        sub, monitor = self._sub, self._monitor
+        while frames < self.MAX_FRAMES_PER_TAKE and (self._has_input(sub) or self._has_input(monitor)):
             while (catch_up := self._monitor_event(out)) is not None:
                 if catch_up:
                     out.extend(await self._replay_async(0, 1 << 62, catch_up=True))
-            while frames < self.MAX_FRAMES_PER_TAKE and self._sub.poll(0):
+            while frames < self.MAX_FRAMES_PER_TAKE and self._has_input(sub):
                 frames += 1
                 if (gap := self._receive(self._sub.recv_multipart())) is not None:
                     if gap[0] > self.next_seq:
                         out.extend(await self._replay_async(self.next_seq, gap[0]))
                     self._accept(*gap, out)
         return out
+
+    def _has_input(self, sock) -> bool:
+        """Whether ``sock`` has a message to read now (zmq's EVENTS: cheaper than a poll,
+        and it also drains the socket's FD signal, so a later message signals anew)."""
+        return bool(sock.getsockopt(self._zmq.EVENTS) & self._zmq.POLLIN)
+
+    async def _readable(self, timeout_s: float | None) -> None:
+        """Wait (up to ``timeout_s``; None: as long as it takes) until either socket may
+        have input. A zmq socket's FD is edge-triggered: it signals a change in the
+        socket's state, not that a message waits. So the wake-up is cleared first and the
+        sockets' EVENTS read after: a message already there returns at once, and any later
+        one signals the FD, whose reader sets the wake-up."""
+        if self._wake is None:
+            loop = self._reader_loop = asyncio.get_running_loop()
+            wake = self._wake = asyncio.Event()
+            for sock in (self._sub, self._monitor):
+                loop.add_reader(sock.getsockopt(self._zmq.FD), wake.set)
+        self._wake.clear()
+        if self._has_input(self._sub) or self._has_input(self._monitor):
+            return
+        if timeout_s is None:
+            await self._wake.wait()
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
 
     def request_catch_up(self) -> None:
         """Make the next take start over from the server's replay buffer (a consumer
@@ -454,7 +478,7 @@ class KVEventSubscriber:
         whether the stream must now catch up from the replay buffer (it connected)."""
         from zmq.utils.monitor import recv_monitor_message
 
-        if not self._monitor.poll(0):
+        if not self._has_input(self._monitor):
             return None
         msg = recv_monitor_message(self._monitor)
         if msg["event"] == self._zmq.EVENT_CONNECTED:
@@ -559,8 +583,11 @@ class KVEventSubscriber:
         return got
 
     def close(self) -> None:
+        loop = self._reader_loop
+        if loop is not None and not loop.is_closed():
+            for sock in (self._sub, self._monitor):
+                loop.remove_reader(sock.getsockopt(self._zmq.FD))  # before the socket (and its FD) closes
+        self._reader_loop = self._wake = None
         self._sub.disable_monitor()
-        for shadow in self._async_shadows:
-            shadow.close(0)  # the loop stops watching it; it closes the socket it shadows
         self._monitor.close(0)
         self._sub.close(0)
