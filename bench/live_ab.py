@@ -60,7 +60,7 @@ import httpx
 
 from unicache.sim.timing import TimingModel
 from bench.live_ab_arms import ARMS, PEER_VENV, PEERS, Router, install_peers, missing_peers, peer_version
-from bench.live_ab_client import counter_total, fleet_counters, histogram_totals, replay, send, tree_cpu_s, tree_runqueue_wait_s
+from bench.live_ab_client import series_total, fleet_counters, histogram_totals, replay, send, tree_cpu_s, tree_runqueue_wait_s
 from bench.live_ab_report import arm_fields, markdown, plot, rate_fields, sim_prediction, verdicts
 from bench.live_ab_workload import LiveRequest, api_keys, build_requests, unique_blocks, write_sim_trace
 from bench.paths import REPO
@@ -234,7 +234,7 @@ def run_once(arm_name: str, rate: float, fleets: dict, all_urls: list[str], ctx:
     return {"outcomes": outcomes, "hits": counted.hits, "queries": counted.queries, "cpu_s": c1 - c0, "idle_cpu": idle,
             "runqueue_wait_s": max(0.0, w1 - w0), "replay_s": replay_s, "backends": len(servers),
             # our router's time priced overdue, summed over its backends (its life: the replay and the probe)
-            "router_overdue_s": counter_total(page, ROUTER_OVERDUE_COUNTER) if arm.peer is None else None,
+            "router_overdue_s": series_total(page, ROUTER_OVERDUE_COUNTER) if arm.peer is None else None,
             "server_ttft_sum_s": counted.ttft_sum_s, "server_ttft_count": counted.ttft_count,
             "router_ttft_sum_s": router_ttft[0], "router_ttft_count": router_ttft[1], "calibration": calibration}
 

@@ -113,19 +113,12 @@ TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
 
 def histogram_totals(text: str, name: str) -> tuple[float, float]:
     """(sum, count) of histogram ``name`` on a Prometheus page, over its label sets."""
-    total = count = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        series = head.partition("{")[0]
-        if series == f"{name}_sum":
-            total += float(value)
-        elif series == f"{name}_count":
-            count += float(value)
-    return total, count
+    return series_total(text, f"{name}_sum"), series_total(text, f"{name}_count")
 
 
-def counter_total(text: str, name: str) -> float:
-    """Counter ``name`` on a Prometheus page, summed over its label sets."""
+def series_total(text: str, name: str) -> float:
+    """The samples of series ``name`` (a counter, a histogram's ``_sum``) on a Prometheus
+    page, summed over their label sets."""
     total = 0.0
     for line in text.splitlines():
         head, _, value = line.rpartition(" ")

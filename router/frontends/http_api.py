@@ -77,6 +77,8 @@ from unicache.v1 import replica_pb2
 
 log = logging.getLogger(__name__)
 
+API_PATHS = {False: "/v1/completions", True: "/v1/chat/completions"}  # chat -> the generation API's path (the router's and vLLM's)
+
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
@@ -274,11 +276,11 @@ class HttpFrontDoor:
         def admin(endpoint):
             return require_admin(admin_key, endpoint, lambda: error_response(ApiError(401, "admin key required", "invalid_api_key")))
 
-        self._generation_paths = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+        self._generation_paths = {path: chat for chat, path in API_PATHS.items()}  # path -> chat
         self._starlette = Starlette(
             routes=[
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route(API_PATHS[False], self.completions, methods=["POST"]),
+                Route(API_PATHS[True], self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
@@ -437,8 +439,7 @@ class HttpFrontDoor:
             # NOTE: one prompt goes to a vLLM backend as the client sent it, and vLLM's bytes
             # come back as they are; a batch is routed prompt by prompt and read as messages.
             # (vLLM's own path for the API, whatever root path the client reached it under)
-            path = "/v1/chat/completions" if chat else "/v1/completions"
-            relay = RelayRequest(path, body, req.stream, req.include_usage, passed) if len(preps) == 1 else None
+            relay = RelayRequest(API_PATHS[chat], body, req.stream, req.include_usage, passed) if len(preps) == 1 else None
             budget = client_wait_budget_s(request.headers.get)
             agens = [core.forward(p, req.sampling, relay=relay, wait_budget_s=budget) for p in preps]
             watch = _Watch(request.scope, request.receive)

@@ -19,8 +19,8 @@ dispatch, each backend's largest log(waited / predicted) beyond
 ``CostModel.overdue_threshold`` becomes its overdue factor (``CostModel.set_overdue``),
 and the next decisions price it so. An answer, or the end of the request, takes it off
 at the next look. The time between two looks counts, for each backend the earlier look
-priced overdue, as time priced overdue (``overdue_s`` and the ``on_overdue`` callback:
-the router's counter), so an operator sees how often the pricing acted.
+priced overdue, as time priced overdue (the ``on_overdue`` callback: the router's
+counter), so an operator sees how often the pricing acted.
 Only a prediction in the model's fitted seconds is watched, and only a streamed answer.
 An unstreamed answer comes whole at the end: its wait is the whole generation, not a
 TTFT. It is not watched and its prediction is not scored; its TTFT observation is the
@@ -96,7 +96,6 @@ class CostObserver:
         self.on_overdue = on_overdue
         self._priced_overdue: tuple[str, ...] = ()  # the backends the last look priced overdue
         self._looked_at = 0.0
-        self.overdue_s: dict[str, float] = {}  # seconds each backend was priced overdue
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -146,12 +145,10 @@ class CostObserver:
         """Each backend's overdue factor from the requests waiting for their first token
         at ``now`` (module docstring); the time since the previous look counted for the
         backends it priced overdue."""
-        if self._priced_overdue:
+        if self._priced_overdue and self.on_overdue is not None:
             since = now - self._looked_at
             for rid in self._priced_overdue:
-                self.overdue_s[rid] = self.overdue_s.get(rid, 0.0) + since
-                if self.on_overdue is not None:
-                    self.on_overdue(rid, since)
+                self.on_overdue(rid, since)
         self._looked_at = now
         threshold = self.model.overdue_threshold()
         factors: dict[str, float] = {}

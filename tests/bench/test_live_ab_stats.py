@@ -71,7 +71,7 @@ def test_the_report_gives_intervals_and_calls_overlaps_ties():
 
 
 def test_the_servers_ttft_histogram_is_summed_over_label_sets():
-    from bench.live_ab_client import TTFT_HISTOGRAM, FleetCounters, counter_total, histogram_totals
+    from bench.live_ab_client import TTFT_HISTOGRAM, FleetCounters, series_total, histogram_totals
 
     page = "\n".join([
         "# TYPE vllm:time_to_first_token_seconds histogram",
@@ -85,7 +85,7 @@ def test_the_servers_ttft_histogram_is_summed_over_label_sets():
     ])
     assert histogram_totals(page, TTFT_HISTOGRAM) == (0.75, 6.0)
     counters = 'x_total{replica="a"} 1.5\nx_total{replica="b"} 2.0\nx_created{replica="a"} 1.7e9\nxx_total 9.0'
-    assert counter_total(counters, "x_total") == 3.5 and counter_total("", "x_total") == 0.0
+    assert series_total(counters, "x_total") == 3.5 and series_total("", "x_total") == 0.0
     assert FleetCounters(5, 10, 1.0, 8).minus(FleetCounters(1, 2, 0.25, 2)) == (4, 8, 0.75, 6)
     assert FleetCounters(5, 10, 1.0, 8).plus(FleetCounters(1, 2, 0.25, 2)) == (6, 12, 1.25, 10)
 
